@@ -1,0 +1,111 @@
+"""`fa_compile.explain(model_or_fn, *args, **kwargs)`: every softmax site, rewritten or missed and why,
+with the kernel dispatch would choose for the example inputs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import dispatch
+
+
+@dataclass
+class SiteRow:
+    site: Any  # patterns.site.SiteReport
+    kernel_fwd: Optional[str] = None
+    kernel_bwd: Optional[str] = None
+    refused: list = field(default_factory=list)  # [(candidate, [reasons])] ahead of the chosen forward kernel
+    refused_bwd: list = field(default_factory=list)
+
+
+def _args_of_call(node) -> Optional[dispatch.AttentionArgs]:
+    """AttentionArgs built from an emitted fa3.attention node's example values (fake tensors)."""
+    from .patterns.emit import example_value
+
+    if node is None:
+        return None
+    vals = [example_value(a) for a in node.args]
+    names = ("q", "k", "v", "scale", "causal", "diag_offset", "window_left", "window_right", "bias", "kv_lens",
+             "softcap", "dropout_p", "dropout_seed")
+    kw = dict(zip(names, vals))
+    if any(not isinstance(kw[n], torch.Tensor) for n in ("q", "k", "v")):
+        return None
+    kw["needs_backward"] = any(kw[n].requires_grad for n in ("q", "k", "v"))
+    bias = kw.get("bias")
+    kw["bias_requires_grad"] = isinstance(bias, torch.Tensor) and bias.requires_grad and bias.dtype != torch.bool
+    return dispatch.AttentionArgs(**kw)
+
+
+def _kernel_row(site) -> SiteRow:
+    row = SiteRow(site)
+    args = _args_of_call(site.call) if site.rewritten else None
+    if args is not None:
+        forced = site.call.args[13] if len(site.call.args) > 13 else None
+        row.kernel_fwd, row.refused = dispatch.explain_choice(args, forced, "forward")
+        if args.needs_backward:
+            row.kernel_bwd, row.refused_bwd = dispatch.explain_choice(args, forced, "backward")
+    return row
+
+
+@dataclass
+class ExplainReport:
+    rows: list
+
+    @classmethod
+    def from_reports(cls, reports: list, with_kernels: bool = True) -> "ExplainReport":
+        return cls([_kernel_row(r) if with_kernels else SiteRow(r) for r in reports])
+
+    @property
+    def sites(self) -> list:
+        return [r.site for r in self.rows]
+
+    @property
+    def rewritten(self) -> list:
+        return [r.site for r in self.rows if r.site.rewritten]
+
+    @property
+    def missed(self) -> list:
+        return [r.site for r in self.rows if not r.site.rewritten]
+
+    def __str__(self) -> str:
+        head = ("#", "status", "form", "q / k / v", "dtype", "mask", "gqa", "kernel (fwd / bwd)", "where / why")
+        lines = []
+        for i, row in enumerate(self.rows):
+            s = row.site
+            shapes = " / ".join("x".join(str(d) for d in sh) if sh else "?" for sh in (s.q_shape, s.k_shape, s.v_shape))
+            kern = "" if not s.rewritten else (row.kernel_fwd or "?") + (f" / {row.kernel_bwd}" if row.kernel_bwd else "")
+            why = s.where if s.rewritten else f"{s.reason}  [{s.where}]"
+            lines.append((str(i), "rewritten" if s.rewritten else "MISSED", s.form, shapes, s.dtype or "", s.mask,
+                          s.gqa or "", kern, why))
+        widths = [max(len(h), *(len(l[c]) for l in lines)) if lines else len(h) for c, h in enumerate(head)]
+        fmt = lambda cols: "  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()
+        out = [f"fa-compile: {len(self.rewritten)} of {len(self.rows)} attention sites rewritten", fmt(head),
+               fmt(tuple("-" * w for w in widths))]
+        out += [fmt(l) for l in lines]
+        for i, row in enumerate(self.rows):
+            for name, reasons in row.refused:
+                out.append(f"  site {i}: forward kernel {name} refused: {'; '.join(reasons)}")
+            for name, reasons in row.refused_bwd:
+                out.append(f"  site {i}: backward kernel {name} refused: {'; '.join(reasons)}")
+        return "\n".join(out)
+
+    __repr__ = __str__
+
+
+def explain(model_or_fn: Callable, *args: Any, kernel: Optional[str] = None, **kwargs: Any) -> ExplainReport:
+    """Trace `model_or_fn(*args, **kwargs)` with Dynamo, run the pass, and report every site.
+
+    The call runs once (the rewritten graph, eagerly); nothing the user compiled elsewhere is reset.
+    """
+    from .compiler import run_pass
+
+    reports: list = []
+
+    def capture(gm, example_inputs):
+        reports.extend(run_pass(gm, kernel))
+        return gm.forward
+
+    compiled = torch.compile(model_or_fn, backend=capture)
+    compiled(*args, **kwargs)
+    return ExplainReport.from_reports(reports, with_kernels=True)

@@ -1,0 +1,223 @@
+"""The op family `torch.ops.fa3`: schema, argument checks, fake (meta) implementations, autograd.
+
+`fa3::attention(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
+softcap, dropout_p, dropout_seed, force_kernel) -> (out, lse)`
+
+- q [B, Hq, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv] by shape; any strides, so a BSHD tensor
+  is passed as its `.transpose(1, 2)` view, never copied. Hq % Hkv == 0 (GQA / MQA, K/V not repeated).
+- causal with `diag_offset`: key j is admissible for query i iff j - i <= diag_offset. 0 is SDPA's
+  top-left alignment, Nk - Nq the bottom-right one of a KV cache; the window bounds are measured
+  from the same diagonal (-1: unbounded).
+- bias: an additive float tensor or a boolean mask (True = attend) that broadcasts to [B, Hq, Nq, Nk];
+  kv_lens: int [B], keys at j >= kv_lens[b] are masked (key padding).
+- softcap > 0: s = softcap * tanh(s / softcap) before bias and masks.
+- dropout_p with dropout_seed (an int64 scalar tensor on q's device, drawn from torch's generator).
+- force_kernel: run this kernel by name (None: dispatch chooses). Not `kernel`: Inductor's
+  fallback-kernel constructor takes an argument of that name.
+- out: [B, Hq, Nq, Dv] in q's dtype, stored BSHD (a `.transpose(1, 2)` view of a contiguous
+  [B, Nq, Hq, Dv] buffer) so the usual `transpose(1, 2).reshape(B, N, H * Dv)` that follows is free;
+  lse: [B, Hq, Nq] fp32, natural log, -inf on a row with no admissible key (whose out is 0).
+
+`fa3::attention_backward` is the gradient; any kernel's backward can follow any kernel's forward
+because the log-sum-exp is the only state they share (dropout excepted, whose mask is defined by
+`kernels/dropout_hash.py` for every kernel).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import dispatch
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_args(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    bias: Optional[Tensor],
+    kv_lens: Optional[Tensor],
+    softcap: float,
+    dropout_p: float,
+    dropout_seed: Optional[Tensor],
+    window_left: int = -1,
+    window_right: int = -1,
+) -> None:
+    """Raise a ValueError naming the offending argument; works on fake and symbolic shapes."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dims [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name}: dtype {t.dtype} is not a floating type (float16, bfloat16, float32, float64)")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"k, v: dtypes must match q ({q.dtype}); got k {k.dtype}, v {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"k, v: must be on q's device {q.device}; got k on {k.device}, v on {v.device}")
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        raise ValueError(f"k, v: batch sizes {k.shape[0]}, {v.shape[0]} do not match q's {q.shape[0]}")
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(f"v: {v.shape[1]} heads, but k has {k.shape[1]}")
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"v: sequence length {v.shape[2]} differs from k's {k.shape[2]}")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"k: head dim {k.shape[3]} differs from q's {q.shape[3]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"k: q's {q.shape[1]} heads are not a multiple of k's {k.shape[1]} (GQA needs Hq % Hkv == 0)")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: must be finite, got {scale}")
+    if softcap < 0 or not math.isfinite(softcap):
+        raise ValueError(f"softcap: must be >= 0 and finite, got {softcap}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0 and dropout_seed is None:
+        raise ValueError("dropout_seed: required when dropout_p > 0")
+    if window_left < -1 or window_right < -1:
+        raise ValueError(f"window_left, window_right: must be >= 0, or -1 for unbounded; got {window_left}, {window_right}")
+    if bias is not None:
+        if bias.dtype != torch.bool and bias.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"bias: dtype {bias.dtype} must be bool (True = attend) or floating (additive)")
+        if bias.device != q.device:
+            raise ValueError(f"bias: must be on q's device {q.device}, got {bias.device}")
+        if bias.dim() > 4:
+            raise ValueError(f"bias: at most 4 dims, got shape {tuple(bias.shape)}")
+        target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        shape = (1,) * (4 - bias.dim()) + tuple(bias.shape)
+        for axis, (have, want) in enumerate(zip(shape, target)):
+            if have != 1 and have != want:
+                raise ValueError(f"bias: shape {tuple(bias.shape)} does not broadcast to [B, Hq, Nq, Nk] = {target}")
+    if kv_lens is not None:
+        if kv_lens.dim() != 1 or kv_lens.shape[0] != q.shape[0]:
+            raise ValueError(f"kv_lens: expected shape [batch] = [{q.shape[0]}], got {tuple(kv_lens.shape)}")
+        if kv_lens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"kv_lens: dtype must be int32 or int64, got {kv_lens.dtype}")
+        if kv_lens.device != q.device:
+            raise ValueError(f"kv_lens: must be on q's device {q.device}, got {kv_lens.device}")
+
+
+def _out_like(q: Tensor, v: Tensor) -> Tensor:
+    b, hq, nq, _ = q.shape
+    return q.new_empty((b, nq, hq, v.shape[3])).transpose(1, 2)
+
+
+@torch.library.custom_op("fa3::attention", mutates_args=())
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    causal: bool = False,
+    diag_offset: int = 0,
+    window_left: int = -1,
+    window_right: int = -1,
+    bias: Optional[Tensor] = None,
+    kv_lens: Optional[Tensor] = None,
+    softcap: float = 0.0,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[Tensor] = None,
+    force_kernel: Optional[str] = None,
+) -> tuple[Tensor, Tensor]:
+    check_args(q, k, v, scale, bias, kv_lens, softcap, dropout_p, dropout_seed, window_left, window_right)
+    args = dispatch.AttentionArgs(
+        q=q, k=k, v=v, scale=scale, causal=causal, diag_offset=diag_offset, window_left=window_left,
+        window_right=window_right, bias=bias, kv_lens=kv_lens, softcap=softcap, dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+    )
+    out, lse = dispatch.select_forward(args, forced=force_kernel).forward(args)
+    # Callers rely on the documented BSHD storage of out; kernels that return another layout are copied.
+    res = _out_like(q, v)
+    res.copy_(out)
+    return res, lse.to(torch.float32).contiguous()
+
+
+@attention.register_fake
+def _attention_fake(
+    q, k, v, scale, causal=False, diag_offset=0, window_left=-1, window_right=-1, bias=None, kv_lens=None,
+    softcap=0.0, dropout_p=0.0, dropout_seed=None, force_kernel=None,
+):
+    check_args(q, k, v, scale, bias, kv_lens, softcap, dropout_p, dropout_seed, window_left, window_right)
+    b, hq, nq, _ = q.shape
+    return _out_like(q, v), q.new_empty((b, hq, nq), dtype=torch.float32)
+
+
+@torch.library.custom_op("fa3::attention_backward", mutates_args=())
+def attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    causal: bool = False,
+    diag_offset: int = 0,
+    window_left: int = -1,
+    window_right: int = -1,
+    bias: Optional[Tensor] = None,
+    kv_lens: Optional[Tensor] = None,
+    softcap: float = 0.0,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[Tensor] = None,
+    bias_requires_grad: bool = False,
+    force_kernel: Optional[str] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dbias); dbias is an empty tensor unless bias_requires_grad."""
+    args = dispatch.AttentionArgs(
+        q=q, k=k, v=v, scale=scale, causal=causal, diag_offset=diag_offset, window_left=window_left,
+        window_right=window_right, bias=bias, kv_lens=kv_lens, softcap=softcap, dropout_p=dropout_p,
+        dropout_seed=dropout_seed, needs_backward=True, bias_requires_grad=bias_requires_grad,
+    )
+    dq, dk, dv, dbias = dispatch.select_backward(args, forced=force_kernel).backward(args, dout, out, lse)
+    outs = []
+    for got, like in ((dq, q), (dk, k), (dv, v)):
+        res = torch.empty_like(like)
+        res.copy_(got)
+        outs.append(res)
+    if bias_requires_grad and bias is not None:
+        db = bias.new_empty(bias.shape)
+        db.copy_(dbias)
+    else:
+        db = q.new_empty((0,))
+    return outs[0], outs[1], outs[2], db
+
+
+@attention_backward.register_fake
+def _attention_backward_fake(
+    dout, q, k, v, out, lse, scale, causal=False, diag_offset=0, window_left=-1, window_right=-1, bias=None,
+    kv_lens=None, softcap=0.0, dropout_p=0.0, dropout_seed=None, bias_requires_grad=False, force_kernel=None,
+):
+    db = bias.new_empty(bias.shape) if (bias_requires_grad and bias is not None) else q.new_empty((0,))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), db
+
+
+_SCALARS = ("scale", "causal", "diag_offset", "window_left", "window_right", "softcap", "dropout_p", "kernel")
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    (q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens, softcap, dropout_p,
+     dropout_seed, force_kernel) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, bias, kv_lens, dropout_seed)
+    # lse is state for kernels, not a differentiable result: autograd refuses to backprop through it.
+    ctx.mark_non_differentiable(lse)
+    ctx.scalars = dict(zip(_SCALARS, (scale, causal, diag_offset, window_left, window_right, softcap, dropout_p, force_kernel)))
+    ctx.bias_requires_grad = bias is not None and bias.requires_grad and bias.dtype != torch.bool
+
+
+def _backward(ctx, dout: Tensor, dlse: Optional[Tensor]):
+    q, k, v, out, lse, bias, kv_lens, dropout_seed = ctx.saved_tensors
+    s = ctx.scalars
+    dq, dk, dv, db = torch.ops.fa3.attention_backward(
+        dout, q, k, v, out, lse, s["scale"], s["causal"], s["diag_offset"], s["window_left"], s["window_right"],
+        bias, kv_lens, s["softcap"], s["dropout_p"], dropout_seed, ctx.bias_requires_grad, s["kernel"],
+    )
+    return dq, dk, dv, None, None, None, None, None, (db if ctx.bias_requires_grad else None), None, None, None, None, None
+
+
+attention.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,191 @@
+"""Reference attention: plain torch math with fp32 accumulation (fp64 stays fp64).
+
+This is the semantic definition of `torch.ops.fa3.attention`, the CPU path, the fallback on any
+device, and the oracle every fused kernel is tested against. Nothing here is fast.
+
+Semantics, for query row i and key column j of one (batch, head):
+    s      = scale * <q_i, k_j>
+    s      = softcap * tanh(s / softcap)                       if softcap > 0
+    s      = s + bias[b, h, i, j]   (float bias)   |   -inf where bias is False (bool mask)
+    s      = -inf where the structure forbids j (causal / window / kv_lens), with
+             d = j - i - diag_offset:  causal: d <= 0;  window_left >= 0: d >= -window_left;
+             window_right >= 0: d <= window_right;  kv_lens: j < kv_lens[b]
+    lse_i  = logsumexp_j s                                      (natural log, fp32; -inf for an empty row)
+    p      = exp(s - lse_i), dropped with probability dropout_p and rescaled by 1 / (1 - dropout_p)
+    out_i  = sum_j p_ij v_j                                     (0 for an empty row, as FlashAttention)
+GQA: q has Hq heads, k and v Hkv heads, Hq % Hkv == 0; q head h reads kv head h // (Hq // Hkv).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .dropout_hash import dropout_keep_mask
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def structural_keep(
+    nq: int, nk: int, *, causal: bool, diag_offset: int, window_left: int, window_right: int, device: torch.device
+) -> Optional[Tensor]:
+    """[Nq, Nk] bool of admissible keys from causal/window structure, or None when all are admissible."""
+    if not causal and window_left < 0 and window_right < 0:
+        return None
+    i = torch.arange(nq, device=device).unsqueeze(1)
+    j = torch.arange(nk, device=device).unsqueeze(0)
+    d = j - i - diag_offset
+    keep = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    if causal:
+        keep &= d <= 0
+    if window_left >= 0:
+        keep &= d >= -window_left
+    if window_right >= 0:
+        keep &= d <= window_right
+    return keep
+
+
+def scores_reference(
+    q: Tensor,
+    k: Tensor,
+    *,
+    scale: float,
+    causal: bool = False,
+    diag_offset: int = 0,
+    window_left: int = -1,
+    window_right: int = -1,
+    bias: Optional[Tensor] = None,
+    kv_lens: Optional[Tensor] = None,
+    softcap: float = 0.0,
+) -> Tensor:
+    """Masked, scaled scores [B, Hq, Nq, Nk] in the accumulation dtype (bias keeps its autograd link)."""
+    b, hq, nq, _ = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    acc = _acc_dtype(q.dtype)
+    g = hq // hkv
+    qg = q.to(acc).reshape(b, hkv, g, nq, q.shape[-1])
+    s = torch.matmul(qg, k.to(acc).unsqueeze(2).transpose(-2, -1)).reshape(b, hq, nq, nk) * scale
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
+    if bias is not None:
+        if bias.dtype == torch.bool:
+            s = s.masked_fill(~bias, float("-inf"))
+        else:
+            s = s + bias.to(acc)
+    keep = structural_keep(
+        nq, nk, causal=causal, diag_offset=diag_offset, window_left=window_left, window_right=window_right,
+        device=q.device,
+    )
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    if kv_lens is not None:
+        j = torch.arange(nk, device=q.device)
+        s = s.masked_fill((j.view(1, nk) >= kv_lens.to(q.device).view(b, 1)).view(b, 1, 1, nk), float("-inf"))
+    return s
+
+
+def attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    causal: bool = False,
+    diag_offset: int = 0,
+    window_left: int = -1,
+    window_right: int = -1,
+    bias: Optional[Tensor] = None,
+    kv_lens: Optional[Tensor] = None,
+    softcap: float = 0.0,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
+    """(out [B, Hq, Nq, Dv] in q.dtype, lse [B, Hq, Nq] fp32); differentiable through torch autograd."""
+    b, hq, nq, _ = q.shape
+    hkv, nk, dv = v.shape[1], v.shape[2], v.shape[3]
+    acc = _acc_dtype(q.dtype)
+    s = scores_reference(
+        q, k, scale=scale, causal=causal, diag_offset=diag_offset, window_left=window_left,
+        window_right=window_right, bias=bias, kv_lens=kv_lens, softcap=softcap,
+    )
+    lse = torch.logsumexp(s, dim=-1)
+    empty = torch.isneginf(lse)
+    # An empty row has lse = -inf; subtracting 0 instead keeps exp(-inf) = 0 and the gradient finite.
+    p = torch.exp(s - torch.where(empty, torch.zeros_like(lse), lse).unsqueeze(-1))
+    if dropout_p > 0:
+        if dropout_seed is None:
+            raise ValueError("dropout_seed: required when dropout_p > 0")
+        keep = dropout_keep_mask(dropout_seed, b, hq, nq, nk, dropout_p, device=q.device)
+        p = p * keep.to(acc) / (1.0 - dropout_p)
+    g = hq // hkv
+    out = torch.matmul(p.reshape(b, hkv, g, nq, nk), v.to(acc).unsqueeze(2)).reshape(b, hq, nq, dv)
+    return out.to(q.dtype), lse.to(torch.float32 if acc == torch.float32 else acc)
+
+
+def attention_backward_reference(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    bias_requires_grad: bool,
+    scale: float,
+    causal: bool = False,
+    diag_offset: int = 0,
+    window_left: int = -1,
+    window_right: int = -1,
+    bias: Optional[Tensor] = None,
+    kv_lens: Optional[Tensor] = None,
+    softcap: float = 0.0,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """(dq, dk, dv, dbias) by the explicit formulas the fused kernels implement (fp32 accumulation).
+
+    P = softmax(S), Pd = P * keep / (1 - p), O = Pd V, delta = rowsum(dO * O),
+    dV = Pd^T dO, dP = (dO V^T) * keep / (1 - p), dS = P * (dP - delta),
+    dX = dS * (1 - (S_capped / softcap)^2) with softcap, dQ = scale dX K, dK = scale dX^T Q.
+    Runs below autograd (inside the custom op), so it cannot lean on torch.autograd.
+    """
+    b, hq, nq, d = q.shape
+    hkv, nk, dv_ = v.shape[1], v.shape[2], v.shape[3]
+    g = hq // hkv
+    acc = _acc_dtype(q.dtype)
+    qa, ka, va, doa = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
+    # The capped scores before any mask: masked entries must stay finite for the tanh derivative.
+    capped = scores_reference(qa, ka, scale=scale, softcap=softcap) if softcap > 0 else None
+    s = scores_reference(
+        qa, ka, scale=scale, causal=causal, diag_offset=diag_offset, window_left=window_left,
+        window_right=window_right, bias=bias, kv_lens=kv_lens, softcap=softcap,
+    )
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse))
+    if dropout_p > 0:
+        keep = dropout_keep_mask(dropout_seed, b, hq, nq, nk, dropout_p, device=q.device).to(acc) / (1.0 - dropout_p)
+    else:
+        keep = None
+    pd = p * keep if keep is not None else p
+    vg = va.unsqueeze(2)  # [B, Hkv, 1, Nk, Dv]
+    o = torch.matmul(pd.reshape(b, hkv, g, nq, nk), vg).reshape(b, hq, nq, dv_)
+    delta = (doa * o).sum(-1, keepdim=True)
+    dvv = torch.matmul(pd.reshape(b, hkv, g, nq, nk).transpose(-2, -1), doa.reshape(b, hkv, g, nq, dv_)).sum(2)
+    dp = torch.matmul(doa.reshape(b, hkv, g, nq, dv_), vg.transpose(-2, -1)).reshape(b, hq, nq, nk)
+    if keep is not None:
+        dp = dp * keep
+    ds = p * (dp - delta)
+    dbias = None
+    if bias_requires_grad and bias is not None:
+        full = ds
+        lead = full.dim() - bias.dim()
+        if lead:
+            full = full.sum(dim=tuple(range(lead)))
+        dims = tuple(i for i, n in enumerate(bias.shape) if n == 1 and full.shape[i] != 1)
+        dbias = (full.sum(dim=dims, keepdim=True) if dims else full).to(bias.dtype)
+    dx = ds * (1.0 - (capped / softcap) ** 2) if capped is not None else ds
+    dxg = dx.reshape(b, hkv, g, nq, nk)
+    dq = torch.matmul(dxg, ka.unsqueeze(2)).reshape(b, hq, nq, d) * scale
+    dk = torch.matmul(dxg.transpose(-2, -1), qa.reshape(b, hkv, g, nq, d)).sum(2) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), dbias

@@ -1,0 +1,95 @@
+"""Emit one `torch.ops.fa3.attention` call into an FX graph, with its FakeTensor metadata.
+
+Every recognizer ends here, so the op's calling convention lives in one place. The op is looked up
+by name: `patterns/` never imports the front door that registers it (the front door imports this
+package and registers the op before any pass runs).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+import torch.fx as fx
+
+DROPOUT_SEED_HIGH = 2**31 - 1
+
+
+def fa3_attention_op():
+    return torch.ops.fa3.attention.default
+
+
+def example_value(node: Any) -> Any:
+    """The FakeTensor (or SymInt, or Python value) a Dynamo node produces; plain values pass through."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+def _fake_mode(values: list):
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+
+
+def set_example_value(node: fx.Node) -> None:
+    """Run the node's target on its inputs' example values under their fake mode (no-op without one)."""
+    args = fx.node.map_arg(node.args, example_value)
+    kwargs = fx.node.map_arg(node.kwargs, example_value)
+    flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))]
+    mode = _fake_mode(flat)
+    if mode is None:
+        return
+    with mode:
+        if node.op == "call_function":
+            val = node.target(*args, **kwargs)
+        elif node.op == "call_method":
+            val = getattr(args[0], node.target)(*args[1:], **kwargs)
+        else:
+            return
+    node.meta["example_value"] = val
+
+
+def call(graph: fx.Graph, target: Any, *args: Any, method: bool = False, **kwargs: Any) -> fx.Node:
+    """Insert a call (at the graph's current insertion point) and give it an example value."""
+    node = graph.call_method(target, args, kwargs) if method else graph.call_function(target, args, kwargs)
+    set_example_value(node)
+    return node
+
+
+def emit_attention(
+    graph: fx.Graph,
+    q: fx.Node,
+    k: fx.Node,
+    v: fx.Node,
+    *,
+    scale: Union[float, fx.Node],
+    causal: bool = False,
+    diag_offset: Union[int, fx.Node] = 0,
+    window_left: int = -1,
+    window_right: int = -1,
+    bias: Optional[fx.Node] = None,
+    kv_lens: Optional[fx.Node] = None,
+    softcap: float = 0.0,
+    dropout_p: float = 0.0,
+    kernel: Optional[str] = None,
+) -> fx.Node:
+    """Insert fa3.attention on q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] and return the node of `out`.
+
+    Call inside `graph.inserting_before(...)` at a point where q, k, v, bias, kv_lens are defined.
+    A scale held in a tensor node (learned temperature, 0-d tensor) is folded into q so the op's
+    scale stays a Python float.
+    """
+    if isinstance(scale, fx.Node):
+        q = call(graph, torch.mul, q, scale)
+        scale = 1.0
+    seed = None
+    if dropout_p > 0:
+        dev = example_value(q).device
+        seed = call(graph, torch.randint, 0, DROPOUT_SEED_HIGH, (), dtype=torch.int64, device=dev)
+    node = call(
+        graph, fa3_attention_op(), q, k, v, float(scale), bool(causal), diag_offset, int(window_left),
+        int(window_right), bias, kv_lens, float(softcap), float(dropout_p), seed, kernel,
+    )
+    import operator
+
+    return call(graph, operator.getitem, node, 0)

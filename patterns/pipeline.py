@@ -1,0 +1,24 @@
+"""The graph pass: canonicalize -> find sites -> rewrite, on a Dynamo GraphModule, in place."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.fx as fx
+
+from .canonicalize import canonicalize
+from .fused_calls import rewrite_fused_calls
+from .find_sites import rewrite_softmax_sites
+from .site import PassOptions, SiteReport
+
+
+def rewrite_attention(gm: fx.GraphModule, options: Optional[PassOptions] = None) -> list[SiteReport]:
+    """Rewrite every provable attention site of `gm` to fa3.attention; report every site seen."""
+    options = options or PassOptions()
+    canonicalize(gm)
+    reports = rewrite_fused_calls(gm, options)
+    reports += rewrite_softmax_sites(gm, options)
+    if any(r.rewritten for r in reports):
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return reports
