@@ -37,3 +37,44 @@ class PassOptions:
 
     kernel: Optional[str] = None  # baked into each emitted call as the forced kernel
     allow_training_dropout: bool = True
+
+
+@dataclass
+class MaskTerm:
+    """How a mask enters the scores, as the site finder found it (input to mask analysis).
+
+    op "add":    scores + tensor                 (float additive; either operand order)
+    op "fill":   scores.masked_fill(tensor, fill) (tensor True = masked out)
+    op "where":  torch.where(tensor, scores, fill) (tensor True = keep)
+    op "bool":   a boolean keep-mask given directly (SDPA's attn_mask of dtype bool)
+    fill is the Python value filled in (-inf, finfo(dtype).min, any number) or None for "add".
+    """
+
+    op: str
+    tensor: Any  # fx.Node (or a Python scalar for "add" of a constant)
+    fill: Optional[float] = None
+
+
+@dataclass
+class MaskSpec:
+    """What the mask of one site is, proven from how the graph builds it (output of mask analysis).
+
+    Structure (causal with diag_offset, window, kv_lens) is passed to the op as arguments; whatever
+    is not proven structural stays in `bias` (a float additive or bool keep-mask fx.Node that
+    broadcasts to [B, H, Nq, Nk]). Several terms of one site are combined by the site finder.
+
+    empty_rows says what eager computes on a row in which every key is masked, so the rewrite can
+    keep it exactly: "impossible" (proven that no row is empty), "nan" (eager gives NaN: -inf fills),
+    "mean_v" (eager gives the uniform average of V over all keys: finfo.min-style fills that make
+    every score of the row equal), "zero" (eager gives 0, e.g. SDPA), or "unknown" (refuse if
+    structure was extracted; passing the untouched mask as bias keeps eager's own arithmetic).
+    """
+
+    kind: str = "none"
+    causal: bool = False
+    diag_offset: Any = 0  # int, or an fx.Node / SymInt expression such as Nk - Nq
+    window_left: int = -1
+    window_right: int = -1
+    kv_lens: Any = None  # fx.Node producing int [B]
+    bias: Any = None  # fx.Node producing the residual float/bool mask
+    empty_rows: str = "impossible"
