@@ -6,6 +6,7 @@ package and registers the op before any pass runs).
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional, Union
 
 import torch
@@ -72,8 +73,13 @@ def emit_attention(
     softcap: float = 0.0,
     dropout_p: float = 0.0,
     kernel: Optional[str] = None,
-) -> fx.Node:
-    """Insert fa3.attention on q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] and return the node of `out`.
+    empty_rows: str = "impossible",
+) -> tuple[fx.Node, fx.Node]:
+    """Insert fa3.attention on q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D]; return (out node, op call node).
+
+    empty_rows (see MaskSpec) keeps eager's value on rows where every key is masked, which the op
+    itself returns as 0 with lse = -inf: "nan" and "mean_v" add an exact fix-up on those rows,
+    "impossible" and "zero" add nothing; "unknown" is refused (the caller must not rewrite).
 
     Call inside `graph.inserting_before(...)` at a point where q, k, v, bias, kv_lens are defined.
     A scale held in a tensor node (learned temperature, 0-d tensor) is folded into q so the op's
@@ -90,6 +96,20 @@ def emit_attention(
         graph, fa3_attention_op(), q, k, v, float(scale), bool(causal), diag_offset, int(window_left),
         int(window_right), bias, kv_lens, float(softcap), float(dropout_p), seed, kernel,
     )
-    import operator
-
-    return call(graph, operator.getitem, node, 0)
+    out = call(graph, operator.getitem, node, 0)
+    if empty_rows in ("impossible", "zero"):
+        return out, node
+    if empty_rows not in ("nan", "mean_v"):
+        raise ValueError(f"empty_rows: cannot keep eager's value on fully masked rows for {empty_rows!r}")
+    lse = call(graph, operator.getitem, node, 1)
+    empty = call(graph, torch.unsqueeze, call(graph, torch.isneginf, lse), -1)
+    if empty_rows == "nan":
+        fill = call(graph, torch.full_like, out, float("nan"))
+    else:
+        # eager's softmax over a row of equal scores: the uniform average of V over all keys.
+        hq, hkv = example_value(q).shape[1], example_value(v).shape[1]
+        fill = call(graph, torch.mean, v, dim=2, keepdim=True)
+        if hq != hkv:
+            fill = call(graph, torch.repeat_interleave, fill, hq // hkv, dim=1)
+        fill = call(graph, "to", fill, example_value(out).dtype, method=True)
+    return call(graph, torch.where, empty, fill, out), node
