@@ -38,6 +38,11 @@ def run_pass(gm: fx.GraphModule, kernel: Optional[str] = None) -> list:
         return []
     reports = rewrite_attention(gm, PassOptions(kernel=kernel))
     gm.meta[_DONE] = True
+    from torch._dynamo.utils import counters
+
+    counters["fa_compile"]["graphs"] += 1
+    counters["fa_compile"]["sites_rewritten"] += sum(r.rewritten for r in reports)
+    counters["fa_compile"]["sites_missed"] += sum(not r.rewritten for r in reports)
     if config.log_enabled() and reports:
         from .explain import ExplainReport
 
