@@ -11,6 +11,11 @@ import os
 def autoload() -> None:
     if os.environ.get("FA_COMPILE", "").strip().lower() not in ("1", "true", "yes", "on"):
         return
-    from .compiler import install_inductor_pass
+    try:
+        from .compiler import install_inductor_pass
 
-    install_inductor_pass()
+        install_inductor_pass()
+    except Exception as e:  # never break `import torch` for the user: warn and stay out of the way
+        import warnings
+
+        warnings.warn(f"FA_COMPILE=1 but fa-compile could not install its pass: {type(e).__name__}: {e}")
