@@ -1,0 +1,301 @@
+"""Fused attention backward in Triton: delta preprocess, dK/dV kernel, dQ kernel (no atomics).
+
+dK/dV: one program per (key block, B * Hkv); it loops over the G query heads of its group and over
+the query blocks that reach its keys, so the GQA reduction happens in registers. It works on the
+transposed score tile (keys down), as the operand layouts of P^T dO and dS^T Q want.
+dQ: one program per (query block, B * Hq), looping over key blocks like the forward; with a bias
+that needs its gradient, it also writes dS (fp32) for the launcher to reduce over broadcast dims.
+Each output element is written by exactly one program, so the backward is deterministic.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_common import dropout_keep, dropout_row_hash, kv_block_range, q_block_range, score_tile
+
+
+@triton.jit
+def attn_bwd_preprocess_kernel(
+    O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_db, stride_dh, stride_dm, Hq, Nq, DV,
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask = (offs_m[:, None] < Nq) & (offs_dv[None, :] < DV)
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + offs_m[:, None].to(tl.int64) * stride_dm + offs_dv[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + bh.to(tl.int64) * Nq + offs_m, delta, mask=offs_m < Nq)
+
+
+@triton.jit
+def _dkdv_range(
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, seed, bh, offs_n, offs_d, offs_dv,
+    stride_qm, stride_dom, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
+    qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
+    lo, hi,
+    BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+    MASK: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+):
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < Nq
+        qT = tl.load(
+            q_base + offs_m[None, :].to(tl.int64) * stride_qm + offs_d[:, None],
+            mask=m_ok[None, :] & (offs_d[:, None] < D), other=0.0,
+        )
+        # Rows past Nq: lse = +inf makes their probabilities exactly 0.
+        lse2 = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf"))
+        lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2) * 1.4426950408889634
+        kq = tl.dot(k, qT)  # [BN, BM]
+        sT, tT = score_tile(
+            kq, offs_m[None, :], offs_n[:, None], qk_scale, softcap, cap_scale,
+            bias_base, stride_bm, stride_bn, Nq, Nk, n_lim, diag_offset, window_left, window_right,
+            IS_CAUSAL, HAS_WL, HAS_WR, MASK, BIAS_KIND, SOFTCAP,
+        )
+        pT = tl.math.exp2(sT - lse2[None, :])
+        do = tl.load(
+            do_base + offs_m[:, None].to(tl.int64) * stride_dom + offs_dv[None, :],
+            mask=m_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
+        )
+        if DROPOUT:
+            row_hash = dropout_row_hash(seed, bh, Nq, offs_m)[None, :]
+            keep = dropout_keep(row_hash, offs_n[:, None], drop_threshold)
+            pdT = tl.where(keep, pT * drop_scale, 0.0)
+        else:
+            pdT = pT
+        dv = tl.dot(pdT.to(do.dtype), do, dv)
+        delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
+        dpT = tl.dot(v, tl.trans(do))  # [BN, BM]
+        if DROPOUT:
+            dpT = tl.where(keep, dpT * drop_scale, 0.0)
+        dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)
+        dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
+    return dk, dv
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV_, BIAS, KVLENS, SEED,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    Hq, Hkv, G, Nq, Nk, D, DV,
+    qk_scale, softcap, cap_scale, scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KVLEN: tl.constexpr,
+    BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // Hkv
+    hk = bhk % Hkv
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    n_ok = offs_n < Nk
+    k = tl.load(
+        K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
+        mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0,
+    )
+    v = tl.load(
+        V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :],
+        mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
+    )
+    n_lim = Nk
+    if HAS_KVLEN:
+        n_lim = tl.maximum(tl.minimum(tl.load(KVLENS + b).to(tl.int32), Nk), 0)
+    seed = tl.zeros([], tl.uint32)
+    if DROPOUT:
+        seed = tl.load(SEED).to(tl.uint32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    lo, full_lo, full_hi, hi = q_block_range(
+        n0, Nq, n_lim, diag_offset, window_left, window_right, IS_CAUSAL, HAS_WL, HAS_WR, BLOCK_M, BLOCK_N,
+    )
+    for g in range(0, G):
+        h = hk * G + g
+        bh = b * Hq + h
+        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+        lse_base = LSE + bh.to(tl.int64) * Nq
+        delta_base = DELTA + bh.to(tl.int64) * Nq
+        bias_base = BIAS
+        if BIAS_KIND != 0:
+            bias_base = BIAS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
+        dk, dv = _dkdv_range(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, seed, bh, offs_n, offs_d, offs_dv,
+            stride_qm, stride_dom, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
+            qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
+            full_lo, full_hi,
+            BLOCK_M, IS_CAUSAL, HAS_WL, HAS_WR, False, BIAS_KIND, SOFTCAP, DROPOUT,
+        )
+        dk, dv = _dkdv_range(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, seed, bh, offs_n, offs_d, offs_dv,
+            stride_qm, stride_dom, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
+            qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
+            lo, full_lo,
+            BLOCK_M, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT,
+        )
+        dk, dv = _dkdv_range(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, seed, bh, offs_n, offs_d, offs_dv,
+            stride_qm, stride_dom, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
+            qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
+            full_hi, hi,
+            BLOCK_M, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT,
+        )
+    dk = dk * scale
+    st_mask = n_ok[:, None]
+    tl.store(
+        DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :],
+        dk.to(DK.dtype.element_ty), mask=st_mask & (offs_d[None, :] < D),
+    )
+    tl.store(
+        DV_ + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + offs_n[:, None].to(tl.int64) * stride_dvn + offs_dv[None, :],
+        dv.to(DV_.dtype.element_ty), mask=st_mask & (offs_dv[None, :] < DV),
+    )
+
+
+@triton.jit
+def _dq_range(
+    dq, q, do, lse2, delta, row_hash, k_base, v_base, bias_base, ds_base, offs_m, offs_d, offs_dv,
+    stride_kn, stride_vn, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
+    qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
+    lo, hi,
+    BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+    MASK: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+    WRITE_DS: tl.constexpr,
+):
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < Nk
+        kT = tl.load(
+            k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None],
+            mask=n_ok[None, :] & (offs_d[:, None] < D), other=0.0,
+        )
+        vT = tl.load(
+            v_base + offs_n[None, :].to(tl.int64) * stride_vn + offs_dv[:, None],
+            mask=n_ok[None, :] & (offs_dv[:, None] < DV), other=0.0,
+        )
+        qk = tl.dot(q, kT)
+        s, t = score_tile(
+            qk, offs_m[:, None], offs_n[None, :], qk_scale, softcap, cap_scale,
+            bias_base, stride_bm, stride_bn, Nq, Nk, n_lim, diag_offset, window_left, window_right,
+            IS_CAUSAL, HAS_WL, HAS_WR, MASK, BIAS_KIND, SOFTCAP,
+        )
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = tl.dot(do, vT)
+        if DROPOUT:
+            keep = dropout_keep(row_hash, offs_n[None, :], drop_threshold)
+            dp = tl.where(keep, dp * drop_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        if WRITE_DS:
+            tl.store(
+                ds_base + offs_m[:, None].to(tl.int64) * Nk + offs_n[None, :], ds,
+                mask=(offs_m[:, None] < Nq) & n_ok[None, :],
+            )
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq)
+    return dq
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, DS, BIAS, KVLENS, SEED,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dqb, stride_dqh, stride_dqm,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    Hq, G, Nq, Nk, D, DV,
+    qk_scale, softcap, cap_scale, scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KVLEN: tl.constexpr,
+    BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr,
+    REVERSE_M: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    if REVERSE_M:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // G
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < Nq
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :],
+        mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0,
+    )
+    do = tl.load(
+        DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + offs_m[:, None].to(tl.int64) * stride_dom + offs_dv[None, :],
+        mask=m_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
+    )
+    lse2 = tl.load(LSE + bh.to(tl.int64) * Nq + offs_m, mask=m_ok, other=float("inf"))
+    lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2) * 1.4426950408889634
+    delta = tl.load(DELTA + bh.to(tl.int64) * Nq + offs_m, mask=m_ok, other=0.0)
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    bias_base = BIAS
+    if BIAS_KIND != 0:
+        bias_base = BIAS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
+    ds_base = DS
+    if WRITE_DS:
+        ds_base = DS + bh.to(tl.int64) * Nq * Nk
+    n_lim = Nk
+    if HAS_KVLEN:
+        n_lim = tl.maximum(tl.minimum(tl.load(KVLENS + b).to(tl.int32), Nk), 0)
+    row_hash = offs_m[:, None]
+    if DROPOUT:
+        seed = tl.load(SEED).to(tl.uint32)
+        row_hash = dropout_row_hash(seed, bh, Nq, offs_m)[:, None]
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo, full_lo, full_hi, hi = kv_block_range(
+        m0, Nq, n_lim, diag_offset, window_left, window_right, IS_CAUSAL, HAS_WL, HAS_WR, BLOCK_M, BLOCK_N,
+    )
+    dq = _dq_range(
+        dq, q, do, lse2, delta, row_hash, k_base, v_base, bias_base, ds_base, offs_m, offs_d, offs_dv,
+        stride_kn, stride_vn, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
+        qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
+        full_lo, full_hi,
+        BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, False, BIAS_KIND, SOFTCAP, DROPOUT, WRITE_DS,
+    )
+    dq = _dq_range(
+        dq, q, do, lse2, delta, row_hash, k_base, v_base, bias_base, ds_base, offs_m, offs_d, offs_dv,
+        stride_kn, stride_vn, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
+        qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
+        full_hi, hi,
+        BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, WRITE_DS,
+    )
+    if HAS_WL:
+        dq = _dq_range(
+            dq, q, do, lse2, delta, row_hash, k_base, v_base, bias_base, ds_base, offs_m, offs_d, offs_dv,
+            stride_kn, stride_vn, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
+            qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
+            lo, full_lo,
+            BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, WRITE_DS,
+        )
+    dq = dq * scale
+    tl.store(
+        DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :],
+        dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & (offs_d[None, :] < D),
+    )

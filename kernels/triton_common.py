@@ -1,0 +1,158 @@
+"""Triton building blocks shared by the fused attention forward and backward kernels.
+
+Everything here works in the log2 domain: scores are multiplied by log2(e) once, so the softmax
+uses exp2 (one MUFU op) and the log-sum-exp is converted back to natural log only on store.
+
+The score tile helper is written against broadcastable `rows` / `cols` index tensors, so one
+definition serves the forward and dQ kernels (rows down, [BM, 1] x [1, BN]) and the dK/dV kernel
+(which works on the transposed tile, [1, BM] x [BN, 1]).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def hash32(x):
+    """Wellons' lowbias32 on uint32 (wrapping multiply, logical shifts): the same bits as dropout_hash.hash32."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def dropout_row_hash(seed, bh, Nq, rows):
+    """Per-row part of the dropout hash: hash32(seed ^ hash32(row)), row = (b * H + h) * Nq + i."""
+    row = (bh.to(tl.int64) * Nq + rows).to(tl.uint32)
+    return hash32(seed ^ hash32(row))
+
+
+@triton.jit
+def dropout_keep(row_hash, cols, threshold):
+    """keep = hash32(row_hash ^ col) >= threshold (compared in int64: threshold may exceed 2**31)."""
+    x = hash32(row_hash ^ cols.to(tl.uint32))
+    return x.to(tl.int64) >= threshold
+
+
+@triton.jit
+def tanh_f32(x):
+    # tanh through exp: portable between the GPU and the interpreter; saturates correctly at +-inf.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def score_tile(
+    qk, rows, cols, qk_scale, softcap, cap_scale,
+    bias_ptr, stride_bm, stride_bn, Nq, Nk, n_lim, diag_offset, window_left, window_right,
+    IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, MASK: tl.constexpr,
+    BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr,
+):
+    """Scores in log2 units with softcap, bias and (when MASK) the structural masks; also tanh for softcap's derivative.
+
+    qk: raw dot products (fp32). BIAS_KIND: 0 none, 1 additive float, 2 bool keep-mask (uint8).
+    """
+    if SOFTCAP:
+        t = tanh_f32(qk * cap_scale)  # cap_scale = scale / softcap
+        s = t * (softcap * 1.4426950408889634)
+    else:
+        t = qk
+        s = qk * qk_scale  # qk_scale = scale * log2(e)
+    if BIAS_KIND != 0:
+        # Clamped indices: padded rows/cols read a valid element instead of needing a load mask.
+        r = tl.minimum(rows, Nq - 1).to(tl.int64)
+        c = tl.minimum(cols, Nk - 1).to(tl.int64)
+        bv = tl.load(bias_ptr + r * stride_bm + c * stride_bn)
+        if BIAS_KIND == 1:
+            s = s + bv.to(tl.float32) * 1.4426950408889634
+        else:
+            s = tl.where(bv != 0, s, float("-inf"))
+    if MASK:
+        d = cols - rows - diag_offset
+        ok = cols < n_lim
+        if IS_CAUSAL:
+            ok = ok & (d <= 0)
+        if HAS_WL:
+            ok = ok & (d >= -window_left)
+        if HAS_WR:
+            ok = ok & (d <= window_right)
+        s = tl.where(ok, s, float("-inf"))
+    return s, t
+
+
+@triton.jit
+def kv_block_range(
+    m0, Nq, n_lim, diag_offset, window_left, window_right,
+    IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """For query rows [m0, m0 + BLOCK_M): key-block bounds (lo, full_lo, full_hi, hi), multiples of BLOCK_N.
+
+    Blocks in [lo, full_lo) and [full_hi, hi) need the structural mask; [full_lo, full_hi) are fully
+    admissible for every row (off-band), so their loop runs without any masking. Blocks outside
+    [lo, hi) are fully masked and skipped.
+    """
+    zero = m0 * 0
+    m_last = tl.minimum(m0 + BLOCK_M, Nq) - 1
+    hi = zero + n_lim
+    lo = zero
+    full_lo_raw = zero
+    full_hi_raw = zero + n_lim
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, m_last + diag_offset + 1)
+        full_hi_raw = tl.minimum(full_hi_raw, m0 + diag_offset + 1)
+    if HAS_WR:
+        hi = tl.minimum(hi, m_last + diag_offset + window_right + 1)
+        full_hi_raw = tl.minimum(full_hi_raw, m0 + diag_offset + window_right + 1)
+    if HAS_WL:
+        lo = tl.maximum(lo, m0 + diag_offset - window_left)
+        full_lo_raw = tl.maximum(full_lo_raw, m0 + BLOCK_M - 1 + diag_offset - window_left)
+    hi = tl.maximum(hi, 0)
+    hi_blk = (hi + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    lo = tl.minimum(tl.maximum(lo, 0) // BLOCK_N * BLOCK_N, hi_blk)
+    full_lo = (tl.maximum(full_lo_raw, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi_blk)
+    full_hi = tl.maximum(full_hi_raw, 0) // BLOCK_N * BLOCK_N
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi_blk)
+    return lo, full_lo, full_hi, hi_blk
+
+
+@triton.jit
+def q_block_range(
+    n0, Nq, n_lim, diag_offset, window_left, window_right,
+    IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """For key columns [n0, n0 + BLOCK_N): query-block bounds (lo, full_lo, full_hi, hi), multiples of BLOCK_M.
+
+    Same meaning as kv_block_range with rows and columns swapped. A key block that crosses the
+    key limit (Nk or kv_lens) is masked for every query block; one past it has no rows at all.
+    """
+    zero = n0 * 0
+    n_last = n0 + BLOCK_N - 1
+    lo = zero
+    hi = zero + Nq
+    full_lo_raw = zero
+    full_hi_raw = zero + Nq + BLOCK_M  # rows past Nq are harmless without masking (lse = +inf there)
+    if IS_CAUSAL:
+        lo = tl.maximum(lo, n0 - diag_offset)
+        full_lo_raw = tl.maximum(full_lo_raw, n_last - diag_offset)
+    if HAS_WR:
+        lo = tl.maximum(lo, n0 - diag_offset - window_right)
+        full_lo_raw = tl.maximum(full_lo_raw, n_last - diag_offset - window_right)
+    if HAS_WL:
+        hi = tl.minimum(hi, n_last - diag_offset + window_left + 1)
+        full_hi_raw = tl.minimum(full_hi_raw, n0 - diag_offset + window_left + 1)
+    hi = tl.where(n0 >= n_lim, 0, tl.maximum(hi, 0))
+    hi_blk = (hi + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    lo = tl.minimum(tl.maximum(lo, 0) // BLOCK_M * BLOCK_M, hi_blk)
+    full_lo = (tl.maximum(full_lo_raw, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi_blk)
+    full_hi = tl.maximum(full_hi_raw, 0) // BLOCK_M * BLOCK_M
+    full_hi = tl.where(n_last >= n_lim, 0, full_hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi_blk)
+    return lo, full_lo, full_hi, hi_blk

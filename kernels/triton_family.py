@@ -1,0 +1,316 @@
+"""The Triton attention candidate: `TRITON`, a kernel family behind `torch.ops.fa3.attention`.
+
+Supports every feature of the op: causal (any diag_offset), sliding window, kv_lens, float bias or
+bool keep-mask broadcasting through strides, softcap, dropout (the counter hash of dropout_hash.py,
+bit-identical to the reference), GQA, any strides with a unit last stride (others are copied),
+fp16 / bf16, and fp32 through TF32 when torch's matmul precision allows it.
+The backward never uses atomics, so it is deterministic whether or not torch asks for it.
+
+Triton is imported lazily: without it this module still imports and reports "triton not installed".
+Arguments are duck-typed (q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
+softcap, dropout_p, dropout_seed, needs_backward, bias_requires_grad) so kernels/ never imports fa_compile.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from .dropout_hash import keep_threshold
+
+MAX_HEAD_DIM = 256
+LOG2E = 1.4426950408889634
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Tests and the benchmark may pin configurations: {("fwd" | "dkdv" | "dq", head_dim_block): BlockConfig}.
+CONFIG_OVERRIDE: dict = {}
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    if device.type != "cuda":
+        return (0, 0)
+    return torch.cuda.get_device_capability(device)
+
+
+def pick_config(kind: str, block_d: int, causal: bool, cap: tuple[int, int]) -> BlockConfig:
+    """Block shapes per kernel, head-dim block and GPU generation (measured on H200; see benchmarks/results)."""
+    hit = CONFIG_OVERRIDE.get((kind, block_d))
+    if hit is not None:
+        return hit
+    if cap == (0, 0):  # interpreter: small tiles so tiny test shapes still cross several blocks
+        return BlockConfig(16, 16, 4, 1)
+    hopper = cap[0] >= 9
+    if kind == "fwd":
+        if block_d <= 64:
+            return BlockConfig(128, 64, 4, 3) if hopper else BlockConfig(128, 64, 4, 2)
+        if block_d <= 128:
+            return BlockConfig(128, 64, 8, 3) if hopper else BlockConfig(128, 32, 8, 2)
+        return BlockConfig(128, 64, 8, 2) if hopper else BlockConfig(64, 32, 4, 2)
+    if kind == "dkdv":
+        if block_d <= 64:
+            return BlockConfig(64, 128, 8, 2) if hopper else BlockConfig(32, 64, 4, 2)
+        if block_d <= 128:
+            return BlockConfig(64, 128, 8, 2) if hopper else BlockConfig(32, 64, 4, 2)
+        return BlockConfig(32, 64, 4, 2) if hopper else BlockConfig(16, 32, 4, 1)
+    # dq
+    if block_d <= 128:
+        return BlockConfig(128, 64, 8, 2) if hopper else BlockConfig(64, 32, 4, 2)
+    return BlockConfig(64, 32, 4, 2) if hopper else BlockConfig(32, 32, 4, 1)
+
+
+def _smaller(cfg: BlockConfig) -> Optional[BlockConfig]:
+    """A config with half the tile (for shared-memory / register out-of-resource fallbacks)."""
+    if cfg.num_stages > 2:
+        return BlockConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages - 1)
+    if cfg.block_n > 32:
+        return BlockConfig(cfg.block_m, cfg.block_n // 2, cfg.num_warps, cfg.num_stages)
+    if cfg.block_m > 32:
+        return BlockConfig(cfg.block_m // 2, cfg.block_n, cfg.num_warps, cfg.num_stages)
+    if cfg.num_stages > 1:
+        return BlockConfig(cfg.block_m, cfg.block_n, cfg.num_warps, 1)
+    return None
+
+
+def _launch(kernel, grid_fn, cfg: BlockConfig, *args, **const):
+    """Launch, falling back to smaller tiles when the compiler reports the config does not fit."""
+    from triton.runtime.errors import OutOfResources
+
+    while True:
+        try:
+            kw = dict(const, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+            if not interpreting():
+                kw.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            kernel[grid_fn(cfg)](*args, **kw)
+            return cfg
+        except OutOfResources:
+            nxt = _smaller(cfg)
+            if nxt is None:
+                raise
+            cfg = nxt
+
+
+def _unit_last(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _bias4(bias: Optional[Tensor], b: int, h: int, nq: int, nk: int) -> tuple[Any, int, tuple[int, int, int, int]]:
+    """(tensor to pass, kind 0/1/2, strides of its broadcast [B, Hq, Nq, Nk] view; 0 on broadcast dims)."""
+    if bias is None:
+        return None, 0, (0, 0, 0, 0)
+    t = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)) if bias.dim() < 4 else bias
+    kind = 2 if t.dtype == torch.bool else 1
+    if kind == 2:
+        t = t.view(torch.uint8)
+    t = t.expand(b, h, nq, nk)
+    return t, kind, tuple(t.stride())
+
+
+def _mask_consts(args, bias_kind: int) -> dict:
+    return dict(
+        IS_CAUSAL=bool(args.causal), HAS_WL=int(args.window_left) >= 0, HAS_WR=int(args.window_right) >= 0,
+        HAS_KVLEN=args.kv_lens is not None, BIAS_KIND=bias_kind, SOFTCAP=float(args.softcap) > 0,
+        DROPOUT=float(args.dropout_p) > 0,
+    )
+
+
+def _scalars(args) -> dict:
+    scale = float(args.scale)
+    softcap = float(args.softcap)
+    p = float(args.dropout_p)
+    return dict(
+        qk_scale=scale * LOG2E, softcap=softcap, cap_scale=(scale / softcap) if softcap > 0 else 0.0,
+        drop_threshold=keep_threshold(p) if p > 0 else 0, drop_scale=1.0 / (1.0 - p),
+    )
+
+
+def _device_ctx(t: Tensor):
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else _Null()
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def attention_forward(args, out: Optional[Tensor] = None, lse: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(out [B, Hq, Nq, Dv] stored BSHD, lse [B, Hq, Nq] fp32); `out`/`lse` may be given (tests poison them)."""
+    from .triton_fwd import attn_fwd_kernel
+
+    q, k, v = _unit_last(args.q), _unit_last(args.k), _unit_last(args.v)
+    b, hq, nq, d = q.shape
+    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
+    if out is None:
+        out = q.new_empty((b, nq, hq, dv)).transpose(1, 2)
+    if lse is None:
+        lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+    if b * hq * nq == 0:
+        return out, lse
+    bias, bias_kind, bstr = _bias4(args.bias, b, hq, nq, nk)
+    consts = _mask_consts(args, bias_kind)
+    sc = _scalars(args)
+    seed = args.dropout_seed.to(q.device).reshape(1) if consts["DROPOUT"] else q
+    block_d, block_dv = _pow2(d), _pow2(dv)
+    cfg = pick_config("fwd", max(block_d, block_dv), bool(args.causal), _capability(q.device))
+    with _device_ctx(q):
+        _launch(
+            attn_fwd_kernel, lambda c: (triton_cdiv(nq, c.block_m), b * hq), cfg,
+            q, k, v, out, lse, bias if bias is not None else q, args.kv_lens if args.kv_lens is not None else q, seed,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            *bstr, hq, hq // hkv, nq, nk, d, dv,
+            sc["qk_scale"], sc["softcap"], sc["cap_scale"], int(args.diag_offset), int(args.window_left),
+            int(args.window_right), sc["drop_threshold"], sc["drop_scale"],
+            BLOCK_D=block_d, BLOCK_DV=block_dv, EVEN_D=(d == block_d and dv == block_dv),
+            REVERSE_M=bool(args.causal), **consts,
+        )
+    return out, lse
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _reduce_dbias(ds: Tensor, bias: Tensor) -> Tensor:
+    """Sum dS [B, Hq, Nq, Nk] over the dims the bias broadcasts along (its shape, its dtype)."""
+    full = ds
+    lead = full.dim() - bias.dim()
+    if lead:
+        full = full.sum(dim=tuple(range(lead)))
+    dims = tuple(i for i, n in enumerate(bias.shape) if n == 1 and full.shape[i] != 1)
+    return (full.sum(dim=dims, keepdim=True) if dims else full).to(bias.dtype)
+
+
+def attention_backward(
+    args, dout: Tensor, out: Tensor, lse: Tensor,
+    grads: Optional[tuple[Tensor, Tensor, Tensor]] = None,
+) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """(dq, dk, dv, dbias | None); `grads` = preallocated (dq, dk, dv) buffers (tests poison them)."""
+    from .triton_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
+
+    q, k, v = _unit_last(args.q), _unit_last(args.k), _unit_last(args.v)
+    dout, out = _unit_last(dout), _unit_last(out)
+    lse = lse.to(torch.float32).contiguous()
+    b, hq, nq, d = q.shape
+    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
+    if grads is None:
+        dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    else:
+        dq, dk, dvv = grads
+    want_dbias = bool(args.bias_requires_grad) and args.bias is not None and args.bias.dtype != torch.bool
+    if b * hkv * nk == 0 or b * hq * nq == 0:
+        dq.zero_(), dk.zero_(), dvv.zero_()
+        dbias = torch.zeros_like(args.bias) if want_dbias else None
+        return dq, dk, dvv, dbias
+    bias, bias_kind, bstr = _bias4(args.bias, b, hq, nq, nk)
+    consts = _mask_consts(args, bias_kind)
+    sc = _scalars(args)
+    seed = args.dropout_seed.to(q.device).reshape(1) if consts["DROPOUT"] else q
+    block_d, block_dv = _pow2(d), _pow2(dv)
+    cap = _capability(q.device)
+    delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+    ds = torch.zeros((b, hq, nq, nk), device=q.device, dtype=torch.float32) if want_dbias else lse
+    kvl = args.kv_lens if args.kv_lens is not None else q
+    bias_arg = bias if bias is not None else q
+    common = (
+        sc["qk_scale"], sc["softcap"], sc["cap_scale"], float(args.scale), int(args.diag_offset),
+        int(args.window_left), int(args.window_right), sc["drop_threshold"], sc["drop_scale"],
+    )
+    with _device_ctx(q):
+        pre_m = 16 if cap == (0, 0) else 64
+        attn_bwd_preprocess_kernel[(triton_cdiv(nq, pre_m), b * hq)](
+            out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
+            dout.stride(2), hq, nq, dv, BLOCK_M=pre_m, BLOCK_DV=block_dv,
+        )
+        cfg = pick_config("dkdv", max(block_d, block_dv), bool(args.causal), cap)
+        _launch(
+            attn_bwd_dkdv_kernel, lambda c: (triton_cdiv(nk, c.block_n), b * hkv), cfg,
+            q, k, v, dout, lse, delta, dk, dvv, bias_arg, kvl, seed,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
+            *bstr, hq, hkv, hq // hkv, nq, nk, d, dv, *common,
+            BLOCK_D=block_d, BLOCK_DV=block_dv, **consts,
+        )
+        cfg = pick_config("dq", max(block_d, block_dv), bool(args.causal), cap)
+        _launch(
+            attn_bwd_dq_kernel, lambda c: (triton_cdiv(nq, c.block_m), b * hq), cfg,
+            q, k, v, dout, lse, delta, dq, ds, bias_arg, kvl, seed,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            *bstr, hq, hq // hkv, nq, nk, d, dv, *common,
+            BLOCK_D=block_d, BLOCK_DV=block_dv, WRITE_DS=want_dbias, REVERSE_M=bool(args.causal), **consts,
+        )
+    dbias = _reduce_dbias(ds, args.bias) if want_dbias else None
+    return dq, dk, dvv, dbias
+
+
+class TritonAttention:
+    """Candidate object for fa_compile.dispatch (duck-typed args)."""
+
+    name = "triton"
+
+    def not_supported_reasons(self, args) -> list[str]:
+        if not triton_available():
+            return ["triton not installed"]
+        reasons: list[str] = []
+        q, k, v = args.q, args.k, args.v
+        dev = q.device
+        if dev.type == "cpu":
+            if not interpreting():
+                reasons.append("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
+        elif dev.type != "cuda" or torch.version.hip is not None:
+            reasons.append(f"device {dev.type} is not a CUDA GPU")
+        elif not torch.cuda.is_available():
+            reasons.append("CUDA is not available in this process")
+        elif torch.cuda.get_device_capability(dev) < (8, 0):
+            reasons.append(f"needs compute capability >= 8.0, got {torch.cuda.get_device_capability(dev)}")
+        if q.dtype == torch.float64:
+            reasons.append("float64 is not supported (tensor cores have no fp64 path here)")
+        elif q.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+            reasons.append("float32 needs TF32 (torch.set_float32_matmul_precision('high')); precision is 'highest'")
+        elif q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            reasons.append(f"dtype {q.dtype} is not supported")
+        d, dv = q.shape[-1], v.shape[-1]
+        if d > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
+            reasons.append(f"head dims {d}/{dv} exceed {MAX_HEAD_DIM}")
+        if args.bias is not None and args.bias.dtype == torch.float64:
+            reasons.append("float64 bias is not supported")
+        return reasons
+
+    def forward(self, args) -> tuple[Tensor, Tensor]:
+        return attention_forward(args)
+
+    def backward(self, args, dout: Tensor, out: Tensor, lse: Tensor):
+        return attention_backward(args, dout, out, lse)
+
+
+TRITON = TritonAttention()

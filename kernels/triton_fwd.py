@@ -1,0 +1,151 @@
+"""Fused attention forward in Triton: online softmax (fp32, exp2, scale folded), every op feature.
+
+Grid: (query blocks, B * Hq). Query head h reads key/value head h // G (GQA without repeating K/V;
+the group's programs run next to each other, so the shared K/V tiles are served from L2).
+The key loop is split into masked edge blocks and unmasked off-band blocks (kv_block_range).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_common import dropout_keep, dropout_row_hash, kv_block_range, score_tile
+
+
+@triton.jit
+def _fwd_range(
+    acc, l_i, m_i, q, k_base, v_base, bias_base, row_hash, offs_m, offs_d, offs_dv,
+    stride_kn, stride_vn, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
+    qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold,
+    lo, hi,
+    BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+    MASK: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+    EVEN_D: tl.constexpr,
+):
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_ptrs = k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None]
+        v_ptrs = v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :]
+        if MASK:
+            k = tl.load(k_ptrs, mask=(offs_n[None, :] < Nk) & (offs_d[:, None] < D), other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=offs_d[:, None] < D, other=0.0)
+        qk = tl.dot(q, k)
+        s, _t = score_tile(
+            qk, offs_m[:, None], offs_n[None, :], qk_scale, softcap, cap_scale,
+            bias_base, stride_bm, stride_bn, Nq, Nk, n_lim, diag_offset, window_left, window_right,
+            IS_CAUSAL, HAS_WL, HAS_WR, MASK, BIAS_KIND, SOFTCAP,
+        )
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing admissible yet keeps m = -inf; subtracting 0 keeps exp2 at 0, not NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if DROPOUT:
+            p = tl.where(dropout_keep(row_hash, offs_n[None, :], drop_threshold), p, 0.0)
+        if MASK:
+            v = tl.load(v_ptrs, mask=(offs_n[:, None] < Nk) & (offs_dv[None, :] < DV), other=0.0)
+        elif EVEN_D:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attn_fwd_kernel(
+    Q, K, V, O, LSE, BIAS, KVLENS, SEED,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    Hq, G, Nq, Nk, D, DV,
+    qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KVLEN: tl.constexpr,
+    BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
+    REVERSE_M: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    if REVERSE_M:
+        # Causal: the longest rows first, so the short ones fill the tail of the wave.
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // G
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    bias_base = BIAS
+    if BIAS_KIND != 0:
+        bias_base = BIAS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
+
+    n_lim = Nk
+    if HAS_KVLEN:
+        n_lim = tl.maximum(tl.minimum(tl.load(KVLENS + b).to(tl.int32), Nk), 0)
+    row_hash = offs_m[:, None]
+    if DROPOUT:
+        seed = tl.load(SEED).to(tl.uint32)
+        row_hash = dropout_row_hash(seed, bh, Nq, offs_m)[:, None]
+
+    q = tl.load(
+        q_base + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :],
+        mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D), other=0.0,
+    )
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+    lo, full_lo, full_hi, hi = kv_block_range(
+        m0, Nq, n_lim, diag_offset, window_left, window_right, IS_CAUSAL, HAS_WL, HAS_WR, BLOCK_M, BLOCK_N,
+    )
+    # Off-band blocks: no structural mask, no bounds checks.
+    acc, l_i, m_i = _fwd_range(
+        acc, l_i, m_i, q, k_base, v_base, bias_base, row_hash, offs_m, offs_d, offs_dv,
+        stride_kn, stride_vn, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
+        qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold,
+        full_lo, full_hi,
+        BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, False, BIAS_KIND, SOFTCAP, DROPOUT, EVEN_D,
+    )
+    # Band / edge blocks: masked.
+    acc, l_i, m_i = _fwd_range(
+        acc, l_i, m_i, q, k_base, v_base, bias_base, row_hash, offs_m, offs_d, offs_dv,
+        stride_kn, stride_vn, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
+        qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold,
+        full_hi, hi,
+        BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, EVEN_D,
+    )
+    if HAS_WL:
+        acc, l_i, m_i = _fwd_range(
+            acc, l_i, m_i, q, k_base, v_base, bias_base, row_hash, offs_m, offs_d, offs_dv,
+            stride_kn, stride_vn, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
+            qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold,
+            lo, full_lo,
+            BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, EVEN_D,
+        )
+
+    empty = l_i == 0.0
+    inv_l = tl.where(empty, 0.0, drop_scale / tl.where(empty, 1.0, l_i))
+    out = acc * inv_l[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    tl.store(
+        o_base + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :],
+        out.to(O.dtype.element_ty),
+        mask=(offs_m[:, None] < Nq) & (offs_dv[None, :] < DV),
+    )
+    tl.store(LSE + bh.to(tl.int64) * Nq + offs_m, lse, mask=offs_m < Nq)
