@@ -1,19 +1,35 @@
 """Run-time choice of the kernel behind `torch.ops.fa3.attention`.
 
 Each candidate declares what it supports through `not_supported_reasons(args)`; dispatch walks a
-priority list and takes the first with no reasons. When nothing fits, the error lists every
-candidate's reasons. The reference path accepts every valid input, so that error means the inputs
-themselves are invalid (the op's argument checks name the argument first).
+priority list and takes the first with no reasons. Forward and backward are chosen separately:
+every kernel's lse means the same thing ([B, Hq, Nq] fp32, natural log, -inf on an empty row), so a
+forward-only kernel (the PyPI FA3 build) is followed by the best backward that takes the inputs.
+
+The order is `candidates.FORWARD_ORDER` / `BACKWARD_ORDER` (each position rests on a measurement
+written there), shape rules (`candidates.PROMOTIONS`), and, with FA_COMPILE_TUNE=1 or
+`tuning.enable()`, the winner measured for the shape bucket on this GPU (`tuning.py`).
+
+The user's settings are reasons like any other: `torch.use_deterministic_algorithms(True)` refuses
+non-deterministic backward kernels, `torch.get_float32_matmul_precision() == "highest"` refuses
+TF32 kernels for fp32 inputs, an enclosing `sdpa_kernel([...])` refuses the SDPA backends it
+disables, and a forced kernel (`fa_compile.backend(kernel=...)`, baked into each call's
+force_kernel, or FA_COMPILE_KERNEL) is used or named in a clear error.
+
+When nothing fits, the error lists every candidate's reasons. The reference path accepts every
+valid input, so that error means the inputs themselves are invalid.
 """
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import Optional, Protocol
 
 import torch
 from torch import Tensor
 
+from . import candidates as _cands
+from . import tuning
 from .kernels import reference as _ref
 
 
@@ -95,8 +111,48 @@ def register(candidate, *, forward: bool = True, backward: bool = True, before: 
         lst.insert(idx, candidate)
 
 
+def unregister(name: str) -> None:
+    for lst in (_REGISTRY.forward, _REGISTRY.backward):
+        lst[:] = [c for c in lst if c.name != name or c.name == "reference"]
+
+
 def candidates(direction: str = "forward") -> list:
     return list(_REGISTRY.forward if direction == "forward" else _REGISTRY.backward)
+
+
+def _install_defaults() -> None:
+    """Register the peers and our Triton family in the measured base order (candidates/__init__.py)."""
+    triton = _cands.triton_candidate()
+    by_name = {c.name: c for c in _cands.peer_candidates()}
+    if triton is not None:
+        by_name[getattr(triton, "name", "triton")] = triton
+    for direction, order in (("forward", _cands.FORWARD_ORDER), ("backward", _cands.BACKWARD_ORDER)):
+        for name in order:
+            cand = by_name.get(name)
+            if cand is None or (direction == "backward" and not _cands.has_backward(cand)):
+                continue
+            register(cand, forward=direction == "forward", backward=direction == "backward")
+
+
+def ordered(args: AttentionArgs, direction: str = "forward") -> list:
+    """The registry's order for these inputs: shape rules applied (candidates.PROMOTIONS)."""
+    lst = candidates(direction)
+    for rule in _cands.PROMOTIONS:
+        if rule.direction != direction:
+            continue
+        names = [c.name for c in lst]
+        if rule.name not in names or rule.ahead_of not in names:
+            continue
+        i, j = names.index(rule.name), names.index(rule.ahead_of)
+        if i < j:
+            continue
+        try:
+            hit = rule.when(args)
+        except Exception:
+            hit = False
+        if hit:
+            lst.insert(j, lst.pop(i))
+    return lst
 
 
 def forced_kernel(forced: Optional[str]) -> Optional[str]:
@@ -107,44 +163,157 @@ class NoKernelError(RuntimeError):
     pass
 
 
-def _select(cands: list, args: AttentionArgs, forced: Optional[str], direction: str):
+def _reasons(cand, args: AttentionArgs, forced: bool) -> list[str]:
+    reasons = list(cand.not_supported_reasons(args))
+    opt = getattr(cand, "opt_in_reason", None)
+    if not forced and opt is not None:
+        why = opt()
+        if why:
+            reasons.insert(0, why)
+    return reasons
+
+
+def _is_fake(t: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type == "meta" or is_fake(t)
+
+
+def _forced_candidate(cands: list, args: AttentionArgs, forced: str, source: str, direction: str):
+    """The forced candidate, or None for a backward whose forced kernel is forward-only."""
+    match = [c for c in cands if c.name == forced]
+    if not match:
+        other = candidates("forward" if direction == "backward" else "backward")
+        if direction == "backward" and any(c.name == forced for c in other):
+            return None  # forward-only kernel: the backward is chosen from the saved lse as usual
+        known = sorted({c.name for c in candidates("forward") + candidates("backward")})
+        raise ValueError(f"{source}: unknown {direction} kernel {forced!r}; known: {', '.join(known)}")
+    reasons = _reasons(match[0], args, forced=True)
+    if reasons:
+        raise NoKernelError(f"{source}: the forced {direction} kernel {forced!r} cannot take these inputs: " + "; ".join(reasons))
+    return match[0]
+
+
+def _select(cands: list, args: AttentionArgs, forced: Optional[str], direction: str, *, allow_tune: bool = True):
+    source = "kernel" if forced else "FA_COMPILE_KERNEL"
     forced = forced_kernel(forced)
     if forced is not None:
-        names = [c.name for c in cands]
-        match = [c for c in cands if c.name == forced]
-        if not match:
-            raise ValueError(f"kernel: unknown {direction} kernel {forced!r}; known: {', '.join(names)}")
-        reasons = match[0].not_supported_reasons(args)
-        if reasons:
-            raise NoKernelError(f"kernel: the forced {direction} kernel {forced!r} cannot take these inputs: " + "; ".join(reasons))
-        return match[0]
-    refusals = []
+        chosen = _forced_candidate(cands, args, forced, source, direction)
+        if chosen is not None:
+            return chosen
+    refusals, eligible = [], []
     for c in cands:
-        reasons = c.not_supported_reasons(args)
+        reasons = _reasons(c, args, forced=False)
         if not reasons:
-            return c
-        refusals.append(f"{c.name}: " + "; ".join(reasons))
-    raise NoKernelError(f"no {direction} kernel takes these inputs:\n  " + "\n  ".join(refusals))
+            eligible.append(c)
+            if not tuning.enabled():
+                break
+        else:
+            refusals.append(f"{c.name}: " + "; ".join(reasons))
+    if not eligible:
+        raise NoKernelError(f"no {direction} kernel takes these inputs:\n  " + "\n  ".join(refusals))
+    if len(eligible) > 1 and tuning.enabled():
+        real = allow_tune and not _is_fake(args.q) and args.q.device.type == "cuda"
+        name = tuning.choose(args, direction, eligible, measure=real, bwd_inputs=_backward_inputs)
+        for c in eligible:
+            if c.name == name:
+                return c
+    return eligible[0]
+
+
+def _backward_inputs(args: AttentionArgs):
+    """(dout, out, lse) for timing backward candidates: the chosen forward on these inputs."""
+    out, lse = _select(ordered(args, "forward"), args, None, "forward", allow_tune=False).forward(args)
+    gen = torch.Generator(device=args.q.device).manual_seed(0)
+    dout = torch.randn(out.shape, dtype=out.dtype, device=out.device, generator=gen)
+    return dout, out, lse
+
+
+@dataclass
+class _Chosen:
+    """The selected candidate; if it raises at run time (a limit its reasons missed), the next
+    eligible candidate runs instead, with a warning, unless the kernel was forced."""
+
+    cand: object
+    rest: list
+    forced: bool
+    direction: str
+
+    @property
+    def name(self) -> str:
+        return self.cand.name
+
+    def not_supported_reasons(self, args):
+        return self.cand.not_supported_reasons(args)
+
+    def _run(self, method: str, args, *extra):
+        try:
+            return getattr(self.cand, method)(args, *extra)
+        except Exception as e:
+            if self.forced or _is_fake(args.q):
+                raise
+            for nxt in self.rest:
+                if nxt is self.cand or _reasons(nxt, args, forced=False):
+                    continue
+                _warn_once(self.cand.name, self.direction, e, nxt.name)
+                return getattr(nxt, method)(args, *extra)
+            raise
+
+    def forward(self, args):
+        return self._run("forward", args)
+
+    def backward(self, args, dout, out, lse):
+        return self._run("backward", args, dout, out, lse)
+
+
+_WARNED: set = set()
+
+
+def _warn_once(name: str, direction: str, err: Exception, nxt: str) -> None:
+    key = (name, direction, type(err).__name__, str(err)[:80])
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    warnings.warn(f"fa_compile: {direction} kernel {name!r} failed ({type(err).__name__}: {str(err)[:200]}); "
+                  f"running {nxt!r} instead", RuntimeWarning, stacklevel=3)
+
+
+def _choose(args: AttentionArgs, forced: Optional[str], direction: str) -> _Chosen:
+    cands = ordered(args, direction)
+    cand = _select(cands, args, forced, direction)
+    is_forced = forced_kernel(forced) is not None and cand.name == forced_kernel(forced)
+    rest = cands[cands.index(cand) + 1:] if cand in cands else []
+    return _Chosen(cand, rest, is_forced, direction)
 
 
 def select_forward(args: AttentionArgs, forced: Optional[str] = None):
-    return _select(_REGISTRY.forward, args, forced, "forward")
+    return _choose(args, forced, "forward")
 
 
 def select_backward(args: AttentionArgs, forced: Optional[str] = None):
-    return _select(_REGISTRY.backward, args, forced, "backward")
+    return _choose(args, forced, "backward")
 
 
 def explain_choice(args: AttentionArgs, forced: Optional[str] = None, direction: str = "forward") -> tuple[str, list[tuple[str, list[str]]]]:
-    """(chosen name, [(name, reasons)] for the candidates ahead of it that refused)."""
-    cands = _REGISTRY.forward if direction == "forward" else _REGISTRY.backward
+    """(chosen name, [(name, reasons)] for the candidates ahead of it that refused).
+
+    Never measures (explain() runs at compile time on fake tensors); a cached tuning winner counts.
+    """
+    cands = ordered(args, direction)
     try:
-        chosen = _select(cands, args, forced, direction).name
+        chosen = _select(cands, args, forced, direction, allow_tune=False).name
     except (NoKernelError, ValueError) as e:
-        chosen = f"none ({e})"
+        return f"none ({e})", [(c.name, _reasons(c, args, forced=False)) for c in cands if _reasons(c, args, forced=False)]
     refused = []
     for c in cands:
         if c.name == chosen:
             break
-        refused.append((c.name, c.not_supported_reasons(args)))
+        reasons = _reasons(c, args, forced=False)
+        if reasons:
+            refused.append((c.name, reasons))
+        elif tuning.enabled():
+            refused.append((c.name, ["eligible, but slower for this shape bucket (tuning cache)"]))
     return chosen, refused
+
+
+_install_defaults()

@@ -1,0 +1,134 @@
+"""FlashAttention-3 (Dao-AILab's hopper/ kernels) through `flash_attn_interface`, when importable.
+
+The PyPI build `tokenspeed-fa3` is forward-only, without softcap and head dim 96, sm90 only; its
+`flash_attn_config.CONFIG["build_flags"]` says so and is read here, so another build that has them
+is used fully. Conventions: BSHD tensors with a contiguous last dim (our [B, H, N, D] views of BSHD
+storage are passed as `.transpose(1, 2)` without a copy); causal and window bounds are aligned
+bottom-right (key j admissible for query i iff j - i <= Nk - Nq), so a site takes FA3 only when its
+diag_offset is Nk - Nq or the bound admits every key anyway; lse [B, Hq, Nq] fp32, natural log.
+`seqused_k` gives key padding, but it also moves the bottom-right diagonal per batch, so kv_lens is
+taken only without causal/window bounds.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from . import common as c
+
+
+@functools.lru_cache(maxsize=None)
+def _module() -> tuple[Optional[Any], dict, str]:
+    """(flash_attn_interface or None, build flags, why not importable)."""
+    try:
+        import flash_attn_interface as fai  # noqa: PLC0415
+    except Exception as e:  # ImportError, or a binary built for another torch
+        return None, {}, f"{type(e).__name__}: {str(e)[:120]}"
+    try:
+        from flash_attn_config import CONFIG  # noqa: PLC0415
+
+        flags = dict(CONFIG.get("build_flags", {}))
+    except Exception:
+        flags = {}
+    return fai, flags, ""
+
+
+def _head_dims(flags: dict) -> tuple[int, ...]:
+    dims = []
+    for d in (64, 96, 128, 192, 256):
+        if not flags.get(f"FLASHATTENTION_DISABLE_HDIM{d}", False):
+            dims.append(d)
+    return tuple(dims)
+
+
+@dataclass
+class FA3Candidate:
+    name: str = "fa3"
+
+    def has_backward(self) -> bool:
+        fai, flags, _ = _module()
+        return fai is not None and not flags.get("FLASHATTENTION_DISABLE_BACKWARD", False)
+
+    def not_supported_reasons(self, args) -> list[str]:
+        what = "FA3"
+        fai, flags, why = _module()
+        if fai is None:
+            return [f"flash_attn_interface is not importable ({why})"]
+        r = c.cuda_reasons(args, what, (9, 0), (9, 0) if flags.get("FLASHATTENTION_DISABLE_SM8x", False) else None)
+        if r:
+            return r
+        if args.needs_backward and flags.get("FLASHATTENTION_DISABLE_BACKWARD", False):
+            r.append(f"{what} (this build) is forward-only")
+        r += c.dtype_reasons(args, what, (torch.float16, torch.bfloat16))
+        d, dv = c.static_int(args.q.shape[3]), c.static_int(args.v.shape[3])
+        dims = _head_dims(flags)
+        if d is None or dv is None:
+            r.append(f"{what}: head dim is symbolic")
+        else:
+            if d != dv:
+                r.append(f"{what} (this build) needs the V head dim ({dv}) equal to the QK head dim ({d})")
+            if d % 8 or d > 256:
+                r.append(f"{what} takes head dims that are multiples of 8 up to 256, got {d}")
+            else:
+                bucket = next((x for x in (64, 96, 128, 192, 256) if d <= x), None)
+                if bucket not in dims:
+                    r.append(f"{what} (this build) has no kernel for head dim {d} (compiled: {dims})")
+        r += c.common_feature_reasons(args, what, softcap=not flags.get("FLASHATTENTION_DISABLE_SOFTCAP", False))
+        if args.bias is not None:
+            r.append(f"{what} takes no attention bias / mask")
+        nq, nk = c.static_int(args.q.shape[2]), c.static_int(args.k.shape[2])
+        off = c.static_int(args.diag_offset)
+        bounded = c.effective_causal(args) or c.has_window(args)
+        if bounded:
+            if nq is None or nk is None or off is None:
+                r.append(f"{what}: symbolic sequence lengths or diagonal")
+            elif off != nk - nq:
+                r.append(f"{what} aligns causal/window bounds bottom-right (diag_offset Nk - Nq = {nk - nq}), "
+                         f"this site's diagonal is at {off}")
+            if args.kv_lens is not None:
+                r.append(f"{what}: kv_lens (seqused_k) would move the bottom-right diagonal per batch")
+        if args.needs_backward:
+            r += c.deterministic_reasons(args, what, deterministic_backward=True)
+        return r
+
+    def _window(self, args) -> tuple[bool, int, int]:
+        causal = c.effective_causal(args)
+        left_free, right_free = c.window_vacuous(args)
+        wl = -1 if left_free else args.window_left
+        wr = -1 if right_free else args.window_right
+        if causal:
+            wr = 0 if wr < 0 else min(wr, 0)
+        return causal, wl, wr
+
+    def forward(self, args) -> tuple[Tensor, Tensor]:
+        fai, _flags, _ = _module()
+        q, k, v = (c.last_dim_contiguous(t.transpose(1, 2)) for t in (args.q, args.k, args.v))
+        causal, wl, wr = self._window(args)
+        seqused = args.kv_lens.to(torch.int32).contiguous() if args.kv_lens is not None else None
+        nq = q.shape[1]
+        res = fai._flash_attn_forward(
+            q, k, v, seqused_k=seqused, softmax_scale=args.scale, causal=causal,
+            window_size_left=wl, window_size_right=wr, softcap=float(args.softcap),
+            num_splits=1 if nq >= 128 else 0,  # split-KV for decode-like shapes (deterministic either way)
+        )
+        out, lse = res[0], res[1]
+        return c.finish_forward(out.transpose(1, 2), lse, c.may_have_empty_rows(args))
+
+    def backward(self, args, dout: Tensor, out: Tensor, lse: Tensor):
+        fai, _flags, _ = _module()
+        if not self.has_backward():
+            raise RuntimeError("FA3: this build is forward-only")
+        q, k, v, o, do = (c.last_dim_contiguous(t.transpose(1, 2)) for t in (args.q, args.k, args.v, out, dout))
+        causal, wl, wr = self._window(args)
+        seqused = args.kv_lens.to(torch.int32).contiguous() if args.kv_lens is not None else None
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        fai._flash_attn_backward(do, q, k, v, o, c.lse_for_backward(lse).contiguous(), None, None, None, seqused, None, None,
+                                 dq, dk, dv, args.scale, causal, wl, wr, float(args.softcap), True, 0)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None
+
+
+FA3 = FA3Candidate()

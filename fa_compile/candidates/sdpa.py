@@ -1,0 +1,186 @@
+"""cuDNN, FA2 ("flash") and mem-efficient attention through torch's private SDPA ops.
+
+The public `F.scaled_dot_product_attention` hides the log-sum-exp; the private ops return it and
+have backward ops that take it, so a forward from one kernel and a backward from another can meet
+at the saved lse. Their conventions, as torch 2.11 / 2.13 define them (meta registrations):
+
+| op                                  | lse shape                 | base    | empty row (no key) |
+| _scaled_dot_product_flash_attention | [B, H, Nq]                | natural | lse +inf (FA2)     |
+| _scaled_dot_product_cudnn_attention | [B, H, Nq, 1]             | natural | see finish_forward |
+| _scaled_dot_product_efficient_...   | [B, H, ceil(Nq/32) * 32]  | natural | lse +inf           |
+
+Each is normalised to the op's [B, Hq, Nq] fp32, -inf on an empty row (`common.finish_forward`),
+and each backward gets the lse back in its own shape with -inf turned into +inf so P = 0 there.
+
+What none of them can do exactly is refused: softcap, sliding windows, dropout (their RNG is not
+our counter hash), a causal diagonal other than SDPA's top-left one, fp64.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import common as c
+
+# Whether torch's op passes K/V with fewer heads straight to the kernel (no repeat). FA2 and cuDNN
+# handle grouped heads natively (H200 anchors: cuDNN SDPA decode with enable_gqa reached 4.05 TB/s
+# counting unrepeated K/V bytes, near the 4.22 TB/s copy ceiling); mem-efficient does not.
+NATIVE_GQA = {"flash": True, "cudnn": True, "efficient": False}
+
+# Causal alignment of is_causal when Nq != Nk. SDPA documents top-left; torch refuses flash for
+# non-square causal inputs, and cuDNN's alignment for non-square shapes is not pinned down here,
+# so those two take causal only where top-left and bottom-right agree (Nq == Nk).
+CAUSAL_NONSQUARE = {"flash": False, "cudnn": False, "efficient": True}
+
+_ENABLED = {
+    "flash": lambda: torch.backends.cuda.flash_sdp_enabled(),
+    "cudnn": lambda: torch.backends.cuda.cudnn_sdp_enabled(),
+    "efficient": lambda: torch.backends.cuda.mem_efficient_sdp_enabled(),
+}
+_BACKEND_NAME = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+_BIAS_ALIGN = 16  # elements; the private ops need the bias rows aligned (SDPA's front end pads likewise)
+
+
+@dataclass
+class SdpaCandidate:
+    """One SDPA kernel family. `kind` is "flash", "cudnn" or "efficient"."""
+
+    name: str
+    kind: str
+    label: str
+    min_cap: tuple
+    dtypes: tuple
+    fp32_tf32: bool
+    max_head_dim: int
+    same_dv: bool
+    takes_bias: bool
+    bias_grad: bool
+
+    # ---- what it can take -------------------------------------------------------------------
+    def not_supported_reasons(self, args) -> list[str]:
+        what = self.label
+        r = c.cuda_reasons(args, what, self.min_cap)
+        if r:
+            return r
+        if not _ENABLED[self.kind]():
+            r.append(f"{what} is disabled (torch.backends.cuda.{self.kind if self.kind != 'efficient' else 'mem_efficient'}_sdp_enabled() "
+                     f"is False, e.g. an enclosing sdpa_kernel() without SDPBackend.{_BACKEND_NAME[self.kind]})")
+        r += c.dtype_reasons(args, what, self.dtypes, tf32_fp32=self.fp32_tf32)
+        r += c.head_dim_reasons(args, what, multiple=8, max_dim=self.max_head_dim, same_dv=self.same_dv)
+        r += c.common_feature_reasons(args, what)
+        _b, hq, hkv, nq, nk, _d, _dv = c.shapes(args)
+        if hq is None or hkv is None or nq is None or nk is None:
+            r.append(f"{what}: symbolic heads or sequence lengths")
+            return r
+        if hq != hkv and not NATIVE_GQA[self.kind]:
+            r.append(f"{what} needs as many K/V heads as Q heads; GQA {hq}/{hkv} would repeat K and V "
+                     f"{hq // hkv}x in memory")
+        if c.effective_causal(args):
+            off = c.static_int(args.diag_offset)
+            if off != 0:
+                r.append(f"{what}: is_causal is top-left aligned (diag_offset 0), this site's diagonal is at {args.diag_offset}")
+            elif nq != nk and not CAUSAL_NONSQUARE[self.kind]:
+                r.append(f"{what}: causal with Nq {nq} != Nk {nk} (alignment of this kernel not pinned down)")
+        if c.has_window(args):
+            r.append(f"{what} has no sliding window (window_left={args.window_left}, window_right={args.window_right})")
+        if not self.takes_bias:
+            if args.bias is not None:
+                r.append(f"{what} takes no attention bias / mask")
+            if args.kv_lens is not None:
+                r.append(f"{what} takes no key-padding lengths (kv_lens)")
+        else:
+            b = args.bias
+            if b is not None and b.dtype != torch.bool and b.dtype != args.q.dtype:
+                r.append(f"{what} adds the bias in q's dtype {args.q.dtype}; bias is {b.dtype} and rounding it would change scores")
+        if args.needs_backward:
+            r += c.deterministic_reasons(args, what, deterministic_backward=False)
+            if args.bias_requires_grad and not self.bias_grad:
+                r.append(f"{what} backward computes no bias gradient")
+        return r
+
+    # ---- running ----------------------------------------------------------------------------
+    def _bias(self, args) -> Optional[Tensor]:
+        """bias and kv_lens as one additive tensor in q's dtype, [B, Hq, Nq, Nk] by broadcast (views)."""
+        q, k = args.q, args.k
+        b, hq, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        bias = args.bias
+        if bias is not None and bias.dtype == torch.bool:
+            bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device).masked_fill(~bias, c.NEG_INF)
+        if args.kv_lens is not None:
+            j = torch.arange(nk, device=q.device)
+            pad = torch.zeros((b, 1, 1, nk), dtype=q.dtype, device=q.device)
+            pad = pad.masked_fill((j.view(1, nk) >= args.kv_lens.view(b, 1)).view(b, 1, 1, nk), c.NEG_INF)
+            bias = pad if bias is None else bias + pad
+        if bias is None:
+            return None
+        while bias.dim() < 4:
+            bias = bias.unsqueeze(0)
+        if bias.stride(-1) != 1 or (bias.shape[-1] % _BIAS_ALIGN and bias.shape[-2] != 1):
+            width = (nk + _BIAS_ALIGN - 1) // _BIAS_ALIGN * _BIAS_ALIGN
+            padded = bias.new_zeros((*bias.shape[:-1], width))
+            padded[..., :nk] = bias
+            bias = padded[..., :nk]
+        return bias.expand(b, hq, nq, nk)
+
+    def forward(self, args) -> tuple[Tensor, Tensor]:
+        q, k, v = (c.last_dim_contiguous(t) for t in (args.q, args.k, args.v))
+        b, hq, nq = q.shape[0], q.shape[1], q.shape[2]
+        causal = c.effective_causal(args)
+        if self.kind == "flash":
+            res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=args.scale)
+            out, lse = res[0], res[1]
+        elif self.kind == "cudnn":
+            res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, self._bias(args), True, 0.0, causal, False, scale=args.scale)
+            out, lse = res[0], res[1].reshape(b, hq, nq)
+        else:
+            res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, self._bias(args), True, 0.0, causal, scale=args.scale)
+            out, lse = res[0], res[1][:, :, :nq]
+        return c.finish_forward(out, lse, c.may_have_empty_rows(args))
+
+    def backward(self, args, dout: Tensor, out: Tensor, lse: Tensor):
+        q, k, v, out = (c.last_dim_contiguous(t) for t in (args.q, args.k, args.v, out))
+        # The kernels read dO with out's strides (cuDNN insists on it).
+        if dout.stride() != out.stride():
+            dout = torch.empty_like(out).copy_(dout)
+        b, hq, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        causal = c.effective_causal(args)
+        lse_b = c.lse_for_backward(lse)
+        dev = q.device
+        dbias = None
+        if self.kind == "flash":
+            seed = torch.zeros((2,), dtype=torch.uint64, device=dev)
+            offset = torch.zeros((), dtype=torch.uint64, device=dev)
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dout, q, k, v, out, lse_b.contiguous(), None, None, nq, nk, 0.0, causal, seed, offset, scale=args.scale)
+        elif self.kind == "cudnn":
+            seed = torch.zeros((), dtype=torch.long, device=dev)
+            offset = torch.zeros((), dtype=torch.long, device=dev)
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                dout, q, k, v, out, lse_b.reshape(b, hq, nq, 1).contiguous(), seed, offset, self._bias(args), None, None,
+                nq, nk, 0.0, causal, scale=args.scale)
+        else:
+            width = (nq + 31) // 32 * 32
+            lse_p = torch.full((b, hq, width), math.inf, dtype=torch.float32, device=dev)
+            lse_p[:, :, :nq] = lse_b
+            seed = torch.zeros((), dtype=torch.long)
+            offset = torch.zeros((), dtype=torch.long)
+            want_db = bool(args.bias_requires_grad and args.bias is not None)
+            dq, dk, dv, db = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+                dout, q, k, v, self._bias(args), out, lse_p, seed, offset, 0.0, [True, True, True, want_db], causal,
+                scale=args.scale)
+            if want_db:
+                dbias = c.reduce_to_bias_shape(db, args.bias)
+        return dq, dk, dv, dbias
+
+
+# Capabilities: torch builds FA2 and cuDNN attention for sm80+, mem-efficient for sm50+.
+CUDNN = SdpaCandidate("cudnn", "cudnn", "cuDNN (SDPA)", (8, 0), (torch.float16, torch.bfloat16), False, 256, False,
+                      takes_bias=True, bias_grad=False)
+FLASH = SdpaCandidate("flash", "flash", "FA2 (SDPA flash)", (8, 0), (torch.float16, torch.bfloat16), False, 256, True,
+                      takes_bias=False, bias_grad=False)
+EFFICIENT = SdpaCandidate("efficient", "efficient", "mem-efficient (SDPA)", (5, 0), (torch.float16, torch.bfloat16), True, 256,
+                          False, takes_bias=True, bias_grad=True)

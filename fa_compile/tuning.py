@@ -1,0 +1,156 @@
+"""Measured kernel choice per shape bucket (opt-in, like Inductor's max-autotune).
+
+With FA_COMPILE_TUNE=1 (or `enable()`), the first call of a shape bucket on a CUDA device times
+every eligible candidate a few times and keeps the fastest; the winner is cached in memory and on
+disk (FA_COMPILE_CACHE_DIR, default ~/.cache/fa_compile/tuning.json) under a key naming the GPU,
+its capability and the torch / CUDA / cuDNN / FA3 versions, so another machine or an upgrade
+measures again. Never measures on fake tensors, while a CUDA graph is being captured, or for a
+forced kernel; without a measurement the static order stands.
+
+A bucket: direction, dtype, head dims, GQA group, causal/window/bias/kv_lens/softcap flags and the
+powers of two above Nq and Nk (and B*Hq, coarsely), so a model's few shapes cost a few timings.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from typing import Callable, Optional
+
+import torch
+
+_ENABLED: Optional[bool] = None  # None: read FA_COMPILE_TUNE
+_MEM: dict = {}
+_LOCK = threading.Lock()
+
+
+def enable(on: bool = True) -> None:
+    """Turn tuning on or off for this process (overrides FA_COMPILE_TUNE; None restores it)."""
+    global _ENABLED
+    _ENABLED = on
+
+
+def enabled() -> bool:
+    if _ENABLED is not None:
+        return _ENABLED
+    return os.environ.get("FA_COMPILE_TUNE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def cache_path() -> str:
+    root = os.environ.get("FA_COMPILE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fa_compile")
+    return os.path.join(root, "tuning.json")
+
+
+def _pow2(n) -> int:
+    try:
+        n = int(n)
+    except Exception:
+        return -1
+    return 1 if n <= 1 else 1 << math.ceil(math.log2(n))
+
+
+def bucket(args, direction: str) -> str:
+    q, k, v = args.q, args.k, args.v
+    b, hq, nq, d = q.shape
+    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
+    flags = "".join(ch for ch, on in (
+        ("c", args.causal), ("w", args.window_left >= 0 or args.window_right >= 0), ("b", args.bias is not None),
+        ("l", args.kv_lens is not None), ("s", args.softcap > 0), ("g", args.bias_requires_grad)) if on)
+    return (f"{direction}|{str(q.dtype).replace('torch.', '')}|d{int(d)}/{int(dv)}|g{int(hq) // max(int(hkv), 1)}"
+            f"|nq{_pow2(nq)}|nk{_pow2(nk)}|bh{_pow2(int(b) * int(hq))}|{flags or '-'}")
+
+
+def device_key(device: torch.device) -> str:
+    try:
+        import flash_attn_interface  # noqa: F401,PLC0415
+        from importlib.metadata import version  # noqa: PLC0415
+
+        fa3 = version("tokenspeed-fa3")
+    except Exception:
+        fa3 = "none"
+    name = torch.cuda.get_device_name(device)
+    cap = torch.cuda.get_device_capability(device)
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return f"{name}|sm{cap[0]}{cap[1]}|torch{torch.__version__}|cuda{torch.version.cuda}|cudnn{cudnn}|fa3-{fa3}"
+
+
+def _load() -> dict:
+    try:
+        with open(cache_path()) as f:
+            return json.load(f)
+    except Exception:
+        return {}
+
+
+def _store(dev: str, key: str, name: str) -> None:
+    path = cache_path()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        data = _load()
+        data.setdefault(dev, {})[key] = name
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: the in-memory cache still holds
+
+
+def cached(args, direction: str) -> Optional[str]:
+    if args.q.device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    dev, key = device_key(args.q.device), bucket(args, direction)
+    if (dev, key) in _MEM:
+        return _MEM[(dev, key)]
+    name = _load().get(dev, {}).get(key)
+    if name is not None:
+        _MEM[(dev, key)] = name
+    return name
+
+
+def _time(fn: Callable, reps: int = 5) -> float:
+    fn()  # warm-up (compiles, plans, allocates)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def measure(args, direction: str, eligible: list, bwd_inputs: Optional[Callable] = None) -> dict:
+    """Median milliseconds per eligible candidate (inf for one that fails)."""
+    result = {}
+    extra = bwd_inputs(args) if direction == "backward" and bwd_inputs is not None else ()
+    for cand in eligible:
+        run = (lambda c=cand: c.forward(args)) if direction == "forward" else (lambda c=cand: c.backward(args, *extra))
+        try:
+            result[cand.name] = _time(run)
+        except Exception:
+            result[cand.name] = math.inf
+    return result
+
+
+def choose(args, direction: str, eligible: list, *, measure: bool, bwd_inputs: Optional[Callable] = None) -> str:
+    """The cached winner for the bucket among `eligible`, measuring once when allowed."""
+    names = [c.name for c in eligible]
+    hit = cached(args, direction)
+    if hit in names:
+        return hit
+    if not measure or torch.cuda.is_current_stream_capturing():
+        return names[0]
+    with _LOCK:
+        times = globals()["measure"](args, direction, eligible, bwd_inputs)
+    best = min(names, key=lambda n: (times.get(n, math.inf), names.index(n)))
+    if math.isinf(times.get(best, math.inf)):
+        return names[0]
+    dev, key = device_key(args.q.device), bucket(args, direction)
+    _MEM[(dev, key)] = best
+    _store(dev, key, best)
+    return best
