@@ -20,6 +20,7 @@ valid input, so that error means the inputs themselves are invalid.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -278,7 +279,16 @@ def _warn_once(name: str, direction: str, err: Exception, nxt: str) -> None:
                   f"running {nxt!r} instead", RuntimeWarning, stacklevel=3)
 
 
+def _for_direction(args: AttentionArgs, direction: str) -> AttentionArgs:
+    """A forward kernel is judged as a forward: the backward that may follow is chosen on its own
+    (forward-only kernels are simply absent from the backward list)."""
+    if direction == "forward" and args.needs_backward:
+        return dataclasses.replace(args, needs_backward=False, bias_requires_grad=False)
+    return args
+
+
 def _choose(args: AttentionArgs, forced: Optional[str], direction: str) -> _Chosen:
+    args = _for_direction(args, direction)
     cands = ordered(args, direction)
     cand = _select(cands, args, forced, direction)
     is_forced = forced_kernel(forced) is not None and cand.name == forced_kernel(forced)
@@ -299,6 +309,7 @@ def explain_choice(args: AttentionArgs, forced: Optional[str] = None, direction:
 
     Never measures (explain() runs at compile time on fake tensors); a cached tuning winner counts.
     """
+    args = _for_direction(args, direction)
     cands = ordered(args, direction)
     try:
         chosen = _select(cands, args, forced, direction, allow_tune=False).name

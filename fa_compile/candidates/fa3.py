@@ -61,8 +61,6 @@ class FA3Candidate:
         r = c.cuda_reasons(args, what, (9, 0), (9, 0) if flags.get("FLASHATTENTION_DISABLE_SM8x", False) else None)
         if r:
             return r
-        if args.needs_backward and flags.get("FLASHATTENTION_DISABLE_BACKWARD", False):
-            r.append(f"{what} (this build) is forward-only")
         r += c.dtype_reasons(args, what, (torch.float16, torch.bfloat16))
         d, dv = c.static_int(args.q.shape[3]), c.static_int(args.v.shape[3])
         dims = _head_dims(flags)

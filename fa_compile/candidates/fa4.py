@@ -68,8 +68,6 @@ class FA4Candidate:
             if nq is None or nk is None or off is None or off != nk - nq:
                 r.append(f"{what} aligns causal/window bounds bottom-right (diag_offset Nk - Nq), this site's is {args.diag_offset}")
         if args.needs_backward:
-            if not self.has_backward():
-                r.append(f"{what} (this install) has no backward")
             r += c.deterministic_reasons(args, what, deterministic_backward=False)
         return r
 

@@ -1,0 +1,479 @@
+"""Kernel dispatch: each candidate's reasons, the measured order, user settings, forced kernels,
+run-time fallback, tuning cache; on a GPU, every candidate against the reference."""
+from __future__ import annotations
+
+import math
+import types
+import warnings
+import zlib
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fa_compile.ops  # noqa: F401  (registers torch.ops.fa3)
+from fa_compile import dispatch, tuning
+from fa_compile.candidates import common, fa3, fa4, sdpa
+from fa_compile.dispatch import AttentionArgs, NoKernelError
+from fa_compile.kernels import reference as ref
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """Fake CUDA tensors answer as an sm90 device; FA_COMPILE_* env cleared; tuning off."""
+    monkeypatch.setattr(common, "device_capability", lambda device: (9, 0) if device.type == "cuda" else None)
+    for var in ("FA_COMPILE_KERNEL", "FA_COMPILE_TUNE", "FA_COMPILE_FA4"):
+        monkeypatch.delenv(var, raising=False)
+    tuning.enable(None)
+    yield
+
+
+@pytest.fixture
+def fake_fa3(monkeypatch):
+    """flash_attn_interface 'importable' with the tokenspeed-fa3 build flags (forward only, no softcap, no 96)."""
+    flags = {"FLASHATTENTION_DISABLE_BACKWARD": True, "FLASHATTENTION_DISABLE_SOFTCAP": True,
+             "FLASHATTENTION_DISABLE_HDIM96": True, "FLASHATTENTION_DISABLE_SM8x": True}
+    monkeypatch.setattr(fa3, "_module", lambda: (types.SimpleNamespace(), flags, ""))
+    yield
+
+
+def fake_args(b=2, hq=4, hkv=4, nq=64, nk=64, d=64, dv=None, dtype=BF16, device="cuda", **kw) -> AttentionArgs:
+    """AttentionArgs over FakeTensors (no data, no GPU needed): what explain() hands the candidates."""
+    mode = FakeTensorMode()
+    with mode:
+        q = torch.empty(b, nq, hq, d, device=device, dtype=dtype).transpose(1, 2)  # BSHD storage, as models have
+        k = torch.empty(b, nk, hkv, d, device=device, dtype=dtype).transpose(1, 2)
+        v = torch.empty(b, nk, hkv, dv or d, device=device, dtype=dtype).transpose(1, 2)
+        if isinstance(kw.get("bias"), tuple):
+            shape, bdt = kw["bias"]
+            kw["bias"] = torch.empty(shape, device=device, dtype=bdt)
+        if kw.get("kv_lens") is True:
+            kw["kv_lens"] = torch.empty(b, device=device, dtype=torch.int32)
+        if kw.get("dropout_p"):
+            kw["dropout_seed"] = torch.empty((), device=device, dtype=torch.int64)
+    kw.setdefault("scale", 1 / math.sqrt(d))
+    return AttentionArgs(q=q, k=k, v=v, **kw)
+
+
+def reasons(cand, args) -> str:
+    return " | ".join(cand.not_supported_reasons(args))
+
+
+# ---------------------------------------------------------------------------------------------
+# reasons per candidate (fake CUDA inputs)
+# ---------------------------------------------------------------------------------------------
+
+def test_fake_cuda_inputs_are_plain_fakes_with_cuda_device():
+    a = fake_args()
+    assert a.q.device.type == "cuda" and a.q.stride(-1) == 1 and dispatch._is_fake(a.q)
+
+
+@pytest.mark.parametrize("cand", [sdpa.CUDNN, sdpa.FLASH, sdpa.EFFICIENT])
+def test_sdpa_candidates_take_plain_and_square_causal_bf16(hopper, cand):
+    assert reasons(cand, fake_args()) == ""
+    assert reasons(cand, fake_args(causal=True)) == ""
+    assert reasons(cand, fake_args(dtype=torch.float16, needs_backward=True)) == ""
+
+
+@pytest.mark.parametrize("cand", [sdpa.CUDNN, sdpa.FLASH, sdpa.EFFICIENT])
+def test_sdpa_candidates_refuse_what_their_kernels_cannot_do(hopper, cand):
+    assert "no softcap" in reasons(cand, fake_args(softcap=30.0))
+    assert "dropout mask" in reasons(cand, fake_args(dropout_p=0.1))
+    assert "sliding window" in reasons(cand, fake_args(window_left=8))
+    assert "top-left aligned" in reasons(cand, fake_args(causal=True, nq=16, nk=64, diag_offset=48))
+    assert "float64" in reasons(cand, fake_args(dtype=torch.float64))
+    assert "multiple of 8" in reasons(cand, fake_args(d=100))
+    assert "runs on CUDA only" in reasons(cand, fake_args(device="cpu"))
+
+
+def test_sdpa_causal_alignment_per_kernel(hopper):
+    # Nq != Nk with SDPA's top-left diagonal: mem-efficient documents top-left, the others are refused
+    a = fake_args(causal=True, nq=16, nk=64, diag_offset=0)
+    assert reasons(sdpa.EFFICIENT, a) == ""
+    assert "Nq 16 != Nk 64" in reasons(sdpa.CUDNN, a)
+    assert "Nq 16 != Nk 64" in reasons(sdpa.FLASH, a)
+    # decode against a cache, bottom-right: the causal bound admits every key, so no mask is needed
+    dec = fake_args(causal=True, nq=1, nk=4096, diag_offset=4095)
+    assert not common.effective_causal(dec)
+    assert reasons(sdpa.CUDNN, dec) == "" and reasons(sdpa.FLASH, dec) == ""
+
+
+def test_sdpa_bias_kv_lens_gqa_rules(hopper):
+    gqa = fake_args(hq=8, hkv=2)
+    assert reasons(sdpa.CUDNN, gqa) == "" and reasons(sdpa.FLASH, gqa) == ""
+    assert "repeat K and V 4x" in reasons(sdpa.EFFICIENT, gqa)
+    bias_bool = fake_args(bias=((2, 1, 64, 64), torch.bool))
+    assert reasons(sdpa.CUDNN, bias_bool) == "" and reasons(sdpa.EFFICIENT, bias_bool) == ""
+    assert "no attention bias" in reasons(sdpa.FLASH, bias_bool)
+    assert "kv_lens" in reasons(sdpa.FLASH, fake_args(kv_lens=True))
+    assert reasons(sdpa.CUDNN, fake_args(kv_lens=True)) == ""
+    assert "rounding it" in reasons(sdpa.CUDNN, fake_args(bias=((64, 64), torch.float32)))
+    grad = fake_args(bias=((1, 4, 64, 64), BF16), needs_backward=True, bias_requires_grad=True)
+    assert "no bias gradient" in reasons(sdpa.CUDNN, grad)
+    assert reasons(sdpa.EFFICIENT, grad) == ""
+
+
+def test_user_settings_deterministic_precision_sdpa_kernel(hopper):
+    train = fake_args(needs_backward=True)
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for cand in (sdpa.CUDNN, sdpa.FLASH, sdpa.EFFICIENT):
+            assert "not deterministic" in reasons(cand, train)
+        assert reasons(sdpa.CUDNN, fake_args()) == ""  # forward kernels are deterministic
+        assert dispatch.select_backward(train).name in ("triton", "reference")
+    finally:
+        torch.use_deterministic_algorithms(prev)
+
+    f32 = fake_args(dtype=torch.float32)
+    prec = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert "'highest'" in reasons(sdpa.EFFICIENT, f32)
+        assert "float32" in reasons(sdpa.CUDNN, f32)
+        torch.set_float32_matmul_precision("high")
+        assert reasons(sdpa.EFFICIENT, f32) == ""
+    finally:
+        torch.set_float32_matmul_precision(prec)
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        assert "disabled" in reasons(sdpa.CUDNN, fake_args())
+        assert "disabled" in reasons(sdpa.EFFICIENT, fake_args())
+        assert reasons(sdpa.FLASH, fake_args()) == ""
+        assert dispatch.select_forward(fake_args()).name == "flash"
+    assert dispatch.select_forward(fake_args()).name == "cudnn"
+
+
+def test_fa3_not_importable_says_so(hopper, monkeypatch):
+    monkeypatch.setattr(fa3, "_module", lambda: (None, {}, "ModuleNotFoundError: No module named 'flash_attn_interface'"))
+    assert "not importable" in reasons(fa3.FA3, fake_args())
+
+
+def test_fa3_build_flags_and_bottom_right_alignment(hopper, fake_fa3):
+    assert reasons(fa3.FA3, fake_args(hq=8, hkv=2)) == ""
+    assert not fa3.FA3.has_backward()  # forward-only build: absent from the backward list
+    assert "head dim 96" in reasons(fa3.FA3, fake_args(d=96))
+    assert reasons(fa3.FA3, fake_args(d=128)) == "" and reasons(fa3.FA3, fake_args(d=256)) == ""
+    assert "no softcap" in reasons(fa3.FA3, fake_args(softcap=50.0))
+    assert "no attention bias" in reasons(fa3.FA3, fake_args(bias=((64, 64), torch.bool)))
+    # bottom-right diagonal (KV cache) is FA3's; SDPA's top-left one is not, unless Nq == Nk
+    assert reasons(fa3.FA3, fake_args(causal=True, nq=16, nk=64, diag_offset=48)) == ""
+    assert "bottom-right" in reasons(fa3.FA3, fake_args(causal=True, nq=16, nk=64, diag_offset=0))
+    assert reasons(fa3.FA3, fake_args(window_left=8, window_right=0, nq=16, nk=64, diag_offset=48)) == ""
+    assert reasons(fa3.FA3, fake_args(kv_lens=True)) == ""
+    assert "seqused_k" in reasons(fa3.FA3, fake_args(kv_lens=True, causal=True))
+    assert "float32" in reasons(fa3.FA3, fake_args(dtype=torch.float32))
+
+
+def test_fa3_needs_sm90(fake_fa3, monkeypatch):
+    monkeypatch.setattr(common, "device_capability", lambda device: (8, 0))
+    assert "needs sm90..sm90, device is sm80" in reasons(fa3.FA3, fake_args())
+
+
+def test_fa4_is_opt_in(hopper, monkeypatch):
+    monkeypatch.setattr(fa4, "_module", lambda: (types.SimpleNamespace(_flash_attn_fwd=None), ""))
+    assert "opt in" in fa4.FA4.opt_in_reason()
+    monkeypatch.setenv("FA_COMPILE_FA4", "1")
+    assert fa4.FA4.opt_in_reason() is None
+    assert reasons(fa4.FA4, fake_args()) == ""
+    assert not fa4.FA4.has_backward()
+
+
+def test_reference_takes_everything(hopper):
+    a = fake_args(softcap=5.0, dropout_p=0.2, window_left=3, bias=((64, 64), torch.float32), dtype=torch.float64)
+    assert dispatch.ReferenceCandidate().not_supported_reasons(a) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# order, forced kernels, errors
+# ---------------------------------------------------------------------------------------------
+
+def test_order_short_prefill_cudnn_first_long_prefill_fa3_first(hopper, fake_fa3):
+    short = fake_args(nq=1024, nk=1024, causal=True)
+    long = fake_args(nq=4096, nk=4096, causal=True)
+    decode = fake_args(nq=1, nk=8192, causal=True, diag_offset=8191)
+    assert [c.name for c in dispatch.ordered(short)][:2] == ["cudnn", "fa3"]
+    assert [c.name for c in dispatch.ordered(long)][:2] == ["fa3", "cudnn"]
+    assert dispatch.select_forward(short).name == "cudnn"
+    assert dispatch.select_forward(long).name == "fa3"
+    assert dispatch.select_forward(decode).name == "cudnn"
+    assert dispatch.candidates("forward")[-1].name == "reference"
+    assert dispatch.candidates("backward")[-1].name == "reference"
+    assert "fa3" not in [c.name for c in dispatch.candidates("backward")]  # forward-only build
+
+
+def test_backward_chosen_separately_from_forward_only_kernel(hopper, fake_fa3):
+    long = fake_args(nq=4096, nk=4096, causal=True, needs_backward=True)
+    chosen, refused = dispatch.explain_choice(long, None, "forward")
+    assert chosen == "fa3" and refused == []
+    chosen_b, _ = dispatch.explain_choice(long, None, "backward")
+    assert chosen_b == "cudnn"
+    # a forced forward-only kernel leaves the backward to dispatch
+    assert dispatch.select_backward(long, forced="fa3").name == "cudnn"
+
+
+def test_explain_choice_lists_faster_refused_candidates(hopper, fake_fa3):
+    a = fake_args(softcap=30.0)
+    chosen, refused = dispatch.explain_choice(a, None, "forward")
+    names = [n for n, _ in refused]
+    assert names[:3] == ["cudnn", "fa3", "fa4"]
+    assert all(r for _, r in refused)
+    assert chosen in ("triton", "reference")
+    assert any("no softcap" in "; ".join(r) for n, r in refused if n == "cudnn")
+
+
+def test_forced_kernel_errors_name_the_argument(hopper, monkeypatch):
+    with pytest.raises(NoKernelError, match=r"kernel: the forced forward kernel 'cudnn' cannot take these inputs: .*no softcap"):
+        dispatch.select_forward(fake_args(softcap=30.0), forced="cudnn")
+    with pytest.raises(ValueError, match="kernel: unknown forward kernel 'nope'"):
+        dispatch.select_forward(fake_args(), forced="nope")
+    monkeypatch.setenv("FA_COMPILE_KERNEL", "flash")
+    with pytest.raises(NoKernelError, match="FA_COMPILE_KERNEL: the forced forward kernel 'flash'.*no attention bias"):
+        dispatch.select_forward(fake_args(bias=((64, 64), torch.bool)))
+    assert dispatch.select_forward(fake_args()).name == "flash"
+    # the argument wins over the environment
+    assert dispatch.select_forward(fake_args(), forced="reference").name == "reference"
+
+
+def test_forced_fa4_skips_the_opt_in(hopper, monkeypatch):
+    monkeypatch.setattr(fa4, "_module", lambda: (types.SimpleNamespace(_flash_attn_fwd=None), ""))
+    assert dispatch.select_forward(fake_args(), forced="fa4").name == "fa4"
+    assert dispatch.select_forward(fake_args()).name == "cudnn"
+
+
+def test_every_candidate_refusing_lists_all_reasons(hopper, monkeypatch):
+    reg = dispatch.Registry(forward=[sdpa.CUDNN, sdpa.FLASH], backward=[sdpa.CUDNN])
+    monkeypatch.setattr(dispatch, "_REGISTRY", reg)
+    with pytest.raises(NoKernelError) as e:
+        dispatch.select_forward(fake_args(softcap=2.0, dtype=torch.float64))
+    msg = str(e.value)
+    assert msg.startswith("no forward kernel takes these inputs")
+    assert "cudnn: " in msg and "flash: " in msg and "no softcap" in msg and "float64" in msg
+
+
+def test_cpu_inputs_get_the_reference_and_peers_say_why(hopper):
+    a = fake_args(device="cpu")
+    chosen, refused = dispatch.explain_choice(a)
+    assert chosen == "reference"
+    assert dict(refused)["cudnn"] == ["cuDNN (SDPA) runs on CUDA only, inputs are on cpu"]
+
+
+# ---------------------------------------------------------------------------------------------
+# run-time fallback, lse helpers, bias building, tuning cache (real CPU tensors)
+# ---------------------------------------------------------------------------------------------
+
+class _Broken:
+    name = "broken"
+
+    def not_supported_reasons(self, args):
+        return []
+
+    def forward(self, args):
+        raise RuntimeError("no execution plan for this shape")
+
+    def backward(self, args, dout, out, lse):
+        raise RuntimeError("no execution plan for this shape")
+
+
+def test_runtime_failure_falls_back_with_a_warning(monkeypatch):
+    torch.manual_seed(0)
+    reg = dispatch.Registry(forward=[_Broken(), dispatch.ReferenceCandidate()], backward=[dispatch.ReferenceCandidate()])
+    monkeypatch.setattr(dispatch, "_REGISTRY", reg)
+    monkeypatch.delenv("FA_COMPILE_KERNEL", raising=False)
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        dispatch._WARNED.clear()
+        out, lse = torch.ops.fa3.attention(q, k, v, 0.3)
+    assert any("'broken' failed" in str(x.message) and "'reference' instead" in str(x.message) for x in w)
+    exp, exp_lse = ref.attention_reference(q, k, v, scale=0.3)
+    torch.testing.assert_close(out, exp, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse, exp_lse, atol=1e-6, rtol=1e-6)
+    # forced: the failure is the user's answer, not hidden
+    with pytest.raises(RuntimeError, match="no execution plan"):
+        torch.ops.fa3.attention(q, k, v, 0.3, force_kernel="broken")
+
+
+def test_finish_forward_normalises_empty_rows():
+    out = torch.ones(1, 1, 3, 2)
+    lse = torch.tensor([[[math.inf, 0.5, -math.inf]]])
+    o, l = common.finish_forward(out, lse, maybe_empty=True)
+    assert l.tolist() == [[[-math.inf, 0.5, -math.inf]]]
+    assert o[0, 0, :, 0].tolist() == [0.0, 1.0, 0.0]
+    o2, l2 = common.finish_forward(out, lse, maybe_empty=False)
+    assert torch.isposinf(l2[0, 0, 0]) and o2[0, 0, 0, 0] == 1.0
+    assert common.lse_for_backward(torch.tensor([-math.inf, 1.0])).tolist() == [math.inf, 1.0]
+
+
+def test_sdpa_bias_matches_the_reference_masking():
+    """bool keep-mask and kv_lens become one additive bias whose effect equals the reference's."""
+    torch.manual_seed(1)
+    b, h, nq, nk, d = 2, 3, 5, 19, 8  # Nk not a multiple of 16: the padded-row path
+    q, k, v = (torch.randn(b, h, n, d) for n in (nq, nk, nk))
+    keep = torch.rand(b, 1, nq, nk) > 0.3
+    kv_lens = torch.tensor([7, 0])
+    args = AttentionArgs(q=q, k=k, v=v, scale=0.4, bias=keep, kv_lens=kv_lens)
+    bias = sdpa.CUDNN._bias(args)
+    assert bias.shape == (b, h, nq, nk) and bias.dtype == q.dtype and bias.stride(-1) == 1
+    assert bias.stride(-2) % 16 == 0 or bias.stride(-2) == 0
+    s_ref = ref.scores_reference(q, k, scale=0.4, bias=keep, kv_lens=kv_lens)
+    s_ours = ref.scores_reference(q, k, scale=0.4) + bias
+    torch.testing.assert_close(s_ours, s_ref, atol=0, rtol=0)
+
+
+def test_tuning_bucket_and_disk_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FA_COMPILE_CACHE_DIR", str(tmp_path))
+    a = fake_args(nq=3000, nk=3000, causal=True, hq=16, hkv=8, d=128)
+    key = tuning.bucket(a, "forward")
+    assert key == "forward|bfloat16|d128/128|g2|nq4096|nk4096|bh32|c"
+    tuning._store("H200|sm90|torch2.11", key, "fa3")
+    assert tuning._load() == {"H200|sm90|torch2.11": {key: "fa3"}}
+    monkeypatch.setenv("FA_COMPILE_TUNE", "1")
+    assert tuning.enabled()
+    tuning.enable(False)
+    assert not tuning.enabled()
+    tuning.enable(None)
+
+
+def test_tuning_without_measurement_keeps_the_static_order(hopper, monkeypatch):
+    monkeypatch.setenv("FA_COMPILE_TUNE", "1")
+    a = fake_args()
+    # fake tensors are never timed: the first eligible candidate stands, and explain says the rest were eligible
+    assert dispatch.select_forward(a).name == "cudnn"
+    chosen, refused = dispatch.explain_choice(a)
+    assert chosen == "cudnn"
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: each candidate against the reference (skipped without CUDA)
+# ---------------------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+GPU_CASES = [
+    # name, B, Hq, Hkv, Nq, Nk, D, kwargs
+    ("plain", 2, 4, 4, 128, 128, 64, {}),
+    ("causal", 2, 4, 4, 256, 256, 128, dict(causal=True)),
+    ("gqa_causal", 1, 8, 2, 192, 192, 128, dict(causal=True)),
+    ("nonsquare_noncausal", 2, 4, 4, 64, 320, 64, {}),
+    ("top_left_nonsquare", 1, 4, 4, 64, 200, 64, dict(causal=True)),
+    ("bottom_right", 1, 4, 4, 64, 200, 64, dict(causal=True, diag_offset=136)),
+    ("decode", 4, 8, 2, 1, 1000, 128, dict(causal=True, diag_offset=999)),
+    ("window_br", 1, 4, 4, 128, 256, 64, dict(window_left=32, window_right=0, diag_offset=128)),
+    ("bool_bias_empty_rows", 2, 4, 4, 96, 96, 64, dict(bias="bool")),
+    ("float_bias_grad", 1, 4, 4, 64, 80, 64, dict(bias="float")),
+    ("kv_lens", 3, 4, 4, 64, 128, 64, dict(kv_lens=[128, 50, 0])),
+    ("kv_lens_fa3", 3, 4, 4, 64, 128, 64, dict(kv_lens=[128, 50, 1])),
+    ("d256", 1, 2, 2, 128, 128, 256, dict(causal=True)),
+    ("d96", 1, 2, 2, 128, 128, 96, {}),
+]
+
+GPU_CANDIDATES = ["cudnn", "flash", "efficient", "fa3", "fa4", "triton"]
+
+
+def _poison_allocator(nbytes: int = 1 << 26) -> None:
+    """Fill freed cached blocks with NaN so a kernel output that is not fully written shows."""
+    t = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
+    del t
+
+
+def _gpu_args(case, dtype, needs_backward, seed):
+    name, b, hq, hkv, nq, nk, d, kw = case
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, nq, hq, d, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
+    k = torch.randn(b, nk, hkv, d, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
+    v = torch.randn(b, nk, hkv, d, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
+    kw = dict(kw)
+    if kw.get("bias") == "bool":
+        keep = torch.rand(b, 1, nq, nk, device="cuda", generator=g) > 0.2
+        keep[:, :, 3] = False  # a fully masked row: out 0, lse -inf
+        kw["bias"] = keep
+    elif kw.get("bias") == "float":
+        kw["bias"] = torch.randn(1, hq, nq, nk, device="cuda", dtype=dtype, generator=g)
+        kw["bias_requires_grad"] = needs_backward
+    if "kv_lens" in kw:
+        kw["kv_lens"] = torch.tensor(kw["kv_lens"], device="cuda", dtype=torch.int32)
+    return AttentionArgs(q=q, k=k, v=v, scale=1 / math.sqrt(d), needs_backward=needs_backward, **kw)
+
+
+def _tols(dtype):
+    return {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=3e-3, rtol=3e-3),
+            torch.float32: dict(atol=3e-3, rtol=3e-3)}[dtype]
+
+
+def _cand(name):
+    for c in dispatch.candidates("forward") + dispatch.candidates("backward"):
+        if c.name == name:
+            return c
+    return None
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+@pytest.mark.parametrize("name", GPU_CANDIDATES)
+def test_gpu_candidate_forward_matches_reference(name, case, dtype, monkeypatch):
+    monkeypatch.setenv("FA_COMPILE_FA4", "1")
+    cand = _cand(name)
+    if cand is None:
+        pytest.skip(f"{name} not registered here")
+    args = _gpu_args(case, dtype, needs_backward=False, seed=zlib.crc32(f'{name}/{case[0]}'.encode()) % 1000)
+    why = cand.not_supported_reasons(args)
+    if why:
+        pytest.skip("; ".join(why))
+    _poison_allocator()
+    out, lse = cand.forward(args)
+    exp, exp_lse = ref.attention_reference(*(t.float() for t in (args.q, args.k, args.v)), **{
+        **args.mask_kwargs(), "bias": None if args.bias is None else (args.bias if args.bias.dtype == torch.bool else args.bias.float())})
+    assert lse.shape == exp_lse.shape and lse.dtype == torch.float32
+    torch.testing.assert_close(out.float(), exp, **_tols(dtype))
+    torch.testing.assert_close(lse, exp_lse, atol=2e-3, rtol=2e-3)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+@pytest.mark.parametrize("name", GPU_CANDIDATES)
+def test_gpu_candidate_backward_matches_reference(name, case, dtype, monkeypatch):
+    """The backward from the reference's saved lse (any forward's lse means the same)."""
+    monkeypatch.setenv("FA_COMPILE_FA4", "1")
+    cand = next((c for c in dispatch.candidates("backward") if c.name == name), None)
+    if cand is None:
+        pytest.skip(f"{name} has no backward here")
+    args = _gpu_args(case, dtype, needs_backward=True, seed=zlib.crc32(f'{name}/{case[0]}/b'.encode()) % 1000)
+    why = cand.not_supported_reasons(args)
+    if why:
+        pytest.skip("; ".join(why))
+    out, lse = ref.attention_reference(args.q, args.k, args.v, **args.mask_kwargs())
+    dout = torch.randn_like(out)
+    _poison_allocator()
+    dq, dk, dv, db = cand.backward(args, dout, out, lse)
+    up = lambda t: None if t is None else (t if t.dtype == torch.bool else t.float())
+    e = ref.attention_backward_reference(dout.float(), args.q.float(), args.k.float(), args.v.float(),
+                                         bias_requires_grad=args.bias_requires_grad,
+                                         **{**args.mask_kwargs(), "bias": up(args.bias)})
+    for got, want in zip((dq, dk, dv, db), e):
+        if want is None:
+            assert got is None or not args.bias_requires_grad
+            continue
+        scale = want.abs().max().item() or 1.0
+        torch.testing.assert_close(got.float(), want, atol=2e-2 * scale, rtol=2e-2)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_op_end_to_end_with_autograd_and_kernel_choice():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 1024, 128, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3))
+    args = AttentionArgs(q=q, k=k, v=v, scale=0.088, causal=True, needs_backward=True)
+    assert dispatch.select_forward(args).name == "cudnn"
+    out, lse = torch.ops.fa3.attention(q, k, v, 0.088, True)
+    exp, _ = ref.attention_reference(q.detach().float(), k.detach().float(), v.detach().float(), scale=0.088, causal=True)
+    torch.testing.assert_close(out.float(), exp, atol=2e-2, rtol=2e-2)
+    out.float().square().sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
