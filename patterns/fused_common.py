@@ -1,0 +1,141 @@
+"""Shared plumbing of the fused-call rewrites (SDPA, MultiheadAttention, encoder layer).
+
+A rewrite inserts many glue nodes before it knows it can finish (a view that turns out to need a
+copy, a value with no FakeTensor); `Builder` records what it inserted so a refusal can take it all
+back and leave the graph exactly as it was.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from . import emit
+from .emit import example_value
+from .site import PassOptions, SiteReport
+
+
+class Refuse(Exception):
+    """A site cannot be rewritten; the message is the reason shown in explain()."""
+
+
+class Builder:
+    """Insert glue nodes with example values; undo them all on refusal."""
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        self.nodes: list[fx.Node] = []
+        self._before = set(graph.nodes)  # rollback also removes what emit.* inserted on our behalf
+
+    def _add(self, node: fx.Node, what: str) -> fx.Node:
+        self.nodes.append(node)  # tracked before the fake run, so rollback removes it on failure
+        try:
+            emit.set_example_value(node)
+        except Exception as e:  # the fake run rejected it: this rewrite does not apply here
+            raise Refuse(f"{what} on the site's tensors failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+        if "example_value" not in node.meta:
+            raise Refuse(f"no FakeTensor for the inserted {what} (not a Dynamo graph?)")
+        return node
+
+    def f(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        """call_function node."""
+        return self._add(self.graph.call_function(target, args, kwargs), getattr(target, "__name__", str(target)))
+
+    def m(self, name: str, obj: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        """call_method node."""
+        return self._add(self.graph.call_method(name, (obj, *args), kwargs), f".{name}()")
+
+    def size(self, t: fx.Node, dim: int) -> Any:
+        """t.size(dim): a Python int when static, else a node carrying the SymInt."""
+        s = example_value(t).shape[dim]
+        return s if isinstance(s, int) else self.m("size", t, dim)
+
+    def rollback(self) -> None:
+        for n in reversed(list(self.graph.nodes)):
+            if n not in self._before:
+                self.graph.erase_node(n)
+        self.nodes.clear()
+
+
+def tensor_value(node: Any, name: str) -> torch.Tensor:
+    val = example_value(node)
+    if not isinstance(val, torch.Tensor):
+        raise Refuse(f"{name} has no FakeTensor example value (not a Dynamo graph?)")
+    return val
+
+
+def static_int(value: Any, what: str) -> int:
+    if isinstance(value, torch.SymInt):
+        raise Refuse(f"{what} is dynamic ({value}); the op needs it at compile time")
+    return int(value)
+
+
+def const(value: Any, name: str) -> Any:
+    """A Python constant argument; a graph value (computed at run time) is refused."""
+    if isinstance(value, fx.Node):
+        ev = example_value(value)
+        if isinstance(ev, (bool, int, float)) and not isinstance(ev, torch.SymInt):
+            return ev
+        raise Refuse(f"{name} is computed at run time ({value.name}); it must be a Python constant")
+    return value
+
+
+def same_size(a: Any, b: Any) -> bool:
+    """a == b for ints or SymInts, without adding a guard (unknown counts as different)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(a == b))
+
+
+def shape_of(val: Any) -> Optional[tuple]:
+    if not isinstance(val, torch.Tensor):
+        return None
+    return tuple(int(s) if isinstance(s, int) else str(s) for s in val.shape)
+
+
+def where(node: fx.Node) -> str:
+    """The node name and the user's source line, when Dynamo recorded it."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [l.strip() for l in trace.strip().splitlines() if l.strip()]
+    files = [l for l in lines if l.startswith("File ")]
+    if files:
+        loc = files[-1].split(", in ")[0].replace("File ", "")
+        code = lines[-1] if not lines[-1].startswith("File ") else ""
+        return f"{node.name} ({loc}: {code})" if code else f"{node.name} ({loc})"
+    return node.name
+
+
+def report(form: str, node: fx.Node, **fields: Any) -> SiteReport:
+    return SiteReport(form=form, rewritten=fields.pop("rewritten", False), where=where(node), **fields)
+
+
+def replace_output(graph: fx.Graph, old: fx.Node, new: fx.Node) -> None:
+    """Point old's users at new; a user `.view(...)` that needs old's strides gets a contiguous copy.
+
+    The op's output is stored BSHD (free for the usual transpose + reshape); a few models call
+    `.view` directly on SDPA's (contiguous) result, which those strides may not allow.
+    """
+    old.replace_all_uses_with(new)
+    for user in list(new.users):
+        if not ((user.op == "call_method" and user.target == "view") or user.target is torch.Tensor.view):
+            continue
+        try:
+            emit.set_example_value(user)
+        except Exception:
+            with graph.inserting_before(user):
+                cont = emit.call(graph, "contiguous", new, method=True)
+            user.replace_input_with(new, cont)
+            emit.set_example_value(user)
+
+
+def default_scale(head_dim: Any) -> float:
+    return 1.0 / math.sqrt(static_int(head_dim, "the head dim"))
+
+
+def options_allow_dropout(options: PassOptions, dropout_p: float) -> None:
+    if dropout_p > 0 and not options.allow_training_dropout:
+        raise Refuse(f"dropout_p={dropout_p} on the probabilities and the pass was told not to rewrite training dropout")

@@ -1,0 +1,167 @@
+"""`F.scaled_dot_product_attention` -> fa3.attention, with every argument of SDPA.
+
+SDPA's semantics kept exactly:
+- attn_mask: bool (True = attend) or float (added to the scores), broadcasting to [..., L, S];
+  passed as the op's bias (structure analysis of the mask belongs to patterns/masks.py).
+- dropout_p is applied whatever the module's training flag (the caller passes 0 in eval).
+- is_causal: top-left alignment (diag_offset 0). With an explicit attn_mask as well, SDPA's result
+  depends on the backend (the CPU flash kernel combines both, the math backend raises): refused.
+- scale None -> 1/sqrt(E). enable_gqa: Hq a multiple of Hkv (native GQA, no repeated K/V);
+  without it, K/V heads of 1 broadcast (MQA) and batch dims of 1 broadcast (an expand view).
+- A row with no admissible key: SDPA returns 0 there (torch 2.13 CPU flash and math, and the math
+  backend's _safe_softmax since 2.5), which is what the op returns: empty_rows "zero".
+- Inputs of any rank [..., L, E]: 3-D gets a head dim of 1, more than 4 dims fold the leading
+  dims into the batch; both are views (refused if the fold would copy).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from . import emit
+from .fused_common import (
+    Builder, Refuse, const, default_scale, options_allow_dropout, replace_output, report, same_size, shape_of,
+    static_int, tensor_value,
+)
+from .site import PassOptions, SiteReport
+
+SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
+def is_sdpa(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in SDPA_TARGETS
+
+
+def sdpa_args(node: fx.Node) -> dict:
+    if len(node.args) > len(_SDPA_ARGS):
+        raise Refuse(f"unexpected positional arguments to scaled_dot_product_attention: {len(node.args)}")
+    bound = dict(_SDPA_DEFAULTS)
+    bound.update(zip(_SDPA_ARGS, node.args))
+    for key, val in node.kwargs.items():
+        if key not in _SDPA_ARGS:
+            raise Refuse(f"unknown argument {key!r} to scaled_dot_product_attention")
+        bound[key] = val
+    return bound
+
+
+def _to_4d(b: Builder, t: fx.Node, nd: int, name: str) -> fx.Node:
+    """[..., N, E] -> [B, H, N, E] as a view."""
+    if nd == 4:
+        return t
+    if nd == 3:
+        return b.m("unsqueeze", t, 1)
+    if nd == 2:
+        return b.m("unsqueeze", b.m("unsqueeze", t, 0), 0)
+    val = tensor_value(t, name)
+    try:  # the fold must not copy; fake tensors carry the strides that decide it
+        val.view(-1, *val.shape[nd - 3:])
+    except RuntimeError:
+        raise Refuse(f"{name}: folding the leading dims of a {nd}-D input into a batch dim would copy it "
+                     f"(strides {tuple(val.stride())})") from None
+    return b.m("flatten", t, 0, nd - 4)
+
+
+def _expand_batch(b: Builder, t: fx.Node, batch: Any, name: str) -> fx.Node:
+    """Broadcast a batch dim of 1 to the query's batch (an expand view, no copy)."""
+    tb = tensor_value(t, name).shape[0]
+    if same_size(tb, batch):
+        return t
+    if isinstance(tb, int) and tb == 1:
+        return b.m("expand", t, batch, -1, -1, -1)
+    raise Refuse(f"{name}: batch {tb} does not broadcast to the query's batch {batch}")
+
+
+def rewrite_sdpa(graph: fx.Graph, node: fx.Node, options: PassOptions) -> SiteReport:
+    rep = report("sdpa", node)
+    b = Builder(graph)
+    try:
+        with graph.inserting_before(node):
+            _rewrite(b, node, options, rep)
+    except Refuse as e:
+        b.rollback()
+        rep.rewritten, rep.reason, rep.call = False, str(e), None
+        return rep
+    return rep
+
+
+def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport) -> None:
+    a = sdpa_args(node)
+    q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
+    qv, kv, vv = tensor_value(q, "query"), tensor_value(k, "key"), tensor_value(v, "value")
+    rep.q_shape, rep.k_shape, rep.v_shape, rep.dtype = shape_of(qv), shape_of(kv), shape_of(vv), str(qv.dtype).replace("torch.", "")
+    dropout_p = float(const(a["dropout_p"], "dropout_p"))
+    is_causal = bool(const(a["is_causal"], "is_causal"))
+    enable_gqa = bool(const(a["enable_gqa"], "enable_gqa"))
+    scale = const(a["scale"], "scale")
+    rep.dropout_p = dropout_p
+    options_allow_dropout(options, dropout_p)
+    if isinstance(mask, fx.Node) and is_causal:
+        raise Refuse("attn_mask together with is_causal=True: SDPA's result depends on the backend "
+                     "(the CPU flash kernel applies both, the math backend raises)")
+    if mask is not None and not isinstance(mask, fx.Node):
+        raise Refuse(f"attn_mask is a constant {type(mask).__name__}, not a tensor")
+    nd = qv.dim()
+    if kv.dim() != nd or vv.dim() != nd:
+        raise Refuse(f"query, key, value ranks differ ({nd}, {kv.dim()}, {vv.dim()})")
+    if nd > 4 and not all(same_size(x, y) and same_size(x, z)
+                          for x, y, z in zip(qv.shape[:-3], kv.shape[:-3], vv.shape[:-3])):
+        raise Refuse(f"{nd}-D inputs whose leading dims broadcast ({rep.q_shape}, {rep.k_shape}, {rep.v_shape})")
+    head_dim = qv.shape[-1]
+    if not same_size(kv.shape[-1], head_dim):
+        raise Refuse(f"key head dim {kv.shape[-1]} differs from the query's {head_dim}")
+    scale = default_scale(head_dim) if scale is None else float(scale)
+    rep.scale = scale
+
+    q4, k4, v4 = (_to_4d(b, t, nd, n) for t, n in ((q, "query"), (k, "key"), (v, "value")))
+    q4v, k4v, v4v = (tensor_value(t, n) for t, n in ((q4, "query"), (k4, "key"), (v4, "value")))
+    batch, hq = q4v.shape[0], q4v.shape[1]
+    if not same_size(k4v.shape[1], v4v.shape[1]):
+        raise Refuse(f"key and value head counts differ ({k4v.shape[1]} vs {v4v.shape[1]})")
+    hkv = k4v.shape[1]
+    if not same_size(hq, hkv):
+        hq_i, hkv_i = static_int(hq, "query heads"), static_int(hkv, "key/value heads")
+        if hkv_i == 1 or (enable_gqa and hq_i % hkv_i == 0):
+            rep.gqa = f"Hq={hq_i}/Hkv={hkv_i}" + (" (enable_gqa)" if enable_gqa and hkv_i != 1 else " (broadcast)")
+        else:
+            raise Refuse(f"query heads {hq_i} vs key/value heads {hkv_i}: "
+                         + ("not a multiple" if enable_gqa else "needs enable_gqa=True"))
+    k4 = _expand_batch(b, k4, batch, "key")
+    v4 = _expand_batch(b, v4, batch, "value")
+
+    bias, empty_rows = None, "impossible"
+    if mask is not None:
+        mv = tensor_value(mask, "attn_mask")
+        if mv.dtype != torch.bool and not mv.dtype.is_floating_point:
+            raise Refuse(f"attn_mask dtype {mv.dtype} is neither bool nor floating")
+        bias = mask
+        if nd == 3 and mv.dim() == 3:
+            bias = b.m("unsqueeze", mask, 1)
+        elif nd > 4 and mv.dim() > 3:
+            raise Refuse(f"a {mv.dim()}-D attn_mask with {nd}-D inputs (would need a copy to fold)")
+        elif mv.dim() > 4:
+            raise Refuse(f"a {mv.dim()}-D attn_mask with {nd}-D inputs")
+        rep.mask = "bool-mask" if mv.dtype == torch.bool else "bias"
+        empty_rows = "zero"  # SDPA returns 0 on a row whose keys are all masked
+    if is_causal:
+        rep.mask = "causal"
+
+    out4, call = emit.emit_attention(
+        b.graph, q4, k4, v4, scale=scale, causal=is_causal, diag_offset=0, bias=bias, dropout_p=dropout_p,
+        kernel=options.kernel, empty_rows=empty_rows,
+    )
+    b.nodes.append(out4)
+    out = out4
+    if nd == 3:
+        out = b.m("squeeze", out4, 1)
+    elif nd == 2:
+        out = b.m("squeeze", b.m("squeeze", out4, 0), 0)
+    elif nd > 4:
+        lead = [b.size(q, i) for i in range(nd - 3)]
+        out = b.m("unflatten", out4, 0, tuple(lead))
+    replace_output(b.graph, node, out)
+    b.graph.erase_node(node)
+    rep.rewritten, rep.call = True, call
