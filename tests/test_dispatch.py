@@ -371,7 +371,8 @@ GPU_CASES = [
     ("d96", 1, 2, 2, 128, 128, 96, {}),
 ]
 
-GPU_CANDIDATES = ["cudnn", "flash", "efficient", "fa3", "fa4", "triton"]
+# Our Triton family has its own GPU tests (kernels); here the peers, whose conventions dispatch converts.
+GPU_CANDIDATES = ["cudnn", "flash", "efficient", "fa3", "fa4"]
 
 
 def _poison_allocator(nbytes: int = 1 << 26) -> None:
