@@ -1,0 +1,191 @@
+"""The Triton attention kernels under the Triton interpreter (CPU), against the reference op.
+
+The interpreter must be switched on before any Triton kernel is defined, and pytest runs other test
+modules (which may import triton or compile with Inductor) in the same process. So, unless this
+process already has TRITON_INTERPRET=1, this module runs itself in a fresh subprocess with it set
+(one test, which fails with the child's output); in the child the kernel tests run one by one.
+Shapes are tiny and odd on purpose: several 16-wide blocks, partial last blocks, padded head dims.
+fp16 / fp32 only: the interpreter's bf16 dot is unreliable in triton 3.9.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fa_compile.kernels import triton_family as tf
+
+IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(not tf.triton_available(), reason="triton not installed")
+
+
+class FakeArgs:
+    def __init__(self, q, k, v, **kw):
+        self.q, self.k, self.v = q, k, v
+        self.bias = kw.get("bias")
+        for name in ("scale", "causal", "diag_offset", "window_left", "window_right", "kv_lens", "softcap",
+                     "dropout_p", "dropout_seed", "needs_backward", "bias_requires_grad"):
+            setattr(self, name, kw.get(name))
+
+
+# Reason checks flip TRITON_INTERPRET, and FakeTensorMode may import triton.language while it is off,
+# which would leave the interpreter broken for the kernel tests: they run in the parent only.
+@pytest.mark.skipif(IN_CHILD, reason="runs in the parent process")
+def test_reasons_on_fake_tensors(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(tf, "triton_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 8, 64, dtype=torch.float16)
+        k = torch.empty(2, 2, 8, 64, dtype=torch.float16)
+        r = tf.TRITON.not_supported_reasons(FakeArgs(q, k, k))
+        assert r == ["CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)"]
+        r64 = tf.TRITON.not_supported_reasons(FakeArgs(q.double(), k.double(), k.double()))
+        assert any("float64" in x for x in r64)
+        big = torch.empty(2, 4, 8, 320, dtype=torch.float16)
+        assert any("head dims" in x for x in tf.TRITON.not_supported_reasons(FakeArgs(big, big, big)))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q = torch.empty(1, 1, 4, 32, dtype=torch.float32)
+    prev = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert any("TF32" in x for x in tf.TRITON.not_supported_reasons(FakeArgs(q, q, q)))
+        torch.set_float32_matmul_precision("high")
+        assert tf.TRITON.not_supported_reasons(FakeArgs(q, q, q)) == []
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
+def test_reasons_without_triton(monkeypatch):
+    monkeypatch.setattr(tf, "triton_available", lambda: False)
+    q = torch.empty(1, 1, 4, 32, dtype=torch.float16)
+    assert tf.TRITON.not_supported_reasons(FakeArgs(q, q, q)) == ["triton not installed"]
+
+
+def test_module_imports_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "from fa_compile.kernels import triton_family\n"
+        "assert triton_family.TRITON.name == 'triton'\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
+if not IN_CHILD:
+
+    @needs_triton
+    def test_kernels_under_interpreter():
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        res = subprocess.run(
+            [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider"],
+            capture_output=True, text=True, env=env, timeout=900,
+        )
+        assert res.returncode == 0, res.stdout[-8000:] + res.stderr[-4000:]
+        assert " passed" in res.stdout, res.stdout[-2000:]
+
+else:
+    from fa_compile.kernels import reference as ref
+    from fa_compile.kernels.triton_testing import check_case, make_case, poisoned_backward, poisoned_forward
+
+    F16 = torch.float16
+
+    @pytest.fixture(autouse=True)
+    def _tf32():
+        prev = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")
+        yield
+        torch.set_float32_matmul_precision(prev)
+
+    @pytest.mark.parametrize(
+        "d,nq,nk,layout",
+        [(64, 48, 48, "bhsd"), (40, 37, 50, "bshd"), (80, 21, 33, "bshd"), (96, 33, 19, "bhsd")],
+    )
+    def test_dense_head_dims_and_lengths(d, nq, nk, layout):
+        torch.manual_seed(0)
+        check_case(make_case(d=d, nq=nq, nk=nk, layout=layout, dtype=F16))
+
+    @pytest.mark.parametrize("align", ["top_left", "bottom_right", "negative"])
+    def test_causal(align):
+        nq, nk = (37, 53) if align != "negative" else (40, 40)
+        off = {"top_left": 0, "bottom_right": nk - nq, "negative": -7}[align]
+        case = make_case(hq=4, hkv=2, nq=nq, nk=nk, d=40, layout="bshd", causal=True, diag_offset=off)
+        res = check_case(case)
+        if align == "negative":  # rows i < 7 have no admissible key
+            assert torch.isneginf(res["lse"][:, :, :7]).all() and (res["out"][:, :, :7] == 0).all()
+            assert torch.isfinite(res["dq"]).all()
+
+    @pytest.mark.parametrize("wl,wr,causal", [(5, 3, False), (9, -1, True), (-1, 4, False)])
+    def test_sliding_window(wl, wr, causal):
+        check_case(make_case(nq=45, nk=45, d=32, window_left=wl, window_right=wr, causal=causal, diag_offset=2))
+
+    def test_kv_lens_with_empty_batch():
+        res = check_case(make_case(b=3, nq=20, nk=37, d=32, kv_lens=[37, 0, 18]))
+        assert torch.isneginf(res["lse"][1]).all() and (res["out"][1] == 0).all()
+        assert (res["dk"][1] == 0).all() and (res["dv"][1] == 0).all()
+
+    @pytest.mark.parametrize(
+        "shape", [(2, 2, 30, 41), (1, 2, 1, 41), (30, 41), (2, 1, 1, 41)], ids=["full", "heads_keys", "2d", "batch_keys"]
+    )
+    def test_float_bias_with_grad(shape):
+        check_case(make_case(nq=30, nk=41, d=32, bias_shape=shape, bias_grad=True, causal=len(shape) == 2))
+
+    def test_bool_mask_broadcast_with_empty_rows():
+        case = make_case(nq=30, nk=41, d=32, bias_shape=(2, 1, 30, 41), bias_bool=True)
+        case.bias[0, 0, 3] = False  # an empty row
+        res = check_case(case)
+        assert torch.isneginf(res["lse"][0, :, 3]).all() and (res["out"][0, :, 3] == 0).all()
+
+    def test_softcap_causal_gqa():
+        check_case(make_case(hq=4, hkv=1, nq=33, nk=33, d=64, softcap=1.5, causal=True, scale=0.5))
+
+    def test_fp32_tf32_path():
+        check_case(make_case(nq=25, nk=31, d=48, dtype=torch.float32, causal=True, diag_offset=6))
+
+    def test_dropout_mask_bit_exact():
+        # v = identity, so out = dropped, rescaled P: its zero pattern is the keep mask itself.
+        case = make_case(b=2, hq=2, nq=24, nk=32, d=32, dtype=torch.float32, dropout_p=0.4)
+        case.v = torch.eye(32).expand(2, 2, 32, 32).contiguous()
+        out, _ = poisoned_forward(case)
+        from fa_compile.kernels.dropout_hash import dropout_keep_mask
+
+        keep = dropout_keep_mask(case.dropout_seed, 2, 2, 24, 32, 0.4, device="cpu")
+        assert torch.equal(out != 0, keep)
+
+    def test_dropout_forward_backward_with_bias_window():
+        check_case(make_case(hq=4, hkv=2, nq=29, nk=35, d=32, dropout_p=0.3, bias_shape=(29, 35), bias_grad=True,
+                             window_left=12, softcap=2.0))
+
+    def test_backward_is_deterministic():
+        case = make_case(hq=4, hkv=2, nq=40, nk=40, d=32, causal=True, bias_shape=(1, 4, 40, 40), bias_grad=True)
+        out, lse = poisoned_forward(case)
+        dout = torch.randn_like(out)
+        prev = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            a = poisoned_backward(case, dout, out, lse)
+            b = poisoned_backward(case, dout, out, lse)
+        finally:
+            torch.use_deterministic_algorithms(prev)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+
+    def test_through_the_op_with_autograd():
+        from fa_compile import dispatch, ops  # noqa: F401  (ops registers torch.ops.fa3)
+
+        dispatch.register(tf.TRITON)
+        case = make_case(hq=2, nq=19, nk=23, d=32, layout="bshd", causal=True, diag_offset=4)
+        q, k, v = (t.detach().requires_grad_() for t in (case.q, case.k, case.v))
+        out, lse = torch.ops.fa3.attention(q, k, v, case.scale, True, 4, force_kernel="triton")
+        r_out, r_lse = ref.attention_reference(q.detach(), k.detach(), v.detach(), scale=case.scale, causal=True, diag_offset=4)
+        torch.testing.assert_close(out, r_out, atol=2e-3, rtol=2e-3)
+        out.float().square().sum().backward()
+        qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+        o2, _ = ref.attention_reference(qr, kr, vr, scale=case.scale, causal=True, diag_offset=4)
+        o2.to(torch.float16).float().square().sum().backward()
+        for got, want in ((q.grad, qr.grad), (k.grad, kr.grad), (v.grad, vr.grad)):
+            torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
