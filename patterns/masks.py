@@ -1,0 +1,1181 @@
+"""Mask structure analysis: prove what a site's mask is from how the graph builds it.
+
+    analyze_mask(gm: fx.GraphModule, terms: list[MaskTerm], *, batch, q_heads, q_len, k_len,
+                 scores_dtype: torch.dtype, insert_before: fx.Node, sdpa: bool = False) -> MaskSpec | str
+
+`terms` are the ways a mask enters the scores, in the order eager applies them (see MaskTerm).
+batch / q_heads / q_len / k_len are the site's sizes (ints or SymInts from the example values);
+new nodes (kv_lens reshape, residual bias, symbolic diag offset) are inserted before `insert_before`
+with `emit.call`, so they carry example values. `sdpa=True` says the softmax is SDPA's (fully masked
+rows give 0 there). A returned string is the reason the site must be left alone.
+
+How a proof works. Each node of the mask subgraph gets an abstract value (`_Lin`: integer index
+arithmetic a*i + b*j + c on the query/key axes; `_Keep`: a keep-mask that is a conjunction of a band
+lo <= j - i <= hi, a key-length bound j < lens[b] and opaque bool factors; `_Two`: a float mask equal
+to 0 where a `_Keep` holds and c elsewhere; `_Konst`: a tensor filled with one number; `_Opaque`:
+anything else). Two techniques produce them:
+  (a) symbolic rules over arange / comparisons / tril / triu / where / masked_fill / logical ops and
+      shape-only ops; these hold for every size, so they serve dynamic shapes;
+  (b) concrete evaluation: a node that depends on no graph input except module buffers and whose
+      shapes are all static ints is evaluated with real tensors and its value classified (band, 0/c).
+      Static-shape guards make that a proof for every call the graph admits. Never used when any
+      shape in the subgraph is symbolic. Module buffers (not parameters) are read at compile time and
+      treated as constants: Dynamo does not guard their contents, so a model that writes into its
+      mask buffer after compiling must recompile (nanoGPT / GPT-2 never do).
+Whatever depends on data stays a residual bias, as the smallest node that the graph already has
+(e.g. the [B, 1, 1, Nk] padding mask, never its expansion to N x N).
+
+Masked values. The op masks with -inf. A finite fill c (masked_fill / where / a 0-or-c additive mask)
+is replaced by -inf only when c <= FILL_LIMIT (-1e4): on a row with at least one admissible key, eager
+gives a masked key the weight exp(c - rowmax), which is 0 in fp32 as soon as c - rowmax < -104;
+we rely on every row's largest admissible (scaled, biased) score exceeding c + 104 (for finfo.min
+fills that holds for any finite score). Larger fills (e.g. -100) are refused, or passed untouched
+when they come in an additive mask. On a row where every key is masked eager computes:
+  -inf fills: NaN (SDPA: 0)                              -> empty_rows "nan" ("zero")
+  one finite fill c (every entry becomes c, or s + c which rounds to c when |s| < ulp(c) / 2, i.e.
+  always for fp32/bf16 finfo.min, |s| <= 16 for fp16 finfo.min, |s| < 32 for fp32 -1e9)
+                                                          -> empty_rows "mean_v"
+Mixes whose fully masked rows eager computes differently (finite fills of different values, a
+finite fill and a separate additive float mask) are refused unless proven to have no empty row.
+An additive float mask that is not proven to be 0-or-c is passed untouched as the op's float bias;
+the op adds it in fp32, which is eager's own arithmetic (exact for fp32 scores).
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional, Union
+
+import torch
+import torch.fx as fx
+
+from .emit import call, example_value
+from .site import MaskSpec, MaskTerm
+
+FILL_LIMIT = -1e4  # finite fills at or below this are equivalent to -inf on rows with an admissible key
+CONCRETE_MAX_NUMEL = 1 << 24  # concrete evaluation is skipped for larger mask subgraphs
+
+Size = Any  # int or SymInt
+
+
+# ----------------------------------------------------------------------------- symbolic sizes
+
+def _sym_true(cond: Any) -> bool:
+    """True only when `cond` (bool or SymBool) holds for every size the guards admit."""
+    if isinstance(cond, bool):
+        return cond
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    try:
+        return bool(statically_known_true(cond))
+    except Exception:
+        return False
+
+
+def _same(a: Size, b: Size) -> bool:
+    return _sym_true(a == b)
+
+
+def _is_one(a: Size) -> bool:
+    return _sym_true(a == 1)
+
+
+def _as_int(v: Size) -> Optional[int]:
+    if isinstance(v, int):
+        return v
+    if isinstance(v, torch.SymInt):
+        expr = v.node.expr
+        if getattr(expr, "is_number", False):
+            return int(expr)
+    return None
+
+
+def _shape(node: Any) -> Optional[tuple]:
+    v = example_value(node)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _dtype(node: Any) -> Optional[torch.dtype]:
+    v = example_value(node)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def _static(node: fx.Node) -> bool:
+    v = example_value(node)
+    if isinstance(v, torch.Tensor):
+        return all(isinstance(s, int) for s in v.shape)
+    if isinstance(v, (tuple, list)):
+        return all(_static_value(x) for x in v)
+    return _static_value(v)
+
+
+def _static_value(v: Any) -> bool:
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return False
+    if isinstance(v, torch.Tensor):
+        return all(isinstance(s, int) for s in v.shape)
+    return True
+
+
+# ----------------------------------------------------------------------------- abstract values
+
+@dataclass(frozen=True)
+class _Lin:
+    """Integer tensor whose element is const + sum(coef * index along dim); dims counted from the right."""
+
+    coef: tuple  # ((dim, c), ...) sorted, dims negative, c != 0
+    const: Size = 0
+
+    def get(self, dim: int) -> int:
+        return dict(self.coef).get(dim, 0)
+
+
+@dataclass(frozen=True)
+class _Keep:
+    """Keep-mask (True or 1 = admissible): lo <= j - i <= hi, j < lens[b] + lens_add, and bool factors.
+
+    numeric: stored as 0/1 numbers rather than bool. lens = (node, batch dim from the right, add).
+    data: ((bool node, negated), ...) opaque factors, each broadcasting to this tensor unchanged.
+    """
+
+    lo: Optional[Size] = None
+    hi: Optional[Size] = None
+    lens: Optional[tuple] = None
+    data: tuple = ()
+    numeric: bool = False
+
+    @property
+    def structural(self) -> bool:
+        return self.lo is not None or self.hi is not None or self.lens is not None
+
+
+@dataclass(frozen=True)
+class _Two:
+    """Float tensor: sum(extra) + (0 where keep holds else c). extra: opaque float nodes."""
+
+    keep: _Keep
+    c: float
+    extra: tuple = ()
+
+
+@dataclass(frozen=True)
+class _Konst:
+    """A tensor (or Python number) holding one value everywhere."""
+
+    value: Any
+
+
+@dataclass(frozen=True)
+class _Opaque:
+    node: Any
+
+
+AbsVal = Union[_Lin, _Keep, _Two, _Konst, _Opaque]
+
+_TRUE = _Keep()
+
+
+def _and(a: _Keep, b: _Keep) -> Optional[_Keep]:
+    def tighter(x, y, pick):
+        if x is None:
+            return y
+        if y is None:
+            return x
+        if _sym_true(x <= y):
+            return y if pick == "max" else x
+        if _sym_true(y <= x):
+            return x if pick == "max" else y
+        raise _Fail("band bounds that are not comparable for every size")
+
+    if a.lens is not None and b.lens is not None:
+        return None
+    try:
+        lo = tighter(a.lo, b.lo, "max")
+        hi = tighter(a.hi, b.hi, "min")
+    except _Fail:
+        return None
+    return _Keep(lo, hi, a.lens or b.lens, a.data + b.data, a.numeric and b.numeric)
+
+
+def _not(a: _Keep) -> Optional[_Keep]:
+    parts = [a.lo is not None, a.hi is not None, a.lens is not None, len(a.data)]
+    if sum(parts) != 1:
+        return None if sum(parts) else _Keep(lo=1, hi=0, numeric=a.numeric)  # not-True: never (lo > hi)
+    if a.lo is not None:
+        return _Keep(hi=a.lo - 1, numeric=a.numeric)
+    if a.hi is not None:
+        return _Keep(lo=a.hi + 1, numeric=a.numeric)
+    if a.data:
+        node, neg = a.data[0]
+        return _Keep(data=((node, not neg),), numeric=a.numeric)
+    return None
+
+
+class _Fail(Exception):
+    pass
+
+
+# ----------------------------------------------------------------------------- node helpers
+
+_INPLACE_FUNCS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                  operator.iand, operator.ior}
+_RANDOM_WORDS = ("rand", "empty", "dropout", "bernoulli", "normal", "uniform", "exponential", "multinomial",
+                 "seed", "poisson", "cauchy", "geometric", "log_normal")
+
+
+def _opname(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op != "call_function":
+        return node.op
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name.split("::")[-1]
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return t._qualified_op_name.split("::")[-1]
+    return getattr(t, "__name__", str(t))
+
+
+def _is_inplace(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target in _INPLACE_FUNCS:
+        return True
+    name = _opname(node)
+    return node.op in ("call_method", "call_function") and name.endswith("_") and not name.endswith("__")
+
+
+def _arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _scalar(v: Any) -> Optional[float]:
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, (int, float)):
+        return float(v)
+    return None
+
+
+# ----------------------------------------------------------------------------- concrete evaluation
+
+def _real_buffer(node: fx.Node) -> Optional[torch.Tensor]:
+    """The real tensor of a placeholder that Dynamo lifted from a module buffer (not a parameter)."""
+    if node.op != "placeholder" or "_dynamo_static_input_type" not in node.meta.get("tensor_dict", {}):
+        return None
+    fake = example_value(node)
+    if not isinstance(fake, torch.Tensor) or fake.requires_grad or not _static(node):
+        return None
+    try:  # FakeTensorConverter keeps (weakly) the real tensor each fake was made from
+        conv = fake.fake_mode.fake_tensor_converter
+        memo, desc = conv.tensor_memo, conv.meta_converter.describer
+        for real, tid in list(desc.lookup_tensor.items()):
+            if memo.get(tid) is fake and not isinstance(real, torch._subclasses.FakeTensor):
+                return real
+    except Exception:
+        return None
+    return None
+
+
+class _Evaluator:
+    """Evaluates constant-foldable static-shape nodes with real tensors."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+        self.foldable: dict = {}
+        self.values: dict = {}
+
+    def can_fold(self, node: Any) -> bool:
+        if not isinstance(node, fx.Node):
+            return _static_value(node)
+        if node in self.foldable:
+            return self.foldable[node]
+        self.foldable[node] = False  # cycles cannot happen; this also bounds recursion on failure
+        ok = _static(node) and not any(_is_inplace(u) for u in node.users)
+        if ok:
+            if node.op == "placeholder":
+                ok = _real_buffer(node) is not None
+            elif node.op == "get_attr":
+                ok = True
+            elif node.op in ("call_function", "call_method"):
+                name = _opname(node).lower()
+                ok = not _is_inplace(node) and not any(w in name for w in _RANDOM_WORDS)
+                if ok:
+                    deps = []
+                    fx.node.map_arg((node.args, node.kwargs), deps.append)
+                    ok = all(self.can_fold(d) for d in deps)
+            else:
+                ok = False
+        if ok:
+            v = example_value(node)
+            ok = not isinstance(v, torch.Tensor) or v.numel() <= CONCRETE_MAX_NUMEL
+        self.foldable[node] = ok
+        return ok
+
+    def value(self, node: fx.Node) -> Any:
+        if node in self.values:
+            return self.values[node]
+        if node.op == "placeholder":
+            val = _real_buffer(node).detach().clone()
+        elif node.op == "get_attr":
+            val = self.gm
+            for part in str(node.target).split("."):
+                val = getattr(val, part)
+            if isinstance(val, torch.Tensor):
+                val = val.detach().clone()
+        else:
+            args = fx.node.map_arg(node.args, self.value)
+            kwargs = fx.node.map_arg(node.kwargs, self.value)
+            if node.op == "call_method":
+                val = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                val = node.target(*args, **kwargs)
+        self.values[node] = val
+        return val
+
+    def evaluate(self, node: fx.Node) -> Any:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily(), torch.no_grad():
+            return self.value(node)
+
+
+def _band_of(m: torch.Tensor) -> Optional[_Keep]:
+    """The band lo <= j - i <= hi equal to the 2-D bool matrix m, or None."""
+    nq, nk = m.shape
+    if bool(m.all()):
+        return _TRUE
+    if not bool(m.any()):
+        return None
+    d = torch.arange(nk).view(1, nk) - torch.arange(nq).view(nq, 1)
+    lo, hi = int(d[m].min()), int(d[m].max())
+    if not torch.equal(m, (d >= lo) & (d <= hi)):
+        return None
+    return _Keep(lo=None if lo <= -(nq - 1) else lo, hi=None if hi >= nk - 1 else hi)
+
+
+def _classify(node: fx.Node, val: Any) -> AbsVal:
+    """Abstract value of a concretely evaluated node."""
+    if not isinstance(val, torch.Tensor):
+        s = _scalar(val)
+        return _Konst(s) if s is not None else _Opaque(node)
+    if val.numel() == 0:
+        return _Opaque(node)
+    flat = val.reshape(-1)
+    if bool((flat == flat[0]).all()) and val.dtype != torch.bool:
+        return _Konst(float(flat[0]))
+    if val.dim() < 2:
+        return _Opaque(node)
+    m3 = val.reshape(-1, val.shape[-2], val.shape[-1])
+    if not bool((m3 == m3[0:1]).all()):
+        return _Opaque(node)
+    m = m3[0]
+    if val.dtype == torch.bool:
+        band = _band_of(m)
+        return band if band is not None else _Opaque(node)
+    if val.is_floating_point() or not val.dtype.is_complex:
+        vals = torch.unique(m.double())
+        if vals.numel() == 2 and float(vals[0]) == 0 and float(vals[1]) == 1:
+            band = _band_of(m != 0)
+            if band is not None:
+                return replace(band, numeric=True)
+        if val.is_floating_point() and vals.numel() == 2 and 0.0 in vals.tolist():
+            c = float(vals[0]) if float(vals[1]) == 0 else float(vals[1])
+            band = _band_of(m == 0)
+            if band is not None:
+                return _Two(band, c)
+    return _Opaque(node)
+
+
+# ----------------------------------------------------------------------------- dim mapping of shape ops
+
+def _getitem_map(in_shape: tuple, index: Any) -> Optional[tuple[dict, dict]]:
+    """For x[index] with only slices / None / Ellipsis: ({in dim: out dim}, {in dim: slice}) (dims >= 0)."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    if any(not (isinstance(i, slice) or i is None or i is Ellipsis) for i in index):
+        return None
+    if sum(i is Ellipsis for i in index) > 1:
+        return None
+    n_real = sum(isinstance(i, slice) for i in index)
+    if n_real > len(in_shape):
+        return None
+    if Ellipsis in index:
+        k = index.index(Ellipsis)
+        index = index[:k] + (slice(None),) * (len(in_shape) - n_real) + index[k + 1:]
+    else:
+        index = index + (slice(None),) * (len(in_shape) - n_real)
+    dmap, slices = {}, {}
+    d_in = d_out = 0
+    for i in index:
+        if i is None:
+            d_out += 1
+            continue
+        dmap[d_in] = d_out
+        if i != slice(None):
+            slices[d_in] = i
+        d_in += 1
+        d_out += 1
+    return dmap, slices
+
+
+def _nonunit(shape: tuple) -> list:
+    return [d for d, s in enumerate(shape) if not _is_one(s)]
+
+
+def _order_map(in_shape: tuple, out_shape: tuple) -> Optional[dict]:
+    """Map for ops that only insert / remove unit dims (view, reshape, unsqueeze, squeeze): {in: out}, neg dims."""
+    a, b = _nonunit(in_shape), _nonunit(out_shape)
+    if len(a) != len(b) or any(not _same(in_shape[x], out_shape[y]) for x, y in zip(a, b)):
+        return None
+    return {x - len(in_shape): y - len(out_shape) for x, y in zip(a, b)}
+
+
+# ----------------------------------------------------------------------------- the abstract interpreter
+
+_SHAPE_OPS = {"view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "broadcast_to", "contiguous",
+              "clone", "detach", "getitem", "_unsafe_view", "view_as", "reshape_as"}
+_CMP = {"lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne", "less": "lt",
+        "less_equal": "le", "greater": "gt", "greater_equal": "ge", "__lt__": "lt", "__le__": "le",
+        "__gt__": "gt", "__ge__": "ge", "__eq__": "eq", "__ne__": "ne", "not_equal": "ne"}
+_FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
+
+
+class _Analyzer:
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+        self.ev = _Evaluator(gm)
+        self.memo: dict = {}
+
+    # --- entry
+    def value(self, x: Any) -> AbsVal:
+        if not isinstance(x, fx.Node):
+            s = _scalar(x)
+            if s is not None:
+                return _Konst(s)
+            return _Opaque(x)
+        if x in self.memo:
+            return self.memo[x]
+        try:
+            v = self._value(x)
+        except _Fail:
+            v = _Opaque(x)
+        except Exception:  # an unexpected graph form never breaks the pass: the node stays opaque
+            v = _Opaque(x)
+        self.memo[x] = v
+        return v
+
+    def keep(self, x: Any) -> _Keep:
+        """x seen as a keep-mask (bool, or 0/1 numeric when the value is proven 0/1)."""
+        v = self.value(x)
+        if isinstance(v, _Keep):
+            return v
+        if isinstance(v, _Konst) and v.value in (0.0, 1.0):
+            return _TRUE if v.value == 1.0 else _Keep(lo=1, hi=0)
+        if isinstance(x, fx.Node) and _dtype(x) == torch.bool:
+            return _Keep(data=((x, False),))
+        raise _Fail("not a keep-mask")
+
+    def _value(self, n: fx.Node) -> AbsVal:
+        if any(_is_inplace(u) for u in n.users) or _is_inplace(n):
+            return _Opaque(n)  # its value depends on where it is read; never reason about it
+        if self.ev.can_fold(n) and isinstance(example_value(n), torch.Tensor):
+            try:
+                r = _classify(n, self.ev.evaluate(n))
+                if not isinstance(r, _Opaque):
+                    return r
+            except Exception:
+                pass
+        if n.op != "call_function" and n.op != "call_method":
+            v = example_value(n)
+            if isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool):
+                return _Lin((), v)
+            return _Opaque(n)
+        name = _opname(n)
+        handler = getattr(self, "_op_" + name.strip("_"), None)
+        if name in _CMP:
+            return self._cmp(n, _CMP[name])
+        if name in _SHAPE_OPS:
+            return self._shape_op(n, name)
+        if handler is not None:
+            r = handler(n)
+            if r is not None:
+                return r
+        return _Opaque(n)
+
+    # --- creation
+    def _op_arange(self, n: fx.Node) -> Optional[AbsVal]:
+        pos = [a for a in n.args]
+        if "end" in n.kwargs:
+            pos = [n.kwargs.get("start", 0), n.kwargs["end"]] + ([n.kwargs["step"]] if "step" in n.kwargs else [])
+        start, step = (0, 1) if len(pos) == 1 else (pos[0], pos[2] if len(pos) > 2 else n.kwargs.get("step", 1))
+        start, step = example_value(start), example_value(step)
+        dt = _dtype(n)
+        if dt is None or dt.is_floating_point or not isinstance(step, int) or dt == torch.bool:
+            return None
+        if not isinstance(start, (int, torch.SymInt)):
+            return None
+        shape = _shape(n)
+        if _is_one(shape[0]):
+            return _Lin((), start)
+        return _Lin(((-1, step),), start)
+
+    def _fill_value(self, n: fx.Node, v: Any) -> Optional[AbsVal]:
+        s = _scalar(example_value(v))
+        if s is None:
+            return None
+        if _dtype(n) == torch.bool:
+            return _TRUE if s else _Keep(lo=1, hi=0)
+        if s == 1.0:
+            return _Keep(numeric=True)
+        return _Konst(s)
+
+    def _op_ones(self, n):
+        return self._fill_value(n, 1)
+
+    _op_ones_like = _op_new_ones = _op_ones
+
+    def _op_zeros(self, n):
+        return self._fill_value(n, 0)
+
+    _op_zeros_like = _op_new_zeros = _op_zeros
+
+    def _op_full(self, n):
+        return self._fill_value(n, _arg(n, 1, "fill_value"))
+
+    _op_full_like = _op_new_full = _op_full
+
+    def _op_tensor(self, n):
+        v = n.args[0] if n.args else None
+        return self._fill_value(n, v) if _scalar(v) is not None else None
+
+    def _op_scalar_tensor(self, n):
+        return self._op_tensor(n)
+
+    # --- tril / triu
+    def _tri(self, n: fx.Node, upper: bool) -> Optional[AbsVal]:
+        x = self.value(n.args[0])
+        d = example_value(_arg(n, 1, "diagonal", 0))
+        if not isinstance(d, (int, torch.SymInt)):
+            return None
+        band = _Keep(lo=d) if upper else _Keep(hi=d)  # triu keeps j - i >= d; tril keeps j - i <= d
+        if isinstance(x, _Keep):
+            r = _and(x, replace(band, numeric=x.numeric))
+            return r
+        if isinstance(x, _Konst):
+            if x.value == 0:
+                return x
+            other = _not(band)
+            return _Two(other, x.value) if other is not None else None
+        return None
+
+    def _op_tril(self, n):
+        return self._tri(n, upper=False)
+
+    def _op_triu(self, n):
+        return self._tri(n, upper=True)
+
+    # --- dtype conversion
+    def _convert(self, n: fx.Node, x: AbsVal, src: Optional[torch.dtype], dst: Optional[torch.dtype]) -> AbsVal:
+        if dst is None or src is None or src == dst:
+            return x if not isinstance(x, _Opaque) else _Opaque(n)
+        if isinstance(x, _Keep):
+            if dst == torch.bool:
+                return replace(x, numeric=False)
+            return replace(x, numeric=True)  # 0/1 survive every dtype
+        if isinstance(x, _Konst):
+            return _Konst(float(torch.tensor(x.value, dtype=torch.float64).to(dst))) if dst != torch.bool else (
+                _TRUE if x.value else _Keep(lo=1, hi=0))
+        if isinstance(x, _Two) and dst.is_floating_point and not x.extra:
+            return _Two(x.keep, float(torch.tensor(x.c, dtype=torch.float64).to(dst)))
+        if isinstance(x, _Lin) and not dst.is_floating_point and dst != torch.bool and dst.itemsize >= 4:
+            return x
+        return _Opaque(n)
+
+    def _op_to(self, n):
+        x = self.value(n.args[0])
+        return self._convert(n, x, _dtype(n.args[0]), _dtype(n))
+
+    _op_type = _op_type_as = _op_float = _op_half = _op_bfloat16 = _op_double = _op_bool = _op_long = _op_to
+    _op_int = _op_to
+
+    def _op_to_copy(self, n):
+        return self._op_to(n)
+
+    # --- logic
+    def _logic_and(self, n: fx.Node) -> Optional[AbsVal]:
+        a, b = n.args[0], n.args[1]
+        try:
+            r = _and(self.keep(a), self.keep(b))
+        except _Fail:
+            return None
+        if r is not None and _dtype(n) != torch.bool:
+            r = replace(r, numeric=True)
+        return r
+
+    _op_and = _op_logical_and = _op_bitwise_and = _logic_and
+
+    def _logic_not(self, n: fx.Node) -> Optional[AbsVal]:
+        try:
+            return _not(self.keep(n.args[0]))
+        except _Fail:
+            return None
+
+    _op_invert = _op_logical_not = _op_bitwise_not = _logic_not
+
+    # --- arithmetic
+    def _op_add(self, n):
+        a, b = self.value(n.args[0]), self.value(_arg(n, 1, "other"))
+        alpha = n.kwargs.get("alpha", 1)
+        if alpha != 1:
+            return None
+        if isinstance(a, _Lin) or isinstance(b, _Lin):
+            return self._lin_add(a, b, 1)
+        for x, y, ynode in ((a, b, _arg(n, 1, "other")), (b, a, n.args[0])):
+            if isinstance(x, _Konst) and x.value == 0:
+                return y if not isinstance(y, _Opaque) else None
+            if isinstance(x, _Two) and isinstance(y, _Opaque) and isinstance(ynode, fx.Node):
+                dt = _dtype(ynode)
+                if dt is not None and dt.is_floating_point:
+                    return _Two(x.keep, x.c, x.extra + (ynode,))
+            if isinstance(x, _Two) and isinstance(y, _Two) and x.c == y.c == -math.inf:
+                k = _and(x.keep, y.keep)
+                return _Two(k, -math.inf, x.extra + y.extra) if k is not None else None
+        return None
+
+    def _op_sub(self, n):
+        a, b = self.value(n.args[0]), self.value(_arg(n, 1, "other"))
+        if isinstance(a, _Lin) or isinstance(b, _Lin):
+            return self._lin_add(a, b, -1)
+        if isinstance(a, _Konst) and a.value == 1.0 and isinstance(b, _Keep) and b.numeric:
+            r = _not(b)
+            return replace(r, numeric=True) if r is not None else None
+        if isinstance(b, _Konst) and b.value == 0:
+            return a if not isinstance(a, _Opaque) else None
+        return None
+
+    def _op_rsub(self, n):
+        a, b = self.value(n.args[0]), self.value(_arg(n, 1, "other"))
+        if isinstance(b, _Konst) and b.value == 1.0 and isinstance(a, _Keep) and a.numeric:
+            r = _not(a)
+            return replace(r, numeric=True) if r is not None else None
+        return None
+
+    def _lin_add(self, a: AbsVal, b: AbsVal, sign: int) -> Optional[AbsVal]:
+        def as_lin(x):
+            if isinstance(x, _Lin):
+                return x
+            if isinstance(x, _Konst) and isinstance(x.value, (int, torch.SymInt)):
+                return _Lin((), x.value)
+            if isinstance(x, _Konst) and float(x.value).is_integer():
+                return _Lin((), int(x.value))
+            return None
+
+        la, lb = as_lin(a), as_lin(b)
+        if la is None or lb is None:
+            return None
+        coef = dict(la.coef)
+        for d, c in lb.coef:
+            coef[d] = coef.get(d, 0) + sign * c
+        return _Lin(tuple(sorted((d, c) for d, c in coef.items() if c != 0)), la.const + sign * lb.const)
+
+    def _op_neg(self, n):
+        a = self.value(n.args[0])
+        if isinstance(a, _Lin):
+            return _Lin(tuple((d, -c) for d, c in a.coef), -a.const)
+        return None
+
+    def _op_mul(self, n):
+        a, b = self.value(n.args[0]), self.value(_arg(n, 1, "other"))
+        for x, y in ((a, b), (b, a)):
+            if isinstance(x, _Keep) and x.numeric and isinstance(y, _Konst):
+                c = y.value
+                if isinstance(c, (int, float)) and c != 0 and not math.isinf(c) and not math.isnan(c):
+                    nk = _not(x)  # x * c: c where x holds, 0 elsewhere
+                    return _Two(nk, float(c)) if nk is not None else None
+            if isinstance(x, _Keep) and isinstance(y, _Keep) and x.numeric and y.numeric:
+                return _and(x, y)
+            if isinstance(x, _Lin) and isinstance(y, _Konst) and isinstance(y.value, int):
+                return _Lin(tuple((d, c * y.value) for d, c in x.coef if c * y.value != 0), x.const * y.value)
+        return None
+
+    # --- where / masked_fill
+    def _op_where(self, n):
+        if len(n.args) + len(n.kwargs) < 3:
+            return None
+        cond, a, b = n.args[0], _arg(n, 1, "input"), _arg(n, 2, "other")
+        try:
+            k = self.keep(cond)
+        except _Fail:
+            return None
+        va, vb = self.value(a), self.value(b)
+        dst = _dtype(n)
+        if isinstance(va, _Konst) and va.value == 0 and isinstance(vb, _Konst):
+            c = vb.value
+        elif isinstance(vb, _Konst) and vb.value == 0 and isinstance(va, _Konst):
+            c, k = va.value, _not(k)
+            if k is None:
+                return None
+        else:
+            return None
+        if dst is not None and dst.is_floating_point:
+            c = float(torch.tensor(float(c), dtype=torch.float64).to(dst))
+        return _Two(k, float(c))
+
+    def _op_masked_fill(self, n):
+        x, m, c = self.value(n.args[0]), _arg(n, 1, "mask"), _scalar(example_value(_arg(n, 2, "value")))
+        if c is None:
+            return None
+        try:
+            k = _not(self.keep(m))
+        except _Fail:
+            return None
+        if k is None:
+            return None
+        dst = _dtype(n)
+        if dst is not None and dst.is_floating_point:
+            c = float(torch.tensor(c, dtype=torch.float64).to(dst))
+        if isinstance(x, _Konst) and x.value == 0:
+            return _Two(k, c)
+        if isinstance(x, _Two) and x.c == c and not x.extra:
+            kk = _and(x.keep, k)
+            return _Two(kk, c) if kk is not None else None
+        if isinstance(x, _Keep) and dst == torch.bool and c == 0.0:
+            return _and(x, k)
+        return None
+
+    # --- comparisons
+    def _cmp(self, n: fx.Node, op: str) -> AbsVal:
+        an, bn = n.args[0], _arg(n, 1, "other")
+        a, b = self.value(an), self.value(bn)
+        # keep-mask == 0 / == 1 / != 0 / > 0 (0/1 values only)
+        for x, y, o in ((a, b, op), (b, a, _FLIP[op])):
+            if isinstance(x, _Keep) and isinstance(y, _Konst) and _scalar(y.value) in (0.0, 1.0):
+                truth = {("eq", 1.0), ("ne", 0.0), ("gt", 0.0), ("ge", 1.0)}
+                falsity = {("eq", 0.0), ("ne", 1.0), ("lt", 1.0), ("le", 0.0)}
+                if (o, y.value) in truth:
+                    return replace(x, numeric=False)
+                if (o, y.value) in falsity:
+                    r = _not(x)
+                    if r is not None:
+                        return replace(r, numeric=False)
+                return _Opaque(n)
+        if isinstance(a, _Lin) or isinstance(b, _Lin):
+            r = self._lin_cmp(n, a, b, an, bn, op)
+            if r is not None:
+                return r
+        return _Opaque(n)
+
+    def _lin_cmp(self, n, a, b, an, bn, op) -> Optional[AbsVal]:
+        # key padding: arange(Nk) OP lens[..., None]
+        for x, y, ynode, o in ((a, b, bn, op), (b, a, an, _FLIP[op])):
+            if isinstance(x, _Lin) and isinstance(y, _Opaque) and isinstance(ynode, fx.Node):
+                if x.coef != ((-1, 1),) or _as_int(x.const) != 0 or o not in ("lt", "le"):
+                    return None
+                dt, ys = _dtype(ynode), _shape(ynode)
+                if dt is None or dt.is_floating_point or dt == torch.bool or not ys:
+                    return None
+                nu = _nonunit(ys)
+                if len(nu) > 1:
+                    return None
+                out = _shape(n)
+                if not ys or len(ys) > len(out) or (nu and nu[0] - len(ys) == -1):
+                    return None
+                bdim = (nu[0] - len(ys)) if nu else None
+                return _Keep(lens=(ynode, bdim, 1 if o == "le" else 0))
+        la = a if isinstance(a, _Lin) else self._lin_add(a, _Konst(0), 1)
+        lb = b if isinstance(b, _Lin) else self._lin_add(b, _Konst(0), 1)
+        if la is None or lb is None:
+            return None
+        diff = self._lin_add(la, lb, -1)  # a - b OP 0
+        ci, cj = diff.get(-2), diff.get(-1)
+        if set(d for d, _ in diff.coef) - {-1, -2} or not (ci == -cj and abs(cj) == 1):
+            return None
+        c = diff.const
+        if cj == -1:  # i - j + c OP 0  <=>  j - i - c FLIP(OP) 0
+            op, c = _FLIP[op], -c
+        # now: j - i + c OP 0  <=>  j - i OP -c
+        t = -c
+        if op == "le":
+            return _Keep(hi=t)
+        if op == "lt":
+            return _Keep(hi=t - 1)
+        if op == "ge":
+            return _Keep(lo=t)
+        if op == "gt":
+            return _Keep(lo=t + 1)
+        if op == "eq":
+            return _Keep(lo=t, hi=t)
+        return None
+
+    # --- shape-only ops
+    def _shape_op(self, n: fx.Node, name: str) -> AbsVal:
+        src = n.args[0]
+        x = self.value(src)
+        ins, outs = _shape(src), _shape(n)
+        if ins is None or outs is None:
+            return _Opaque(n)
+        slices: dict = {}
+        if name == "getitem":
+            gm_ = _getitem_map(ins, n.args[1])
+            if gm_ is None:
+                return _Opaque(n)
+            pmap, pslices = gm_
+            dmap = {d - len(ins): o - len(outs) for d, o in pmap.items() if not _is_one(ins[d])}
+            slices = {d - len(ins): s for d, s in pslices.items()}
+        elif name in ("expand", "expand_as", "broadcast_to", "contiguous", "clone", "detach"):
+            dmap = {d - len(ins): d - len(ins) for d in _nonunit(ins)}
+            if any(not _same(ins[d], outs[d - len(ins) + len(outs)]) for d in _nonunit(ins)):
+                return _Opaque(n)
+        else:
+            dmap = _order_map(ins, outs)
+            if dmap is None:
+                return _Opaque(n)
+        return self._remap(n, x, dmap, slices, ins)
+
+    def _remap(self, n: fx.Node, x: AbsVal, dmap: dict, slices: dict, ins: tuple) -> AbsVal:
+        def shift(sl: slice, dim: int):
+            if sl.step not in (None, 1):
+                raise _Fail("strided slice")
+            start = example_value(sl.start) if sl.start is not None else 0
+            if not isinstance(start, (int, torch.SymInt)):
+                raise _Fail("slice start")
+            if _sym_true(start < 0):
+                start = ins[dim] + start
+            elif not _sym_true(start >= 0):
+                raise _Fail("slice start of unknown sign")
+            return start
+
+        identity = all(k == v for k, v in dmap.items())
+        try:
+            if isinstance(x, _Lin):
+                coef, const = [], x.const
+                for d, c in x.coef:
+                    if d not in dmap:
+                        raise _Fail("dim dropped")
+                    if d in slices:
+                        const = const + c * shift(slices[d], d)
+                    coef.append((dmap[d], c))
+                return _Lin(tuple(sorted(coef)), const)
+            if isinstance(x, _Keep) or isinstance(x, _Two):
+                k = x.keep if isinstance(x, _Two) else x
+                if isinstance(x, _Two) and x.extra and not (identity and not slices):
+                    return _Opaque(n)
+                if k.data and not (identity and not slices):
+                    return _Opaque(n)
+                lo, hi = k.lo, k.hi
+                if lo is not None or hi is not None:
+                    for d in (-2, -1):
+                        if d in dmap and dmap[d] != d:
+                            return _Opaque(n)
+                    a = shift(slices[-2], -2) if -2 in slices else 0
+                    b = shift(slices[-1], -1) if -1 in slices else 0
+                    # new (i', j') = (i - a, j - b): j - i = j' - i' + b - a
+                    lo = None if lo is None else lo + a - b
+                    hi = None if hi is None else hi + a - b
+                lens = k.lens
+                if lens is not None:
+                    node, bdim, add = lens
+                    if -1 in slices and shift(slices[-1], -1) != 0:
+                        return _Opaque(n)
+                    if -1 in dmap and dmap[-1] != -1:
+                        return _Opaque(n)
+                    if bdim is not None:
+                        if bdim not in dmap or bdim in slices:
+                            return _Opaque(n)
+                        bdim = dmap[bdim]
+                    lens = (node, bdim, add)
+                nk = _Keep(lo, hi, lens, k.data, k.numeric)
+                return _Two(nk, x.c, x.extra) if isinstance(x, _Two) else nk
+            if isinstance(x, _Konst):
+                return x
+            if isinstance(x, _Opaque) and identity and not slices and isinstance(x.node, fx.Node):
+                return x  # broadcasting-preserving: the smaller node stands for this one
+        except _Fail:
+            return _Opaque(n)
+        return _Opaque(n)
+
+    def _op_unsqueeze(self, n):  # reached only through _SHAPE_OPS; kept for clarity
+        return None
+
+
+# ----------------------------------------------------------------------------- assembling a MaskSpec
+
+@dataclass
+class _TermInfo:
+    op: str
+    c: float  # masked value (-inf or finite) for converted terms
+    keep: Optional[_Keep] = None  # None: untouched float term
+    extra: tuple = ()  # float nodes added (untouched terms: the term node itself)
+    converted: bool = True
+
+
+def _term_info(an: _Analyzer, t: MaskTerm, scores_dtype: torch.dtype, q_len: Size, k_len: Size) -> Union[_TermInfo, str]:
+    if t.op == "add":
+        if not isinstance(t.tensor, fx.Node):
+            s = _scalar(t.tensor)
+            if s is None or not math.isfinite(s):
+                return f"additive mask constant {t.tensor!r} is not a finite number"
+            return _TermInfo("add", 0.0, keep=_TRUE)  # a constant shift does not change softmax
+        dt = _dtype(t.tensor)
+        if dt is None or not dt.is_floating_point:
+            return f"additive mask {t.tensor.name} has dtype {dt}, not a float dtype"
+        v = an.value(t.tensor)
+        if isinstance(v, _Konst):
+            if v.value == 0 or (isinstance(v.value, float) and math.isfinite(v.value)):
+                return _TermInfo("add", 0.0, keep=_TRUE)
+            return f"additive mask {t.tensor.name} is the constant {v.value}"
+        if isinstance(v, _Two) and (v.c == -math.inf or v.c <= FILL_LIMIT) and _band_fits(v.keep, t.tensor, q_len, k_len):
+            return _TermInfo("add", v.c, keep=v.keep, extra=v.extra)
+        return _TermInfo("add", 0.0, keep=None, extra=(t.tensor,), converted=False)
+    if t.op not in ("fill", "where", "bool"):
+        return f"unknown mask term op {t.op!r}"
+    node = t.tensor
+    if not isinstance(node, fx.Node) or _dtype(node) != torch.bool:
+        return f"{t.op} mask {getattr(node, 'name', node)} is not a bool tensor"
+    if t.op == "bool":
+        c = -math.inf
+    else:
+        c = _scalar(example_value(t.fill))
+        if c is None:
+            return f"{t.op} mask fill value {t.fill!r} is not a number"
+        try:
+            c = float(torch.tensor(c, dtype=torch.float64).to(scores_dtype))
+        except Exception:
+            return f"{t.op} mask fill value {t.fill!r} does not fit {scores_dtype}"
+        if not (c == -math.inf or c <= FILL_LIMIT):
+            return (f"{t.op} mask fill value {c} is not negligible: masked keys keep weight exp({c} - rowmax) "
+                    f"(fills at or below {FILL_LIMIT:g} or -inf are supported)")
+    try:
+        k = an.keep(node)
+    except _Fail:
+        k = _Keep(data=((node, False),))
+    if t.op == "fill":
+        nk = _not(k)
+        k = nk if nk is not None else _Keep(data=((node, True),))
+    if not _band_fits(k, node, q_len, k_len):
+        k = _Keep(data=((node, t.op == "fill"),))
+    return _TermInfo(t.op, c, keep=k)
+
+
+def _band_fits(k: _Keep, node: fx.Node, q_len: Size, k_len: Size) -> bool:
+    """A band is on the scores' own (query, key) axes: the mask's last two dims are exactly Nq, Nk."""
+    shape = _shape(node)
+    if shape is None or len(shape) > 4:
+        return False
+    if k.lo is None and k.hi is None and k.lens is None:
+        return True
+    if k.lo is not None or k.hi is not None:
+        if len(shape) < 2 or not _same(shape[-2], q_len) or not _same(shape[-1], k_len):
+            return False
+    if k.lens is not None:
+        _, bdim, _ = k.lens
+        if not _same(shape[-1], k_len) or (bdim is not None and bdim != -4):
+            return False
+    return True
+
+
+def _never_empty(lo: Optional[Size], hi: Optional[Size], q_len: Size, k_len: Size) -> bool:
+    """Every query row 0..Nq-1 admits some key 0..Nk-1 under lo <= j - i <= hi."""
+    if hi is not None and not _sym_true(hi >= 0):
+        return False
+    if lo is not None and not _sym_true(lo <= k_len - q_len):
+        return False
+    if lo is not None and hi is not None and not _sym_true(lo <= hi):
+        return False
+    return _sym_true(k_len >= 1)
+
+
+class _Emitter:
+    def __init__(self, gm: fx.GraphModule, insert_before: fx.Node):
+        self.gm, self.at = gm, insert_before
+        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def call(self, target, *args, **kwargs) -> fx.Node:
+        with self.gm.graph.inserting_before(self.at):
+            return call(self.gm.graph, target, *args, **kwargs)
+
+    def before(self, n: fx.Node) -> bool:
+        return self.order.get(n, 1 << 60) < self.order.get(self.at, -1)
+
+    def sym(self, v: Size) -> Union[int, fx.Node]:
+        """An int, or a node computing the SymInt v from nodes already in the graph."""
+        iv = _as_int(v)
+        if iv is not None:
+            return iv
+        expr = v.node.expr
+        by_expr = {}
+        for n in self.gm.graph.nodes:
+            ev = example_value(n)
+            if isinstance(ev, torch.SymInt) and self.before(n):
+                by_expr.setdefault(ev.node.expr, n)
+        if expr in by_expr:
+            return by_expr[expr]
+        import sympy
+
+        out: Any = None
+        for term, coef in expr.as_coefficients_dict().items():
+            if term == 1:
+                piece: Any = int(coef)
+            else:
+                if term not in by_expr or not float(coef).is_integer():
+                    raise _Fail(f"no node computes {term}")
+                piece = by_expr[term] if coef == 1 else self.call(operator.mul, by_expr[term], int(coef))
+            out = piece if out is None else self.call(operator.add, out, piece)
+        if out is None or isinstance(sympy.sympify(expr), sympy.Integer):
+            raise _Fail(f"cannot build {expr}")
+        return out
+
+
+def _combine(infos: list, an: _Analyzer, q_len, k_len, sdpa: bool) -> Union[str, dict]:
+    """The structure and empty-row semantics of converted / untouched terms, or a refusal reason."""
+    conv = [t for t in infos if t.converted]
+    untouched = [t for t in infos if not t.converted]
+    lo = hi = lens = None
+    data: list = []
+    extras: list = []
+    for t in infos:
+        extras.extend(t.extra)
+    for t in conv:
+        k = t.keep
+        if k is None:
+            continue
+        acc = _and(_Keep(lo, hi, lens), _Keep(k.lo, k.hi, k.lens))
+        if acc is None:
+            return "mask terms combine two key-length bounds or bands not comparable for every size"
+        lo, hi, lens = acc.lo, acc.hi, acc.lens
+        data.extend(k.data)
+    masking = [t for t in conv if t.keep is not None and (t.keep.structural or t.keep.data)]
+    cs = {t.c for t in masking}
+    no_empty = not data and lens is None and not untouched and not any(
+        t.extra for t in infos) and _never_empty(lo, hi, q_len, k_len)
+    if not masking:
+        empty = "zero" if sdpa else "nan"
+    elif cs == {-math.inf}:
+        empty = "zero" if sdpa else "nan"
+    elif len(cs) == 1:
+        fills_only = all(t.op in ("fill", "where") for t in masking)
+        if untouched or not (len(masking) == 1 or fills_only):
+            if no_empty:
+                empty = "impossible"
+            else:
+                return ("fully masked rows: eager mixes a finite fill with other float masks there, "
+                        "which the op cannot reproduce")
+        else:
+            empty = "mean_v"
+    else:
+        if not no_empty:
+            return f"fully masked rows: eager mixes the fill values {sorted(cs)} there, which the op cannot reproduce"
+        empty = "impossible"
+    if no_empty and masking:
+        empty = "impossible"
+    return dict(lo=lo, hi=hi, lens=lens, data=data, extras=extras, empty=empty)
+
+
+def analyze_mask(
+    gm: fx.GraphModule,
+    terms: list,
+    *,
+    batch: Size,
+    q_heads: Size,
+    q_len: Size,
+    k_len: Size,
+    scores_dtype: torch.dtype,
+    insert_before: fx.Node,
+    sdpa: bool = False,
+) -> Union[MaskSpec, str]:
+    """The MaskSpec of a site whose scores receive `terms` in order, or the reason to refuse it."""
+    if not terms:
+        return MaskSpec()
+    sdpa = sdpa or any(t.op == "bool" for t in terms)  # a bool keep-mask is SDPA's: empty rows give 0
+    an = _Analyzer(gm)
+    infos = []
+    for t in terms:
+        info = _term_info(an, t, scores_dtype, q_len, k_len)
+        if isinstance(info, str):
+            return info
+        infos.append(info)
+    plan = _combine(infos, an, q_len, k_len, sdpa)
+    if isinstance(plan, str) and any(t.op == "add" and t.converted and t.keep is not None and t.extra == ()
+                                     and (t.keep.structural or t.keep.data) for t in infos):
+        # Retry with additive masks passed untouched: the op then does eager's own arithmetic on them.
+        fallback = [t if not (t.op == "add" and t.converted) else
+                    _TermInfo("add", 0.0, keep=None, extra=(terms[i].tensor,), converted=False)
+                    for i, t in enumerate(infos)]
+        plan2 = _combine(fallback, an, q_len, k_len, sdpa)
+        if not isinstance(plan2, str):
+            plan = plan2
+    if isinstance(plan, str):
+        return plan
+    try:
+        return _emit_spec(gm, insert_before, plan, batch, q_len, k_len)
+    except _Fail as e:
+        return f"mask structure proven but not expressible: {e}"
+
+
+def _emit_spec(gm, insert_before, plan: dict, batch, q_len, k_len) -> MaskSpec:
+    em = _Emitter(gm, insert_before)
+    lo, hi, lens = plan["lo"], plan["hi"], plan["lens"]
+    kinds = []
+    spec = MaskSpec(empty_rows=plan["empty"])
+    # band lo <= j - i <= hi  ->  op: d = j - i - diag_offset; causal d <= 0; window_left: d >= -wl
+    if hi is not None:
+        spec.causal = True
+        if lo is not None:
+            width = _as_int(hi - lo)
+            if width is None:
+                raise _Fail("window width is symbolic")
+            if width < 0:
+                raise _Fail("band admits no key")
+            spec.window_left = width
+        spec.diag_offset = em.sym(hi)
+        if lo is not None:
+            kinds.append("window")
+        elif _as_int(hi) == 0:
+            kinds.append("causal")
+        elif _same(hi, k_len - q_len):
+            kinds.append("causal-bottom-right")
+        else:
+            kinds.append("causal-offset")
+    elif lo is not None:
+        spec.diag_offset = em.sym(lo)
+        spec.window_left = 0
+        kinds.append("window")
+    if lens is not None:
+        node, _, add = lens
+        if not em.before(node):
+            raise _Fail("key lengths are computed after the site")
+        kv = em.call(torch.reshape, node, (-1,))
+        if add:
+            kv = em.call(operator.add, kv, add)
+        if _dtype(kv) not in (torch.int32, torch.int64):
+            kv = em.call("to", kv, torch.int64, method=True)
+        spec.kv_lens = kv
+        kinds.append("key-padding")
+    bool_bias = None
+    for node, neg in dict.fromkeys(plan["data"]):
+        if not em.before(node):
+            raise _Fail(f"mask {node.name} is computed after the site")
+        f = em.call(torch.logical_not, node) if neg else node
+        bool_bias = f if bool_bias is None else em.call(torch.logical_and, bool_bias, f)
+    float_bias = None
+    for node in plan["extras"]:
+        if not em.before(node):
+            raise _Fail(f"mask {node.name} is computed after the site")
+        float_bias = node if float_bias is None else em.call(operator.add, float_bias, node)
+    if bool_bias is not None and float_bias is not None:
+        spec.bias = em.call(torch.where, bool_bias, float_bias, float("-inf"))
+        kinds += ["bool-mask", "bias"]
+    elif bool_bias is not None:
+        spec.bias = bool_bias
+        kinds.append("bool-mask")
+    elif float_bias is not None:
+        spec.bias = float_bias
+        kinds.append("bias")
+    if spec.bias is not None and len(_shape(spec.bias) or ()) > 4:
+        raise _Fail("residual mask has more than 4 dims")
+    spec.kind = "+".join(kinds) if kinds else "none"
+    if spec.kind == "none":
+        spec.empty_rows = "impossible"
+    return spec
