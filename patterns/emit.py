@@ -28,7 +28,13 @@ def example_value(node: Any) -> Any:
 
 def _fake_mode(values: list):
     from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor
 
+    # The values' own mode first: on torch 2.13 the backend's graph carries example values of a fresh
+    # fake mode while TracingContext still holds Dynamo's, and detect_fake_mode prefers the latter.
+    for v in values:
+        if isinstance(v, FakeTensor):
+            return v.fake_mode
     return detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
 
 

@@ -1,10 +1,769 @@
-"""Hand-written attention: from each softmax, walk back to Q.K^T and forward to P.V."""
+"""Hand-written attention: from each softmax, walk back to Q·Kᵀ and forward to P·V, then rewrite.
+
+For every softmax node (any spelling, see canonicalize.py):
+  back     the softmax input must be  mask-terms( softcap( scale( Q·Kᵀ ) ) )  with casts anywhere:
+           scale = Python numbers, SymInt/SymFloat, 0-d tensors or tensors constant along the key
+           axis (folded into q); softcap = tanh(s / c) * c; mask terms (+ m, m +, masked_fill,
+           where) go to masks.analyze_mask. Q·Kᵀ is any contraction (layout.contraction) whose
+           axes are read from the op itself, so k is whatever view the graph contracts with.
+  forward  the probabilities reach exactly one P·V contraction through casts and dropout only, and
+           nothing else reads them (output_attentions keeps the site as it is).
+  rewrite  q, k, v as the op's [B, H, N, D] views (transposes folded, repeat_kv / repeat_interleave /
+           expand removed for native GQA, lossless upcasts dropped), one fa3.attention call, glue so
+           every consumer of the P·V result sees the same shape and dtype; dead nodes go.
+Everything is decided before the graph is touched; a refusal leaves the graph as it was.
+"""
 from __future__ import annotations
 
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
 import torch.fx as fx
 
-from .site import PassOptions, SiteReport
+from . import emit
+from .canonicalize import (
+    arg, constant_value, dropout_args, is_finite_number, is_inplace, is_symbolic_scalar, kind, softmax_args, tensor_of,
+)
+from .emit import example_value
+from .gqa import unrepeat
+from .layout import Contraction, View, contraction, fold, identity
+from .shapes import known_eq, known_one
+from .site import MaskSpec, MaskTerm, PassOptions, SiteReport
+
+
+class Miss(Exception):
+    """The site is left alone; the message is the reason explain() shows."""
+
+
+# --------------------------------------------------------------------------------------------- walk back
+
+
+@dataclass
+class Scores:
+    contraction: Contraction
+    scale: float = 1.0  # Python-number part of the scale
+    factors: list = field(default_factory=list)  # [(node, "mul" | "div")]: symbolic / tensor scale factors
+    softcap: float = 0.0
+    terms: list = field(default_factory=list)  # MaskTerm, outermost first
+    nodes: list = field(default_factory=list)  # the chain, softmax input first (all single-user)
+
+
+def _operand_roles(node: fx.Node, cur_shape) -> tuple[Any, Any]:
+    """(chain operand, other operand) of a binary op: the chain is the tensor with the full scores shape."""
+    a, b = node.args[0], arg(node, 1, "other")
+    ta, tb = tensor_of(a), tensor_of(b)
+    full = lambda t: t is not None and t.dim() == len(cur_shape) and all(known_eq(x, y) for x, y in zip(t.shape, cur_shape))  # noqa: E731
+    if full(ta) and not full(tb):
+        return a, b
+    if full(tb) and not full(ta):
+        return b, a
+    if full(ta) and full(tb):
+        return a, b  # both full: the caller decides (add: the one reaching a contraction)
+    return None, None
+
+
+def _reaches_contraction(node: Any, depth: int = 24) -> bool:
+    """A cheap probe: does an affine path (casts, scalar scales, adds, fills) lead to a contraction?"""
+    for _ in range(depth):
+        if not isinstance(node, fx.Node):
+            return False
+        if contraction(node) is not None:
+            return True
+        k = kind(node)
+        if k in ("cast", "identity", "mul", "div", "masked_fill", "add", "sub", "tanh"):
+            node = node.args[0]
+        elif k == "where":
+            node = node.args[1] if tensor_of(node.args[1]) is not None else node.args[2]
+        else:
+            return False
+    return False
+
+
+def _scale_factor(x: Any, scores_shape) -> Optional[tuple[str, Any]]:
+    """("num", float) | ("node", node) for a valid scale operand; None if it is not a scale."""
+    if is_finite_number(x):
+        return "num", float(x)
+    if is_symbolic_scalar(x):
+        return "node", x
+    t = tensor_of(x)
+    if t is None or not t.dtype.is_floating_point:
+        return None
+    c = constant_value(x)
+    if c is not None and math.isfinite(c):
+        return "num", c
+    if t.dim() > len(scores_shape):
+        return None
+    if t.dim() == 0 or (t.dim() >= 1 and known_one(t.shape[-1])):
+        return "node", x  # constant along the key axis: folds into q
+    return None
+
+
+def _softcap_at(node: fx.Node) -> Optional[tuple[float, fx.Node, list]]:
+    """mul(tanh(div(y, c)), c) (either operand order, or y * (1/c) inside) -> (c, y, [tanh, inner])."""
+    if kind(node) != "mul":
+        return None
+    a, b = node.args[0], arg(node, 1, "other")
+    t, c = (a, b) if kind(a) == "tanh" else (b, a)
+    if kind(t) != "tanh" or not is_finite_number(c) or c <= 0:
+        return None
+    inner = t.args[0]
+    ki = kind(inner)
+    if ki not in ("mul", "div"):
+        return None
+    x, y = inner.args[0], arg(inner, 1, "other")
+    if ki == "mul" and is_finite_number(x):
+        x, y = y, x
+    if not isinstance(x, fx.Node) or not is_finite_number(y) or y == 0:
+        return None
+    d = float(y) if ki == "div" else 1.0 / float(y)
+    if not math.isclose(d, float(c), rel_tol=1e-6):
+        return None
+    return float(c), x, [t, inner]
+
+
+def walk_scores(x: fx.Node) -> Scores:
+    """From the softmax input back to the Q·Kᵀ contraction."""
+    scale, factors, softcap, terms, nodes = 1.0, [], 0.0, [], []
+    phase = "mask"  # outermost first: mask terms -> softcap -> scale
+    shifted = False
+    cur = x
+    for _ in range(128):
+        c = contraction(cur)
+        if c is not None:
+            break
+        t = tensor_of(cur)
+        if t is None:
+            raise Miss(f"scores are not a tensor computed in the graph ({cur})")
+        nodes.append(cur)
+        if is_inplace(cur) and isinstance(cur.args[0], fx.Node) and len(cur.args[0].users) != 1:
+            raise Miss(f"the scores are modified in place and also read elsewhere ({cur.name})")
+        k = kind(cur)
+        if k in ("cast", "identity"):
+            cur = cur.args[0]
+            continue
+        if k == "mul":
+            cap = _softcap_at(cur)
+            if cap is not None:
+                if phase == "scale":
+                    raise Miss("the softcapped scores are scaled again (not expressible as the op's scale and softcap)")
+                if shifted:
+                    raise Miss("a constant is added to the scores before the softcap")
+                softcap, cur = cap[0], cap[1]
+                nodes.extend(cap[2])
+                phase = "scale"
+                continue
+        if k in ("mul", "div"):
+            chain, other = _operand_roles(cur, t.shape)
+            if chain is None or (k == "div" and chain is not cur.args[0]):
+                raise Miss(f"scores are divided by, not into, the scale ({cur.name})" if k == "div" and chain is not None
+                           else f"scores are multiplied elementwise by a tensor ({cur.name}); not a scale")
+            f = _scale_factor(other, t.shape)
+            if f is None:
+                raise Miss(f"scores are {'multiplied' if k == 'mul' else 'divided'} by a tensor that varies along the key axis ({cur.name})")
+            if phase == "mask" and terms:
+                raise Miss("the scores are scaled after the mask is applied")
+            phase = "scale"
+            if f[0] == "num":
+                if k == "div":
+                    if f[1] == 0:
+                        raise Miss("scores are divided by zero")
+                    scale /= f[1]
+                else:
+                    scale *= f[1]
+            else:
+                factors.append((f[1], k))
+            cur = chain
+            continue
+        if k in ("add", "sub"):
+            if cur.kwargs.get("alpha", 1) != 1:
+                raise Miss(f"scores are added with alpha != 1 ({cur.name})")
+            a, b = cur.args[0], arg(cur, 1, "other")
+            if k == "sub" and is_finite_number(b) and isinstance(a, fx.Node):
+                shifted = True  # a constant shift: softmax is invariant to it
+                cur = a
+                continue
+            if k == "add" and (is_finite_number(a) or is_finite_number(b)):
+                shifted = True
+                cur = b if is_finite_number(a) else a
+                continue
+            if k == "sub":
+                raise Miss(f"a tensor is subtracted from the scores ({cur.name})")
+            chain, other = _operand_roles(cur, t.shape)
+            if chain is None:
+                chain, other = (a, b) if _reaches_contraction(a) else (b, a)
+            elif tensor_of(other) is not None and tensor_of(other).dim() == t.dim() and all(
+                    known_eq(p, q) for p, q in zip(tensor_of(other).shape, t.shape)):
+                if not _reaches_contraction(chain) and _reaches_contraction(other):
+                    chain, other = other, chain
+            if phase != "mask":
+                raise Miss("a mask or bias is added to the scores before the scale/softcap is applied")
+            terms.append(MaskTerm("add", other))
+            cur = chain
+            continue
+        if k == "masked_fill":
+            mask, value = arg(cur, 1, "mask"), arg(cur, 2, "value")
+            fill = constant_value(value)
+            if fill is None:
+                raise Miss(f"masked_fill with a value that is not a constant ({cur.name})")
+            if phase != "mask":
+                raise Miss("a mask is applied to the scores before the scale/softcap")
+            terms.append(MaskTerm("fill", mask, fill))
+            cur = cur.args[0]
+            continue
+        if k == "where" and len(cur.args) == 3:
+            cond, a, b = cur.args
+            ca, cb = constant_value(a), constant_value(b)
+            if cb is not None and isinstance(a, fx.Node) and tensor_of(a) is not None and ca is None:
+                term, nxt = MaskTerm("where", cond, cb), a
+            elif ca is not None and isinstance(b, fx.Node) and tensor_of(b) is not None and cb is None:
+                term, nxt = MaskTerm("fill", cond, ca), b
+            else:
+                raise Miss(f"torch.where on the scores without a constant fill ({cur.name})")
+            if phase != "mask":
+                raise Miss("a mask is applied to the scores before the scale/softcap")
+            terms.append(term)
+            cur = nxt
+            continue
+        raise Miss(f"scores are not a Q·Kᵀ contraction (reached {_describe(cur)})")
+    else:
+        raise Miss("scores chain too long")
+    if c.spelling == "einsum" and c.out_perm != identity(len(c.out_perm)):
+        raise Miss("the einsum's scores are not laid out [batch..., query, key]")
+    if c.spelling == "baddbmm":
+        if not is_finite_number(c.alpha) or not is_finite_number(c.beta):
+            raise Miss("baddbmm with a non-constant alpha or beta")
+        scale *= float(c.alpha)
+        if c.beta != 0:
+            if c.beta != 1:
+                raise Miss("baddbmm adds its input with beta != 0, 1")
+            if phase != "mask" or factors or scale != float(c.alpha) or softcap:
+                raise Miss("baddbmm's added input is scaled or softcapped afterwards")
+            terms.append(MaskTerm("add", c.addend))
+    for n in nodes + [c.node]:
+        bad = [u for u in n.users if is_inplace(u) and u.args and u.args[0] is n and u not in nodes]
+        if bad:
+            raise Miss(f"the scores are modified in place ({bad[0].name})")
+        if len(n.users) != 1:
+            raise Miss(f"the scores ({n.name}) are also used outside the attention")
+    return Scores(c, scale, factors, softcap, terms, nodes)
+
+
+def _describe(n: Any) -> str:
+    if not isinstance(n, fx.Node):
+        return repr(n)
+    tgt = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+    return f"{tgt} ({n.name})"
+
+
+# ------------------------------------------------------------------------------------------ walk forward
+
+
+@dataclass
+class Probs:
+    end: fx.Node  # the tensor that enters P·V
+    pv: Contraction
+    dropout_p: float = 0.0
+    nodes: list = field(default_factory=list)  # softmax .. end
+
+
+def walk_probs(sm: fx.Node, options: PassOptions) -> Probs:
+    cur, nodes, dropout_p = sm, [sm], 0.0
+    for _ in range(32):
+        users = list(cur.users)
+        if any(u.op == "output" for u in users):
+            raise Miss("probabilities are also returned to the caller (output_attentions)")
+        if len(users) != 1:
+            names = ", ".join(u.name for u in users)
+            raise Miss(f"probabilities have {len(users)} users ({names}); only a P·V contraction may read them")
+        u = users[0]
+        k = kind(u)
+        if k in ("cast", "identity") and u.args[0] is cur:
+            cur = u
+        elif k == "dropout" and u.args[0] is cur:
+            _, p, training = dropout_args(u)
+            if not isinstance(training, bool) or not is_finite_number(p):
+                raise Miss("dropout with a non-constant p or training flag")
+            if training and p > 0:
+                if dropout_p:
+                    raise Miss("two dropouts on the probabilities")
+                if not options.allow_training_dropout:
+                    raise Miss("dropout on the probabilities in training (disabled by the options)")
+                if p >= 1:
+                    raise Miss("dropout with p >= 1")
+                dropout_p = float(p)
+            cur = u
+        else:
+            c = contraction(u)
+            if c is None:
+                raise Miss(f"probabilities feed {_describe(u)}, not a P·V contraction")
+            if c.spelling == "baddbmm":
+                raise Miss("probabilities enter a baddbmm")
+            if c.lhs.node is not cur or c.rhs.node is cur:
+                raise Miss("probabilities are not the left operand of the P·V contraction")
+            if c.lhs.perm != identity(c.lhs.rank):
+                raise Miss("probabilities enter the P·V contraction transposed")
+            nodes.append(u)
+            return Probs(cur, c, dropout_p, nodes)
+        nodes.append(cur)
+    raise Miss("probabilities chain too long")
+
+
+# --------------------------------------------------------------------------------------- masks bridge
+
+
+def _analyze_mask(terms: list, scores: fx.Node, q: View, k: View) -> MaskSpec:
+    if not terms:
+        return MaskSpec()
+    try:
+        from . import masks
+    except ImportError:
+        masks = None
+    fn = getattr(masks, "analyze_mask", None)
+    if fn is None:
+        raise Miss("masked attention: mask analysis is not available yet")
+    res = fn(terms, scores)
+    if isinstance(res, str):
+        raise Miss(res)
+    return res
+
+
+# ------------------------------------------------------------------------------------------- rewrite
+
+
+class _Out:
+    """Insert glue nodes before `anchor`; remember them so a refusal can erase them."""
+
+    def __init__(self, graph: fx.Graph, anchor: fx.Node):
+        self.graph, self.anchor = graph, anchor
+        self.start = anchor.prev  # everything inserted lands between start and anchor
+        self.made: list[fx.Node] = []
+
+    def call(self, target: Any, *args: Any, method: bool = False, **kwargs: Any) -> fx.Node:
+        n = self.graph.call_method(target, args, kwargs) if method else self.graph.call_function(target, args, kwargs)
+        self.made.append(n)
+        emit.set_example_value(n)
+        if "example_value" not in n.meta:
+            raise Miss("no FakeTensor metadata in the graph (not a Dynamo graph?)")
+        return n
+
+    def size(self, node: fx.Node, dim: int) -> Any:
+        s = tensor_of(node).shape[dim]
+        return s if isinstance(s, int) else self.call("size", node, dim, method=True)
+
+    def rollback(self) -> None:
+        # everything between start and the anchor, including what emit inserted
+        doomed, n = [], self.start.next
+        while n is not self.anchor:
+            doomed.append(n)
+            n = n.next
+        for n in reversed(doomed):
+            if not n.users:
+                self.graph.erase_node(n)
+
+
+def _padded_batch(shape: tuple, nb: int) -> list:
+    """The batch sizes of a [batch..., X, Y] logical shape, left-padded with 1 to nb dims."""
+    b = list(shape[:-2])
+    return [1] * (nb - len(b)) + b
+
+
+@dataclass
+class _Layout:
+    nb: int
+    mode: str  # "none" (nb=0), "bh1" (nb=1: B'=batch, H=1), "mqa1" (nb=1: B'=1, H=batch), "std", "grouped"
+    lead: int  # number of leading batch dims merged into B'
+
+
+def _choose_layout(bd: list, qb: list, kb: list, vb: list) -> _Layout:
+    nb = len(bd)
+    if nb == 0:
+        return _Layout(0, "none", 0)
+    if nb == 1:
+        if known_one(kb[0]) and known_one(vb[0]) and not known_one(bd[0]):
+            return _Layout(1, "mqa1", 0)
+        return _Layout(1, "bh1", 1)
+    if nb >= 3 and known_one(kb[-1]) and known_one(vb[-1]) and not known_one(qb[-1]):
+        return _Layout(nb, "grouped", nb - 2)
+    return _Layout(nb, "std", nb - 1)
+
+
+class _Builder:
+    def __init__(self, out: _Out, bd: list, layout: _Layout, ref_nodes: list):
+        self.o, self.bd, self.lay = out, bd, layout
+        self.ref = ref_nodes  # (node, padded batch) materialized operands to read full sizes from
+
+    def full_size(self, i: int) -> Any:
+        s = self.bd[i]
+        if isinstance(s, int):
+            return s
+        for node, b in self.ref:
+            if not known_one(b[i]):
+                return self.o.size(node, i)
+        return s
+
+    def pad(self, node: fx.Node, rank: int) -> fx.Node:
+        while tensor_of(node).dim() < rank:
+            node = self.o.call(torch.unsqueeze, node, 0)
+        return node
+
+    def expand(self, node: fx.Node, dims: list) -> fx.Node:
+        t = tensor_of(node)
+        need = [i for i in dims if known_one(t.shape[i]) and not known_one(self.bd[i])]
+        if not need:
+            return node
+        sizes = [self.full_size(i) if i in need else -1 for i in range(t.dim())]
+        return self.o.call("expand", node, *sizes, method=True)
+
+    def to_op(self, node: fx.Node, kv: bool) -> fx.Node:
+        """A padded operand [batch..., N, D] -> [B', H, N, D] (kv: heads stay un-repeated / broadcast)."""
+        lay, nb = self.lay, self.lay.nb
+        if lay.mode == "none":
+            return self.o.call(torch.unsqueeze, self.o.call(torch.unsqueeze, node, 0), 0)
+        if lay.mode == "mqa1":
+            return self.o.call(torch.unsqueeze, node if kv else self.expand(node, [0]), 0)
+        if lay.mode == "bh1":
+            return self.o.call(torch.unsqueeze, self.expand(node, [0]), 1)
+        node = self.expand(node, list(range(lay.lead)))
+        if lay.mode == "grouped":
+            if kv:
+                node = self.o.call(torch.squeeze, node, nb - 1)
+            else:
+                node = self.o.call(torch.flatten, self.expand(node, [nb - 2, nb - 1]), nb - 2, nb - 1)
+        elif not kv:
+            node = self.expand(node, [nb - 1])
+        if lay.lead > 1:
+            node = self.o.call(torch.flatten, node, 0, lay.lead - 1)
+        return node
+
+    def bias_to_op(self, node: fx.Node) -> fx.Node:
+        """A tensor broadcasting to the scores [batch..., Nq, Nk] -> broadcasting to [B', H, Nq, Nk]."""
+        lay, nb = self.lay, self.lay.nb
+        t = tensor_of(node)
+        if lay.mode == "none" or (lay.mode == "std" and nb == 2 and t.dim() <= 4):
+            return node
+        if t.dim() <= 2:
+            return node
+        node = self.pad(node, nb + 2)
+        if lay.mode == "mqa1":
+            return self.o.call(torch.unsqueeze, node, 0)
+        if lay.mode == "bh1":
+            return self.o.call(torch.unsqueeze, node, 1)
+        b = tensor_of(node).shape
+        groups = [list(range(lay.lead))]
+        if lay.mode == "grouped":
+            groups.append([nb - 2, nb - 1])
+        for dims in groups:
+            if len(dims) > 1 and not all(known_one(b[i]) for i in dims):
+                node = self.expand(node, dims)
+        if lay.mode == "grouped":
+            node = self.o.call(torch.flatten, node, nb - 2, nb - 1)
+        if lay.lead > 1:
+            node = self.o.call(torch.flatten, node, 0, lay.lead - 1)
+        return node
+
+    def out_from_op(self, out: fx.Node, q_padded: fx.Node) -> fx.Node:
+        """[B', H, Nq, Dv] -> the scores' batch layout [batch..., Nq, Dv]."""
+        lay, nb = self.lay, self.lay.nb
+        if lay.mode == "none":
+            return self.o.call(torch.squeeze, self.o.call(torch.squeeze, out, 0), 0)
+        if lay.mode == "mqa1":
+            return self.o.call(torch.squeeze, out, 0)
+        if lay.mode == "bh1":
+            return self.o.call(torch.squeeze, out, 1)
+        if lay.mode == "grouped":
+            out = self.o.call(torch.unflatten, out, 1, (-1, self.o.size(q_padded, nb - 1)))
+        if lay.lead > 1:
+            out = self.o.call(torch.unflatten, out, 0, tuple(self.full_size(i) for i in range(lay.lead)))
+        return out
+
+
+def _materialize(o: _Out, v: View, dtype: torch.dtype) -> fx.Node:
+    node = v.node
+    if v.perm != identity(len(v.perm)):
+        node = o.call(torch.permute, node, v.perm)
+    if tensor_of(node).dtype != dtype:
+        node = o.call("to", node, dtype, method=True)
+    return node
+
+
+_VIEWISH = ("transpose", "permute", "unsqueeze", "getitem", "expand")
+
+
+def _needs_contiguous(old: fx.Node, new_val: torch.Tensor, depth: int = 3) -> bool:
+    """Would a `.view` downstream of `old` fail on `new_val`'s strides (where it worked on eager's)?"""
+    mode = emit._fake_mode([new_val])
+    if mode is None:
+        return False
+    frontier = [(old, new_val)]
+    for _ in range(depth):
+        nxt = []
+        for node, val in frontier:
+            for u in node.users:
+                if u.op != "call_method" and u.op != "call_function":
+                    continue
+                is_view = u.op == "call_method" and u.target == "view"
+                if not (is_view or kind(u) in _VIEWISH):
+                    continue
+                args = fx.node.map_arg(u.args, lambda a: val if a is node else example_value(a))
+                kwargs = fx.node.map_arg(u.kwargs, lambda a: val if a is node else example_value(a))
+                try:
+                    with mode:
+                        r = (getattr(args[0], u.target)(*args[1:], **kwargs) if u.op == "call_method"
+                             else u.target(*args, **kwargs))
+                except Exception:
+                    return True
+                if isinstance(r, torch.Tensor):
+                    nxt.append((u, r))
+        frontier = nxt
+    return False
+
+
+def _where(node: fx.Node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    loc = ""
+    for line in trace.strip().splitlines():
+        line = line.strip()
+        if line.startswith("File "):
+            parts = line.split('"')
+            if len(parts) >= 3:
+                f = parts[1].replace("\\", "/").rsplit("/", 1)[-1]
+                ln = parts[2].split("line")[-1].split(",")[0].strip()
+                loc = f"{f}:{ln}"
+    return f"{node.name} at {loc}" if loc else node.name
+
+
+def _shape(t: Any) -> Optional[tuple]:
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else None
+
+
+class _Ctx:
+    """Per-graph facts computed once: node order and in-place mutations."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.pos: dict = {}
+        self.mutations: list[int] = []
+        for i, n in enumerate(gm.graph.nodes):
+            self.pos[n] = i
+            if is_inplace(n):
+                self.mutations.append(i)
+
+    def mutation_between(self, a: fx.Node, b: fx.Node, own: set) -> bool:
+        if not self.mutations:
+            return False
+        lo, hi = self.pos.get(a, 0), self.pos.get(b, 0)
+        own_pos = {self.pos.get(n) for n in own}
+        return any(lo < m < hi and m not in own_pos for m in self.mutations)
+
+
+def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> SiteReport:
+    rep = SiteReport(form="softmax", rewritten=False, where=_where(sm))
+    x, dim, sm_dtype = softmax_args(sm)
+    if not isinstance(x, fx.Node) or tensor_of(x) is None:
+        raise Miss("softmax input is not a tensor of the graph")
+    st = tensor_of(x)
+    if dim is None:
+        raise Miss("softmax dim is not a constant")
+    if st.dim() < 2:
+        raise Miss(f"softmax over a {st.dim()}-d tensor")
+    if dim != st.dim() - 1:
+        raise Miss(f"softmax is over dim {dim}, not the key axis (the last dim {st.dim() - 1})")
+    scores = walk_scores(x)
+    probs = walk_probs(sm, options)
+    qk, pv = scores.contraction, probs.pv
+    rep.form = f"{qk.spelling}-softmax-{pv.spelling}"
+    bd = list(st.shape[:-2])
+    nb = len(bd)
+    o_node = pv.node
+    o_val = tensor_of(o_node)
+    if o_val.dim() != st.dim() or not all(known_eq(a, b) for a, b in zip(_canon_out_shape(pv, o_val)[:-2], bd)):
+        raise Miss("the P·V contraction broadcasts the probabilities to more batch dims")
+    own = set(scores.nodes) | set(probs.nodes) | {qk.node}
+    if ctx.mutation_between(qk.node, o_node, own):
+        raise Miss("a tensor is modified in place between the scores and the P·V product")
+
+    q = fold(qk.lhs)
+    k = fold(qk.rhs.swap_last())
+    v = fold(pv.rhs)
+    scale = scores.scale
+    q, scale = _absorb_scale(q, scale)
+    k, scale = _absorb_scale(k, scale)
+    if q.rank > nb + 2 or k.rank > nb + 2 or v.rank > nb + 2:
+        raise Miss("q/k/v have more batch dims than the scores")
+    # GQA: the last batch dim is the head axis when the layout keeps it as H
+    group = 1
+    if nb >= 2 and k.rank >= 3 and v.rank >= 3:
+        k2 = fold(unrepeat(k, k.rank - 3))
+        v2 = fold(unrepeat(v, v.rank - 3))
+        if k2.group == v2.group:
+            k, v, group = k2, v2, k2.group
+        elif k2.group == 1 and v2.group == 1:
+            k, v = k2, v2
+    qb, kb, vb = (_padded_batch(t.shape, nb) for t in (q, k, v))
+    layout = _choose_layout(bd, qb, kb, vb)
+    if group > 1 and layout.mode != "std":
+        raise Miss("repeated K/V heads in a layout where the head axis is not the last batch dim")
+    # the un-repeated head axis: Hkv * group must be the scores' head count, or 1 (broadcast)
+    for name, b in (("k", kb), ("v", vb)):
+        for i in range(nb):
+            if not (known_one(b[i]) or known_eq(b[i] * (group if i == nb - 1 else 1), bd[i])):
+                raise Miss(f"{name}'s batch dim {i} ({b[i]}) does not match the scores' ({bd[i]})")
+    for i in range(nb):
+        if not (known_one(qb[i]) or known_eq(qb[i], bd[i])):
+            raise Miss(f"q's batch dim {i} does not match the scores'")
+
+    # dtypes: drop lossless upcasts when all three agree; otherwise compute in their common dtype
+    base = [tensor_of(t.node).dtype for t in (q, k, v)]
+    logical = [t.dtype for t in (q, k, v)]
+    if len(set(base)) == 1:
+        dtype = base[0]
+    elif len(set(logical)) == 1:
+        dtype = logical[0]
+    else:
+        dtype = torch.promote_types(torch.promote_types(logical[0], logical[1]), logical[2])
+
+    spec = _analyze_mask(scores.terms, x, q, k)
+    if spec.empty_rows == "unknown":
+        raise Miss("cannot keep eager's value on fully masked rows for this mask")
+
+    graph = gm.graph
+    o = _Out(graph, o_node)
+    try:
+        with graph.inserting_before(o_node):
+            qn, kn, vn = _materialize(o, q, dtype), _materialize(o, k, dtype), _materialize(o, v, dtype)
+            while tensor_of(qn).dim() < nb + 2:
+                qn = o.call(torch.unsqueeze, qn, 0)
+            while tensor_of(kn).dim() < nb + 2:
+                kn = o.call(torch.unsqueeze, kn, 0)
+            while tensor_of(vn).dim() < nb + 2:
+                vn = o.call(torch.unsqueeze, vn, 0)
+            b = _Builder(o, bd, layout, [(qn, qb), (kn, kb), (vn, vb)])
+            # a K/V head axis that is 1 while the other has Hkv: broadcast it (the op needs equal heads)
+            if nb >= 1:
+                hk, hv = tensor_of(kn).shape[nb - 1], tensor_of(vn).shape[nb - 1]
+                if known_one(hk) and not known_one(hv):
+                    kn = o.call("expand", kn, *[-1] * (nb - 1), hv, -1, -1, method=True)
+                elif known_one(hv) and not known_one(hk):
+                    vn = o.call("expand", vn, *[-1] * (nb - 1), hk, -1, -1, method=True)
+            q_padded = qn
+            qo, ko, vo = b.to_op(qn, False), b.to_op(kn, True), b.to_op(vn, True)
+            if nb >= 1 and layout.mode in ("std", "grouped", "bh1"):
+                # batch (B') must match exactly: broadcast k/v (a view) when they were broadcast
+                Bq = tensor_of(qo).shape[0]
+                if not known_eq(tensor_of(ko).shape[0], Bq):
+                    ko = o.call("expand", ko, o.size(qo, 0), -1, -1, -1, method=True)
+                if not known_eq(tensor_of(vo).shape[0], Bq):
+                    vo = o.call("expand", vo, o.size(qo, 0), -1, -1, -1, method=True)
+            for node, how in scores.factors:
+                f = node
+                ft = tensor_of(f)
+                if isinstance(ft, torch.Tensor):
+                    if ft.dim() > 0:
+                        f = b.bias_to_op(f)
+                    if ft.dtype != dtype:
+                        f = o.call("to", f, dtype, method=True)
+                qo = o.call(operator.mul if how == "mul" else operator.truediv, qo, f)
+            bias = spec.bias
+            if bias is not None:
+                bias = b.bias_to_op(bias)
+            kv_lens = spec.kv_lens
+            if kv_lens is not None:
+                kl = tensor_of(kv_lens)
+                if kl is None or kl.dim() != 1 or not known_eq(kl.shape[0], tensor_of(qo).shape[0]) or layout.mode != "std" \
+                        or layout.lead != 1:
+                    raise Miss("key-padding lengths do not map to the op's batch axis")
+            out, call = emit.emit_attention(
+                graph, qo, ko, vo, scale=scale, causal=spec.causal, diag_offset=spec.diag_offset,
+                window_left=spec.window_left, window_right=spec.window_right, bias=bias, kv_lens=kv_lens,
+                softcap=scores.softcap, dropout_p=probs.dropout_p, kernel=options.kernel, empty_rows=spec.empty_rows,
+            )
+            o.made.append(out)
+            res = b.out_from_op(out, q_padded)
+            if pv.out_perm != identity(len(pv.out_perm)):
+                res = o.call(torch.permute, res, pv.out_perm)
+            if tensor_of(res).dtype != o_val.dtype:
+                res = o.call("to", res, o_val.dtype, method=True)
+            if _needs_contiguous(o_node, tensor_of(res)):
+                res = o.call("contiguous", res, method=True)
+    except Miss:
+        o.rollback()
+        raise
+    except Exception as e:  # a fake run rejected the glue: leave the site alone
+        o.rollback()
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise Miss(f"rewrite failed on this site's tensors: {msg}") from e
+    o_node.replace_all_uses_with(res)
+    _erase_dead(graph, [o_node] + list(reversed(probs.nodes)) + scores.nodes + [qk.node])
+
+    qv, kv_, vv = tensor_of(qo), tensor_of(ko), tensor_of(vo)
+    rep.rewritten = True
+    rep.q_shape, rep.k_shape, rep.v_shape = _shape(qv), _shape(kv_), _shape(vv)
+    rep.dtype = str(dtype)
+    rep.mask = spec.kind if scores.terms else "none"
+    hq, hkv = qv.shape[1], kv_.shape[1]
+    if not (isinstance(hq, int) and isinstance(hkv, int) and hq == hkv):
+        how = "repeat removed" if group > 1 else "broadcast"
+        rep.gqa = f"Hq={hq}/Hkv={hkv} ({how})"
+    rep.softcap = scores.softcap
+    rep.dropout_p = probs.dropout_p
+    rep.scale = scale if not scores.factors else f"{scale:g} * tensor factors"
+    rep.call = call
+    return rep
+
+
+def _canon_out_shape(c: Contraction, val: torch.Tensor) -> tuple:
+    """The contraction output's shape in canonical [batch..., M, N] order."""
+    shape = [None] * val.dim()
+    for i, p in enumerate(c.out_perm):
+        shape[p] = val.shape[i]
+    return tuple(shape)
+
+
+def _absorb_scale(v: View, scale: float) -> tuple[View, float]:
+    """q * c (or k * c, q / c) computed before the contraction: move c into the op's scale."""
+    for _ in range(4):
+        n = v.node
+        k = kind(n)
+        if k not in ("mul", "div") or len(n.users) != 1:
+            break
+        a, b = n.args[0], arg(n, 1, "other")
+        if k == "mul" and is_finite_number(a) and isinstance(b, fx.Node):
+            a, b = b, a
+        if not (isinstance(a, fx.Node) and is_finite_number(b)) or b == 0:
+            break
+        ta = tensor_of(a)
+        if ta is None or ta.dim() != tensor_of(n).dim() or ta.dtype != tensor_of(n).dtype:
+            break
+        scale = scale * float(b) if k == "mul" else scale / float(b)
+        v = fold(View(a, v.perm, v.dtype, v.group, v.bcast_axes))
+    return v, scale
+
+
+def _erase_dead(graph: fx.Graph, nodes: list) -> None:
+    seen: set = set()
+    for n in nodes:
+        if n in seen:
+            continue
+        seen.add(n)
+        if not getattr(n, "_erased", False) and not n.users and n.op not in ("placeholder", "output"):
+            try:
+                graph.erase_node(n)
+            except Exception:
+                pass
 
 
 def rewrite_softmax_sites(gm: fx.GraphModule, options: PassOptions) -> list[SiteReport]:
-    return []
+    softmaxes = [n for n in gm.graph.nodes if kind(n) == "softmax"]
+    if not softmaxes:
+        return []
+    ctx = _Ctx(gm)
+    reports = []
+    for sm in softmaxes:
+        try:
+            reports.append(_site(gm, sm, ctx, options))
+        except Miss as e:
+            reports.append(SiteReport(form="softmax", rewritten=False, reason=str(e), where=_where(sm),
+                                      dtype=str(tensor_of(sm).dtype) if tensor_of(sm) is not None else None))
+    return reports
