@@ -1,20 +1,29 @@
 """The kernel candidates behind `torch.ops.fa3.attention` and the order dispatch tries them in.
 
-The order is measured, not guessed. Evidence: `shared/anchors/h200-2026-11-29.json` (one H200,
-torch 2.11.0+cu130, cuDNN 9.19, bf16, medians of triton.testing.do_bench, B*N = 16k tokens,
-H*D = 2048; TFLOP/s, higher is better):
+The order is measured, not guessed. Two sources, both one H200, torch 2.11.0+cu130, cuDNN 9.19,
+bf16, medians of triton.testing.do_bench:
+  [A] the peer anchors (shared/anchors/h200-2026-11-29.json): B*N = 16k tokens, H*D = 2048;
+  [P] benchmarks/dispatch_probe.py, our candidates called as dispatch calls them, same run
+      (benchmarks/results/dispatch_h200.json); forward / backward ms:
 
-* cuDNN ahead of FA2 ahead of mem-efficient, forward and backward: cuDNN led at every measured
-  head dim (64/128/256), length (1k/4k/16k) and causal setting; e.g. D128 N4096 non-causal
-  forward 619 / 341 / 171, backward 526 / 289 / 136.
-* FA3 (tokenspeed-fa3) vs cuDNN forward, same run: at N = 1024 cuDNN led in all 6 configurations
-  (D128 causal 422 vs 233, D128 non-causal 567 vs 511); from N = 4096 FA3 led in all 12 by
-  5-29% (D128 N4096 674 vs 610 non-causal, 619 vs 522 causal; D256 N4096 causal 723 vs 559).
-  Hence `FA3_FROM_TOKENS`: FA3 moves ahead of cuDNN when both Nq and Nk reach 4096.
-* Decode (Nq = 1, GQA 32/8, D128, 2k-32k keys): cuDNN 3.97-4.21 TB/s, FA3 paged 3.61-4.02,
-  FA2 2.5-4.2: cuDNN stays first (the FA3 rule needs Nq >= 4096).
-* Our Triton family: no measurement in the anchors; it sits after FA2 and before mem-efficient
-  until one exists (FA_COMPILE_TUNE=1 measures it per shape bucket on the device).
+  | shape (causal)                     | cudnn         | fa3   | triton        | flash         | efficient     |
+  | Llama B2 N4096 Hq16/Hkv8 D128      | 0.255 / 0.798 | 0.206 | 0.369 / 1.408 | 0.528 / 1.448 | (GQA refused) |
+  | GPT-2 B4 N2048 H16 D64             | 0.102 / 0.313 | 0.092 | 0.129 / 0.547 | 0.158 / 0.446 | 0.338 / -     |
+  | B16 N1024 H16 D128                 | 0.156 / 0.554 | 0.143 | 0.250 / 0.867 | 0.283 / 0.844 | 0.494 / -     |
+  | decode B32 Hq32/Hkv8 Nk4096 D128   | 0.133         | 0.139 | 0.587         | 0.206         | (GQA refused) |
+
+* cuDNN first in both directions by default: fastest backward at every shape in [P] and [A]
+  (e.g. [A] D128 N4096 non-causal backward 526 vs FA2 289 vs mem-efficient 136 TFLOP/s), fastest
+  forward for decode [P] and at N = 1024 in [A] (all 6 configurations, e.g. D128 causal 422 vs FA3 233).
+* FA3 moves ahead of cuDNN for the forward once Nq and Nk reach `FA3_FROM_TOKENS` = 2048: [A] FA3
+  led in all 12 configurations from N = 4096 (5-29%), [P] led by 24% at the Llama shape and 11% at
+  the GPT-2 shape (N = 2048). At N = 1024 the two sources disagree ([A] cuDNN 6/6, [P] FA3 +9% at
+  B16 D128), so cuDNN keeps 1k; FA_COMPILE_TUNE=1 settles a given shape by measuring it.
+* Our Triton family ahead of FA2 for the forward (Llama 0.369 vs 0.528, GPT-2 0.129 vs 0.158,
+  1k 0.250 vs 0.283 ms) but behind it for decode (0.587 vs 0.206 ms: no split-KV), hence the
+  `flash` promotion below `DECODE_MAX_Q`; behind FA2 for the backward (GPT-2 0.547 vs 0.446 ms,
+  a tie at the other two shapes).
+* mem-efficient last before the reference (slowest everywhere; forward only, see sdpa.py).
 * FA4: not installed on the lent H200, no measurement; after FA3 and opt-in only.
 * The reference path is last and takes everything.
 """
@@ -29,10 +38,11 @@ from .fa4 import FA4
 from .sdpa import CUDNN, EFFICIENT, FLASH
 
 # Base order (first = preferred) of the peers; dispatch inserts "triton" and "reference" by name.
-FORWARD_ORDER = ("cudnn", "fa3", "fa4", "flash", "triton", "efficient", "reference")
+FORWARD_ORDER = ("cudnn", "fa3", "fa4", "triton", "flash", "efficient", "reference")
 BACKWARD_ORDER = ("cudnn", "fa3", "fa4", "flash", "triton", "efficient", "reference")
 
-FA3_FROM_TOKENS = 4096
+FA3_FROM_TOKENS = 2048
+DECODE_MAX_Q = 64
 
 
 @dataclass(frozen=True)
@@ -51,9 +61,16 @@ def _long_prefill(args) -> bool:
     return nq is not None and nk is not None and min(nq, nk) >= FA3_FROM_TOKENS
 
 
+def _decode(args) -> bool:
+    nq = common.static_int(args.q.shape[2])
+    return nq is not None and nq <= DECODE_MAX_Q
+
+
 PROMOTIONS = (
     Promotion("fa3", "cudnn", _long_prefill,
-              "H200 anchors: FA3 forward led cuDNN by 5-29% at N >= 4096 in all 12 configurations, trailed at N = 1024"),
+              "FA3 forward led cuDNN from N = 2048: [A] 12/12 configurations at N >= 4096, [P] +24% Llama, +11% GPT-2"),
+    Promotion("flash", "triton", _decode,
+              "decode (Nq = 1, 4096 keys, GQA 32/8): FA2 0.206 ms vs our Triton 0.587 ms [P]"),
 )
 
 

@@ -4,13 +4,15 @@ The public `F.scaled_dot_product_attention` hides the log-sum-exp; the private o
 have backward ops that take it, so a forward from one kernel and a backward from another can meet
 at the saved lse. Their conventions, as torch 2.11 / 2.13 define them (meta registrations):
 
-| op                                  | lse shape                 | base    | empty row (no key) |
-| _scaled_dot_product_flash_attention | [B, H, Nq]                | natural | lse +inf (FA2)     |
-| _scaled_dot_product_cudnn_attention | [B, H, Nq, 1]             | natural | see finish_forward |
-| _scaled_dot_product_efficient_...   | [B, H, ceil(Nq/32) * 32]  | natural | lse +inf           |
+| op                                  | lse shape                 | base    | empty row (no key)   |
+| _scaled_dot_product_flash_attention | [B, H, Nq]                | natural | no bias: cannot occur |
+| _scaled_dot_product_cudnn_attention | [B, H, Nq, 1]             | natural | lse -inf, out 0      |
+| _scaled_dot_product_efficient_...   | [B, H, ceil(Nq/32) * 32]  | natural | lse 0 (!), out 0     |
 
+(measured on the H200, torch 2.11.0+cu130, cuDNN 9.19: benchmarks/results/dispatch_h200.json.)
 Each is normalised to the op's [B, Hq, Nq] fp32, -inf on an empty row (`common.finish_forward`),
 and each backward gets the lse back in its own shape with -inf turned into +inf so P = 0 there.
+Mem-efficient's lse 0 on an empty row cannot be told from a real 0, so it takes no bias/kv_lens.
 
 What none of them can do exactly is refused: softcap, sliding windows, dropout (their RNG is not
 our counter hash), a causal diagonal other than SDPA's top-left one, fp64.
@@ -31,10 +33,12 @@ from . import common as c
 # counting unrepeated K/V bytes, near the 4.22 TB/s copy ceiling); mem-efficient does not.
 NATIVE_GQA = {"flash": True, "cudnn": True, "efficient": False}
 
-# Causal alignment of is_causal when Nq != Nk. SDPA documents top-left; torch refuses flash for
-# non-square causal inputs, and cuDNN's alignment for non-square shapes is not pinned down here,
-# so those two take causal only where top-left and bottom-right agree (Nq == Nk).
-CAUSAL_NONSQUARE = {"flash": False, "cudnn": False, "efficient": True}
+# Where is_causal puts the diagonal when Nq != Nk, measured on the H200 (torch 2.11, bf16,
+# Nq 64, Nk 200; max error against each alignment): flash 0.0015 bottom-right / 2.74 top-left,
+# cuDNN and mem-efficient 0.0078 top-left / 2.75 bottom-right. So FA2 through SDPA is bottom-right
+# (diag_offset Nk - Nq), the others top-left (diag_offset 0). Only the forward was measured
+# non-square, so a backward takes a causal site only where both alignments agree (Nq == Nk).
+CAUSAL_ALIGN = {"flash": "bottom_right", "cudnn": "top_left", "efficient": "top_left"}
 
 _ENABLED = {
     "flash": lambda: torch.backends.cuda.flash_sdp_enabled(),
@@ -59,6 +63,10 @@ class SdpaCandidate:
     same_dv: bool
     takes_bias: bool
     bias_grad: bool
+    backward_ok: bool = True
+
+    def has_backward(self) -> bool:
+        return self.backward_ok
 
     # ---- what it can take -------------------------------------------------------------------
     def not_supported_reasons(self, args) -> list[str]:
@@ -81,17 +89,21 @@ class SdpaCandidate:
                      f"{hq // hkv}x in memory")
         if c.effective_causal(args):
             off = c.static_int(args.diag_offset)
-            if off != 0:
-                r.append(f"{what}: is_causal is top-left aligned (diag_offset 0), this site's diagonal is at {args.diag_offset}")
-            elif nq != nk and not CAUSAL_NONSQUARE[self.kind]:
-                r.append(f"{what}: causal with Nq {nq} != Nk {nk} (alignment of this kernel not pinned down)")
+            want = 0 if CAUSAL_ALIGN[self.kind] == "top_left" else nk - nq
+            if off != want:
+                side = "top-left (diag_offset 0)" if CAUSAL_ALIGN[self.kind] == "top_left" else f"bottom-right (diag_offset Nk - Nq = {want})"
+                r.append(f"{what}: is_causal is aligned {side}, this site's diagonal is at {args.diag_offset}")
+            elif nq != nk and args.needs_backward:
+                r.append(f"{what} backward: causal with Nq {nq} != Nk {nk} not verified on the device (forward only)")
         if c.has_window(args):
             r.append(f"{what} has no sliding window (window_left={args.window_left}, window_right={args.window_right})")
         if not self.takes_bias:
+            note = " (it marks a row with no admissible key by lse 0, which cannot be told from a real 0)" \
+                if self.kind == "efficient" else ""
             if args.bias is not None:
-                r.append(f"{what} takes no attention bias / mask")
+                r.append(f"{what} takes no attention bias / mask here{note}")
             if args.kv_lens is not None:
-                r.append(f"{what} takes no key-padding lengths (kv_lens)")
+                r.append(f"{what} takes no key-padding lengths (kv_lens) here{note}")
         else:
             b = args.bias
             if b is not None and b.dtype != torch.bool and b.dtype != args.q.dtype:
@@ -150,7 +162,6 @@ class SdpaCandidate:
         causal = c.effective_causal(args)
         lse_b = c.lse_for_backward(lse)
         dev = q.device
-        dbias = None
         if self.kind == "flash":
             seed = torch.zeros((2,), dtype=torch.uint64, device=dev)
             offset = torch.zeros((), dtype=torch.uint64, device=dev)
@@ -163,18 +174,8 @@ class SdpaCandidate:
                 dout, q, k, v, out, lse_b.reshape(b, hq, nq, 1).contiguous(), seed, offset, self._bias(args), None, None,
                 nq, nk, 0.0, causal, scale=args.scale)
         else:
-            width = (nq + 31) // 32 * 32
-            lse_p = torch.full((b, hq, width), math.inf, dtype=torch.float32, device=dev)
-            lse_p[:, :, :nq] = lse_b
-            seed = torch.zeros((), dtype=torch.long)
-            offset = torch.zeros((), dtype=torch.long)
-            want_db = bool(args.bias_requires_grad and args.bias is not None)
-            dq, dk, dv, db = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-                dout, q, k, v, self._bias(args), out, lse_p, seed, offset, 0.0, [True, True, True, want_db], causal,
-                scale=args.scale)
-            if want_db:
-                dbias = c.reduce_to_bias_shape(db, args.bias)
-        return dq, dk, dv, dbias
+            raise RuntimeError("mem-efficient backward is not used (see EFFICIENT below)")
+        return dq, dk, dv, None
 
 
 # Capabilities: torch builds FA2 and cuDNN attention for sm80+, mem-efficient for sm50+.
@@ -182,5 +183,8 @@ CUDNN = SdpaCandidate("cudnn", "cudnn", "cuDNN (SDPA)", (8, 0), (torch.float16, 
                       takes_bias=True, bias_grad=False)
 FLASH = SdpaCandidate("flash", "flash", "FA2 (SDPA flash)", (8, 0), (torch.float16, torch.bfloat16), False, 256, True,
                       takes_bias=False, bias_grad=False)
+# Mem-efficient is registered for the forward only: its backward op, fed an lse in its padded
+# [B, H, ceil(Nq/32) * 32] layout, disagreed with the reference on every GPU case (H200, torch 2.11),
+# and it is the slowest backward measured (anchors: 2-4x behind cuDNN), so nothing is lost.
 EFFICIENT = SdpaCandidate("efficient", "efficient", "mem-efficient (SDPA)", (5, 0), (torch.float16, torch.bfloat16), True, 256,
-                          False, takes_bias=True, bias_grad=True)
+                          False, takes_bias=False, bias_grad=False, backward_ok=False)
