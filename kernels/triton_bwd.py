@@ -118,7 +118,7 @@ def attn_bwd_dkdv_kernel(
     n_lim = Nk
     if HAS_KVLEN:
         n_lim = tl.maximum(tl.minimum(tl.load(KVLENS + b).to(tl.int32), Nk), 0)
-    seed = tl.zeros([], tl.uint32)
+    seed = 0
     if DROPOUT:
         seed = tl.load(SEED).to(tl.uint32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)

@@ -45,6 +45,8 @@ class BlockConfig:
 
 # Tests and the benchmark may pin configurations: {("fwd" | "dkdv" | "dq", head_dim_block): BlockConfig}.
 CONFIG_OVERRIDE: dict = {}
+# The last compiled kernel handle per kernel name (registers, spills, PTX for the benchmark's report).
+LAST_COMPILED: dict = {}
 
 
 def _pow2(n: int) -> int:
@@ -105,7 +107,8 @@ def _launch(kernel, grid_fn, cfg: BlockConfig, *args, **const):
             kw = dict(const, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
             if not interpreting():
                 kw.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-            kernel[grid_fn(cfg)](*args, **kw)
+            handle = kernel[grid_fn(cfg)](*args, **kw)
+            LAST_COMPILED[getattr(kernel, "__name__", str(kernel))] = (cfg, handle)
             return cfg
         except OutOfResources:
             nxt = _smaller(cfg)
@@ -160,6 +163,59 @@ class _Null:
         return False
 
 
+def _tma_ok(tensors, cap: tuple[int, int]) -> bool:
+    """Host tensor descriptors need 16-byte aligned bases and strides (all but the unit last one)."""
+    mode = os.environ.get("FA_COMPILE_TRITON_TMA", "auto")
+    if mode == "0" or (cap[0] < 9 and not (mode == "1" and interpreting())):
+        return False
+    for t in tensors:
+        if t.dtype not in (torch.float16, torch.bfloat16) or t.data_ptr() % 16:
+            return False
+        if any((t.stride(i) * t.element_size()) % 16 for i in range(3)):
+            return False
+    return True
+
+
+def _desc(t: Tensor, block: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+
+def _forward_tma(args, q, k, v, out, lse, bias, bias_kind, bstr, consts, sc, seed, block_d, block_dv, cfg) -> None:
+    from .triton_fwd_tma import attn_fwd_tma_kernel
+
+    b, hq, nq, _ = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    warp_spec = os.environ.get("FA_COMPILE_TRITON_WS", "0") == "1"
+
+    def grid(c):
+        return (triton_cdiv(nq, c.block_m), b * hq)
+
+    while True:
+        try:
+            kw = dict(consts, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                      REVERSE_M=bool(args.causal), WARP_SPEC=warp_spec)
+            if not interpreting():
+                kw.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            handle = attn_fwd_tma_kernel[grid(cfg)](
+                _desc(q, [1, 1, cfg.block_m, block_d]), _desc(k, [1, 1, cfg.block_n, block_d]),
+                _desc(v, [1, 1, cfg.block_n, block_dv]), _desc(out, [1, 1, cfg.block_m, block_dv]),
+                lse, bias if bias is not None else q, args.kv_lens if args.kv_lens is not None else q, seed,
+                *bstr, hq, hq // hkv, nq, nk,
+                sc["qk_scale"], sc["softcap"], sc["cap_scale"], int(args.diag_offset), int(args.window_left),
+                int(args.window_right), sc["drop_threshold"], sc["drop_scale"], **kw,
+            )
+            LAST_COMPILED["attn_fwd_kernel"] = (cfg, handle)
+            return
+        except Exception as e:  # OutOfResources: smaller tiles
+            from triton.runtime.errors import OutOfResources
+
+            if not isinstance(e, OutOfResources) or _smaller(cfg) is None:
+                raise
+            cfg = _smaller(cfg)
+
+
 def attention_forward(args, out: Optional[Tensor] = None, lse: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, Nq, Dv] stored BSHD, lse [B, Hq, Nq] fp32); `out`/`lse` may be given (tests poison them)."""
     from .triton_fwd import attn_fwd_kernel
@@ -178,7 +234,12 @@ def attention_forward(args, out: Optional[Tensor] = None, lse: Optional[Tensor] 
     sc = _scalars(args)
     seed = args.dropout_seed.to(q.device).reshape(1) if consts["DROPOUT"] else q
     block_d, block_dv = _pow2(d), _pow2(dv)
-    cfg = pick_config("fwd", max(block_d, block_dv), bool(args.causal), _capability(q.device))
+    cap = _capability(q.device)
+    cfg = pick_config("fwd", max(block_d, block_dv), bool(args.causal), cap)
+    if _tma_ok((q, k, v, out), cap):
+        with _device_ctx(q):
+            _forward_tma(args, q, k, v, out, lse, bias, bias_kind, bstr, consts, sc, seed, block_d, block_dv, cfg)
+        return out, lse
     with _device_ctx(q):
         _launch(
             attn_fwd_kernel, lambda c: (triton_cdiv(nq, c.block_m), b * hq), cfg,

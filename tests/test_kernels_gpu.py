@@ -1,0 +1,86 @@
+"""The Triton attention kernels on a CUDA GPU (bf16 / fp16, larger and odd shapes), against the
+reference op computed on the same device in fp32. Skipped without CUDA (CI has none)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fa_compile.kernels import triton_family as tf
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or not tf.triton_available(), reason="needs CUDA and triton"),
+]
+
+BF16, F16 = torch.bfloat16, torch.float16
+
+
+def _check(**kw):
+    from fa_compile.kernels.triton_testing import check_case, make_case
+
+    torch.manual_seed(0)
+    return check_case(make_case(device="cuda", **kw))
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 80, 128, 256])
+def test_dense(dtype, d):
+    _check(b=2, hq=4, nq=317, nk=450, d=d, dtype=dtype, layout="bshd")
+
+
+@pytest.mark.parametrize("off", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_causal_gqa(off, d):
+    nq, nk = 300, 520
+    _check(b=2, hq=8, hkv=2, nq=nq, nk=nk, d=d, dtype=BF16, causal=True, diag_offset=0 if off == "top_left" else nk - nq)
+
+
+def test_window_kv_lens_fp16():
+    _check(b=3, hq=4, nq=400, nk=400, d=96, dtype=F16, window_left=70, window_right=10, kv_lens=[400, 0, 257])
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 257, 300), (257, 300), (2, 1, 1, 300)], ids=["heads", "2d", "keys"])
+def test_float_bias_grad(shape):
+    _check(b=2, hq=4, nq=257, nk=300, d=64, dtype=BF16, bias_shape=shape, bias_grad=True)
+
+
+def test_bool_mask_softcap_dropout():
+    _check(b=2, hq=4, hkv=2, nq=200, nk=333, d=128, dtype=F16, bias_shape=(2, 1, 200, 333), bias_bool=True,
+           softcap=20.0, dropout_p=0.2)
+
+
+def test_fp32_tf32():
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        _check(b=1, hq=2, nq=130, nk=190, d=64, dtype=torch.float32, causal=True)
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
+def test_deterministic_backward():
+    from fa_compile.kernels.triton_testing import make_case, poisoned_backward, poisoned_forward
+
+    case = make_case(device="cuda", b=2, hq=8, hkv=2, nq=512, nk=512, d=128, dtype=BF16, causal=True)
+    out, lse = poisoned_forward(case)
+    dout = torch.randn_like(out)
+    torch.use_deterministic_algorithms(True)
+    try:
+        a = poisoned_backward(case, dout, out, lse)
+        b = poisoned_backward(case, dout, out, lse)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for x, y in zip(a[:3], b[:3]):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_pointer_path_without_tma(causal, monkeypatch):
+    # The Ampere-safe forward (plain pointer loads), as taken on 8.x or with unaligned strides.
+    monkeypatch.setenv("FA_COMPILE_TRITON_TMA", "0")
+    _check(b=2, hq=4, hkv=2, nq=300, nk=411, d=128, dtype=BF16, causal=causal, layout="bshd")
+
+
+def test_unaligned_head_dim_falls_back():
+    # d = 36: BSHD strides of 72 bytes are not 16-byte multiples, so TMA cannot take them.
+    _check(b=1, hq=3, nq=130, nk=200, d=36, dtype=F16, layout="bshd", causal=True)
