@@ -87,6 +87,22 @@ def scores_reference(
     return s
 
 
+def _probabilities(s: Tensor) -> tuple[Tensor, Tensor]:
+    """(softmax over the last dim, 0 on empty rows; lse = -inf there).
+
+    Normalised by the row sum, not by exp(s - lse): on a row whose scores all sit near
+    finfo(fp32).min (an additive finfo.min mask over every key) lse = max + log(n) rounds back to
+    max, and exp(s - lse) would not sum to 1.
+    """
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)  # empty row: exp(-inf - 0) = 0
+    e = torch.exp(s - m)
+    total = e.sum(dim=-1, keepdim=True)
+    p = e / torch.where(total == 0, torch.ones_like(total), total)
+    lse = (m + torch.log(total)).squeeze(-1)
+    return p, lse
+
+
 def attention_reference(
     q: Tensor,
     k: Tensor,
@@ -111,10 +127,7 @@ def attention_reference(
         q, k, scale=scale, causal=causal, diag_offset=diag_offset, window_left=window_left,
         window_right=window_right, bias=bias, kv_lens=kv_lens, softcap=softcap,
     )
-    lse = torch.logsumexp(s, dim=-1)
-    empty = torch.isneginf(lse)
-    # An empty row has lse = -inf; subtracting 0 instead keeps exp(-inf) = 0 and the gradient finite.
-    p = torch.exp(s - torch.where(empty, torch.zeros_like(lse), lse).unsqueeze(-1))
+    p, lse = _probabilities(s)
     if dropout_p > 0:
         if dropout_seed is None:
             raise ValueError("dropout_seed: required when dropout_p > 0")
@@ -161,8 +174,7 @@ def attention_backward_reference(
         qa, ka, scale=scale, causal=causal, diag_offset=diag_offset, window_left=window_left,
         window_right=window_right, bias=bias, kv_lens=kv_lens, softcap=softcap,
     )
-    lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse))
+    p, _ = _probabilities(s)
     if dropout_p > 0:
         keep = dropout_keep_mask(dropout_seed, b, hq, nq, nk, dropout_p, device=q.device).to(acc) / (1.0 - dropout_p)
     else:
