@@ -163,8 +163,6 @@ def walk_scores(x: fx.Node) -> Scores:
             f = _scale_factor(other, t.shape)
             if f is None:
                 raise Miss(f"scores are {'multiplied' if k == 'mul' else 'divided'} by a tensor that varies along the key axis ({cur.name})")
-            if phase == "mask" and terms:
-                raise Miss("the scores are scaled after the mask is applied")
             phase = "scale"
             if f[0] == "num":
                 if k == "div":
@@ -199,7 +197,7 @@ def walk_scores(x: fx.Node) -> Scores:
                 if not _reaches_contraction(chain) and _reaches_contraction(other):
                     chain, other = other, chain
             if phase != "mask":
-                raise Miss("a mask or bias is added to the scores before the scale/softcap is applied")
+                raise Miss("the scores are scaled or softcapped after a mask/bias is added")
             terms.append(MaskTerm("add", other))
             cur = chain
             continue
@@ -209,7 +207,7 @@ def walk_scores(x: fx.Node) -> Scores:
             if fill is None:
                 raise Miss(f"masked_fill with a value that is not a constant ({cur.name})")
             if phase != "mask":
-                raise Miss("a mask is applied to the scores before the scale/softcap")
+                raise Miss("the scores are scaled or softcapped after a mask is applied")
             terms.append(MaskTerm("fill", mask, fill))
             cur = cur.args[0]
             continue
@@ -223,7 +221,7 @@ def walk_scores(x: fx.Node) -> Scores:
             else:
                 raise Miss(f"torch.where on the scores without a constant fill ({cur.name})")
             if phase != "mask":
-                raise Miss("a mask is applied to the scores before the scale/softcap")
+                raise Miss("the scores are scaled or softcapped after a mask is applied")
             terms.append(term)
             cur = nxt
             continue
@@ -314,17 +312,19 @@ def walk_probs(sm: fx.Node, options: PassOptions) -> Probs:
 # --------------------------------------------------------------------------------------- masks bridge
 
 
-def _analyze_mask(terms: list, scores: fx.Node, q: View, k: View) -> MaskSpec:
+def _analyze_mask(gm: fx.GraphModule, terms: list, bd: list, st: torch.Tensor, insert_before: fx.Node) -> MaskSpec:
+    """masks.analyze_mask on the site's terms (given in eager's order), or Miss with its reason."""
     if not terms:
         return MaskSpec()
     try:
-        from . import masks
+        from .masks import analyze_mask
     except ImportError:
-        masks = None
-    fn = getattr(masks, "analyze_mask", None)
-    if fn is None:
-        raise Miss("masked attention: mask analysis is not available yet")
-    res = fn(terms, scores)
+        raise Miss("masked attention: mask analysis is not available") from None
+    nb = len(bd)
+    res = analyze_mask(
+        gm, list(reversed(terms)), batch=bd[0] if nb >= 1 else 1, q_heads=bd[-1] if nb >= 2 else 1,
+        q_len=st.shape[-2], k_len=st.shape[-1], scores_dtype=st.dtype, insert_before=insert_before,
+    )
     if isinstance(res, str):
         raise Miss(res)
     return res
@@ -624,13 +624,12 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
     else:
         dtype = torch.promote_types(torch.promote_types(logical[0], logical[1]), logical[2])
 
-    spec = _analyze_mask(scores.terms, x, q, k)
-    if spec.empty_rows == "unknown":
-        raise Miss("cannot keep eager's value on fully masked rows for this mask")
-
     graph = gm.graph
     o = _Out(graph, o_node)
     try:
+        spec = _analyze_mask(gm, scores.terms, bd, st, o_node)
+        if spec.empty_rows == "unknown":
+            raise Miss("cannot keep eager's value on fully masked rows for this mask")
         with graph.inserting_before(o_node):
             qn, kn, vn = _materialize(o, q, dtype), _materialize(o, k, dtype), _materialize(o, v, dtype)
             while tensor_of(qn).dim() < nb + 2:
@@ -703,7 +702,7 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
     rep.dtype = str(dtype)
     rep.mask = spec.kind if scores.terms else "none"
     hq, hkv = qv.shape[1], kv_.shape[1]
-    if not (isinstance(hq, int) and isinstance(hkv, int) and hq == hkv):
+    if not known_eq(hq, hkv):
         how = "repeat removed" if group > 1 else "broadcast"
         rep.gqa = f"Hq={hq}/Hkv={hkv} ({how})"
     rep.softcap = scores.softcap
