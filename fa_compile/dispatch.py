@@ -20,6 +20,7 @@ valid input, so that error means the inputs themselves are invalid.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import warnings
@@ -287,10 +288,15 @@ def _for_direction(args: AttentionArgs, direction: str) -> AttentionArgs:
     return args
 
 
+# How often each kernel was chosen, {(direction, name): calls}; benchmarks read and clear it.
+STATS: collections.Counter = collections.Counter()
+
+
 def _choose(args: AttentionArgs, forced: Optional[str], direction: str) -> _Chosen:
     args = _for_direction(args, direction)
     cands = ordered(args, direction)
     cand = _select(cands, args, forced, direction)
+    STATS[(direction, cand.name)] += 1
     is_forced = forced_kernel(forced) is not None and cand.name == forced_kernel(forced)
     rest = cands[cands.index(cand) + 1:] if cand in cands else []
     return _Chosen(cand, rest, is_forced, direction)
