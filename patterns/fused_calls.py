@@ -20,17 +20,18 @@ def rewrite_fused_calls(gm: fx.GraphModule, options: PassOptions) -> list[SiteRe
     # Dynamo's example values live in a fake mode other than the one its TracingContext hands the
     # backend (torch 2.13), and detect_fake_mode prefers the latter: hide the context so the glue's
     # example values are computed in the mode of the tensors they read.
+    cache: dict = {}
     with torch._guards.tracing(None):
         for node in list(graph.nodes):
-            _visit(graph, node, options, reports)
+            _visit(graph, node, options, reports, cache)
     return reports
 
 
-def _visit(graph: fx.Graph, node: fx.Node, options: PassOptions, reports: list) -> None:
+def _visit(graph: fx.Graph, node: fx.Node, options: PassOptions, reports: list, cache: dict) -> None:
     if node.op != "call_function":
         return
     if is_sdpa(node):
-        reports.append(rewrite_sdpa(graph, node, options))
+        reports.append(rewrite_sdpa(graph, node, options, cache))
     elif is_mha(node):
         reports.append(rewrite_mha(graph, node, options))
     elif is_native_mha(node):

@@ -28,6 +28,7 @@ class Builder:
         self.graph = graph
         self.nodes: list[fx.Node] = []
         self._before = set(graph.nodes)  # rollback also removes what emit.* inserted on our behalf
+        self.pending_cache: dict = {}  # results worth sharing with later sites, kept only on success
 
     def _add(self, node: fx.Node, what: str) -> fx.Node:
         self.nodes.append(node)  # tracked before the fake run, so rollback removes it on failure
@@ -139,3 +140,27 @@ def default_scale(head_dim: Any) -> float:
 def options_allow_dropout(options: PassOptions, dropout_p: float) -> None:
     if dropout_p > 0 and not options.allow_training_dropout:
         raise Refuse(f"dropout_p={dropout_p} on the probabilities and the pass was told not to rewrite training dropout")
+
+
+def emit_attention(b: Builder, q: fx.Node, k: fx.Node, v: fx.Node, *, dropout_p: float = 0.0, **kwargs: Any):
+    """emit.emit_attention, with the dropout seed given a FakeTensor in q's fake mode.
+
+    emit.call cannot find a fake mode for `torch.randint(...)` (it has no tensor argument), so the
+    seed node would carry no example value and the op's fake check would see dropout_seed=None.
+    """
+    out, call = emit.emit_attention(b.graph, q, k, v, **kwargs)
+    if dropout_p > 0:
+        qv = tensor_value(q, "q")
+        with b.graph.inserting_before(call):
+            seed = b.graph.call_function(torch.randint, (0, emit.DROPOUT_SEED_HIGH, ()),
+                                         {"dtype": torch.int64, "device": qv.device})
+        b.nodes.append(seed)
+        mode = getattr(qv, "fake_mode", None)
+        if mode is None:
+            raise Refuse("no fake mode on q to type the dropout seed")
+        with mode:
+            seed.meta["example_value"] = torch.randint(0, emit.DROPOUT_SEED_HIGH, (), dtype=torch.int64, device=qv.device)
+        call.update_arg(11, float(dropout_p))
+        call.update_arg(12, seed)
+        emit.set_example_value(call)
+    return out, call

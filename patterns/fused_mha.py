@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from . import emit
 from .fused_common import (
-    Builder, Refuse, const, options_allow_dropout, replace_output, report, shape_of, static_int, tensor_value,
+    Builder, emit_attention, Refuse, const, options_allow_dropout, replace_output, report, shape_of, static_int, tensor_value,
 )
 from .site import PassOptions, SiteReport
 
@@ -233,8 +233,8 @@ def _rewrite_mha(b: Builder, node: fx.Node, options: PassOptions, rep: SiteRepor
     rep.q_shape, rep.k_shape, rep.v_shape = (shape_of(tensor_value(t, n)) for t, n in ((q4, "q"), (k4, "k"), (v4, "v")))
     rep.scale, rep.dropout_p = scale, dropout_p
 
-    out4, call = emit.emit_attention(
-        b.graph, q4, k4, v4, scale=scale, causal=causal, diag_offset=0, bias=bias, dropout_p=dropout_p,
+    out4, call = emit_attention(
+        b, q4, k4, v4, scale=scale, causal=causal, diag_offset=0, bias=bias, dropout_p=dropout_p,
         kernel=options.kernel, empty_rows=empty_rows,
     )
     out = b.m("flatten", b.m("permute", out4, 2, 0, 1, 3), 2)  # [L, B, E]
@@ -287,8 +287,8 @@ def native_attention(
     scale = 1.0 / float(head_dim) ** 0.5
     rep.q_shape, rep.k_shape, rep.v_shape = (shape_of(tensor_value(t, n)) for t, n in ((q4, "q"), (k4, "k"), (v4, "v")))
     rep.dtype, rep.scale = str(qv.dtype).replace("torch.", ""), scale
-    out4, call = emit.emit_attention(
-        b.graph, q4, k4, v4, scale=scale, bias=bias, kernel=options.kernel, empty_rows=empty_rows,
+    out4, call = emit_attention(
+        b, q4, k4, v4, scale=scale, bias=bias, kernel=options.kernel, empty_rows=empty_rows,
     )
     out = b.m("flatten", b.m("transpose", out4, 1, 2), 2)  # [B, T, E]: free, the op stores BSHD
     return _linear(b, out, proj_w, proj_b), call

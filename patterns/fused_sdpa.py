@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from . import emit
 from .fused_common import (
-    Builder, Refuse, const, default_scale, options_allow_dropout, replace_output, report, same_size, shape_of,
+    Builder, emit_attention, Refuse, const, default_scale, options_allow_dropout, replace_output, report, same_size, shape_of,
     static_int, tensor_value,
 )
 from .site import PassOptions, SiteReport
@@ -59,7 +59,7 @@ def _to_4d(b: Builder, t: fx.Node, nd: int, name: str) -> fx.Node:
     val = tensor_value(t, name)
     try:  # the fold must not copy; fake tensors carry the strides that decide it
         val.view(-1, *val.shape[nd - 3:])
-    except RuntimeError:
+    except Exception:  # RuntimeError eagerly, ValueError from fake tensors
         raise Refuse(f"{name}: folding the leading dims of a {nd}-D input into a batch dim would copy it "
                      f"(strides {tuple(val.stride())})") from None
     return b.m("flatten", t, 0, nd - 4)
@@ -75,12 +75,13 @@ def _expand_batch(b: Builder, t: fx.Node, batch: Any, name: str) -> fx.Node:
     raise Refuse(f"{name}: batch {tb} does not broadcast to the query's batch {batch}")
 
 
-def rewrite_sdpa(graph: fx.Graph, node: fx.Node, options: PassOptions) -> SiteReport:
+def rewrite_sdpa(graph: fx.Graph, node: fx.Node, options: PassOptions, cache: Optional[dict] = None) -> SiteReport:
+    """cache: mask analyses shared by the SDPA sites of one graph (models reuse one mask per layer)."""
     rep = report("sdpa", node)
     b = Builder(graph)
     try:
         with graph.inserting_before(node):
-            _rewrite(b, node, options, rep)
+            _rewrite(b, node, options, rep, {} if cache is None else cache)
     except Refuse as e:
         b.rollback()
         rep.rewritten, rep.reason, rep.call = False, str(e), None
@@ -88,7 +89,7 @@ def rewrite_sdpa(graph: fx.Graph, node: fx.Node, options: PassOptions) -> SiteRe
     return rep
 
 
-def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport) -> None:
+def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, cache: dict) -> None:
     a = sdpa_args(node)
     q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
     qv, kv, vv = tensor_value(q, "query"), tensor_value(k, "key"), tensor_value(v, "value")
@@ -132,7 +133,7 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport) -
     k4 = _expand_batch(b, k4, batch, "key")
     v4 = _expand_batch(b, v4, batch, "value")
 
-    bias, empty_rows = None, "impossible"
+    mask_args: dict = dict(causal=is_causal, diag_offset=0, bias=None, empty_rows="impossible")
     if mask is not None:
         mv = tensor_value(mask, "attn_mask")
         if mv.dtype != torch.bool and not mv.dtype.is_floating_point:
@@ -144,15 +145,11 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport) -
             raise Refuse(f"a {mv.dim()}-D attn_mask with {nd}-D inputs (would need a copy to fold)")
         elif mv.dim() > 4:
             raise Refuse(f"a {mv.dim()}-D attn_mask with {nd}-D inputs")
-        rep.mask = "bool-mask" if mv.dtype == torch.bool else "bias"
-        empty_rows = "zero"  # SDPA returns 0 on a row whose keys are all masked
-    if is_causal:
+        mask_args, rep.mask = _mask_structure(b, node, bias, mv.dtype, q4v, k4v, cache)
+    elif is_causal:
         rep.mask = "causal"
 
-    out4, call = emit.emit_attention(
-        b.graph, q4, k4, v4, scale=scale, causal=is_causal, diag_offset=0, bias=bias, dropout_p=dropout_p,
-        kernel=options.kernel, empty_rows=empty_rows,
-    )
+    out4, call = emit_attention(b, q4, k4, v4, scale=scale, dropout_p=dropout_p, kernel=options.kernel, **mask_args)
     b.nodes.append(out4)
     out = out4
     if nd == 3:
@@ -165,3 +162,35 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport) -
     replace_output(b.graph, node, out)
     b.graph.erase_node(node)
     rep.rewritten, rep.call = True, call
+    cache.update(b.pending_cache)
+
+
+_SPEC_FIELDS = ("causal", "diag_offset", "window_left", "window_right", "kv_lens", "bias", "empty_rows")
+
+
+def _mask_structure(b: Builder, node: fx.Node, bias: fx.Node, dtype: torch.dtype, q4v: torch.Tensor,
+                    k4v: torch.Tensor, cache: dict) -> tuple[dict, str]:
+    """attn_mask -> the op's mask arguments: structure proven by masks.analyze_mask (causal, window,
+    key lengths), else the mask itself as the bias, which is SDPA's own arithmetic (exact)."""
+    fallback = dict(causal=False, diag_offset=0, bias=bias, empty_rows="zero")  # SDPA: 0 on empty rows
+    kind = "bool-mask" if dtype == torch.bool else "bias"
+    try:
+        from .masks import analyze_mask
+        from .site import MaskSpec, MaskTerm
+    except ImportError:  # mask analysis not available: the bias is exact
+        return fallback, kind
+    key = (bias, tuple(map(str, q4v.shape)), str(k4v.shape[2]), q4v.dtype)
+    spec = cache.get(key)
+    if spec is None:
+        term = MaskTerm("bool", bias) if dtype == torch.bool else MaskTerm("add", bias)
+        try:
+            spec = analyze_mask(b.graph.owning_module, [term], batch=q4v.shape[0], q_heads=q4v.shape[1],
+                                q_len=q4v.shape[2], k_len=k4v.shape[2], scores_dtype=q4v.dtype,
+                                insert_before=node, sdpa=True)
+        except Exception as e:  # analysis is an optimisation: never let it break an exact rewrite
+            spec = f"mask analysis failed: {type(e).__name__}: {e}"
+        if isinstance(spec, MaskSpec):
+            b.pending_cache[key] = spec
+    if not isinstance(spec, MaskSpec) or spec.empty_rows not in ("impossible", "zero", "nan", "mean_v"):
+        return fallback, kind
+    return {f: getattr(spec, f) for f in _SPEC_FIELDS}, spec.kind

@@ -1,0 +1,635 @@
+"""Fused attention calls already in the Dynamo graph -> fa3.attention, compared with eager.
+
+F.scaled_dot_product_attention (every argument), nn.MultiheadAttention (multi_head_attention_forward),
+torch._native_multi_head_attention and nn.TransformerEncoderLayer's fast path
+(_transformer_encoder_layer_fwd); every refusal reason; the rewritten graphs pinned with expecttest.
+"""
+from __future__ import annotations
+
+import math
+
+import expecttest
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fused_helpers import Capture, assert_same, count_attention, graph_summary, tolerances
+from fa_compile.patterns.site import PassOptions
+
+DTYPES = [torch.float32, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def run(fn, *args, inner="eager", options=None):
+    cap = Capture(inner, options)
+    out = torch.compile(fn, backend=cap, fullgraph=True)(*args)
+    return out, cap
+
+
+def only_report(cap):
+    assert len(cap.reports) == 1, cap.reports
+    return cap.reports[0]
+
+
+# --------------------------------------------------------------------------------------------- SDPA
+
+
+def rnd(*shape, dtype=torch.float32, seed=0, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(*shape, generator=g).to(dtype)
+    return t.requires_grad_(requires_grad)
+
+
+SDPA_CASES = {
+    "plain": (dict(), (2, 3, 7, 8), (2, 3, 9, 8)),
+    "causal": (dict(is_causal=True), (2, 3, 7, 8), (2, 3, 7, 8)),
+    "causal_nq_gt_nk": (dict(is_causal=True), (1, 2, 9, 8), (1, 2, 5, 8)),
+    "scale": (dict(scale=0.37), (2, 3, 7, 8), (2, 3, 9, 8)),
+    "gqa": (dict(enable_gqa=True), (2, 6, 7, 8), (2, 2, 9, 8)),
+    "mqa_broadcast": (dict(), (2, 4, 7, 8), (2, 1, 9, 8)),
+    "batch_broadcast": (dict(), (3, 2, 7, 8), (1, 2, 9, 8)),
+    "three_d": (dict(), (4, 7, 8), (4, 9, 8)),
+    "five_d": (dict(), (2, 2, 3, 7, 8), (2, 2, 3, 9, 8)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(SDPA_CASES))
+def test_sdpa_forms_match_eager(case, dtype):
+    kw, qs, ks = SDPA_CASES[case]
+    torch.manual_seed(0)
+    q, k, v = rnd(*qs, dtype=dtype, seed=1), rnd(*ks, dtype=dtype, seed=2), rnd(*ks[:-1], 5, dtype=dtype, seed=3)
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **kw)
+    out, cap = run(fn, q, k, v)
+    rep = only_report(cap)
+    assert rep.rewritten, rep.reason
+    assert cap.n_attention == 1
+    assert_same(out, fn(q, k, v), **tolerances(dtype))
+
+
+def _masks(kind, nq, nk, dtype):
+    g = torch.Generator().manual_seed(7)
+    if kind == "bool":
+        m = torch.rand(nq, nk, generator=g) > 0.4
+        m[:, 0] = True
+        return m
+    if kind == "bool_empty_rows":  # rows with no admissible key: SDPA returns 0 there
+        m = torch.rand(2, 1, nq, nk, generator=g) > 0.4
+        m[0, 0, 1] = False
+        m[1, 0, 3] = False
+        return m
+    if kind == "float":
+        return torch.randn(1, 3, nq, nk, generator=g).to(dtype)
+    if kind == "float_neginf_rows":
+        m = torch.randn(nq, nk, generator=g).to(dtype)
+        m[2] = float("-inf")
+        m[4, ::2] = float("-inf")
+        return m
+    if kind == "float_min_rows":  # finfo.min fills: eager averages V uniformly on such rows
+        m = torch.zeros(nq, nk).to(dtype)
+        m[1] = torch.finfo(dtype).min
+        return m
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("dtype,kind", [
+    (dtype, kind) for dtype in DTYPES for kind in ["bool", "bool_empty_rows", "float", "float_neginf_rows"]
+] + [(torch.float32, "float_min_rows"), (torch.float16, "float_min_rows")])
+def test_sdpa_attn_mask(kind, dtype):
+    q, k, v = rnd(2, 3, 6, 8, dtype=dtype, seed=1), rnd(2, 3, 5, 8, dtype=dtype, seed=2), rnd(2, 3, 5, 8, dtype=dtype, seed=3)
+    mask = _masks(kind, 6, 5, dtype)
+    fn = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    out, cap = run(fn, q, k, v, mask)
+    rep = only_report(cap)
+    assert rep.rewritten, rep.reason
+    assert rep.mask == ("bool-mask" if kind.startswith("bool") else "bias")
+    ref = fn(q, k, v, mask)
+    assert_same(out, ref, **tolerances(dtype))
+    if kind == "bool_empty_rows":
+        assert (out[0, :, 1] == 0).all() and (ref[0, :, 1] == 0).all()
+
+
+def test_sdpa_mask_built_in_the_graph_becomes_structure():
+    """A causal keep-mask built from ones().tril() is proven causal by mask analysis: no N x N bias."""
+    q, k, v = rnd(2, 3, 6, 8, seed=1), rnd(2, 3, 6, 8, seed=2), rnd(2, 3, 6, 8, seed=3)
+
+    def fn(q, k, v):
+        m = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    out, cap = run(fn, q, k, v)
+    rep = only_report(cap)
+    assert rep.rewritten and rep.mask == "causal", (rep.mask, rep.reason)
+    assert rep.call.args[4] is True and rep.call.args[8] is None  # causal flag, no bias tensor
+    assert_same(out, fn(q, k, v), **tolerances(torch.float32))
+
+
+def test_sdpa_mask_with_three_d_inputs_broadcasts_like_eager():
+    q, k, v = rnd(4, 6, 8, seed=1), rnd(4, 5, 8, seed=2), rnd(4, 5, 8, seed=3)
+    mask = torch.randn(4, 6, 5)
+    fn = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    out, cap = run(fn, q, k, v, mask)
+    assert only_report(cap).rewritten
+    assert_same(out, fn(q, k, v, mask), **tolerances(torch.float32))
+
+
+def test_sdpa_gradients_match_eager():
+    q, k, v = (rnd(2, 4, 7, 8, seed=s, requires_grad=True) for s in (1, 2, 3))
+    k2, v2 = (rnd(2, 2, 7, 8, seed=s, requires_grad=True) for s in (4, 5))
+    bias = rnd(1, 4, 7, 7, seed=6, requires_grad=True)
+    fn = lambda q, k, v, b: (F.scaled_dot_product_attention(q, k, v, attn_mask=b)
+                             + F.scaled_dot_product_attention(q, k2, v2, is_causal=True, enable_gqa=True))
+    out, cap = run(fn, q, k, v, bias, inner="aot_eager")
+    assert cap.n_attention == 2
+    w = rnd(*out.shape, seed=9)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v, bias, k2, v2))
+    ref = fn(q, k, v, bias)
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v, bias, k2, v2))
+    assert_same(out, ref, **tolerances(torch.float32))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_dropout_is_applied_whatever_the_training_flag():
+    """SDPA drops with dropout_p even under eval (the caller passes 0 there): the rewrite keeps
+    dropout_p; the mask differs from eager's RNG, so compare statistics, and dropout_p=0 exactly."""
+    q = rnd(4, 4, 64, 16, seed=1)
+    v = torch.ones(4, 4, 64, 16)
+    fn = lambda q, v: F.scaled_dot_product_attention(q, q, v, dropout_p=0.25)
+    out, cap = run(fn, q, v)
+    rep = only_report(cap)
+    assert rep.rewritten and rep.dropout_p == 0.25
+    call = rep.call
+    assert call.args[11] == 0.25
+    # With V = 1 every output is (kept probability mass) / 0.75: mean 1 and a nonzero spread.
+    assert abs(out.mean().item() - 1.0) < 0.02
+    assert out.std().item() > 0.05
+    eager = fn(q, v)
+    assert abs(out.std().item() - eager.std().item()) < 0.25 * eager.std().item()
+
+
+def test_sdpa_with_repeated_kv_gqa_is_rewritten():
+    """Llama's repeat_kv before SDPA: still one site (native GQA is find_sites' job to extract)."""
+    q, k, v = rnd(2, 8, 5, 8, seed=1), rnd(2, 2, 5, 8, seed=2), rnd(2, 2, 5, 8, seed=3)
+
+    def fn(q, k, v):
+        def rep(x):
+            b, h, n, d = x.shape
+            return x[:, :, None].expand(b, h, 4, n, d).reshape(b, h * 4, n, d)
+        return F.scaled_dot_product_attention(q, rep(k), rep(v), is_causal=True)
+
+    out, cap = run(fn, q, k, v)
+    assert only_report(cap).rewritten
+    assert_same(out, fn(q, k, v), **tolerances(torch.float32))
+
+
+def test_sdpa_output_viewed_directly_gets_a_contiguous_copy():
+    q = rnd(2, 3, 5, 8, seed=1)
+    fn = lambda q: F.scaled_dot_product_attention(q, q, q).view(6, 5, 8)
+    out, cap = run(fn, q)
+    assert only_report(cap).rewritten
+    assert_same(out, fn(q), **tolerances(torch.float32))
+
+
+def test_sdpa_rewritten_graph_pinned():
+    q, k, v = rnd(2, 6, 5, 8, seed=1), rnd(2, 2, 5, 8, seed=2), rnd(2, 2, 5, 8, seed=3)
+    m = torch.ones(5, 5, dtype=torch.bool)
+    _, cap = run(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True, scale=0.25),
+                 q, k, v, m)
+    expecttest.assert_expected_inline(graph_summary(cap.graphs[0]), """\
+fa3.attention(%, %, %, 0.25, False, 0, -1, -1, %, None, 0, 0, None, None)
+getitem(%, 0)""")
+    _, cap = run(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True), rnd(3, 5, 8))
+    expecttest.assert_expected_inline(graph_summary(cap.graphs[0]), """\
+.unsqueeze(%, 1)
+.unsqueeze(%, 1)
+.unsqueeze(%, 1)
+fa3.attention(%, %, %, 0.353553, True, 0, -1, -1, None, None, 0, 0, None, None)
+getitem(%, 0)
+.squeeze(%, 1)""")
+
+
+# SDPA refusals: each reason, and the graph left as it was.
+
+
+def test_sdpa_refuses_mask_with_is_causal():
+    q = rnd(1, 2, 5, 8)
+    m = torch.ones(5, 5, dtype=torch.bool).tril()
+    fn = lambda q, m: F.scaled_dot_product_attention(q, q, q, attn_mask=m, is_causal=True)
+    out, cap = run(fn, q, m)
+    rep = only_report(cap)
+    assert not rep.rewritten and "depends on the backend" in rep.reason
+    assert cap.n_attention == 0
+    assert_same(out, fn(q, m))
+
+
+def test_sdpa_refuses_training_dropout_when_told():
+    q = rnd(1, 2, 5, 8)
+    fn = lambda q: F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    _, cap = run(fn, q, options=PassOptions(allow_training_dropout=False))
+    rep = only_report(cap)
+    assert not rep.rewritten and "not to rewrite training dropout" in rep.reason
+    assert cap.n_attention == 0
+    assert any(n.target is F.scaled_dot_product_attention or getattr(n.target, "__name__", "") == "scaled_dot_product_attention"
+               for n in cap.graphs[0].graph.nodes)
+
+
+def test_sdpa_refuses_a_fold_that_would_copy():
+    x = rnd(3, 7, 2, 2, 8)
+
+    def fn(x):
+        q = x.permute(2, 0, 3, 1, 4)  # [2, 3, 2, 7, 8]: leading dims not mergeable without a copy
+        return F.scaled_dot_product_attention(q, q, q)
+
+    out, cap = run(fn, x)
+    rep = only_report(cap)
+    assert not rep.rewritten and "would copy" in rep.reason
+    assert_same(out, fn(x))
+
+
+def test_sdpa_refuses_high_rank_mask_with_high_rank_inputs():
+    q = rnd(2, 2, 3, 5, 8)
+    m = torch.randn(2, 2, 3, 5, 5)
+    fn = lambda q, m: F.scaled_dot_product_attention(q, q, q, attn_mask=m)
+    out, cap = run(fn, q, m)
+    rep = only_report(cap)
+    assert not rep.rewritten and "5-D attn_mask with 5-D inputs" in rep.reason
+    assert_same(out, fn(q, m))
+
+
+def test_sdpa_refuses_dynamic_head_dim():
+    q = rnd(1, 2, 5, 8)
+    torch._dynamo.mark_dynamic(q, 3)
+    fn = lambda q: F.scaled_dot_product_attention(q, q, q)
+    out, cap = run(fn, q)
+    rep = only_report(cap)
+    assert not rep.rewritten and "head dim is dynamic" in rep.reason
+    assert_same(out, fn(q))
+
+
+# --------------------------------------------------------------------------- nn.MultiheadAttention
+
+
+def mha_inputs(batch_first, unbatched=False, lq=5, lk=6, e=16, kdim=None, vdim=None, dtype=torch.float32):
+    def shape(n, d):
+        if unbatched:
+            return (n, d)
+        return (2, n, d) if batch_first else (n, 2, d)
+    return (rnd(*shape(lq, e), seed=1, dtype=dtype), rnd(*shape(lk, kdim or e), seed=2, dtype=dtype),
+            rnd(*shape(lk, vdim or e), seed=3, dtype=dtype))
+
+
+MHA_CASES = {
+    "self_need_weights_false": dict(module=dict(), call=dict(need_weights=False), self_attn=True),
+    "self_weights_unused": dict(module=dict(), call=dict(), self_attn=True),
+    "cross": dict(module=dict(), call=dict(need_weights=False)),
+    "kdim_vdim": dict(module=dict(kdim=12, vdim=10), call=dict(need_weights=False)),
+    "bias_kv_zero_attn": dict(module=dict(add_bias_kv=True, add_zero_attn=True), call=dict(need_weights=False)),
+    "no_bias": dict(module=dict(bias=False), call=dict()),
+    "seq_first": dict(module=dict(batch_first=False), call=dict(need_weights=False)),
+    "unbatched": dict(module=dict(), call=dict(need_weights=False), unbatched=True),
+    "kpm_bool": dict(module=dict(), call=dict(need_weights=False), kpm="bool"),
+    "kpm_and_mask_weights_path": dict(module=dict(), call=dict(), kpm="bool", mask="bool"),
+    "float_mask_3d": dict(module=dict(), call=dict(need_weights=False), mask="float3d"),
+    "causal": dict(module=dict(), call=dict(need_weights=False, is_causal=True), mask="causal", self_attn=True),
+    "causal_with_kpm": dict(module=dict(), call=dict(need_weights=False, is_causal=True), mask="causal_bool",
+                            kpm="bool", self_attn=True),
+    "causal_weights_path": dict(module=dict(), call=dict(is_causal=True), mask="causal", self_attn=True),
+    "bias_kv_masks": dict(module=dict(add_bias_kv=True), call=dict(), kpm="float", mask="float"),
+}
+
+
+def build_mha_case(name, dtype=torch.float32):
+    c = MHA_CASES[name]
+    mod_kw = dict(c["module"])
+    batch_first = mod_kw.pop("batch_first", True)
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=batch_first, dropout=0.0, **mod_kw).to(dtype)
+    unbatched = c.get("unbatched", False)
+    q, k, v = mha_inputs(batch_first, unbatched, kdim=mod_kw.get("kdim"), vdim=mod_kw.get("vdim"), dtype=dtype)
+    if c.get("self_attn"):
+        k = v = q
+    lq, lk = 5, (5 if c.get("self_attn") else 6)
+    kw = dict(c["call"])
+    if c.get("kpm") == "bool":
+        kpm = torch.zeros(2, lk, dtype=torch.bool)
+        kpm[1, -2:] = True
+        kw["key_padding_mask"] = kpm
+    elif c.get("kpm") == "float":
+        kpm = torch.zeros(2, lk, dtype=dtype)
+        kpm[1, -2:] = float("-inf")
+        kw["key_padding_mask"] = kpm
+    if c.get("mask") == "bool":
+        m = torch.rand(lq, lk, generator=torch.Generator().manual_seed(3)) > 0.7
+        kw["attn_mask"] = m
+    elif c.get("mask") == "float":
+        kw["attn_mask"] = rnd(lq, lk, seed=4, dtype=dtype)
+    elif c.get("mask") == "float3d":
+        kw["attn_mask"] = rnd(2 * 4, lq, lk, seed=4, dtype=dtype)
+    elif c.get("mask") == "causal":
+        kw["attn_mask"] = nn.Transformer.generate_square_subsequent_mask(lq, dtype=dtype)
+    elif c.get("mask") == "causal_bool":
+        kw["attn_mask"] = torch.ones(lq, lk, dtype=torch.bool).triu(1)
+    def fn(q, k, v):
+        return mha(q, k, v, **kw)[0]  # need_weights=True (the default) here: the weights are dropped
+
+    return mha, fn, (q, k, v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(MHA_CASES))
+def test_mha_matches_eager(case, dtype):
+    mha, fn, args = build_mha_case(case, dtype)
+    mha.eval()
+    out, cap = run(fn, *args)
+    rep = only_report(cap)
+    assert rep.form == "mha" and rep.rewritten, rep.reason
+    assert cap.n_attention == 1
+    assert_same(out, fn(*args), **tolerances(dtype))
+
+
+@pytest.mark.parametrize("case", ["self_weights_unused", "kdim_vdim", "bias_kv_zero_attn", "kpm_and_mask_weights_path",
+                                  "causal", "float_mask_3d"])
+def test_mha_training_gradients_match_eager(case):
+    mha, fn, args = build_mha_case(case)
+    mha.train()  # dropout=0.0: the comparison is exact
+    args = tuple(dict.fromkeys(a.detach().requires_grad_() for a in dict.fromkeys(args)))
+    if MHA_CASES[case].get("self_attn"):
+        args = (args[0],) * 3
+    out, cap = run(fn, *args, inner="aot_eager")
+    assert cap.n_attention == 1, cap.reports
+    w = rnd(*out.shape, seed=11)
+    params = [p for p in mha.parameters()]
+    inputs = list(dict.fromkeys(args))
+    grads = torch.autograd.grad((out * w).sum(), inputs + params)
+    ref = fn(*args)
+    ref_grads = torch.autograd.grad((ref * w).sum(), inputs + params)
+    assert_same(out, ref, **tolerances(torch.float32))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=2e-5, rtol=2e-5)
+
+
+def test_mha_fully_masked_rows_keep_eager_values():
+    """need_weights=True: softmax of an all -inf row is NaN; need_weights=False (SDPA): 0."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = rnd(2, 5, 16, seed=1)
+    kpm = torch.zeros(2, 5, dtype=torch.bool)
+    kpm[1] = True  # batch 1 has no key at all
+    for need_weights in (True, False):
+        torch._dynamo.reset()
+        fn = lambda x, kpm: mha(x, x, x, key_padding_mask=kpm, need_weights=need_weights)[0]
+        out, cap = run(fn, x, kpm)
+        assert only_report(cap).rewritten
+        ref = fn(x, kpm)
+        assert ref[1].isnan().all() == need_weights
+        assert_same(out, ref, **tolerances(torch.float32))
+
+
+def test_mha_training_dropout_statistics():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 4, batch_first=True, dropout=0.3).train()
+    x = rnd(8, 32, 32, seed=1)
+    fn = lambda x: mha(x, x, x, need_weights=False)[0]
+    out, cap = run(fn, x)
+    rep = only_report(cap)
+    assert rep.rewritten and rep.dropout_p == pytest.approx(0.3)
+    mha.eval()
+    no_drop = fn(x)
+    mha.train()
+    # Inverted dropout keeps the expectation: the mean over many elements matches the no-dropout output.
+    refs = torch.stack([fn(x) for _ in range(4)])
+    assert abs(out.mean().item() - no_drop.mean().item()) < 0.05
+    assert abs(out.std().item() - refs.std(dim=(1, 2, 3)).mean().item()) < 0.15 * refs.std().item()
+
+
+def test_mha_rewritten_graph_pinned():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = rnd(2, 5, 16)
+    kpm = torch.zeros(2, 5, dtype=torch.bool)
+    _, cap = run(lambda x, kpm: mha(x, x, x, key_padding_mask=kpm, need_weights=False)[0], x, kpm)
+    expecttest.assert_expected_inline(graph_summary(cap.graphs[0]), """\
+zeros_like(%, dtype=float32)
+.masked_fill_(%, %, -inf)
+.transpose(%, 1, 0)
+linear(%, %, %)
+narrow(%, -1, 0, 16)
+narrow(%, -1, 16, 16)
+narrow(%, -1, 32, 16)
+.unsqueeze(%, 1)
+.unsqueeze(%, 1)
+.unflatten(%, -1, (4, 4))
+.permute(%, 1, 2, 0, 3)
+.unflatten(%, -1, (4, 4))
+.permute(%, 1, 2, 0, 3)
+.unflatten(%, -1, (4, 4))
+.permute(%, 1, 2, 0, 3)
+fa3.attention(%, %, %, 0.5, False, 0, -1, -1, %, None, 0, 0, None, None)
+getitem(%, 0)
+.permute(%, 2, 0, 1, 3)
+.flatten(%, 2)
+linear(%, %, %)
+.transpose(%, 1, 0)""")
+
+
+# MultiheadAttention refusals.
+
+
+def test_mha_refuses_when_weights_are_used():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = rnd(2, 5, 16)
+    fn = lambda x: mha(x, x, x)
+    (out, weights), cap = run(fn, x)
+    rep = only_report(cap)
+    assert not rep.rewritten and "need_weights=True and the returned attention weights are used" in rep.reason
+    assert cap.n_attention == 0
+    ref_out, ref_w = fn(x)
+    assert_same(out, ref_out)
+    assert_same(weights, ref_w)
+
+
+def test_mha_refuses_static_kv():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4)
+    x = rnd(5, 2, 16)
+    static = rnd(8, 6, 4, seed=2)
+
+    def fn(x, s):
+        return F.multi_head_attention_forward(
+            x, x, x, 16, 4, mha.in_proj_weight, mha.in_proj_bias, None, None, False, 0.0, mha.out_proj.weight,
+            mha.out_proj.bias, training=False, need_weights=False, static_k=s, static_v=s)[0]
+
+    out, cap = run(fn, x, static)
+    rep = only_report(cap)
+    assert not rep.rewritten and "static_k is given" in rep.reason
+    assert_same(out, fn(x, static))
+
+
+# --------------------------------------------------------------- native MHA and the encoder layer
+
+
+def test_native_mha_matches_eager():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = rnd(2, 5, 16, seed=1)
+    kpm = torch.zeros(2, 5, dtype=torch.bool)
+    kpm[0, 3:] = True
+
+    def fn(x, kpm):
+        return torch._native_multi_head_attention(
+            x, x, x, 16, 4, mha.in_proj_weight, mha.in_proj_bias, mha.out_proj.weight, mha.out_proj.bias,
+            kpm, False, True, 1)[0]
+
+    with torch.no_grad():
+        out, cap = run(fn, x, kpm)
+        rep = only_report(cap)
+        assert rep.form == "native-mha" and rep.rewritten, rep.reason
+        assert_same(out, fn(x, kpm), **tolerances(torch.float32))
+
+
+ENCODER_CASES = {
+    "post_norm_relu": dict(norm_first=False, activation="relu"),
+    "pre_norm_gelu": dict(norm_first=True, activation="gelu"),
+}
+
+
+def encoder_masks(kind, n=6):
+    g = torch.Generator().manual_seed(5)
+    kw = {}
+    if kind in ("kpm", "both"):
+        kpm = torch.zeros(2, n, dtype=torch.bool)
+        kpm[1, -3:] = True
+        kw["src_key_padding_mask"] = kpm
+    if kind in ("mask", "both"):
+        m = torch.rand(n, n, generator=g) > 0.7
+        m.fill_diagonal_(False)
+        kw["src_mask"] = m
+    if kind == "causal":
+        kw["src_mask"] = nn.Transformer.generate_square_subsequent_mask(n)
+        kw["is_causal"] = True
+    if kind == "empty_rows":
+        m = torch.zeros(n, n, dtype=torch.bool)
+        m[2] = True  # query 2 sees no key: the fast path gives NaN there
+        kw["src_mask"] = m
+    return kw
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("masks", ["none", "kpm", "mask", "both", "causal", "empty_rows"])
+@pytest.mark.parametrize("case", list(ENCODER_CASES))
+def test_encoder_layer_fast_path_matches_eager(case, masks, dtype):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, **ENCODER_CASES[case]).to(dtype).eval()
+    x = rnd(2, 6, 16, seed=1, dtype=dtype)
+    kw = encoder_masks(masks)
+    fn = lambda x: layer(x, **kw)
+    with torch.no_grad():
+        out, cap = run(fn, x)
+        rep = only_report(cap)
+        assert rep.form == "encoder-layer" and rep.rewritten, rep.reason
+        assert cap.n_attention == 1
+        ref = fn(x)
+    if masks == "empty_rows":
+        assert ref[:, 2].isnan().all()
+    assert_same(out, ref, **tolerances(dtype))
+
+
+def test_encoder_layer_fast_path_float_mask_is_read_as_bool_like_eager():
+    """The fast path converts a float mask to bool (nonzero = masked), unlike the training path."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True).eval()
+    x = rnd(2, 6, 16, seed=1)
+    m = torch.zeros(6, 6)
+    m[:, 3] = -2.5  # a finite additive bias, masked out entirely by the fast path
+    fn = lambda x: layer(x, src_mask=m)
+    with torch.no_grad():
+        out, cap = run(fn, x)
+        assert only_report(cap).rewritten
+        assert_same(out, fn(x), **tolerances(torch.float32))
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_encoder_layer_training_goes_through_mha_with_gradients(norm_first):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, dropout=0.0, norm_first=norm_first).train()
+    x = rnd(2, 6, 16, seed=1, requires_grad=True)
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[0, -2:] = True
+    fn = lambda x: layer(x, src_key_padding_mask=kpm)
+    out, cap = run(fn, x, inner="aot_eager")
+    rep = only_report(cap)
+    assert rep.form == "mha" and rep.rewritten, rep.reason
+    params = list(layer.parameters())
+    w = rnd(*out.shape, seed=3)
+    grads = torch.autograd.grad((out * w).sum(), [x] + params)
+    ref = fn(x)
+    ref_grads = torch.autograd.grad((ref * w).sum(), [x] + params)
+    assert_same(out, ref, **tolerances(torch.float32))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=3e-5, rtol=3e-5)
+
+
+def test_transformer_encoder_stack_in_eval():
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 2,
+                                enable_nested_tensor=False).eval()
+    x = rnd(2, 6, 16, seed=1)
+    with torch.no_grad():
+        out, cap = run(enc, x)
+        assert [r.rewritten for r in cap.reports] == [True, True]
+        assert_same(out, enc(x), **tolerances(torch.float32))
+
+
+def test_encoder_layer_rewritten_graph_pinned():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, activation="gelu").eval()
+    x = rnd(2, 6, 16, seed=1)
+    with torch.no_grad():
+        _, cap = run(lambda x: layer(x), x)
+    expecttest.assert_expected_inline(graph_summary(cap.graphs[0]), """\
+linear(%, %, %)
+narrow(%, -1, 0, 16)
+narrow(%, -1, 16, 16)
+narrow(%, -1, 32, 16)
+.unflatten(%, -1, (4, 4))
+.permute(%, 0, 2, 1, 3)
+.unflatten(%, -1, (4, 4))
+.permute(%, 0, 2, 1, 3)
+.unflatten(%, -1, (4, 4))
+.permute(%, 0, 2, 1, 3)
+fa3.attention(%, %, %, 0.5, False, 0, -1, -1, None, None, 0, 0, None, None)
+getitem(%, 0)
+.transpose(%, 1, 2)
+.flatten(%, 2)
+linear(%, %, %)
+add(%, %)
+layer_norm(%, (16), %, %, 1e-05)
+.flatten(%, 0, 1)
+.t(%)
+_addmm_activation(%, %, %, use_gelu=True)
+.t(%)
+addmm(%, %, %)
+.view_as(%, %)
+add(%, %)
+layer_norm(%, (16), %, %, 1e-05)""")
+
+
+def test_encoder_layer_refuses_empty_input():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True).eval()
+    x = torch.randn(2, 0, 16)
+    with torch.no_grad():
+        fn = lambda x: layer(x)
+        out, cap = run(fn, x)
+        reasons = [r.reason for r in cap.reports]
+        assert reasons == ["src is empty (the fused op returns a copy of it)"]
+        assert out.shape == (2, 0, 16)
