@@ -78,7 +78,7 @@ def test_env_opt_in_rewrites_default_torch_compile():
 
 
 def test_without_the_flag_default_torch_compile_is_untouched_and_nothing_loads():
-    code = SCRIPT.format(backend="inductor") + "\nprint('loaded', 'fa_compile.compiler' in sys.modules)\n"
+    code = textwrap.dedent(SCRIPT.format(backend="inductor")) + "\nprint('loaded', 'fa_compile.compiler' in sys.modules)\n"
     r = run_python(code)
     assert r.returncode == 0, r.stderr
     assert "rewritten 0" in r.stdout and "loaded False" in r.stdout
@@ -142,7 +142,7 @@ def test_dynamic_true_serves_other_lengths():
     torch._dynamo.reset()
     counters.clear()
     f = torch.compile(attn, backend="fa3", dynamic=True)
-    for n in (8, 11, 17):
+    for n in (12, 11, 17):  # not 8: duck sizing would tie N to the head dim at the first call
         q, k, v = qkv(n, (2, 4, n, 8))
         torch.testing.assert_close(f(q, k, v), attn(q, k, v), atol=1e-5, rtol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1
