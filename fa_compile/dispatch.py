@@ -101,10 +101,12 @@ class Registry:
 
 
 _REGISTRY = Registry(forward=[ReferenceCandidate()], backward=[ReferenceCandidate()])
+_VERSION = [0]  # bumped by register / unregister (part of the memo key of `_choose`)
 
 
 def register(candidate, *, forward: bool = True, backward: bool = True, before: str = "reference") -> None:
     """Insert `candidate` ahead of the one named `before` (default: just ahead of the reference)."""
+    _VERSION[0] += 1
     for lst, want in ((_REGISTRY.forward, forward), (_REGISTRY.backward, backward)):
         if not want:
             continue
@@ -114,6 +116,7 @@ def register(candidate, *, forward: bool = True, backward: bool = True, before: 
 
 
 def unregister(name: str) -> None:
+    _VERSION[0] += 1
     for lst in (_REGISTRY.forward, _REGISTRY.backward):
         lst[:] = [c for c in lst if c.name != name or c.name == "reference"]
 
@@ -292,14 +295,46 @@ def _for_direction(args: AttentionArgs, direction: str) -> AttentionArgs:
 STATS: collections.Counter = collections.Counter()
 
 
+_MEMO: dict = {}
+_MEMO_MAX = 4096
+
+
+def _meta(t: Optional[Tensor]):
+    if t is None:
+        return None
+    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+def _memo_key(args: AttentionArgs, forced: Optional[str], direction: str):
+    """Everything the reasons and the order read (metadata and settings, never data)."""
+    return (
+        direction, forced, os.environ.get("FA_COMPILE_KERNEL"), os.environ.get("FA_COMPILE_FA4"), tuning.enabled(),
+        torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision(),
+        torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled(),
+        torch.backends.cuda.mem_efficient_sdp_enabled(), _VERSION[0], id(_REGISTRY),
+        _meta(args.q), _meta(args.k), _meta(args.v), _meta(args.bias), _meta(args.kv_lens),
+        bool(args.causal), int(args.diag_offset), args.window_left, args.window_right, args.softcap > 0,
+        args.dropout_p > 0, args.needs_backward, args.bias_requires_grad,
+    )
+
+
 def _choose(args: AttentionArgs, forced: Optional[str], direction: str) -> _Chosen:
+    """The choice for these inputs, memoised on real tensors (decode calls it once per layer and token)."""
     args = _for_direction(args, direction)
-    cands = ordered(args, direction)
-    cand = _select(cands, args, forced, direction)
-    STATS[(direction, cand.name)] += 1
-    is_forced = forced_kernel(forced) is not None and cand.name == forced_kernel(forced)
-    rest = cands[cands.index(cand) + 1:] if cand in cands else []
-    return _Chosen(cand, rest, is_forced, direction)
+    key = None if _is_fake(args.q) else _memo_key(args, forced, direction)
+    hit = _MEMO.get(key) if key is not None else None
+    if hit is None:
+        cands = ordered(args, direction)
+        cand = _select(cands, args, forced, direction)
+        is_forced = forced_kernel(forced) is not None and cand.name == forced_kernel(forced)
+        rest = cands[cands.index(cand) + 1:] if cand in cands else []
+        hit = (cand, rest, is_forced)
+        if key is not None:
+            if len(_MEMO) >= _MEMO_MAX:
+                _MEMO.clear()
+            _MEMO[key] = hit
+    STATS[(direction, hit[0].name)] += 1
+    return _Chosen(hit[0], hit[1], hit[2], direction)
 
 
 def select_forward(args: AttentionArgs, forced: Optional[str] = None):

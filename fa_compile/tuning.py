@@ -12,6 +12,7 @@ powers of two above Nq and Nk (and B*Hq, coarsely), so a model's few shapes cost
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -62,6 +63,12 @@ def bucket(args, direction: str) -> str:
 
 
 def device_key(device: torch.device) -> str:
+    return _device_key(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_key(index: int) -> str:
+    device = torch.device("cuda", index)
     try:
         import flash_attn_interface  # noqa: F401,PLC0415
         from importlib.metadata import version  # noqa: PLC0415

@@ -309,6 +309,40 @@ def test_runtime_failure_falls_back_with_a_warning(monkeypatch):
         torch.ops.fa3.attention(q, k, v, 0.3, force_kernel="broken")
 
 
+class _Picky:
+    """Refuses under torch.use_deterministic_algorithms; counts how often it is asked."""
+
+    name = "picky"
+    asked = 0
+
+    def not_supported_reasons(self, args):
+        type(self).asked += 1
+        return ["not deterministic"] if torch.are_deterministic_algorithms_enabled() else []
+
+    def forward(self, args):
+        return ref.attention_reference(args.q, args.k, args.v, **args.mask_kwargs())
+
+
+def test_choice_is_memoised_per_metadata_and_settings(monkeypatch):
+    reg = dispatch.Registry(forward=[_Picky(), dispatch.ReferenceCandidate()], backward=[dispatch.ReferenceCandidate()])
+    monkeypatch.setattr(dispatch, "_REGISTRY", reg)
+    monkeypatch.delenv("FA_COMPILE_KERNEL", raising=False)
+    q = torch.randn(1, 2, 6, 8)
+    a = AttentionArgs(q=q, k=q, v=q, scale=0.5)
+    _Picky.asked = 0
+    assert dispatch.select_forward(a).name == "picky"
+    assert dispatch.select_forward(AttentionArgs(q=q.clone(), k=q, v=q, scale=0.1)).name == "picky"
+    assert _Picky.asked == 1  # same metadata: asked once
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert dispatch.select_forward(a).name == "reference"  # a setting is part of the key
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    assert dispatch.select_forward(AttentionArgs(q=q, k=q, v=q, scale=0.5, causal=True)).name == "picky"
+    assert _Picky.asked == 3
+
+
 def test_finish_forward_normalises_empty_rows():
     out = torch.ones(1, 1, 3, 2)
     lse = torch.tensor([[[math.inf, 0.5, -math.inf]]])
