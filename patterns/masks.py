@@ -57,6 +57,7 @@ FILL_LIMIT = -1e4  # finite fills at or below this are equivalent to -inf on row
 CONCRETE_MAX_NUMEL = 1 << 24  # concrete evaluation is skipped for larger mask subgraphs
 
 Size = Any  # int or SymInt
+_DEBUG = False
 
 
 # ----------------------------------------------------------------------------- symbolic sizes
@@ -144,6 +145,7 @@ class _Keep:
     lens: Optional[tuple] = None
     data: tuple = ()
     numeric: bool = False
+    inverted: bool = False  # the value is NOT(the conjunction): a complement that is no conjunction itself
 
     @property
     def structural(self) -> bool:
@@ -188,7 +190,7 @@ def _and(a: _Keep, b: _Keep) -> Optional[_Keep]:
             return x if pick == "max" else y
         raise _Fail("band bounds that are not comparable for every size")
 
-    if a.lens is not None and b.lens is not None:
+    if a.inverted or b.inverted or (a.lens is not None and b.lens is not None):
         return None
     try:
         lo = tighter(a.lo, b.lo, "max")
@@ -199,9 +201,13 @@ def _and(a: _Keep, b: _Keep) -> Optional[_Keep]:
 
 
 def _not(a: _Keep) -> Optional[_Keep]:
+    if a.inverted:
+        return replace(a, inverted=False)
     parts = [a.lo is not None, a.hi is not None, a.lens is not None, len(a.data)]
     if sum(parts) != 1:
-        return None if sum(parts) else _Keep(lo=1, hi=0, numeric=a.numeric)  # not-True: never (lo > hi)
+        if not sum(parts):
+            return _Keep(lo=1, hi=0, numeric=a.numeric)  # not-True: never (lo > hi)
+        return replace(a, inverted=True)
     if a.lo is not None:
         return _Keep(hi=a.lo - 1, numeric=a.numeric)
     if a.hi is not None:
@@ -209,7 +215,7 @@ def _not(a: _Keep) -> Optional[_Keep]:
     if a.data:
         node, neg = a.data[0]
         return _Keep(data=((node, not neg),), numeric=a.numeric)
-    return None
+    return replace(a, inverted=True)  # not (j < lens[b])
 
 
 class _Fail(Exception):
@@ -240,6 +246,8 @@ def _opname(node: fx.Node) -> str:
 def _is_inplace(node: fx.Node) -> bool:
     if node.op == "call_function" and node.target in _INPLACE_FUNCS:
         return True
+    if node.op == "call_function" and getattr(node.target, "__module__", "") in ("_operator", "operator"):
+        return False  # operator.and_ / or_ / not_ are pure
     name = _opname(node)
     return node.op in ("call_method", "call_function") and name.endswith("_") and not name.endswith("__")
 
@@ -462,6 +470,8 @@ class _Analyzer:
         except _Fail:
             v = _Opaque(x)
         except Exception:  # an unexpected graph form never breaks the pass: the node stays opaque
+            if _DEBUG:
+                raise
             v = _Opaque(x)
         self.memo[x] = v
         return v
@@ -886,7 +896,7 @@ class _Analyzer:
                             return _Opaque(n)
                         bdim = dmap[bdim]
                     lens = (node, bdim, add)
-                nk = _Keep(lo, hi, lens, k.data, k.numeric)
+                nk = replace(k, lo=lo, hi=hi, lens=lens)
                 return _Two(nk, x.c, x.extra) if isinstance(x, _Two) else nk
             if isinstance(x, _Konst):
                 return x
@@ -962,7 +972,7 @@ def _term_info(an: _Analyzer, t: MaskTerm, scores_dtype: torch.dtype, q_len: Siz
 def _band_fits(k: _Keep, node: fx.Node, q_len: Size, k_len: Size) -> bool:
     """A band is on the scores' own (query, key) axes: the mask's last two dims are exactly Nq, Nk."""
     shape = _shape(node)
-    if shape is None or len(shape) > 4:
+    if shape is None or len(shape) > 4 or k.inverted:
         return False
     if k.lo is None and k.hi is None and k.lens is None:
         return True

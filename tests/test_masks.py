@@ -1,0 +1,611 @@
+"""Mask structure analysis (patterns/masks.py): what each mask spelling is proven to be, and that the
+rewrite built from that proof computes eager's numbers, fully masked rows included.
+
+`analyze_mask` is exercised directly on Dynamo-captured graphs: a small test-only rewriter (`_rewrite`)
+finds the plain `softmax(q @ k^T * scale <mask terms>) @ v` sites these tests write, calls
+`analyze_mask`, emits the op with `emit_attention` and drops the dead mask code, so the numbers come
+from the real fa3.attention op (reference kernel on CPU).
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+import fa_compile  # noqa: F401  (registers torch.ops.fa3)
+from fa_compile import ops  # noqa: F401
+from fa_compile.patterns import masks
+from fa_compile.patterns.emit import emit_attention, example_value
+from fa_compile.patterns.site import MaskSpec, MaskTerm
+
+NEG_INF = float("-inf")
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+# ----------------------------------------------------------------------------- a test-only site rewriter
+
+def _is_softmax(n: fx.Node) -> bool:
+    return n.op in ("call_function", "call_method") and "softmax" in str(getattr(n.target, "__name__", n.target))
+
+
+def _is_matmul(n: Any) -> bool:
+    return isinstance(n, fx.Node) and n.target in (operator.matmul, torch.matmul)
+
+
+def _peel_terms(x: fx.Node) -> tuple[fx.Node, list]:
+    """Walk back from the softmax input through mask terms to the (scaled) scores."""
+    terms: list = []
+    while True:
+        if x.target in (operator.add, torch.add):
+            a, b = x.args[0], x.args[1]
+            scores_first = _is_matmul(a) or (isinstance(a, fx.Node) and a.target in (operator.mul, operator.truediv)
+                                             and _is_matmul(a.args[0])) or (isinstance(a, fx.Node) and terms_root(a))
+            if scores_first:
+                terms.insert(0, MaskTerm("add", b))
+                x = a
+            else:
+                terms.insert(0, MaskTerm("add", a))
+                x = b
+        elif x.op == "call_method" and x.target == "masked_fill" or x.target is torch.masked_fill:
+            terms.insert(0, MaskTerm("fill", x.args[1], x.args[2]))
+            x = x.args[0]
+        elif x.target is torch.where:
+            terms.insert(0, MaskTerm("where", x.args[0], x.args[2]))
+            x = x.args[1]
+        else:
+            return x, terms
+
+
+def terms_root(n: fx.Node) -> bool:
+    """True when n is itself a mask-term node on top of the scores (stacked terms)."""
+    if n.target in (operator.add, torch.add):
+        return any(_is_matmul(a) or (isinstance(a, fx.Node) and terms_root(a)) for a in n.args[:2])
+    if (n.op == "call_method" and n.target == "masked_fill") or n.target is torch.where:
+        return True
+    return False
+
+
+def _scores(x: fx.Node) -> tuple[fx.Node, fx.Node, float]:
+    scale = 1.0
+    if x.target in (operator.mul, operator.truediv):
+        scale = x.args[1] if x.target is operator.mul else 1.0 / x.args[1]
+        x = x.args[0]
+    assert _is_matmul(x), x.format_node()
+    q, kt = x.args
+    assert kt.op == "call_method" and kt.target == "transpose", kt.format_node()
+    return q, kt.args[0], float(scale)
+
+
+class Rewriter:
+    """A backend that rewrites the test's attention sites with analyze_mask and records the results."""
+
+    def __init__(self, sdpa: bool = False):
+        self.specs: list = []
+        self.graphs: list = []
+        self.sdpa = sdpa
+
+    def __call__(self, gm: fx.GraphModule, example_inputs):
+        g = gm.graph
+        for sm in [n for n in g.nodes if _is_softmax(n)]:
+            base, terms = _peel_terms(sm.args[0])
+            q, k, scale = _scores(base)
+            (user,) = sm.users
+            pv = user if _is_matmul(user) else next(iter(user.users))
+            v = pv.args[1]
+            ev = example_value(base)
+            b, h, nq, nk = ev.shape
+            spec = masks.analyze_mask(gm, terms, batch=b, q_heads=h, q_len=nq, k_len=nk, scores_dtype=ev.dtype,
+                                      insert_before=pv, sdpa=self.sdpa)
+            self.specs.append(spec)
+            if isinstance(spec, str):
+                continue
+            with g.inserting_before(pv):
+                out, _ = emit_attention(g, q, k, v, scale=scale, causal=spec.causal, diag_offset=spec.diag_offset,
+                                        window_left=spec.window_left, window_right=spec.window_right, bias=spec.bias,
+                                        kv_lens=spec.kv_lens, empty_rows=spec.empty_rows)
+            pv.replace_all_uses_with(out)
+        g.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or masks._is_inplace(n))
+        g.lint()
+        gm.recompile()
+        self.graphs.append(gm)
+        return gm.forward
+
+    @property
+    def spec(self) -> Any:
+        assert len(self.specs) == 1, self.specs
+        return self.specs[0]
+
+
+def compile_and_check(fn, *args, dtypes=(torch.float32, torch.float16), dynamic_dim: Optional[int] = None,
+                      more: tuple = (), sdpa: bool = False) -> Rewriter:
+    """Compile fn with the test rewriter, compare with eager on args (cast per dtype) and on `more` args."""
+    rw = Rewriter(sdpa=sdpa)
+    for dt in dtypes:
+        torch._dynamo.reset()
+        rw.specs.clear()
+        cast = tuple(a.to(dt) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+        if dynamic_dim is not None:
+            for a in cast[:3]:
+                torch._dynamo.mark_dynamic(a, dynamic_dim)
+        compiled = torch.compile(fn, backend=rw, fullgraph=True)
+        for call_args in (cast, *(tuple(a.to(dt) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                                        for a in m) for m in more)):
+            expected = fn(*call_args)
+            got = compiled(*call_args)
+            torch.testing.assert_close(got, expected, equal_nan=True, **TOL[dt])
+    return rw
+
+
+def qkv(b=2, h=2, nq=6, nk=6, d=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, h, nq, d, generator=g), torch.randn(b, h, nk, d, generator=g),
+            torch.randn(b, h, nk, d, generator=g))
+
+
+def nxn_nodes(gm: fx.GraphModule, nq, nk) -> list:
+    """Nodes whose value is an N x N tensor (last two dims (nq, nk)) other than the op's own inputs."""
+    found = []
+    for n in gm.graph.nodes:
+        v = example_value(n)
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[-2:]) == (nq, nk) and n.op != "placeholder":
+            found.append(n.name)
+    return found
+
+
+def assert_spec(spec: Any, kind: str, empty_rows: str, **fields) -> None:
+    assert isinstance(spec, MaskSpec), spec
+    assert spec.kind == kind, spec
+    assert spec.empty_rows == empty_rows, spec
+    for name, want in fields.items():
+        got = getattr(spec, name)
+        if isinstance(got, fx.Node):
+            got = example_value(got)
+        assert got == want, (name, got, want, spec)
+
+
+# ----------------------------------------------------------------------------- causal spellings
+
+class NanoGPT(torch.nn.Module):
+    """nanoGPT / GPT-2: a registered tril buffer sliced to [:T, :T] (Dynamo lifts it to a graph input)."""
+
+    def __init__(self, block: int = 16):
+        super().__init__()
+        self.register_buffer("bias", torch.tril(torch.ones(block, block)).view(1, 1, block, block))
+
+    def forward(self, q, k, v):
+        t = q.size(-2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        return F.softmax(att, dim=-1) @ v
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_nanogpt_buffer(dynamic):
+    torch.manual_seed(0)
+    model = NanoGPT()
+    rw = compile_and_check(model, *qkv(), dynamic_dim=2 if dynamic else None,
+                           more=(qkv(nq=9, nk=9, seed=1),) if dynamic else ())
+    assert_spec(rw.spec, "causal", "impossible", causal=True, diag_offset=0)
+    assert nxn_nodes(rw.graphs[-1], 6, 6) == []
+
+
+def test_tril_ones_eq_zero():
+    def fn(q, k, v):
+        t = q.shape[-2]
+        s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        mask = torch.tril(torch.ones(t, t))
+        s = s.masked_fill(mask == 0, float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
+
+    rw = compile_and_check(fn, *qkv())
+    assert_spec(rw.spec, "causal", "impossible", diag_offset=0)
+    assert nxn_nodes(rw.graphs[-1], 6, 6) == []
+
+
+def test_tril_diagonal_minus_one_keeps_nan_rows():
+    """tril(diagonal=-1): row 0 admits no key; eager gives NaN there, and so must the rewrite."""
+
+    def fn(q, k, v):
+        t = q.shape[-2]
+        s = q @ k.transpose(-2, -1)
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).tril(-1).logical_not(), float("-inf"))
+        return s.softmax(-1) @ v
+
+    rw = compile_and_check(fn, *qkv())
+    assert_spec(rw.spec, "causal-offset", "nan", diag_offset=-1)
+    out = torch.compile(fn, backend=Rewriter())(*qkv())
+    assert out[:, :, 0].isnan().all() and not out[:, :, 1:].isnan().any()
+
+
+def test_triu_masked_is_causal_dynamic():
+    def fn(q, k, v):
+        t = q.shape[-2]
+        s = (q @ k.transpose(-2, -1)) * 0.25
+        s = s.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1), float("-inf"))
+        return s.softmax(dim=-1) @ v
+
+    rw = compile_and_check(fn, *qkv(), dynamic_dim=2, more=(qkv(nq=11, nk=11, seed=3),))
+    assert_spec(rw.spec, "causal", "impossible", diag_offset=0)
+    assert nxn_nodes(rw.graphs[-1], 6, 6) == []
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_arange_where_finfo_min(dynamic):
+    def fn(q, k, v):
+        t = q.shape[-2]
+        s = q @ k.transpose(-2, -1)
+        m = torch.arange(t)[:, None] >= torch.arange(t)[None, :]
+        s = torch.where(m, s, torch.finfo(s.dtype).min)
+        return s.softmax(-1) @ v
+
+    rw = compile_and_check(fn, *qkv(), dynamic_dim=2 if dynamic else None,
+                           more=(qkv(nq=10, nk=10, seed=2),) if dynamic else ())
+    assert_spec(rw.spec, "causal", "impossible", diag_offset=0)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_bottom_right_causal_arange(dynamic):
+    """A KV cache's alignment: query i sits at position Nk - Nq + i."""
+
+    def fn(q, k, v):
+        nq, nk = q.shape[-2], k.shape[-2]
+        s = q @ k.transpose(-2, -1)
+        qpos = torch.arange(nq)[:, None] + (nk - nq)
+        keep = torch.arange(nk)[None, :] <= qpos
+        s = s.masked_fill(~keep, float("-inf"))
+        return s.softmax(-1) @ v
+
+    q, k, v = qkv(nq=3, nk=7)
+    rw = Rewriter()
+    torch._dynamo.reset()
+    if dynamic:
+        for t in (q, k, v):
+            torch._dynamo.mark_dynamic(t, 2)
+    compiled = torch.compile(fn, backend=rw, fullgraph=True)
+    for args in ((q, k, v), qkv(nq=4, nk=9, seed=5)) if dynamic else ((q, k, v),):
+        torch.testing.assert_close(compiled(*args), fn(*args), **TOL[torch.float32])
+    assert rw.spec.kind == "causal-bottom-right" and rw.spec.causal
+    if dynamic:
+        assert isinstance(rw.spec.diag_offset, fx.Node)  # Nk - Nq computed from the size symbols
+        # For dynamic sizes Nk >= Nq is not known, so rows may be empty: eager's NaN is kept.
+        assert rw.spec.empty_rows == "nan"
+    else:
+        assert rw.spec.diag_offset == 4 and rw.spec.empty_rows == "impossible"
+
+
+def test_bottom_right_with_empty_rows_matches_eager():
+    """Nq > Nk with bottom-right alignment: the first Nq - Nk query rows see no key (NaN in eager)."""
+
+    def fn(q, k, v):
+        nq, nk = q.shape[-2], k.shape[-2]
+        s = q @ k.transpose(-2, -1)
+        keep = torch.arange(nk)[None, :] - torch.arange(nq)[:, None] <= nk - nq
+        return torch.where(keep, s, NEG_INF).softmax(-1) @ v
+
+    rw = compile_and_check(fn, *qkv(nq=7, nk=4))
+    assert_spec(rw.spec, "causal-bottom-right", "nan", diag_offset=-3)
+
+
+def test_full_neg_inf_triu_additive():
+    """nn.Transformer.generate_square_subsequent_mask: triu(full(-inf), 1) added to the scores."""
+
+    def fn(q, k, v):
+        t = q.shape[-2]
+        s = q @ k.transpose(-2, -1) * 0.3
+        return (s + torch.full((t, t), float("-inf"), dtype=q.dtype).triu(1)).softmax(-1) @ v
+
+    rw = compile_and_check(fn, *qkv())
+    assert_spec(rw.spec, "causal", "impossible")
+    assert nxn_nodes(rw.graphs[-1], 6, 6) == []
+
+
+def test_mask_plus_scores_swapped_dynamic():
+    def fn(q, k, v):
+        t = q.shape[-2]
+        mask = torch.full((t, t), float("-inf"), dtype=q.dtype).triu(diagonal=1)
+        s = mask + q @ k.transpose(-2, -1)
+        return s.softmax(-1) @ v
+
+    rw = compile_and_check(fn, *qkv(), dynamic_dim=2, more=(qkv(nq=5, nk=5, seed=1),))
+    assert_spec(rw.spec, "causal", "impossible")
+
+
+def test_masked_fill_not_mask_finfo_min():
+    def fn(q, k, v):
+        t = q.shape[-2]
+        s = q @ k.transpose(-2, -1)
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        return s.masked_fill(~mask, torch.finfo(s.dtype).min).softmax(-1) @ v
+
+    rw = compile_and_check(fn, *qkv())
+    assert_spec(rw.spec, "causal", "impossible")
+
+
+def test_concrete_only_spelling_is_refused_structure_when_dynamic():
+    """flip().flip() has no symbolic rule: proven by evaluation for static shapes only."""
+
+    def fn(q, k, v):
+        t = q.shape[-2]
+        s = q @ k.transpose(-2, -1)
+        mask = torch.ones(t, t).tril().flip(0).flip(0)
+        return s.masked_fill(mask == 0, NEG_INF).softmax(-1) @ v
+
+    rw = compile_and_check(fn, *qkv(), dtypes=(torch.float32,))
+    assert_spec(rw.spec, "causal", "impossible")
+    rw = compile_and_check(fn, *qkv(), dtypes=(torch.float32,), dynamic_dim=2, more=(qkv(nq=8, nk=8, seed=4),))
+    assert_spec(rw.spec, "bool-mask", "nan")  # kept as a residual keep-mask: correct, not structural
+
+
+def test_inplace_built_mask_is_not_trusted():
+    def fn(q, k, v):
+        t = q.shape[-2]
+        m = torch.ones(t, t)
+        m.tril_()
+        s = q @ k.transpose(-2, -1)
+        return s.masked_fill(m == 0, NEG_INF).softmax(-1) @ v
+
+    rw = compile_and_check(fn, *qkv(), dtypes=(torch.float32,))
+    assert not rw.spec.causal and rw.spec.kind == "bool-mask"
+
+
+# ----------------------------------------------------------------------------- windows
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_sliding_window(dynamic):
+    w = 3
+
+    def fn(q, k, v):
+        t = q.shape[-2]
+        i = torch.arange(t).view(t, 1)
+        j = torch.arange(t).view(1, t)
+        keep = (j <= i) & (j > i - w)
+        return (q @ k.transpose(-2, -1)).masked_fill(keep.logical_not(), NEG_INF).softmax(-1) @ v
+
+    rw = compile_and_check(fn, *qkv(nq=8, nk=8), dynamic_dim=2 if dynamic else None,
+                           more=(qkv(nq=10, nk=10, seed=6),) if dynamic else ())
+    assert_spec(rw.spec, "window", "impossible", causal=True, diag_offset=0, window_left=w - 1)
+    assert nxn_nodes(rw.graphs[-1], 8, 8) == []
+
+
+def test_two_sided_band_from_tril_triu():
+    def fn(q, k, v):
+        t = q.shape[-2]
+        band = torch.ones(t, t, dtype=torch.bool).tril(2).triu(-1)
+        return torch.where(band, q @ k.transpose(-2, -1), NEG_INF).softmax(-1) @ v
+
+    rw = compile_and_check(fn, *qkv(nq=7, nk=7))
+    assert_spec(rw.spec, "window", "impossible", causal=True, diag_offset=2, window_left=3)
+
+
+# ----------------------------------------------------------------------------- key padding and stacking
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_key_padding_from_lengths(dynamic):
+    def fn(q, k, v, lens):
+        nk = k.shape[-2]
+        keep = torch.arange(nk)[None, :] < lens[:, None]
+        s = q @ k.transpose(-2, -1)
+        return s.masked_fill(~keep[:, None, None, :], NEG_INF).softmax(-1) @ v
+
+    q, k, v = qkv(nq=5, nk=7)
+    lens = torch.tensor([7, 3])
+    rw = compile_and_check(fn, q, k, v, lens, dynamic_dim=2 if dynamic else None,
+                           more=((*qkv(nq=5, nk=7, seed=9), torch.tensor([0, 5])),))
+    assert_spec(rw.spec, "key-padding", "nan")
+    assert rw.spec.bias is None and rw.spec.kv_lens is not None
+    assert nxn_nodes(rw.graphs[-1], 5, 7) == []
+
+
+def test_causal_and_data_padding_residual_is_small():
+    """HF masking_utils style: causal & padding[b, j] -> where(mask, 0, finfo.min)."""
+
+    def fn(q, k, v, am):
+        nq, nk = q.shape[-2], k.shape[-2]
+        qi = torch.arange(nq)[None, None, :, None]
+        kj = torch.arange(nk)[None, None, None, :]
+        bi = torch.arange(am.shape[0])[:, None, None, None]
+        mask = (kj <= qi) & am.bool()[bi, kj]
+        mask = mask.expand(am.shape[0], -1, nq, nk)
+        add = torch.where(mask, torch.zeros((), dtype=q.dtype), torch.finfo(q.dtype).min)
+        return (q @ k.transpose(-2, -1) * 0.35 + add).softmax(-1, dtype=torch.float32).to(q.dtype) @ v
+
+    am = torch.ones(2, 6, dtype=torch.long)
+    am[0, :2] = 0  # left padding: query rows 0 and 1 of batch 0 see no key -> uniform average in eager
+    rw = compile_and_check(fn, *qkv(), am)
+    assert_spec(rw.spec, "causal+bool-mask", "mean_v")
+    assert tuple(example_value(rw.spec.bias).shape) == (2, 1, 1, 6)
+    assert nxn_nodes(rw.graphs[-1], 6, 6) == []
+
+
+def test_causal_fill_plus_bert_padding_bias():
+    """Stacked terms: causal masked_fill(-inf) then an additive [B, 1, 1, Nk] padding bias (fp32: the op adds
+    the untouched bias in fp32, which is eager's arithmetic, fully padded rows included)."""
+
+    def fn(q, k, v, am):
+        t = q.shape[-2]
+        s = q @ k.transpose(-2, -1)
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), NEG_INF)
+        ext = (1.0 - am[:, None, None, :].to(torch.float32)) * torch.finfo(torch.float32).min
+        return (s + ext).softmax(-1) @ v
+
+    am = torch.ones(2, 6)
+    am[1, :3] = 0
+    rw = compile_and_check(fn, *qkv(), am, dtypes=(torch.float32,))
+    assert_spec(rw.spec, "causal+bias", "nan")
+    assert tuple(example_value(rw.spec.bias).shape) == (2, 1, 1, 6)
+
+
+def test_bert_extended_padding_mask_is_bias():
+    def fn(q, k, v, am):
+        ext = (1.0 - am[:, None, None, :]) * torch.finfo(q.dtype).min
+        return (q @ k.transpose(-2, -1) / 5 ** 0.5 + ext).softmax(-1) @ v
+
+    am = torch.ones(2, 6)
+    am[0, 4:] = 0
+    rw = compile_and_check(fn, *qkv(), am, dtypes=(torch.float32,))
+    assert_spec(rw.spec, "bias", "nan")
+    assert rw.spec.bias.name == "mul" or tuple(example_value(rw.spec.bias).shape) == (2, 1, 1, 6)
+
+
+def test_alibi_bias_plus_causal():
+    slopes = torch.tensor([0.5, 0.25])
+
+    def fn(q, k, v):
+        t = q.shape[-2]
+        pos = torch.arange(t)
+        alibi = slopes[:, None, None] * (pos[None, :] - pos[:, None])[None].float()
+        s = q @ k.transpose(-2, -1) + alibi
+        return s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), NEG_INF).softmax(-1) @ v
+
+    rw = compile_and_check(fn, *qkv(), dtypes=(torch.float32,))
+    assert_spec(rw.spec, "causal+bias", "nan")
+
+
+# ----------------------------------------------------------------------------- fully masked rows
+
+def test_neg_inf_fill_empty_rows_are_nan():
+    def fn(q, k, v, keep):
+        return (q @ k.transpose(-2, -1)).masked_fill(~keep, NEG_INF).softmax(-1) @ v
+
+    keep = torch.rand(2, 1, 6, 6, generator=torch.Generator().manual_seed(1)) > 0.5
+    keep[0, 0, 2] = False
+    rw = compile_and_check(fn, *qkv(), keep)
+    assert_spec(rw.spec, "bool-mask", "nan")
+
+
+def test_finfo_min_fill_empty_rows_are_uniform():
+    def fn(q, k, v, keep):
+        s = q @ k.transpose(-2, -1)
+        return s.masked_fill(keep.logical_not(), torch.finfo(s.dtype).min).softmax(-1) @ v
+
+    keep = torch.rand(2, 1, 6, 6, generator=torch.Generator().manual_seed(2)) > 0.4
+    keep[1, 0, 3] = False
+    keep[0, 0, 0] = False
+    rw = compile_and_check(fn, *qkv(), keep)
+    assert_spec(rw.spec, "bool-mask", "mean_v")
+    got = torch.compile(fn, backend=Rewriter())(*qkv(), keep)
+    torch.testing.assert_close(got[1, :, 3], qkv()[2][1].mean(dim=-2))
+
+
+def test_finfo_min_causal_offset_empty_row_uniform():
+    def fn(q, k, v):
+        t = q.shape[-2]
+        s = q @ k.transpose(-2, -1)
+        keep = torch.arange(t)[None, :] < torch.arange(t)[:, None]  # strictly below the diagonal
+        return torch.where(keep, s, -1e9).softmax(-1) @ v
+
+    rw = compile_and_check(fn, *qkv(), dtypes=(torch.float32,))
+    assert_spec(rw.spec, "causal-offset", "mean_v", diag_offset=-1)
+
+
+def test_sdpa_bool_mask_empty_rows_are_zero():
+    q, k, v = qkv()
+    keep = torch.ones(6, 6, dtype=torch.bool).tril()
+    keep[2] = False
+    # torch's SDPA math path returns 0 on a row without admissible keys
+    assert (F.scaled_dot_product_attention(q, k, v, attn_mask=keep)[:, :, 2] == 0).all()
+
+    def fn(q, k, v, m):
+        return (q @ k.transpose(-2, -1)).masked_fill(~m, NEG_INF).softmax(-1) @ v
+
+    gm, node = capture_terms(fn, q, k, v, keep)
+    spec = masks.analyze_mask(gm, [MaskTerm("bool", node.args[1].args[0])], batch=2, q_heads=2, q_len=6, k_len=6,
+                              scores_dtype=torch.float32, insert_before=node)
+    assert_spec(spec, "bool-mask", "zero")
+
+
+# ----------------------------------------------------------------------------- refusals
+
+def capture_terms(fn, *args) -> tuple[fx.GraphModule, fx.Node]:
+    """The Dynamo graph of fn and its (single) softmax input node."""
+    box: list = []
+
+    def backend(gm, example_inputs):
+        box.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    (gm,) = box
+    (sm,) = [n for n in gm.graph.nodes if _is_softmax(n)]
+    return gm, sm.args[0]
+
+
+def _analyze(fn, *args, sdpa=False):
+    gm, x = capture_terms(fn, *args)
+    base, terms = _peel_terms(x)
+    b, h, nq, nk = example_value(base).shape
+    return masks.analyze_mask(gm, terms, batch=b, q_heads=h, q_len=nq, k_len=nk,
+                              scores_dtype=example_value(base).dtype, insert_before=x, sdpa=sdpa)
+
+
+def test_refuse_small_fill_value():
+    def fn(q, k, v, m):
+        return (q @ k.transpose(-2, -1)).masked_fill(m, -10.0).softmax(-1) @ v
+
+    reason = _analyze(fn, *qkv(), torch.zeros(6, 6, dtype=torch.bool))
+    assert isinstance(reason, str) and "not negligible" in reason
+
+
+def test_refuse_positive_fill_value():
+    def fn(q, k, v, m):
+        return (q @ k.transpose(-2, -1)).masked_fill(m, 1e9).softmax(-1) @ v
+
+    reason = _analyze(fn, *qkv(), torch.zeros(6, 6, dtype=torch.bool))
+    assert isinstance(reason, str) and "not negligible" in reason
+
+
+def test_refuse_mixed_finite_fills():
+    def fn(q, k, v, m1, m2):
+        s = (q @ k.transpose(-2, -1)).masked_fill(m1, -1e9)
+        return s.masked_fill(m2, torch.finfo(s.dtype).min).softmax(-1) @ v
+
+    m = torch.zeros(6, 6, dtype=torch.bool)
+    reason = _analyze(fn, *qkv(), m, m)
+    assert isinstance(reason, str) and "mixes the fill values" in reason
+
+
+def test_refuse_finite_fill_then_additive_float():
+    """finfo.min fill then an additive float mask: eager's fully masked rows depend on rounding."""
+
+    def fn(q, k, v, m, bias):
+        s = (q @ k.transpose(-2, -1)).masked_fill(m, torch.finfo(torch.float32).min)
+        return (s + bias).softmax(-1) @ v
+
+    reason = _analyze(fn, *qkv(), torch.zeros(6, 6, dtype=torch.bool), torch.zeros(2, 1, 1, 6))
+    assert isinstance(reason, str) and "finite fill with other float masks" in reason
+
+
+def test_refuse_additive_bool_mask():
+    def fn(q, k, v, m):
+        return ((q @ k.transpose(-2, -1)) + m).softmax(-1) @ v
+
+    reason = _analyze(fn, *qkv(), torch.zeros(6, 6, dtype=torch.bool))
+    assert isinstance(reason, str) and "not a float dtype" in reason
+
+
+def test_refuse_fill_with_tensor_value():
+    def fn(q, k, v, m, c):
+        return (q @ k.transpose(-2, -1)).masked_fill(m, c).softmax(-1) @ v
+
+    reason = _analyze(fn, *qkv(), torch.zeros(6, 6, dtype=torch.bool), torch.tensor(-1e9))
+    assert isinstance(reason, str) and "is not a number" in reason
+
+
+def test_refuse_unknown_term_op():
+    gm, x = capture_terms(lambda q, k, v: (q @ k.transpose(-2, -1)).softmax(-1) @ v, *qkv())
+    reason = masks.analyze_mask(gm, [MaskTerm("mul", x)], batch=2, q_heads=2, q_len=6, k_len=6,
+                                scores_dtype=torch.float32, insert_before=x)
+    assert isinstance(reason, str) and "unknown mask term" in reason
+
+
+def test_no_terms_is_none():
+    gm, x = capture_terms(lambda q, k, v: (q @ k.transpose(-2, -1)).softmax(-1) @ v, *qkv())
+    spec = masks.analyze_mask(gm, [], batch=2, q_heads=2, q_len=6, k_len=6, scores_dtype=torch.float32,
+                              insert_before=x)
+    assert_spec(spec, "none", "impossible")
