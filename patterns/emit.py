@@ -97,7 +97,11 @@ def emit_attention(
     seed = None
     if dropout_p > 0:
         dev = example_value(q).device
-        seed = call(graph, torch.randint, 0, DROPOUT_SEED_HIGH, (), dtype=torch.int64, device=dev)
+        seed = graph.call_function(torch.randint, (0, DROPOUT_SEED_HIGH, ()), dict(dtype=torch.int64, device=dev))
+        mode = _fake_mode([example_value(q)])  # randint has no tensor input to take the fake mode from
+        if mode is not None:
+            with mode:
+                seed.meta["example_value"] = torch.randint(0, DROPOUT_SEED_HIGH, (), dtype=torch.int64, device=dev)
     node = call(
         graph, fa3_attention_op(), q, k, v, float(scale), bool(causal), diag_offset, int(window_left),
         int(window_right), bias, kv_lens, float(softcap), float(dropout_p), seed, kernel,

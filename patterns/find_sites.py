@@ -160,6 +160,9 @@ def walk_scores(x: fx.Node) -> Scores:
             if chain is None or (k == "div" and chain is not cur.args[0]):
                 raise Miss(f"scores are divided by, not into, the scale ({cur.name})" if k == "div" and chain is not None
                            else f"scores are multiplied elementwise by a tensor ({cur.name}); not a scale")
+            ot = tensor_of(other)
+            if ot is not None and ot.dim() == t.dim() and all(known_eq(a, b) for a, b in zip(ot.shape, t.shape)):
+                raise Miss(f"scores are multiplied elementwise by a tensor ({cur.name}); not a scale")
             f = _scale_factor(other, t.shape)
             if f is None:
                 raise Miss(f"scores are {'multiplied' if k == 'mul' else 'divided'} by a tensor that varies along the key axis ({cur.name})")
