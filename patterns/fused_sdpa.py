@@ -65,6 +65,37 @@ def _to_4d(b: Builder, t: fx.Node, nd: int, name: str) -> fx.Node:
     return b.m("flatten", t, 0, nd - 4)
 
 
+def _unrepeat_kv(k4: fx.Node, v4: fx.Node, hq: Any) -> tuple[fx.Node, fx.Node, bool]:
+    """K/V repeated on the head axis before SDPA (repeat_kv's expand + reshape, repeat_interleave):
+    read the un-repeated tensors instead (native GQA, no repeated copy in memory)."""
+    try:
+        from .gqa import unrepeat
+        from .layout import View
+    except ImportError:
+        return k4, v4, False
+    bases = []
+    for t in (k4, v4):
+        val = tensor_value(t, "key/value")
+        try:
+            view = unrepeat(View(t, (0, 1, 2, 3), val.dtype), 1)
+        except Exception:
+            return k4, v4, False
+        base = example_value_of(view.node)
+        if view.node is t or view.perm != (0, 1, 2, 3) or view.bcast_axes or base is None or base.dim() != 4:
+            return k4, v4, False
+        bases.append((view.node, base))
+    (kb, kv), (vb, vv) = bases
+    if not (same_size(kv.shape[1], vv.shape[1]) and isinstance(kv.shape[1], int) and isinstance(hq, int)
+            and hq % kv.shape[1] == 0):
+        return k4, v4, False
+    return kb, vb, True
+
+
+def example_value_of(node: Any) -> Optional[torch.Tensor]:
+    val = emit.example_value(node)
+    return val if isinstance(val, torch.Tensor) else None
+
+
 def _expand_batch(b: Builder, t: fx.Node, batch: Any, name: str) -> fx.Node:
     """Broadcast a batch dim of 1 to the query's batch (an expand view, no copy)."""
     tb = tensor_value(t, name).shape[0]
@@ -118,14 +149,18 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, c
     rep.scale = scale
 
     q4, k4, v4 = (_to_4d(b, t, nd, n) for t, n in ((q, "query"), (k, "key"), (v, "value")))
-    q4v, k4v, v4v = (tensor_value(t, n) for t, n in ((q4, "query"), (k4, "key"), (v4, "value")))
+    q4v = tensor_value(q4, "query")
     batch, hq = q4v.shape[0], q4v.shape[1]
+    k4, v4, repeat_removed = _unrepeat_kv(k4, v4, hq)
+    k4v, v4v = tensor_value(k4, "key"), tensor_value(v4, "value")
     if not same_size(k4v.shape[1], v4v.shape[1]):
         raise Refuse(f"key and value head counts differ ({k4v.shape[1]} vs {v4v.shape[1]})")
     hkv = k4v.shape[1]
     if not same_size(hq, hkv):
         hq_i, hkv_i = static_int(hq, "query heads"), static_int(hkv, "key/value heads")
-        if hkv_i == 1 or (enable_gqa and hq_i % hkv_i == 0):
+        if repeat_removed:
+            rep.gqa = f"Hq={hq_i}/Hkv={hkv_i} (repeat_kv removed)"
+        elif hkv_i == 1 or (enable_gqa and hq_i % hkv_i == 0):
             rep.gqa = f"Hq={hq_i}/Hkv={hkv_i}" + (" (enable_gqa)" if enable_gqa and hkv_i != 1 else " (broadcast)")
         else:
             raise Refuse(f"query heads {hq_i} vs key/value heads {hkv_i}: "

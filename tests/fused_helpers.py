@@ -68,7 +68,7 @@ def graph_summary(gm: fx.GraphModule) -> str:
             return "%"
         if isinstance(a, (list, tuple)):
             inner = ", ".join(arg(x) for x in a)
-            return f"[{inner}]" if isinstance(a, list) else f"({inner})"
+            return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
         if isinstance(a, float):
             return f"{a:.6g}"
         if isinstance(a, torch.dtype):

@@ -176,7 +176,7 @@ def test_sdpa_dropout_is_applied_whatever_the_training_flag():
 
 
 def test_sdpa_with_repeated_kv_gqa_is_rewritten():
-    """Llama's repeat_kv before SDPA: still one site (native GQA is find_sites' job to extract)."""
+    """Llama's repeat_kv before SDPA: the op reads the un-repeated K/V (native GQA)."""
     q, k, v = rnd(2, 8, 5, 8, seed=1), rnd(2, 2, 5, 8, seed=2), rnd(2, 2, 5, 8, seed=3)
 
     def fn(q, k, v):
@@ -186,8 +186,11 @@ def test_sdpa_with_repeated_kv_gqa_is_rewritten():
         return F.scaled_dot_product_attention(q, rep(k), rep(v), is_causal=True)
 
     out, cap = run(fn, q, k, v)
-    assert only_report(cap).rewritten
+    rep = only_report(cap)
+    assert rep.rewritten and rep.gqa == "Hq=8/Hkv=2 (repeat_kv removed)", rep.gqa
+    assert rep.call.args[1].meta["example_value"].shape[1] == 2  # K as given, not repeated
     assert_same(out, fn(q, k, v), **tolerances(torch.float32))
+    assert not any(n.op == "call_method" and n.target in ("expand", "reshape") for n in cap.graphs[0].graph.nodes)
 
 
 def test_sdpa_output_viewed_directly_gets_a_contiguous_copy():
@@ -612,7 +615,7 @@ getitem(%, 0)
 .flatten(%, 2)
 linear(%, %, %)
 add(%, %)
-layer_norm(%, (16), %, %, 1e-05)
+layer_norm(%, (16,), %, %, 1e-05)
 .flatten(%, 0, 1)
 .t(%)
 _addmm_activation(%, %, %, use_gelu=True)
@@ -620,7 +623,7 @@ _addmm_activation(%, %, %, use_gelu=True)
 addmm(%, %, %)
 .view_as(%, %)
 add(%, %)
-layer_norm(%, (16), %, %, 1e-05)""")
+layer_norm(%, (16,), %, %, 1e-05)""")
 
 
 def test_encoder_layer_refuses_empty_input():
