@@ -273,6 +273,46 @@ def test_cpu_inputs_get_the_reference_and_peers_say_why(hopper):
     assert dict(refused)["cudnn"] == ["cuDNN (SDPA) runs on CUDA only, inputs are on cpu"]
 
 
+def _site_with_call(args: AttentionArgs, forced=None):
+    """A rewritten SiteReport whose fa3.attention node carries `args` as example values."""
+    import torch.fx as fx
+
+    from fa_compile.patterns.site import SiteReport
+
+    g = fx.Graph()
+    nodes = []
+    for name in ("q", "k", "v"):
+        n = g.placeholder(name)
+        n.meta["example_value"] = getattr(args, name)
+        nodes.append(n)
+    call = g.call_function(torch.ops.fa3.attention.default, (
+        *nodes, args.scale, args.causal, args.diag_offset, args.window_left, args.window_right, None, None,
+        args.softcap, args.dropout_p, None, forced))
+    return SiteReport(form="sdpa", rewritten=True, where="attn", q_shape=tuple(args.q.shape), k_shape=tuple(args.k.shape),
+                      v_shape=tuple(args.v.shape), dtype=str(args.q.dtype), mask="causal", call=call)
+
+
+def test_explain_shows_forward_and_backward_kernels_and_faster_refusals(hopper, fake_fa3):
+    from fa_compile.explain import ExplainReport
+
+    with FakeTensorMode():
+        # requires_grad set on the BSHD views (a CUDA fake leaf with autograd aborts on CPU-only builds)
+        q = torch.empty(1, 2048, 16, 64, device="cuda", dtype=BF16).transpose(1, 2).requires_grad_()
+        k = torch.empty(1, 2048, 16, 64, device="cuda", dtype=BF16).transpose(1, 2).requires_grad_()
+    site = _site_with_call(AttentionArgs(q=q, k=k, v=k, scale=0.125, causal=True, softcap=30.0))
+    row = ExplainReport.from_reports([site]).rows[0]
+    assert row.kernel_fwd in ("triton", "reference") and row.kernel_bwd in ("triton", "reference")
+    assert [n for n, _ in row.refused][:3] == ["fa3", "cudnn", "fa4"]  # long prefill: FA3 is tried first
+    text = str(ExplainReport.from_reports([site]))
+    assert "forward kernel cudnn refused: cuDNN (SDPA) has no softcap" in text
+    assert "backward kernel cudnn refused" in text
+    # without softcap: FA3 forward, cuDNN backward from FA3's lse
+    site = _site_with_call(AttentionArgs(q=q, k=k, v=k, scale=0.125, causal=True))
+    row = ExplainReport.from_reports([site]).rows[0]
+    assert (row.kernel_fwd, row.kernel_bwd) == ("fa3", "cudnn") and row.refused == [] and row.refused_bwd == []
+    assert "fa3 / cudnn" in str(ExplainReport.from_reports([site]))
+
+
 # ---------------------------------------------------------------------------------------------
 # run-time fallback, lse helpers, bias building, tuning cache (real CPU tensors)
 # ---------------------------------------------------------------------------------------------
