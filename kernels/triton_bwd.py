@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import dropout_keep, dropout_row_hash, kv_block_range, q_block_range, score_tile
+from .triton_common import dropout_keep, dropout_row_hash, kv_block_range, q_block_range, score_tile, structural_ok
 
 
 @triton.jit
@@ -41,6 +41,7 @@ def _dkdv_range(
     lo, hi,
     BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+    PLAIN: tl.constexpr,
 ):
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -54,12 +55,20 @@ def _dkdv_range(
         lse2 = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf"))
         lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2) * 1.4426950408889634
         kq = tl.dot(k, qT)  # [BN, BM]
-        sT, tT = score_tile(
-            kq, offs_m[None, :], offs_n[:, None], qk_scale, softcap, cap_scale,
-            bias_base, stride_bm, stride_bn, Nq, Nk, n_lim, diag_offset, window_left, window_right,
-            IS_CAUSAL, HAS_WL, HAS_WR, MASK, BIAS_KIND, SOFTCAP,
-        )
-        pT = tl.math.exp2(sT - lse2[None, :])
+        if PLAIN:  # scale folded into exp2's FMA (see the forward)
+            if MASK:
+                okT = structural_ok(offs_m[None, :], offs_n[:, None], n_lim, diag_offset, window_left, window_right,
+                                    IS_CAUSAL, HAS_WL, HAS_WR)
+                kq = tl.where(okT, kq, float("-inf"))
+            pT = tl.math.exp2(kq * qk_scale - lse2[None, :])
+            tT = kq
+        else:
+            sT, tT = score_tile(
+                kq, offs_m[None, :], offs_n[:, None], qk_scale, softcap, cap_scale,
+                bias_base, stride_bm, stride_bn, Nq, Nk, n_lim, diag_offset, window_left, window_right,
+                IS_CAUSAL, HAS_WL, HAS_WR, MASK, BIAS_KIND, SOFTCAP,
+            )
+            pT = tl.math.exp2(sT - lse2[None, :])
         do = tl.load(
             do_base + offs_m[:, None].to(tl.int64) * stride_dom + offs_dv[None, :],
             mask=m_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
@@ -96,7 +105,7 @@ def attn_bwd_dkdv_kernel(
     qk_scale, softcap, cap_scale, scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KVLEN: tl.constexpr,
-    BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+    BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, PLAIN: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -141,21 +150,21 @@ def attn_bwd_dkdv_kernel(
             stride_qm, stride_dom, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
             qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
             full_lo, full_hi,
-            BLOCK_M, IS_CAUSAL, HAS_WL, HAS_WR, False, BIAS_KIND, SOFTCAP, DROPOUT,
+            BLOCK_M, IS_CAUSAL, HAS_WL, HAS_WR, False, BIAS_KIND, SOFTCAP, DROPOUT, PLAIN,
         )
         dk, dv = _dkdv_range(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, seed, bh, offs_n, offs_d, offs_dv,
             stride_qm, stride_dom, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
             qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
             lo, full_lo,
-            BLOCK_M, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT,
+            BLOCK_M, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, PLAIN,
         )
         dk, dv = _dkdv_range(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, seed, bh, offs_n, offs_d, offs_dv,
             stride_qm, stride_dom, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
             qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
             full_hi, hi,
-            BLOCK_M, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT,
+            BLOCK_M, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, PLAIN,
         )
     dk = dk * scale
     st_mask = n_ok[:, None]
@@ -177,7 +186,7 @@ def _dq_range(
     lo, hi,
     BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-    WRITE_DS: tl.constexpr,
+    WRITE_DS: tl.constexpr, PLAIN: tl.constexpr,
 ):
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -192,12 +201,20 @@ def _dq_range(
             mask=n_ok[None, :] & (offs_dv[:, None] < DV), other=0.0,
         )
         qk = tl.dot(q, kT)
-        s, t = score_tile(
-            qk, offs_m[:, None], offs_n[None, :], qk_scale, softcap, cap_scale,
-            bias_base, stride_bm, stride_bn, Nq, Nk, n_lim, diag_offset, window_left, window_right,
-            IS_CAUSAL, HAS_WL, HAS_WR, MASK, BIAS_KIND, SOFTCAP,
-        )
-        p = tl.math.exp2(s - lse2[:, None])
+        if PLAIN:
+            if MASK:
+                ok = structural_ok(offs_m[:, None], offs_n[None, :], n_lim, diag_offset, window_left, window_right,
+                                   IS_CAUSAL, HAS_WL, HAS_WR)
+                qk = tl.where(ok, qk, float("-inf"))
+            p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+            t = qk
+        else:
+            s, t = score_tile(
+                qk, offs_m[:, None], offs_n[None, :], qk_scale, softcap, cap_scale,
+                bias_base, stride_bm, stride_bn, Nq, Nk, n_lim, diag_offset, window_left, window_right,
+                IS_CAUSAL, HAS_WL, HAS_WR, MASK, BIAS_KIND, SOFTCAP,
+            )
+            p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, vT)
         if DROPOUT:
             keep = dropout_keep(row_hash, offs_n[None, :], drop_threshold)
@@ -228,7 +245,7 @@ def attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KVLEN: tl.constexpr,
     BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr,
-    REVERSE_M: tl.constexpr,
+    REVERSE_M: tl.constexpr, PLAIN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -277,14 +294,14 @@ def attn_bwd_dq_kernel(
         stride_kn, stride_vn, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
         qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
         full_lo, full_hi,
-        BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, False, BIAS_KIND, SOFTCAP, DROPOUT, WRITE_DS,
+        BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, False, BIAS_KIND, SOFTCAP, DROPOUT, WRITE_DS, PLAIN,
     )
     dq = _dq_range(
         dq, q, do, lse2, delta, row_hash, k_base, v_base, bias_base, ds_base, offs_m, offs_d, offs_dv,
         stride_kn, stride_vn, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
         qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
         full_hi, hi,
-        BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, WRITE_DS,
+        BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, WRITE_DS, PLAIN,
     )
     if HAS_WL:
         dq = _dq_range(
@@ -292,7 +309,7 @@ def attn_bwd_dq_kernel(
             stride_kn, stride_vn, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
             qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
             lo, full_lo,
-            BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, WRITE_DS,
+            BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, WRITE_DS, PLAIN,
         )
     dq = dq * scale
     tl.store(

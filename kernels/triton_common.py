@@ -66,24 +66,41 @@ def score_tile(
         s = qk * qk_scale  # qk_scale = scale * log2(e)
     if BIAS_KIND != 0:
         # Clamped indices: padded rows/cols read a valid element instead of needing a load mask.
+        # Off-band blocks (MASK False) lie inside [0, Nk) by construction, so their columns stay
+        # unclamped: the compiler can then prove them contiguous and vectorize the bias loads.
         r = tl.minimum(rows, Nq - 1).to(tl.int64)
-        c = tl.minimum(cols, Nk - 1).to(tl.int64)
+        if MASK:
+            c = tl.minimum(cols, Nk - 1).to(tl.int64)
+        else:
+            c = cols.to(tl.int64)
         bv = tl.load(bias_ptr + r * stride_bm + c * stride_bn)
         if BIAS_KIND == 1:
+            # A finfo.min-style fill times log2(e) overflows to -inf: that key is masked (eager's exp
+            # underflows to 0 there too); a row of nothing else reads as empty (lse = -inf, out = 0).
             s = s + bv.to(tl.float32) * 1.4426950408889634
         else:
             s = tl.where(bv != 0, s, float("-inf"))
     if MASK:
-        d = cols - rows - diag_offset
-        ok = cols < n_lim
-        if IS_CAUSAL:
-            ok = ok & (d <= 0)
-        if HAS_WL:
-            ok = ok & (d >= -window_left)
-        if HAS_WR:
-            ok = ok & (d <= window_right)
+        ok = structural_ok(rows, cols, n_lim, diag_offset, window_left, window_right, IS_CAUSAL, HAS_WL, HAS_WR)
         s = tl.where(ok, s, float("-inf"))
     return s, t
+
+
+@triton.jit
+def structural_ok(
+    rows, cols, n_lim, diag_offset, window_left, window_right,
+    IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+):
+    """Admissible (row, col) pairs under causal / window / key-limit structure."""
+    d = cols - rows - diag_offset
+    ok = cols < n_lim
+    if IS_CAUSAL:
+        ok = ok & (d <= 0)
+    if HAS_WL:
+        ok = ok & (d >= -window_left)
+    if HAS_WR:
+        ok = ok & (d <= window_right)
+    return ok
 
 
 @triton.jit

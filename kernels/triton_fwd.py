@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import dropout_keep, dropout_row_hash, kv_block_range, score_tile
+from .triton_common import dropout_keep, dropout_row_hash, kv_block_range, score_tile, structural_ok
 
 
 @triton.jit
@@ -20,7 +20,7 @@ def _fwd_range(
     lo, hi,
     BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    EVEN_D: tl.constexpr, PLAIN: tl.constexpr,
 ):
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -34,15 +34,26 @@ def _fwd_range(
         else:
             k = tl.load(k_ptrs, mask=offs_d[:, None] < D, other=0.0)
         qk = tl.dot(q, k)
-        s, _t = score_tile(
-            qk, offs_m[:, None], offs_n[None, :], qk_scale, softcap, cap_scale,
-            bias_base, stride_bm, stride_bn, Nq, Nk, n_lim, diag_offset, window_left, window_right,
-            IS_CAUSAL, HAS_WL, HAS_WR, MASK, BIAS_KIND, SOFTCAP,
-        )
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if PLAIN:
+            # No bias / softcap and scale > 0: the row max scales with qk, so the scale folds into
+            # one FMA inside exp2's argument instead of a separate multiply of the whole tile.
+            if MASK:
+                ok = structural_ok(offs_m[:, None], offs_n[None, :], n_lim, diag_offset, window_left, window_right,
+                                   IS_CAUSAL, HAS_WL, HAS_WR)
+                qk = tl.where(ok, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+        else:
+            s, _t = score_tile(
+                qk, offs_m[:, None], offs_n[None, :], qk_scale, softcap, cap_scale,
+                bias_base, stride_bm, stride_bn, Nq, Nk, n_lim, diag_offset, window_left, window_right,
+                IS_CAUSAL, HAS_WL, HAS_WR, MASK, BIAS_KIND, SOFTCAP,
+            )
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_use[:, None])
         # A row with nothing admissible yet keeps m = -inf; subtracting 0 keeps exp2 at 0, not NaN.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -72,7 +83,7 @@ def attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KVLEN: tl.constexpr,
     BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
-    REVERSE_M: tl.constexpr,
+    REVERSE_M: tl.constexpr, PLAIN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -119,7 +130,7 @@ def attn_fwd_kernel(
         stride_kn, stride_vn, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
         qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold,
         full_lo, full_hi,
-        BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, False, BIAS_KIND, SOFTCAP, DROPOUT, EVEN_D,
+        BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, False, BIAS_KIND, SOFTCAP, DROPOUT, EVEN_D, PLAIN,
     )
     # Band / edge blocks: masked.
     acc, l_i, m_i = _fwd_range(
@@ -127,7 +138,7 @@ def attn_fwd_kernel(
         stride_kn, stride_vn, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
         qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold,
         full_hi, hi,
-        BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, EVEN_D,
+        BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, EVEN_D, PLAIN,
     )
     if HAS_WL:
         acc, l_i, m_i = _fwd_range(
@@ -135,7 +146,7 @@ def attn_fwd_kernel(
             stride_kn, stride_vn, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
             qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold,
             lo, full_lo,
-            BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, EVEN_D,
+            BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, EVEN_D, PLAIN,
         )
 
     empty = l_i == 0.0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import dropout_keep, dropout_row_hash, kv_block_range, score_tile
+from .triton_common import dropout_keep, dropout_row_hash, kv_block_range, score_tile, structural_ok
 
 
 @triton.jit
@@ -23,21 +23,32 @@ def _fwd_tma_range(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
+    WARP_SPEC: tl.constexpr, PLAIN: tl.constexpr,
 ):
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = k_desc.load([b, hk, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
         qk = tl.dot(q, k.T)
-        s, _t = score_tile(
-            qk, offs_m[:, None], offs_n[None, :], qk_scale, softcap, cap_scale,
-            bias_base, stride_bm, stride_bn, Nq, Nk, n_lim, diag_offset, window_left, window_right,
-            IS_CAUSAL, HAS_WL, HAS_WR, MASK, BIAS_KIND, SOFTCAP,
-        )
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
+        if PLAIN:
+            # No bias / softcap and scale > 0: the row max scales with qk, so the scale folds into
+            # one FMA inside exp2's argument instead of a separate multiply of the whole tile.
+            if MASK:
+                ok = structural_ok(offs_m[:, None], offs_n[None, :], n_lim, diag_offset, window_left, window_right,
+                                   IS_CAUSAL, HAS_WL, HAS_WR)
+                qk = tl.where(ok, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+        else:
+            s, _t = score_tile(
+                qk, offs_m[:, None], offs_n[None, :], qk_scale, softcap, cap_scale,
+                bias_base, stride_bm, stride_bn, Nq, Nk, n_lim, diag_offset, window_left, window_right,
+                IS_CAUSAL, HAS_WL, HAS_WR, MASK, BIAS_KIND, SOFTCAP,
+            )
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -58,7 +69,7 @@ def attn_fwd_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KVLEN: tl.constexpr,
     BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, REVERSE_M: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
+    WARP_SPEC: tl.constexpr, PLAIN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -89,18 +100,18 @@ def attn_fwd_tma_kernel(
     acc, l_i, m_i = _fwd_tma_range(
         acc, l_i, m_i, q, k_desc, v_desc, b, hk, bias_base, row_hash, offs_m, stride_bm, stride_bn, Nq, Nk, n_lim,
         qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, full_lo, full_hi,
-        BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, HAS_WL, HAS_WR, False, BIAS_KIND, SOFTCAP, DROPOUT, WARP_SPEC,
+        BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, HAS_WL, HAS_WR, False, BIAS_KIND, SOFTCAP, DROPOUT, WARP_SPEC, PLAIN,
     )
     acc, l_i, m_i = _fwd_tma_range(
         acc, l_i, m_i, q, k_desc, v_desc, b, hk, bias_base, row_hash, offs_m, stride_bm, stride_bn, Nq, Nk, n_lim,
         qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, full_hi, hi,
-        BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, False,
+        BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, False, PLAIN,
     )
     if HAS_WL:
         acc, l_i, m_i = _fwd_tma_range(
             acc, l_i, m_i, q, k_desc, v_desc, b, hk, bias_base, row_hash, offs_m, stride_bm, stride_bn, Nq, Nk, n_lim,
             qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, lo, full_lo,
-            BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, False,
+            BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, False, PLAIN,
         )
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, drop_scale / tl.where(empty, 1.0, l_i))

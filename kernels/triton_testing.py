@@ -106,7 +106,8 @@ def check_case(case: Case, backward: bool = True) -> dict:
     out, lse = poisoned_forward(case)
     r_out, r_lse = ref.attention_reference(case.q, case.k, case.v, **case.mask_kwargs())
     torch.testing.assert_close(out, r_out, atol=fa, rtol=fr, msg=lambda m: "out: " + m)
-    torch.testing.assert_close(lse, r_lse, atol=1e-4, rtol=1e-4, msg=lambda m: "lse: " + m)
+    lse_tol = 5e-3 if (case.q.dtype == torch.float32 and case.q.device.type == "cuda") else 1e-4  # TF32 scores
+    torch.testing.assert_close(lse, r_lse, atol=lse_tol, rtol=lse_tol, msg=lambda m: "lse: " + m)
     res = {"out": out, "lse": lse}
     if not backward:
         return res
