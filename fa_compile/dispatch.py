@@ -192,6 +192,9 @@ def _forced_candidate(cands: list, args: AttentionArgs, forced: str, source: str
         if direction == "backward" and any(c.name == forced for c in other):
             return None  # forward-only kernel: the backward is chosen from the saved lse as usual
         known = sorted({c.name for c in candidates("forward") + candidates("backward")})
+        if forced == "triton" and _cands.TRITON_IMPORT_ERROR:
+            raise ValueError(f"{source}: kernel 'triton' is not available here (kernels/triton_family.py: "
+                             f"{_cands.TRITON_IMPORT_ERROR[0]}); known: {', '.join(known)}")
         raise ValueError(f"{source}: unknown {direction} kernel {forced!r}; known: {', '.join(known)}")
     reasons = _reasons(match[0], args, forced=True)
     if reasons:

@@ -79,11 +79,15 @@ def peer_candidates() -> list:
     return [CUDNN, FA3, FA4, FLASH, EFFICIENT]
 
 
+TRITON_IMPORT_ERROR: list = []
+
+
 def triton_candidate():
     """Our Triton family (`kernels/triton_family.py`), or None when it or triton is missing."""
     try:
         from ..kernels.triton_family import TRITON  # noqa: PLC0415
-    except Exception:
+    except Exception as e:
+        TRITON_IMPORT_ERROR[:] = [f"{type(e).__name__}: {str(e)[:160]}"]
         return None
     return TRITON
 
