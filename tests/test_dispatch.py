@@ -408,6 +408,11 @@ def test_sdpa_bias_matches_the_reference_masking():
     s_ref = ref.scores_reference(q, k, scale=0.4, bias=keep, kv_lens=kv_lens)
     s_ours = ref.scores_reference(q, k, scale=0.4) + bias
     torch.testing.assert_close(s_ours, s_ref, atol=0, rtol=0)
+    # a bias broadcast along keys is materialised along them (the kernels need a unit last stride)
+    col = torch.randn(b, 1, nq, 1)
+    bias = sdpa.CUDNN._bias(AttentionArgs(q=q, k=k, v=v, scale=0.4, bias=col))
+    assert bias.stride(-1) == 1 and bias.stride(-2) % 16 == 0
+    torch.testing.assert_close(bias, col.expand(b, h, nq, nk), atol=0, rtol=0)
 
 
 def test_tuning_bucket_and_disk_cache(tmp_path, monkeypatch):

@@ -131,7 +131,8 @@ class SdpaCandidate:
             return None
         while bias.dim() < 4:
             bias = bias.unsqueeze(0)
-        if bias.stride(-1) != 1 or (bias.shape[-1] % _BIAS_ALIGN and bias.shape[-2] != 1):
+        # The kernels read bias rows with a unit last stride and 16-element aligned row starts.
+        if bias.shape[-1] != nk or bias.stride(-1) != 1 or nk % _BIAS_ALIGN:
             width = (nk + _BIAS_ALIGN - 1) // _BIAS_ALIGN * _BIAS_ALIGN
             padded = bias.new_zeros((*bias.shape[:-1], width))
             padded[..., :nk] = bias
