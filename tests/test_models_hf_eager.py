@@ -1,0 +1,85 @@
+"""Hugging Face models with attn_implementation="eager", tiny configs and random weights (no downloads):
+every attention site rewritten, outputs and gradients equal to eager."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TOL, Compiled
+
+transformers = pytest.importorskip("transformers")
+
+LAYERS = 2
+
+
+def gpt2():
+    cfg = transformers.GPT2Config(n_layer=LAYERS, n_head=2, n_embd=16, vocab_size=50, n_positions=32,
+                                  bos_token_id=0, eos_token_id=0, attn_implementation="eager",
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2Model(cfg), (torch.randint(0, 50, (2, 8)),), {}, "causal"
+
+
+def llama_gqa():
+    cfg = transformers.LlamaConfig(num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                   hidden_size=32, intermediate_size=64, vocab_size=50, attn_implementation="eager")
+    return transformers.LlamaModel(cfg), (torch.randint(0, 50, (2, 8)),), {}, "causal"
+
+
+def bert_padding():
+    cfg = transformers.BertConfig(num_hidden_layers=LAYERS, num_attention_heads=2, hidden_size=16,
+                                  intermediate_size=32, vocab_size=50, attn_implementation="eager",
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    am = torch.ones(2, 8, dtype=torch.long)
+    am[1, 5:] = 0
+    return transformers.BertModel(cfg), (torch.randint(0, 50, (2, 8)),), dict(attention_mask=am), None
+
+
+def vit():
+    cfg = transformers.ViTConfig(num_hidden_layers=LAYERS, num_attention_heads=2, hidden_size=16, intermediate_size=32,
+                                 image_size=8, patch_size=4, attn_implementation="eager")
+    return transformers.ViTModel(cfg), (torch.randn(2, 3, 8, 8),), {}, "none"
+
+
+MODELS = {"gpt2": gpt2, "llama_gqa": llama_gqa, "bert_padding": bert_padding, "vit": vit}
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out.last_hidden_state
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hf_eager_attention_is_rewritten_and_trains(name):
+    torch.manual_seed(0)
+    model, args, kwargs, mask_kind = MODELS[name]()
+    model.train()  # dropout probabilities are 0 in these configs: outputs are deterministic
+    c = Compiled(model, inner="aot_eager", fullgraph=False)
+    out = _first(c(*args, **kwargs))
+    assert len(c.reports) == LAYERS, c.reports
+    assert len(c.rewritten) == LAYERS, [r.reason for r in c.missed]
+    assert c.op_calls() == LAYERS
+    if mask_kind is not None:
+        assert all(r.mask == mask_kind for r in c.rewritten), [r.mask for r in c.rewritten]
+    if name == "llama_gqa":
+        assert all(r.q_shape[1] == 4 and r.k_shape[1] == 2 for r in c.rewritten)  # native GQA, no repeat
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    grads = torch.autograd.grad(out, list(model.parameters()), g, allow_unused=True)
+    ref = _first(model(*args, **kwargs))
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    ref_grads = torch.autograd.grad(ref, list(model.parameters()), g, allow_unused=True)
+    for (pname, p), a, b in zip(model.named_parameters(), grads, ref_grads):
+        # an unused parameter (the pooler) gets None from eager and zeros from AOTAutograd
+        a = torch.zeros_like(p) if a is None else a
+        b = torch.zeros_like(p) if b is None else b
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=pname)
+
+
+def test_hf_output_attentions_is_left_alone_with_reason():
+    torch.manual_seed(0)
+    model, args, kwargs, _ = gpt2()
+    model.eval()
+    c = Compiled(lambda ids: model(ids, output_attentions=True), fullgraph=False)
+    out = c(*args)
+    ref = model(*args, output_attentions=True)
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, **TOL[torch.float32])
+    assert len(c.missed) == LAYERS and not c.rewritten
+    assert all("output_attentions" in r.reason for r in c.missed)
