@@ -220,10 +220,12 @@ def _select(cands: list, args: AttentionArgs, forced: Optional[str], direction: 
             refusals.append(f"{c.name}: " + "; ".join(reasons))
     if not eligible:
         raise NoKernelError(f"no {direction} kernel takes these inputs:\n  " + "\n  ".join(refusals))
-    if len(eligible) > 1 and tuning.enabled():
+    # The reference is never timed: it only wins where nothing else is eligible.
+    timed = [c for c in eligible if c.name != "reference"]
+    if len(timed) > 1 and tuning.enabled():
         real = allow_tune and not _is_fake(args.q) and args.q.device.type == "cuda"
-        name = tuning.choose(args, direction, eligible, measure=real, bwd_inputs=_backward_inputs)
-        for c in eligible:
+        name = tuning.choose(args, direction, timed, measure=real, bwd_inputs=_backward_inputs)
+        for c in timed:
             if c.name == name:
                 return c
     return eligible[0]
@@ -231,7 +233,8 @@ def _select(cands: list, args: AttentionArgs, forced: Optional[str], direction: 
 
 def _backward_inputs(args: AttentionArgs):
     """(dout, out, lse) for timing backward candidates: the chosen forward on these inputs."""
-    out, lse = _select(ordered(args, "forward"), args, None, "forward", allow_tune=False).forward(args)
+    fargs = _for_direction(args, "forward")
+    out, lse = _select(ordered(fargs, "forward"), fargs, None, "forward", allow_tune=False).forward(fargs)
     gen = torch.Generator(device=args.q.device).manual_seed(0)
     dout = torch.randn(out.shape, dtype=out.dtype, device=out.device, generator=gen)
     return dout, out, lse
