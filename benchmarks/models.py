@@ -276,6 +276,10 @@ def chart(rows: list, gens: list, path: str) -> Optional[str]:
             vals = [next((r.get(key) for r in src if r["model"] == m and r["variant"] == lab), None) for lab in labels]
             vals = [v if isinstance(v, (int, float)) else 0 for v in vals]
             ax.bar(range(len(labels)), vals, color=["#d62728", "#7f7f7f", "#1f77b4"])
+            base = vals[labels.index("sdpa+inductor")] if "sdpa+inductor" in labels else 0
+            for x, val in enumerate(vals):
+                if val and base:
+                    ax.text(x, val, f"{val / base:.2f}x", ha="center", va="bottom", fontsize=8)
             ax.set_xticks(range(len(labels)), labels, rotation=15, fontsize=8)
             ax.set_title(f"{m}: {title}", fontsize=9)
     fig.tight_layout()
@@ -345,7 +349,10 @@ def main(argv=None) -> int:
     res = {"env": env, "rows": rows, "generate": gens, "table": text}
     with open(os.path.join(out_dir, "models.json"), "w") as f:
         json.dump(res, f, indent=1)
-    print(chart(rows, gens, os.path.join(out_dir, "models.png")), flush=True)
+    try:
+        print(chart(rows, gens, os.path.join(out_dir, "models.png")), flush=True)
+    except Exception as e:
+        print(f"no chart: {type(e).__name__}: {e}", flush=True)
     return 0
 
 
