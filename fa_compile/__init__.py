@@ -6,7 +6,7 @@
 
 Environment: FA_COMPILE=1 applies the rewrite to a plain `torch.compile(model)`; FA_COMPILE=0 turns
 it off everywhere; FA_COMPILE_LOG=1 prints the site table at compile time; FA_COMPILE_KERNEL=name
-forces a kernel.
+forces a kernel; FA_COMPILE_TUNE=1 times the eligible kernels per shape bucket and caches the winner.
 
 The package is imported at `import torch` (entry point group `torch.backends`) only to read
 FA_COMPILE, so importing it must stay cheap: everything below loads on first use.

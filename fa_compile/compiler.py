@@ -75,13 +75,20 @@ def backend(
     kernel: Optional[str] = None,
     mode: Optional[str] = None,
     options: Optional[dict] = None,
+    tune: bool = False,
 ) -> Callable:
     """A configured backend for `torch.compile(model, backend=fa_compile.backend(...))`.
 
     inner: the compiler that gets the rewritten graph ("inductor", "aot_eager", "eager").
     kernel: force one kernel by name for every site (an error at run time names the refusal).
     mode / options: passed to Inductor, as torch.compile's own `mode=` / `options=` are.
+    tune: time the eligible kernels once per shape bucket on this GPU and cache the winner on disk
+    (as FA_COMPILE_TUNE=1 does).
     """
+    if tune:
+        from . import tuning
+
+        tuning.enable(True)
     cfg = BackendConfig(inner=inner, kernel=kernel, mode=mode, options=dict(options or {}))
 
     def fa3_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str] = None, options: Optional[dict] = None):
