@@ -7,6 +7,7 @@ back and leave the graph exactly as it was.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Optional
 
 import torch
@@ -79,6 +80,10 @@ def const(value: Any, name: str) -> Any:
         ev = example_value(value)
         if isinstance(ev, (bool, int, float)) and not isinstance(ev, torch.SymInt):
             return ev
+        if isinstance(ev, torch.SymFloat):
+            raise Refuse(f"{name} is a symbolic float ({value.name}: dynamic=True makes Python floats graph inputs); "
+                         "the op needs a constant (torch._dynamo.config.specialize_float=True, or mark_dynamic "
+                         "instead of dynamic=True)")
         raise Refuse(f"{name} is computed at run time ({value.name}); it must be a Python constant")
     return value
 
@@ -133,8 +138,28 @@ def replace_output(graph: fx.Graph, old: fx.Node, new: fx.Node) -> None:
             emit.set_example_value(user)
 
 
-def default_scale(head_dim: Any) -> float:
-    return 1.0 / math.sqrt(static_int(head_dim, "the head dim"))
+def default_scale(b: "Builder", t: fx.Node, head_dim: Any) -> Any:
+    """1/sqrt(head dim): a float, or (head dim symbolic under dynamic=True) a SymFloat node that
+    emit_attention folds into q."""
+    if isinstance(head_dim, int):
+        return 1.0 / math.sqrt(head_dim)
+    d = b.size(t, -1)
+    node = b.graph.call_function(operator.pow, (d, -0.5))
+    b.nodes.append(node)
+    node.meta["example_value"] = head_dim ** -0.5  # SymInt ** float: a SymFloat, no fake mode needed
+    return node
+
+
+def runtime_scale(node: fx.Node) -> Any:
+    """A scale held by a graph value: a Python number (folded), or a SymFloat / 0-d tensor node."""
+    ev = example_value(node)
+    if isinstance(ev, (int, float)) and not isinstance(ev, bool):
+        return float(ev)
+    if isinstance(ev, (torch.SymFloat, torch.SymInt)):
+        return node
+    if isinstance(ev, torch.Tensor) and ev.dim() == 0 and ev.dtype.is_floating_point:
+        return node
+    raise Refuse(f"scale {node.name} is neither a number nor a 0-d float tensor")
 
 
 def options_allow_dropout(options: PassOptions, dropout_p: float) -> None:

@@ -65,7 +65,9 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport) -
     heads = static_int(const(a["num_heads"], "num_heads"), "num_heads")
     use_gelu = bool(const(a["use_gelu"], "use_gelu"))
     norm_first = bool(const(a["norm_first"], "norm_first"))
-    eps = float(const(a["eps"], "eps"))
+    eps = a["eps"]  # a float, or a SymFloat node (dynamic=True wraps Python floats): layer_norm takes both
+    if not isinstance(eps, fx.Node):
+        eps = float(eps)
 
     def norm(x: fx.Node, i: int) -> fx.Node:
         return b.f(F.layer_norm, x, (embed_dim,), a[f"norm_weight_{i}"], a[f"norm_bias_{i}"], eps)

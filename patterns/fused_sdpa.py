@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from . import emit
 from .fused_common import (
-    Builder, emit_attention, Refuse, const, default_scale, options_allow_dropout, replace_output, report, same_size, shape_of,
+    Builder, emit_attention, Refuse, const, default_scale, runtime_scale, options_allow_dropout, replace_output, report, same_size, shape_of,
     static_int, tensor_value,
 )
 from .site import PassOptions, SiteReport
@@ -128,7 +128,7 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, c
     dropout_p = float(const(a["dropout_p"], "dropout_p"))
     is_causal = bool(const(a["is_causal"], "is_causal"))
     enable_gqa = bool(const(a["enable_gqa"], "enable_gqa"))
-    scale = const(a["scale"], "scale")
+    scale = a["scale"]
     rep.dropout_p = dropout_p
     options_allow_dropout(options, dropout_p)
     if isinstance(mask, fx.Node) and is_causal:
@@ -145,8 +145,13 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, c
     head_dim = qv.shape[-1]
     if not same_size(kv.shape[-1], head_dim):
         raise Refuse(f"key head dim {kv.shape[-1]} differs from the query's {head_dim}")
-    scale = default_scale(head_dim) if scale is None else float(scale)
-    rep.scale = scale
+    if scale is None:
+        scale = default_scale(b, q, head_dim)
+    elif isinstance(scale, fx.Node):
+        scale = runtime_scale(scale)
+    else:
+        scale = float(scale)
+    rep.scale = scale if isinstance(scale, float) else f"{scale.name} (run time)"
 
     q4, k4, v4 = (_to_4d(b, t, nd, n) for t, n in ((q, "query"), (k, "key"), (v, "value")))
     q4v = tensor_value(q4, "query")
