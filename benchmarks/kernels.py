@@ -104,7 +104,7 @@ FWD_SWEEP = {
 }
 BWD_SWEEP = {
     64: {"dkdv": [(64, 128, 8, 2), (64, 64, 4, 3), (32, 128, 8, 2)], "dq": [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)]},
-    128: {"dkdv": [(64, 128, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2)], "dq": [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 8, 2)]},
+    128: {"dkdv": [(64, 128, 8, 2), (32, 128, 8, 2), (64, 128, 8, 3)], "dq": [(128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3)]},
     256: {"dkdv": [(32, 64, 8, 2), (64, 64, 8, 2), (16, 64, 4, 2), (32, 64, 4, 1)],
           "dq": [(64, 32, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 1)]},
 }
@@ -174,6 +174,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only N=16k and the extra shapes")
     ap.add_argument("--sweep", action="store_true", help="sweep block configs first and pin the best")
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--sweep-dims", default="64,128,256", help="head dims to sweep (with --sweep)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     opt = ap.parse_args()
     import triton
@@ -190,7 +191,7 @@ def main() -> None:
     print(env, flush=True)
     result = {"env": env, "sweep": {}, "rows": []}
     if opt.sweep:
-        for d in (64, 128, 256):
+        for d in (int(x) for x in opt.sweep_dims.split(",")):
             result["sweep"][d] = sweep(d, with_bwd=True)
         print("pinned configs:", {f"{k[0]}/{k[1]}": v for k, v in tf.CONFIG_OVERRIDE.items()}, flush=True)
 

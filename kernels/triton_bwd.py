@@ -35,11 +35,12 @@ def attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_range(
-    dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, seed, bh, offs_n, offs_d, offs_dv,
+    dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, delta_base, bias_base, seed, bh,
+    offs_n, offs_d, offs_dv,
     stride_qm, stride_dom, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
     qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
     lo, hi,
-    BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, USE_TMA: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
     PLAIN: tl.constexpr,
 ):
@@ -47,10 +48,13 @@ def _dkdv_range(
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < Nq
-        qT = tl.load(
-            q_base + offs_m[None, :].to(tl.int64) * stride_qm + offs_d[:, None],
-            mask=m_ok[None, :] & (offs_d[:, None] < D), other=0.0,
-        )
+        if USE_TMA:  # zero fill past Nq and past the head dim
+            qT = tl.trans(q_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, BLOCK_D))
+        else:
+            qT = tl.load(
+                q_base + offs_m[None, :].to(tl.int64) * stride_qm + offs_d[:, None],
+                mask=m_ok[None, :] & (offs_d[:, None] < D), other=0.0,
+            )
         # Rows past Nq: lse = +inf makes their probabilities exactly 0.
         lse2 = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf"))
         lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2) * 1.4426950408889634
@@ -69,10 +73,13 @@ def _dkdv_range(
                 IS_CAUSAL, HAS_WL, HAS_WR, MASK, BIAS_KIND, SOFTCAP,
             )
             pT = tl.math.exp2(sT - lse2[None, :])
-        do = tl.load(
-            do_base + offs_m[:, None].to(tl.int64) * stride_dom + offs_dv[None, :],
-            mask=m_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
-        )
+        if USE_TMA:
+            do = do_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, BLOCK_DV)
+        else:
+            do = tl.load(
+                do_base + offs_m[:, None].to(tl.int64) * stride_dom + offs_dv[None, :],
+                mask=m_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
+            )
         if DROPOUT:
             row_hash = dropout_row_hash(seed, bh, Nq, offs_m)[None, :]
             keep = dropout_keep(row_hash, offs_n[:, None], drop_threshold)
@@ -93,7 +100,7 @@ def _dkdv_range(
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV_, BIAS, KVLENS, SEED,
+    Q, K, V, DO, LSE, DELTA, DK, DV_, BIAS, KVLENS, SEED, q_desc, k_desc, v_desc, do_desc,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -106,6 +113,7 @@ def attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KVLEN: tl.constexpr,
     BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, PLAIN: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -116,14 +124,18 @@ def attn_bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     n_ok = offs_n < Nk
-    k = tl.load(
-        K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
-        mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0,
-    )
-    v = tl.load(
-        V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :],
-        mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
-    )
+    if USE_TMA:
+        k = k_desc.load([b, hk, n0, 0]).reshape(BLOCK_N, BLOCK_D)
+        v = v_desc.load([b, hk, n0, 0]).reshape(BLOCK_N, BLOCK_DV)
+    else:
+        k = tl.load(
+            K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
+            mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0,
+        )
+        v = tl.load(
+            V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :],
+            mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
+        )
     n_lim = Nk
     if HAS_KVLEN:
         n_lim = tl.maximum(tl.minimum(tl.load(KVLENS + b).to(tl.int32), Nk), 0)
@@ -146,25 +158,28 @@ def attn_bwd_dkdv_kernel(
         if BIAS_KIND != 0:
             bias_base = BIAS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
         dk, dv = _dkdv_range(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, seed, bh, offs_n, offs_d, offs_dv,
+            dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, delta_base, bias_base, seed, bh,
+            offs_n, offs_d, offs_dv,
             stride_qm, stride_dom, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
             qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
             full_lo, full_hi,
-            BLOCK_M, IS_CAUSAL, HAS_WL, HAS_WR, False, BIAS_KIND, SOFTCAP, DROPOUT, PLAIN,
+            BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA, IS_CAUSAL, HAS_WL, HAS_WR, False, BIAS_KIND, SOFTCAP, DROPOUT, PLAIN,
         )
         dk, dv = _dkdv_range(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, seed, bh, offs_n, offs_d, offs_dv,
+            dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, delta_base, bias_base, seed, bh,
+            offs_n, offs_d, offs_dv,
             stride_qm, stride_dom, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
             qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
             lo, full_lo,
-            BLOCK_M, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, PLAIN,
+            BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, PLAIN,
         )
         dk, dv = _dkdv_range(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, seed, bh, offs_n, offs_d, offs_dv,
+            dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, delta_base, bias_base, seed, bh,
+            offs_n, offs_d, offs_dv,
             stride_qm, stride_dom, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
             qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
             full_hi, hi,
-            BLOCK_M, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, PLAIN,
+            BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, PLAIN,
         )
     dk = dk * scale
     st_mask = n_ok[:, None]
@@ -180,11 +195,12 @@ def attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_range(
-    dq, q, do, lse2, delta, row_hash, k_base, v_base, bias_base, ds_base, offs_m, offs_d, offs_dv,
+    dq, q, do, lse2, delta, row_hash, k_base, v_base, k_desc, v_desc, b, hk, bias_base, ds_base,
+    offs_m, offs_d, offs_dv,
     stride_kn, stride_vn, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
     qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
     lo, hi,
-    BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, USE_TMA: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
     WRITE_DS: tl.constexpr, PLAIN: tl.constexpr,
 ):
@@ -192,14 +208,18 @@ def _dq_range(
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < Nk
-        kT = tl.load(
-            k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None],
-            mask=n_ok[None, :] & (offs_d[:, None] < D), other=0.0,
-        )
-        vT = tl.load(
-            v_base + offs_n[None, :].to(tl.int64) * stride_vn + offs_dv[:, None],
-            mask=n_ok[None, :] & (offs_dv[:, None] < DV), other=0.0,
-        )
+        if USE_TMA:
+            kT = tl.trans(k_desc.load([b, hk, start_n, 0]).reshape(BLOCK_N, BLOCK_D))
+            vT = tl.trans(v_desc.load([b, hk, start_n, 0]).reshape(BLOCK_N, BLOCK_DV))
+        else:
+            kT = tl.load(
+                k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None],
+                mask=n_ok[None, :] & (offs_d[:, None] < D), other=0.0,
+            )
+            vT = tl.load(
+                v_base + offs_n[None, :].to(tl.int64) * stride_vn + offs_dv[:, None],
+                mask=n_ok[None, :] & (offs_dv[:, None] < DV), other=0.0,
+            )
         qk = tl.dot(q, kT)
         if PLAIN:
             if MASK:
@@ -233,7 +253,7 @@ def _dq_range(
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, DS, BIAS, KVLENS, SEED,
+    Q, K, V, DO, LSE, DELTA, DQ, DS, BIAS, KVLENS, SEED, q_desc, k_desc, v_desc, do_desc,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -245,7 +265,7 @@ def attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KVLEN: tl.constexpr,
     BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr,
-    REVERSE_M: tl.constexpr, PLAIN: tl.constexpr,
+    REVERSE_M: tl.constexpr, PLAIN: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -290,26 +310,29 @@ def attn_bwd_dq_kernel(
         m0, Nq, n_lim, diag_offset, window_left, window_right, IS_CAUSAL, HAS_WL, HAS_WR, BLOCK_M, BLOCK_N,
     )
     dq = _dq_range(
-        dq, q, do, lse2, delta, row_hash, k_base, v_base, bias_base, ds_base, offs_m, offs_d, offs_dv,
+        dq, q, do, lse2, delta, row_hash, k_base, v_base, k_desc, v_desc, b, hk, bias_base, ds_base,
+        offs_m, offs_d, offs_dv,
         stride_kn, stride_vn, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
         qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
         full_lo, full_hi,
-        BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, False, BIAS_KIND, SOFTCAP, DROPOUT, WRITE_DS, PLAIN,
+        BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, IS_CAUSAL, HAS_WL, HAS_WR, False, BIAS_KIND, SOFTCAP, DROPOUT, WRITE_DS, PLAIN,
     )
     dq = _dq_range(
-        dq, q, do, lse2, delta, row_hash, k_base, v_base, bias_base, ds_base, offs_m, offs_d, offs_dv,
+        dq, q, do, lse2, delta, row_hash, k_base, v_base, k_desc, v_desc, b, hk, bias_base, ds_base,
+        offs_m, offs_d, offs_dv,
         stride_kn, stride_vn, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
         qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
         full_hi, hi,
-        BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, WRITE_DS, PLAIN,
+        BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, WRITE_DS, PLAIN,
     )
     if HAS_WL:
         dq = _dq_range(
-            dq, q, do, lse2, delta, row_hash, k_base, v_base, bias_base, ds_base, offs_m, offs_d, offs_dv,
+            dq, q, do, lse2, delta, row_hash, k_base, v_base, k_desc, v_desc, b, hk, bias_base, ds_base,
+            offs_m, offs_d, offs_dv,
             stride_kn, stride_vn, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
             qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
             lo, full_lo,
-            BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, WRITE_DS, PLAIN,
+            BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, WRITE_DS, PLAIN,
         )
     dq = dq * scale
     tl.store(

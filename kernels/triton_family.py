@@ -74,13 +74,15 @@ def pick_config(kind: str, block_d: int, causal: bool, cap: tuple[int, int]) -> 
             return BlockConfig(64, 64, 4, 3) if hopper else BlockConfig(128, 32, 8, 2)
         return BlockConfig(128, 64, 8, 2) if hopper else BlockConfig(64, 32, 4, 2)
     if kind == "dkdv":
+        if block_d <= 64:
+            return BlockConfig(64, 64, 4, 3) if hopper else BlockConfig(32, 64, 4, 2)
         if block_d <= 128:
             return BlockConfig(64, 128, 8, 2) if hopper else BlockConfig(32, 64, 4, 2)
-        return BlockConfig(32, 64, 8, 2) if hopper else BlockConfig(16, 32, 4, 1)
+        return BlockConfig(64, 64, 8, 2) if hopper else BlockConfig(16, 32, 4, 1)
     # dq
     if block_d <= 128:
-        return BlockConfig(128, 64, 8, 2) if hopper else BlockConfig(64, 32, 4, 2)
-    return BlockConfig(64, 32, 8, 2) if hopper else BlockConfig(32, 32, 4, 1)
+        return BlockConfig(128, 32, 4, 3) if hopper else BlockConfig(64, 32, 4, 2)
+    return BlockConfig(128, 32, 8, 2) if hopper else BlockConfig(32, 32, 4, 1)
 
 
 def _smaller(cfg: BlockConfig) -> Optional[BlockConfig]:
@@ -96,8 +98,10 @@ def _smaller(cfg: BlockConfig) -> Optional[BlockConfig]:
     return None
 
 
-def _launch(kernel, grid_fn, cfg: BlockConfig, *args, **const):
-    """Launch, falling back to smaller tiles when the compiler reports the config does not fit."""
+def _launch(kernel, grid_fn, cfg: BlockConfig, *args, args_fn=None, **const):
+    """Launch, falling back to smaller tiles when the compiler reports the config does not fit.
+
+    args_fn(cfg), when given, supplies the leading arguments that depend on the tile (descriptors)."""
     from triton.runtime.errors import OutOfResources
 
     while True:
@@ -105,7 +109,8 @@ def _launch(kernel, grid_fn, cfg: BlockConfig, *args, **const):
             kw = dict(const, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
             if not interpreting():
                 kw.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-            handle = kernel[grid_fn(cfg)](*args, **kw)
+            lead = args_fn(cfg) if args_fn is not None else ()
+            handle = kernel[grid_fn(cfg)](*lead, *args, **kw)
             LAST_COMPILED[getattr(kernel, "__name__", str(kernel))] = (cfg, handle)
             return cfg
         except OutOfResources:
@@ -307,6 +312,15 @@ def attention_backward(
         sc["qk_scale"], sc["softcap"], sc["cap_scale"], float(args.scale), int(args.diag_offset),
         int(args.window_left), int(args.window_right), sc["drop_threshold"], sc["drop_scale"],
     )
+    use_tma = _tma_ok((q, k, v, dout), cap)
+
+    def descs(c: BlockConfig, kind: str) -> tuple:
+        if not use_tma:
+            return (q, q, q, q)
+        bm, bn = c.block_m, c.block_n
+        return (_desc(q, [1, 1, bm, block_d]), _desc(k, [1, 1, bn, block_d]),
+                _desc(v, [1, 1, bn, block_dv]), _desc(dout, [1, 1, bm, block_dv]))
+
     with _device_ctx(q):
         pre_m = 16 if cap == (0, 0) else 64
         attn_bwd_preprocess_kernel[(triton_cdiv(nq, pre_m), b * hq)](
@@ -316,23 +330,23 @@ def attention_backward(
         cfg = pick_config("dkdv", max(block_d, block_dv), bool(args.causal), cap)
         _launch(
             attn_bwd_dkdv_kernel, lambda c: (triton_cdiv(nk, c.block_n), b * hkv), cfg,
-            q, k, v, dout, lse, delta, dk, dvv, bias_arg, kvl, seed,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
             *bstr, hq, hkv, hq // hkv, nq, nk, d, dv, *common,
-            BLOCK_D=block_d, BLOCK_DV=block_dv, PLAIN=_plain(args, bias_kind), **consts,
+            BLOCK_D=block_d, BLOCK_DV=block_dv, PLAIN=_plain(args, bias_kind), USE_TMA=use_tma, **consts,
+            args_fn=lambda c: (q, k, v, dout, lse, delta, dk, dvv, bias_arg, kvl, seed, *descs(c, "dkdv")),
         )
         cfg = pick_config("dq", max(block_d, block_dv), bool(args.causal), cap)
         _launch(
             attn_bwd_dq_kernel, lambda c: (triton_cdiv(nq, c.block_m), b * hq), cfg,
-            q, k, v, dout, lse, delta, dq, ds, bias_arg, kvl, seed,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2),
             *bstr, hq, hq // hkv, nq, nk, d, dv, *common,
             BLOCK_D=block_d, BLOCK_DV=block_dv, WRITE_DS=want_dbias, REVERSE_M=bool(args.causal),
-            PLAIN=_plain(args, bias_kind), **consts,
+            PLAIN=_plain(args, bias_kind), USE_TMA=use_tma, **consts,
+            args_fn=lambda c: (q, k, v, dout, lse, delta, dq, ds, bias_arg, kvl, seed, *descs(c, "dq")),
         )
     dbias = _reduce_dbias(ds, args.bias) if want_dbias else None
     return dq, dk, dvv, dbias

@@ -127,13 +127,13 @@ else:
         dict(d=80, nq=21, nk=33, layout="bshd", hq=4, hkv=2, causal=True, diag_offset=12),
         dict(d=32, nq=30, nk=41, bias_shape=(30, 41), window_left=5, dropout_p=0.3, softcap=2.0, kv_lens=[30, 20]),
     ], ids=["gqa_causal", "all_features"])
-    def test_tma_forward(kw, monkeypatch):
-        # The Hopper forward (tensor descriptors), forced on under the interpreter.
+    def test_tma_path(kw, monkeypatch):
+        # The Hopper path (tensor descriptors, forward and backward), forced on under the interpreter.
         monkeypatch.setenv("FA_COMPILE_TRITON_TMA", "1")
         calls = []
         orig = tf._forward_tma
         monkeypatch.setattr(tf, "_forward_tma", lambda *a: (calls.append(1), orig(*a)))
-        check_case(make_case(**kw), backward=False)
+        check_case(make_case(**kw))
         assert calls == [1]
 
     def test_kv_lens_with_empty_batch():
