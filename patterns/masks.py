@@ -69,9 +69,30 @@ def _sym_true(cond: Any) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     try:
-        return bool(statically_known_true(cond))
+        if statically_known_true(cond):
+            return True
     except Exception:
         return False
+    return _guarded(cond)
+
+
+def _guarded(cond: Any) -> bool:
+    """True when `cond` is literally one of the guards Dynamo already checks before running this graph
+    (e.g. `Nk - Nq >= 0` from slicing `bias[..., Nk - Nq : Nk, :]`); statically_known_true misses
+    conjunctions of guards."""
+    import sympy
+
+    try:
+        node = cond.node
+        env = node.shape_env
+        target = env.simplify(node.expr)
+        for g in list(env.get_axioms()):
+            for atom in sympy.And.make_args(g):
+                if env.simplify(atom) == target:
+                    return True
+    except Exception:
+        return False
+    return False
 
 
 def _same(a: Size, b: Size) -> bool:
@@ -947,7 +968,10 @@ def _term_info(an: _Analyzer, t: MaskTerm, scores_dtype: torch.dtype, q_len: Siz
     if t.op == "bool":
         c = -math.inf
     else:
-        c = _scalar(example_value(t.fill))
+        c = _scalar(t.fill) if not isinstance(t.fill, fx.Node) else None
+        if isinstance(t.fill, fx.Node):  # a 0-d tensor fill (torch.full([], finfo.min), GPT-2 legacy)
+            fv = an.value(t.fill)
+            c = fv.value if isinstance(fv, _Konst) and isinstance(fv.value, float) else None
         if c is None:
             return f"{t.op} mask fill value {t.fill!r} is not a number"
         try:

@@ -756,3 +756,86 @@ def test_hf_masks(name, impl, padded, kind):
         assert tuple(example_value(bias).shape) == (2, 1, 1, 6)
     else:
         assert bias is None
+
+
+class GPT2Legacy(torch.nn.Module):
+    """transformers < 4.48 GPT-2: bool tril buffer sliced bottom-right, where() with a 0-d tensor fill."""
+
+    def __init__(self, n: int = 16):
+        super().__init__()
+        self.register_buffer("bias", torch.tril(torch.ones((n, n), dtype=torch.bool)).view(1, 1, n, n),
+                             persistent=False)
+
+    def forward(self, q, k, v):
+        w = torch.matmul(q, k.transpose(-1, -2)) / torch.full([], v.size(-1) ** 0.5, dtype=q.dtype)
+        ql, kl = q.size(-2), k.size(-2)
+        causal = self.bias[:, :, kl - ql: kl, :kl]
+        fill = torch.full([], torch.finfo(w.dtype).min, dtype=w.dtype, device=w.device)
+        w = torch.where(causal, w.to(w.dtype), fill)
+        return torch.matmul(torch.softmax(w, dim=-1), v)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_gpt2_legacy_bottom_right_buffer(dynamic):
+    """The slice start Nk - Nq is symbolic under dynamic shapes; Dynamo's guard Nk - Nq >= 0 proves it."""
+    model = GPT2Legacy()
+    run = pipeline_check(model, *qkv(nq=3, nk=7), dynamic_dim=2 if dynamic else None,
+                         more=(qkv(nq=5, nk=9, seed=3),) if dynamic else ())
+    assert [r.mask for r in run.reports] == ["causal-bottom-right"] * 2
+    if dynamic:
+        assert len(run.graphs) == 2  # one graph per dtype, none per length
+    assert nxn_nodes(run.graphs[-1], 3, 7) == []
+
+
+def test_t5_style_position_bias_plus_causal():
+    """position_bias + causal 0/finfo.min mask summed first, then added: causal proven, the bias stays."""
+    pos_bias = torch.randn(1, 2, 6, 6, generator=torch.Generator().manual_seed(4))
+
+    def fn(q, k, v):
+        t = q.shape[-2]
+        causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+        mask = torch.where(causal, 0.0, torch.finfo(q.dtype).min).to(q.dtype)
+        bias = pos_bias.to(q.dtype) + mask
+        return torch.softmax(q @ k.transpose(-2, -1) + bias, dim=-1) @ v
+
+    rw = compile_and_check(fn, *qkv())
+    assert_spec(rw.spec, "causal+bias", "mean_v")
+    assert tuple(example_value(rw.spec.bias).shape) == (1, 2, 6, 6)  # the position bias itself
+
+
+def test_data_mask_minus_1e9_fill_uniform_rows():
+    """The Annotated Transformer: masked_fill(mask == 0, -1e9) with a data mask; an all-zero row is uniform."""
+
+    def fn(q, k, v, mask):
+        s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+        return F.softmax(s.masked_fill(mask == 0, -1e9), dim=-1) @ v
+
+    mask = torch.ones(2, 1, 1, 6, dtype=torch.long)
+    mask[1, ..., 3:] = 0
+    rw = compile_and_check(fn, *qkv(), mask, dtypes=(torch.float32,))
+    assert_spec(rw.spec, "bool-mask", "mean_v")
+    mask[1] = 0  # every key of batch 1 masked: eager averages V uniformly
+    rw = compile_and_check(fn, *qkv(), mask, dtypes=(torch.float32,))
+
+
+def test_guard_implied_condition():
+    """masks._sym_true accepts a condition Dynamo guards on (Nk - Nq >= 0), and nothing it does not."""
+    seen = {}
+
+    def backend(gm, example_inputs):
+        (sub,) = [n for n in gm.graph.nodes if n.target is operator.sub]
+        d = example_value(sub)
+        seen["ge0"] = masks._sym_true(d >= 0)
+        seen["ge1"] = masks._sym_true(d >= 1)
+        return gm.forward
+
+    def fn(x, y):
+        n, m = x.shape[0], y.shape[0]
+        return y[m - n: m] * 2
+
+    x, y = torch.randn(3), torch.randn(7)
+    torch._dynamo.reset()
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.mark_dynamic(y, 0)
+    torch.compile(fn, backend=backend)(x, y)
+    assert seen == {"ge0": True, "ge1": False}
