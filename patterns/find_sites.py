@@ -191,7 +191,13 @@ def walk_scores(x: fx.Node) -> Scores:
                 cur = b if is_finite_number(a) else a
                 continue
             if k == "sub":
-                raise Miss(f"a tensor is subtracted from the scores ({cur.name})")
+                if not (isinstance(a, fx.Node) and _reaches_contraction(a)) or tensor_of(b) is None:
+                    raise Miss(f"the scores are subtracted from a tensor ({cur.name})")
+                if phase != "mask":
+                    raise Miss("the scores are scaled or softcapped after a mask/bias is added")
+                terms.append(MaskTerm("sub", b))  # becomes "add" of -b at rewrite time
+                cur = a
+                continue
             chain, other = _operand_roles(cur, t.shape)
             if chain is None:
                 chain, other = (a, b) if _reaches_contraction(a) else (b, a)
@@ -247,7 +253,9 @@ def walk_scores(x: fx.Node) -> Scores:
         bad = [u for u in n.users if is_inplace(u) and u.args and u.args[0] is n and u not in nodes]
         if bad:
             raise Miss(f"the scores are modified in place ({bad[0].name})")
-        if len(n.users) != 1:
+        # `x.type_as(n)` / `x.to(n)` read only n's dtype: not a use of the scores' values
+        users = [u for u in n.users if not (kind(u) == "cast" and u.args and u.args[0] is not n)]
+        if len(users) != 1:
             raise Miss(f"the scores ({n.name}) are also used outside the attention")
     return Scores(c, scale, factors, softcap, terms, nodes)
 
@@ -630,7 +638,11 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
     graph = gm.graph
     o = _Out(graph, o_node)
     try:
-        spec = _analyze_mask(gm, scores.terms, bd, st, o_node)
+        terms = scores.terms
+        if any(t.op == "sub" for t in terms):
+            with graph.inserting_before(o_node):
+                terms = [MaskTerm("add", o.call(operator.neg, t.tensor)) if t.op == "sub" else t for t in terms]
+        spec = _analyze_mask(gm, terms, bd, st, o_node)
         if spec.empty_rows == "unknown":
             raise Miss("cannot keep eager's value on fully masked rows for this mask")
         with graph.inserting_before(o_node):
@@ -765,7 +777,8 @@ def rewrite_softmax_sites(gm: fx.GraphModule, options: PassOptions) -> list[Site
     for sm in softmaxes:
         try:
             reports.append(_site(gm, sm, ctx, options))
-        except Miss as e:
-            reports.append(SiteReport(form="softmax", rewritten=False, reason=str(e), where=_where(sm),
+        except Exception as e:  # Miss, or a spelling this code did not foresee: never break the compile
+            reason = str(e) if isinstance(e, Miss) else f"not analysed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            reports.append(SiteReport(form="softmax", rewritten=False, reason=reason, where=_where(sm),
                                       dtype=str(tensor_of(sm).dtype) if tensor_of(sm) is not None else None))
     return reports
