@@ -65,6 +65,24 @@ def _to_4d(b: Builder, t: fx.Node, nd: int, name: str) -> fx.Node:
     return b.m("flatten", t, 0, nd - 4)
 
 
+def _gqa(hq: Any, hkv: Any, enable_gqa: bool, repeat_removed: bool) -> str:
+    """How query heads share K/V heads (op semantics: head h reads kv head h // (Hq // Hkv))."""
+    how = "repeat_kv removed" if repeat_removed else "enable_gqa" if enable_gqa else "broadcast"
+    if isinstance(hkv, int) and hkv == 1:
+        return f"Hq={hq}/Hkv=1 ({how})"  # MQA: a K/V head of 1 broadcasts, with or without enable_gqa
+    if not (enable_gqa or repeat_removed):
+        raise Refuse(f"query heads {hq} vs key/value heads {hkv}: needs enable_gqa=True")
+    if isinstance(hq, int) and isinstance(hkv, int):
+        divides = hq % hkv == 0
+    else:  # dynamic head counts: SDPA's own checks left guards that make this provable, or we refuse
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        divides = bool(statically_known_true(hq % hkv == 0))
+    if not divides:
+        raise Refuse(f"query heads {hq} are not provably a multiple of key/value heads {hkv}")
+    return f"Hq={hq}/Hkv={hkv} ({how})"
+
+
 def _unrepeat_kv(k4: fx.Node, v4: fx.Node, hq: Any) -> tuple[fx.Node, fx.Node, bool]:
     """K/V repeated on the head axis before SDPA (repeat_kv's expand + reshape, repeat_interleave):
     read the un-repeated tensors instead (native GQA, no repeated copy in memory)."""
@@ -85,8 +103,11 @@ def _unrepeat_kv(k4: fx.Node, v4: fx.Node, hq: Any) -> tuple[fx.Node, fx.Node, b
             return k4, v4, False
         bases.append((view.node, base))
     (kb, kv), (vb, vv) = bases
-    if not (same_size(kv.shape[1], vv.shape[1]) and isinstance(kv.shape[1], int) and isinstance(hq, int)
-            and hq % kv.shape[1] == 0):
+    if not same_size(kv.shape[1], vv.shape[1]):
+        return k4, v4, False
+    try:
+        _gqa(hq, kv.shape[1], False, True)
+    except Refuse:
         return k4, v4, False
     return kb, vb, True
 
@@ -162,14 +183,7 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, c
         raise Refuse(f"key and value head counts differ ({k4v.shape[1]} vs {v4v.shape[1]})")
     hkv = k4v.shape[1]
     if not same_size(hq, hkv):
-        hq_i, hkv_i = static_int(hq, "query heads"), static_int(hkv, "key/value heads")
-        if repeat_removed:
-            rep.gqa = f"Hq={hq_i}/Hkv={hkv_i} (repeat_kv removed)"
-        elif hkv_i == 1 or (enable_gqa and hq_i % hkv_i == 0):
-            rep.gqa = f"Hq={hq_i}/Hkv={hkv_i}" + (" (enable_gqa)" if enable_gqa and hkv_i != 1 else " (broadcast)")
-        else:
-            raise Refuse(f"query heads {hq_i} vs key/value heads {hkv_i}: "
-                         + ("not a multiple" if enable_gqa else "needs enable_gqa=True"))
+        rep.gqa = _gqa(hq, hkv, enable_gqa, repeat_removed)
     k4 = _expand_batch(b, k4, batch, "key")
     v4 = _expand_batch(b, v4, batch, "value")
 

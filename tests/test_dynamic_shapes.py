@@ -1,0 +1,193 @@
+"""Issue 3 item 7: with dynamic=True, and with torch._dynamo.mark_dynamic on the sequence dim, a model
+compiled once serves other sequence lengths without a recompile per length, and keeps its rewrite.
+
+Compiles are counted by the capturing backend (one call per graph Dynamo compiles) and cross-checked
+with torch._dynamo.utils.counters["stats"]["unique_graphs"].
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from fused_helpers import Capture, assert_same, count_attention
+
+LENGTHS = (5, 7, 12)  # >= 2: Dynamo specializes sizes 0 and 1
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def serve(fn, make_args, *, mode: str, seq_dims, inner="eager", no_grad=False):
+    """Compile fn once and call it at every length; return the capture (graphs, reports, compiles)."""
+    cap = Capture(inner)
+    compiled = torch.compile(fn, backend=cap, dynamic=True if mode == "dynamic" else None)
+    for n in LENGTHS:
+        args = make_args(n)
+        if mode == "mark_dynamic":
+            for a, d in zip(args, seq_dims):
+                if d is not None:
+                    torch._dynamo.mark_dynamic(a, d)
+        with torch.set_grad_enabled(not no_grad):
+            out, ref = compiled(*args), fn(*args)
+        assert_same(out, ref, **TOL)
+    return cap
+
+
+def assert_one_compile_with_rewrite(cap, sites=1):
+    assert cap.compiles == 1, f"{cap.compiles} compiles for {len(LENGTHS)} lengths"
+    assert counters["stats"]["unique_graphs"] == 1
+    assert [r.rewritten for r in cap.reports] == [True] * sites, [r.reason for r in cap.reports]
+    assert count_attention(cap.graphs[0]) == sites
+    # the rewritten graph really is symbolic in the sequence length (not specialized to the first)
+    q = cap.reports[0].call.args[0].meta["example_value"]
+    assert isinstance(q.shape[2], torch.SymInt), q.shape
+
+
+MODES = ["dynamic", "mark_dynamic"]
+
+
+def qkv(n, h=4, hkv=4, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed + n)
+    return (torch.randn(2, h, n, d, generator=g), torch.randn(2, hkv, n, d, generator=g),
+            torch.randn(2, hkv, n, d, generator=g))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sdpa_causal(mode):
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    cap = serve(fn, qkv, mode=mode, seq_dims=(2, 2, 2))
+    assert_one_compile_with_rewrite(cap)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sdpa_gqa_with_mask_built_in_the_graph(mode):
+    def fn(q, k, v):
+        n = q.shape[2]
+        keep = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+
+    cap = serve(fn, lambda n: qkv(n, h=4, hkv=2), mode=mode, seq_dims=(2, 2, 2))
+    assert_one_compile_with_rewrite(cap)
+    assert cap.reports[0].mask == "causal"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sdpa_padding_mask_input(mode):
+    def make(n):
+        q, k, v = qkv(n)
+        keep = torch.ones(2, 1, 1, n, dtype=torch.bool)
+        keep[1, ..., n - 2:] = False
+        return q, k, v, keep
+
+    fn = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    cap = serve(fn, make, mode=mode, seq_dims=(2, 2, 2, 3))
+    assert_one_compile_with_rewrite(cap)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_multihead_attention_eval(mode):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    fn = lambda x: mha(x, x, x, need_weights=False)[0]
+    make = lambda n: (torch.randn(2, n, 16, generator=torch.Generator().manual_seed(n)),)
+    cap = serve(fn, make, mode=mode, seq_dims=(1,))
+    assert_one_compile_with_rewrite(cap)
+
+
+def test_multihead_attention_training_with_mark_dynamic_gradients():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True, dropout=0.0).train()
+    fn = lambda x: mha(x, x, x, need_weights=False)[0]
+    cap = Capture("aot_eager")
+    compiled = torch.compile(fn, backend=cap)
+    for n in LENGTHS:
+        x = torch.randn(2, n, 16, generator=torch.Generator().manual_seed(n), requires_grad=True)
+        torch._dynamo.mark_dynamic(x, 1)
+        out = compiled(x)
+        (gx,) = torch.autograd.grad(out.square().sum(), x)
+        ref = fn(x)
+        (rx,) = torch.autograd.grad(ref.square().sum(), x)
+        assert_same(out, ref, **TOL)
+        torch.testing.assert_close(gx, rx, **TOL)
+    assert_one_compile_with_rewrite(cap)
+
+
+def test_multihead_attention_training_dynamic_true_refuses_symbolic_dropout():
+    """dynamic=True turns the module's dropout float into a graph input: the site is left alone, with
+    that reason, and still compiles once."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True, dropout=0.0).train()
+    fn = lambda x: mha(x, x, x, need_weights=False)[0]
+    make = lambda n: (torch.randn(2, n, 16, generator=torch.Generator().manual_seed(n)),)
+    cap = serve(fn, make, mode="dynamic", seq_dims=(1,))
+    assert cap.compiles == 1
+    assert [r.rewritten for r in cap.reports] == [False]
+    assert "dropout_p is a symbolic float" in cap.reports[0].reason
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_transformer_encoder_layer_fast_path(mode):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True).eval()
+    make = lambda n: (torch.randn(2, n, 16, generator=torch.Generator().manual_seed(n)),)
+    cap = serve(lambda x: layer(x), make, mode=mode, seq_dims=(1,), no_grad=True)
+    assert_one_compile_with_rewrite(cap)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hf_gpt2_sdpa(mode):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=64, bos_token_id=0,
+                                  eos_token_id=0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    fn = lambda ids: model(input_ids=ids).logits
+    make = lambda n: (torch.randint(0, 97, (2, n), generator=torch.Generator().manual_seed(n)),)
+    cap = serve(fn, make, mode=mode, seq_dims=(1,), no_grad=True)
+    assert_one_compile_with_rewrite(cap, sites=2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hand_written_causal_attention(mode):
+    """The hand-written recognizer (find_sites) under symbolic sequence lengths."""
+
+    def fn(q, k, v):
+        n = q.shape[2]
+        s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
+
+    cap = serve(fn, qkv, mode=mode, seq_dims=(2, 2, 2))
+    assert_one_compile_with_rewrite(cap)
+    assert cap.reports[0].mask == "causal"
+
+
+def test_compiled_with_inductor_serves_other_lengths():
+    """The same with the default inner compiler (Inductor on CPU): one compile, outputs match."""
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    import fa_compile
+
+    cap = Capture()
+    be = fa_compile.backend(inner="inductor")
+
+    def counting(gm, example_inputs):
+        cap.compiles += 1
+        return be(gm, example_inputs)
+
+    compiled = torch.compile(fn, backend=counting, dynamic=True)
+    for n in LENGTHS:
+        q, k, v = qkv(n)
+        assert_same(compiled(q, k, v), fn(q, k, v), **TOL)
+    assert cap.compiles == 1
+    assert counters["fa_compile"]["sites_rewritten"] == 1
