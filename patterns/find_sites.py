@@ -65,20 +65,19 @@ def _operand_roles(node: fx.Node, cur_shape) -> tuple[Any, Any]:
     return None, None
 
 
-def _reaches_contraction(node: Any, depth: int = 24) -> bool:
-    """A cheap probe: does an affine path (casts, scalar scales, adds, fills) lead to a contraction?"""
-    for _ in range(depth):
-        if not isinstance(node, fx.Node):
-            return False
-        if contraction(node) is not None:
-            return True
-        k = kind(node)
-        if k in ("cast", "identity", "mul", "div", "masked_fill", "add", "sub", "tanh"):
-            node = node.args[0]
-        elif k == "where":
-            node = node.args[1] if tensor_of(node.args[1]) is not None else node.args[2]
-        else:
-            return False
+def _reaches_contraction(node: Any, budget: Optional[list] = None) -> bool:
+    """A cheap probe (at most 64 nodes): does an affine path (casts, scales, adds, fills) lead to a contraction?"""
+    budget = [64] if budget is None else budget
+    budget[0] -= 1
+    if budget[0] < 0 or not isinstance(node, fx.Node) or tensor_of(node) is None:
+        return False
+    if contraction(node) is not None:
+        return True
+    k = kind(node)
+    if k in ("cast", "identity", "masked_fill", "tanh"):
+        return _reaches_contraction(node.args[0], budget)
+    if k in ("mul", "div", "add", "sub", "where"):
+        return any(_reaches_contraction(a, budget) for a in node.args[:3] if isinstance(a, fx.Node))
     return False
 
 
