@@ -56,7 +56,8 @@ def score_tile(
 ):
     """Scores in log2 units with softcap, bias and (when MASK) the structural masks; also tanh for softcap's derivative.
 
-    qk: raw dot products (fp32). BIAS_KIND: 0 none, 1 additive float, 2 bool keep-mask (uint8).
+    qk: raw dot products (fp32). BIAS_KIND: 0 none, 1 additive float, 2 bool keep-mask (uint8);
+    3 and 4 are 1 and 2 for a bias whose query-row stride is 0.
     """
     if SOFTCAP:
         t = tanh_f32(qk * cap_scale)  # cap_scale = scale / softcap
@@ -68,13 +69,18 @@ def score_tile(
         # Clamped indices: padded rows/cols read a valid element instead of needing a load mask.
         # Off-band blocks (MASK False) lie inside [0, Nk) by construction, so their columns stay
         # unclamped: the compiler can then prove them contiguous and vectorize the bias loads.
-        r = tl.minimum(rows, Nq - 1).to(tl.int64)
         if MASK:
             c = tl.minimum(cols, Nk - 1).to(tl.int64)
         else:
             c = cols.to(tl.int64)
-        bv = tl.load(bias_ptr + r * stride_bm + c * stride_bn)
-        if BIAS_KIND == 1:
+        if BIAS_KIND >= 3:
+            # Constant along query rows (stride 0, e.g. a key-padding mask [B, 1, 1, Nk]): one load
+            # per key, broadcast over the tile, instead of one per (row, key).
+            bv = tl.load(bias_ptr + c * stride_bn)
+        else:
+            r = tl.minimum(rows, Nq - 1).to(tl.int64)
+            bv = tl.load(bias_ptr + r * stride_bm + c * stride_bn)
+        if BIAS_KIND % 2 == 1:
             # A finfo.min-style fill times log2(e) overflows to -inf: that key is masked (eager's exp
             # underflows to 0 there too); a row of nothing else reads as empty (lse = -inf, out = 0).
             s = s + bv.to(tl.float32) * 1.4426950408889634

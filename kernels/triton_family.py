@@ -125,7 +125,9 @@ def _unit_last(t: Tensor) -> Tensor:
 
 
 def _bias4(bias: Optional[Tensor], b: int, h: int, nq: int, nk: int) -> tuple[Any, int, tuple[int, int, int, int]]:
-    """(tensor to pass, kind 0/1/2, strides of its broadcast [B, Hq, Nq, Nk] view; 0 on broadcast dims)."""
+    """(tensor to pass, kind, strides of its broadcast [B, Hq, Nq, Nk] view; 0 on broadcast dims).
+
+    kind: 0 none, 1 float, 2 bool; +2 when the bias does not vary along query rows (see score_tile)."""
     if bias is None:
         return None, 0, (0, 0, 0, 0)
     t = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)) if bias.dim() < 4 else bias
@@ -133,6 +135,8 @@ def _bias4(bias: Optional[Tensor], b: int, h: int, nq: int, nk: int) -> tuple[An
     if kind == 2:
         t = t.view(torch.uint8)
     t = t.expand(b, h, nq, nk)
+    if t.stride(2) == 0:
+        kind += 2  # constant along query rows: the kernels load one value per key
     return t, kind, tuple(t.stride())
 
 

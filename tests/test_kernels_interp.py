@@ -153,6 +153,13 @@ else:
         res = check_case(case)
         assert torch.isneginf(res["lse"][0, :, 3]).all() and (res["out"][0, :, 3] == 0).all()
 
+    def test_bool_key_padding_mask_row_broadcast():
+        # [B, 1, 1, Nk]: constant along query rows, loaded once per key; batch 1 has no key at all.
+        case = make_case(b=2, hq=2, nq=21, nk=37, d=32, bias_shape=(2, 1, 1, 37), bias_bool=True, causal=True, diag_offset=16)
+        case.bias[1] = False
+        res = check_case(case)
+        assert torch.isneginf(res["lse"][1]).all() and (res["out"][1] == 0).all()
+
     def test_softcap_causal_gqa():
         check_case(make_case(hq=4, hkv=1, nq=33, nk=33, d=64, softcap=1.5, causal=True, scale=0.5))
 
