@@ -109,6 +109,16 @@ else:
         torch.manual_seed(0)
         check_case(make_case(d=d, nq=nq, nk=nk, layout=layout, dtype=F16))
 
+    def test_value_head_dim_strided_last_dim_int64_kv_lens():
+        # Dv != D; q with a non-unit last stride (copied by the launcher); kv_lens in int64; window 0.
+        case = make_case(nq=26, nk=35, d=48, dv=24, window_left=0, window_right=6, kv_lens=[35, 9])
+        case.kv_lens = case.kv_lens.to(torch.int64)
+        wide = torch.randn(2, 2, 26, 96, dtype=F16)
+        wide[..., ::2] = case.q
+        case.q = wide[..., ::2]
+        assert case.q.stride(-1) == 2
+        check_case(case)
+
     @pytest.mark.parametrize("align", ["top_left", "bottom_right", "negative"])
     def test_causal(align):
         nq, nk = (37, 53) if align != "negative" else (40, 40)
