@@ -505,8 +505,15 @@ class _Analyzer:
         if isinstance(v, _Konst) and v.value in (0.0, 1.0):
             return _TRUE if v.value == 1.0 else _Keep(lo=1, hi=0)
         if isinstance(x, fx.Node) and _dtype(x) == torch.bool:
-            return _Keep(data=((x, False),))
+            return _Keep(data=((self.smallest(x), False),))
         raise _Fail("not a keep-mask")
+
+    def smallest(self, x: fx.Node) -> fx.Node:
+        """The node of the same values before broadcasting-only ops (expand, contiguous, leading unsqueeze)."""
+        v = self.value(x)
+        if isinstance(v, _Opaque) and isinstance(v.node, fx.Node) and _dtype(v.node) == _dtype(x):
+            return v.node
+        return x
 
     def _value(self, n: fx.Node) -> AbsVal:
         if any(_is_inplace(u) for u in n.users) or _is_inplace(n):
@@ -959,7 +966,7 @@ def _term_info(an: _Analyzer, t: MaskTerm, scores_dtype: torch.dtype, q_len: Siz
             return f"additive mask {t.tensor.name} is the constant {v.value}"
         if isinstance(v, _Two) and (v.c == -math.inf or v.c <= FILL_LIMIT) and _band_fits(v.keep, t.tensor, q_len, k_len):
             return _TermInfo("add", v.c, keep=v.keep, extra=v.extra)
-        return _TermInfo("add", 0.0, keep=None, extra=(t.tensor,), converted=False)
+        return _TermInfo("add", 0.0, keep=None, extra=(an.smallest(t.tensor),), converted=False)
     if t.op not in ("fill", "where", "bool"):
         return f"unknown mask term op {t.op!r}"
     node = t.tensor
@@ -981,15 +988,16 @@ def _term_info(an: _Analyzer, t: MaskTerm, scores_dtype: torch.dtype, q_len: Siz
         if not (c == -math.inf or c <= FILL_LIMIT):
             return (f"{t.op} mask fill value {c} is not negligible: masked keys keep weight exp({c} - rowmax) "
                     f"(fills at or below {FILL_LIMIT:g} or -inf are supported)")
+    small = an.smallest(node)
     try:
         k = an.keep(node)
     except _Fail:
-        k = _Keep(data=((node, False),))
+        k = _Keep(data=((small, False),))
     if t.op == "fill":
         nk = _not(k)
-        k = nk if nk is not None else _Keep(data=((node, True),))
+        k = nk if nk is not None else _Keep(data=((small, True),))
     if not _band_fits(k, node, q_len, k_len):
-        k = _Keep(data=((node, t.op == "fill"),))
+        k = _Keep(data=((small, t.op == "fill"),))
     return _TermInfo(t.op, c, keep=k)
 
 
@@ -1135,7 +1143,7 @@ def analyze_mask(
                                      and (t.keep.structural or t.keep.data) for t in infos):
         # Retry with additive masks passed untouched: the op then does eager's own arithmetic on them.
         fallback = [t if not (t.op == "add" and t.converted) else
-                    _TermInfo("add", 0.0, keep=None, extra=(terms[i].tensor,), converted=False)
+                    _TermInfo("add", 0.0, keep=None, extra=(an.smallest(terms[i].tensor),), converted=False)
                     for i, t in enumerate(infos)]
         plan2 = _combine(fallback, an, q_len, k_len, sdpa)
         if not isinstance(plan2, str):

@@ -894,3 +894,30 @@ def test_band_of_concrete_classification():
     assert masks._band_of(d >= -4) == masks._Keep()  # the lowest diagonal of a 5 x 7 matrix is -4
     assert masks._band_of(d != 0) is None  # not a band
     assert masks._band_of(d > 100) is None  # empty
+
+
+def test_expanded_data_mask_residual_is_the_small_node():
+    """A [B, 1, 1, Nk] padding mask expanded to [B, 1, Nq, Nk] before use: the residual is the small one."""
+
+    def fn(q, k, v, pad):
+        nq = q.shape[-2]
+        m = pad[:, None, None, :].expand(-1, 1, nq, -1)
+        return (q @ k.transpose(-2, -1)).masked_fill(~m, NEG_INF).softmax(-1) @ v
+
+    pad = torch.ones(2, 6, dtype=torch.bool)
+    pad[1, 4:] = False
+    rw = compile_and_check(fn, *qkv(), pad)
+    assert_spec(rw.spec, "bool-mask", "nan")
+    assert tuple(example_value(rw.spec.bias).shape) == (2, 1, 1, 6)
+    assert nxn_nodes(rw.graphs[-1], 6, 6) == []
+
+
+def test_expanded_float_bias_passes_small_node():
+    def fn(q, k, v, bias):
+        nq = q.shape[-2]
+        return (q @ k.transpose(-2, -1) + bias[:, None, None, :].expand(-1, 2, nq, -1)).softmax(-1) @ v
+
+    bias = torch.randn(2, 6)
+    rw = compile_and_check(fn, *qkv(), bias, dtypes=(torch.float32,))
+    assert_spec(rw.spec, "bias", "nan")
+    assert tuple(example_value(rw.spec.bias).shape) == (2, 1, 1, 6)
