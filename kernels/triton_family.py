@@ -13,7 +13,6 @@ softcap, dropout_p, dropout_seed, needs_backward, bias_requires_grad) so kernels
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
