@@ -21,8 +21,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "backend": ("compiler", "backend"),
     "fa3": ("compiler", "fa3"),
-    "explain": ("explain", "explain"),
-    "ExplainReport": ("explain", "ExplainReport"),
+    "explain": ("report", "explain"),
+    "ExplainReport": ("report", "ExplainReport"),
     "attention": ("api", "attention"),
 }
 

@@ -44,7 +44,7 @@ def run_pass(gm: fx.GraphModule, kernel: Optional[str] = None) -> list:
     counters["fa_compile"]["sites_rewritten"] += sum(r.rewritten for r in reports)
     counters["fa_compile"]["sites_missed"] += sum(not r.rewritten for r in reports)
     if config.log_enabled() and reports:
-        from .explain import ExplainReport
+        from .report import ExplainReport
 
         print(ExplainReport.from_reports(reports, with_kernels=True), file=sys.stderr)
     return reports
