@@ -3,11 +3,13 @@
     analyze_mask(gm: fx.GraphModule, terms: list[MaskTerm], *, batch, q_heads, q_len, k_len,
                  scores_dtype: torch.dtype, insert_before: fx.Node, sdpa: bool = False) -> MaskSpec | str
 
-`terms` are the ways a mask enters the scores, in the order eager applies them (see MaskTerm).
+`terms` are the ways a mask enters the scores, in the order eager applies them (see MaskTerm); a
+"fill"/"where" fill may be a Python number or a node of a 0-d constant (torch.full([], finfo.min)).
 batch / q_heads / q_len / k_len are the site's sizes (ints or SymInts from the example values);
 new nodes (kv_lens reshape, residual bias, symbolic diag offset) are inserted before `insert_before`
-with `emit.call`, so they carry example values. `sdpa=True` says the softmax is SDPA's (fully masked
-rows give 0 there). A returned string is the reason the site must be left alone.
+with `emit.call`, so they carry example values. `sdpa=True` says the softmax is SDPA's (rows whose
+every score is -inf give 0 there); a "bool" term implies it. A returned string is the reason the site
+must be left alone. The returned MaskSpec's fields map one to one onto emit_attention's arguments.
 
 How a proof works. Each node of the mask subgraph gets an abstract value (`_Lin`: integer index
 arithmetic a*i + b*j + c on the query/key axes; `_Keep`: a keep-mask that is a conjunction of a band
@@ -23,7 +25,9 @@ anything else). Two techniques produce them:
       treated as constants: Dynamo does not guard their contents, so a model that writes into its
       mask buffer after compiling must recompile (nanoGPT / GPT-2 never do).
 Whatever depends on data stays a residual bias, as the smallest node that the graph already has
-(e.g. the [B, 1, 1, Nk] padding mask, never its expansion to N x N).
+(e.g. the [B, 1, 1, Nk] padding mask, never its expansion to N x N). Conditions on symbolic sizes are
+decided by statically_known_true or by being one of Dynamo's own guards (a slice start Nk - Nq of a
+bottom-right causal buffer is guarded >= 0), never by adding a guard.
 
 Masked values. The op masks with -inf. A finite fill c (masked_fill / where / a 0-or-c additive mask)
 is replaced by -inf only when c <= FILL_LIMIT (-1e4): on a row with at least one admissible key, eager
@@ -38,13 +42,16 @@ when they come in an additive mask. On a row where every key is masked eager com
 Mixes whose fully masked rows eager computes differently (finite fills of different values, a
 finite fill and a separate additive float mask) are refused unless proven to have no empty row.
 An additive float mask that is not proven to be 0-or-c is passed untouched as the op's float bias;
-the op adds it in fp32, which is eager's own arithmetic (exact for fp32 scores).
+the op adds it in fp32, which is eager's own arithmetic (exact for fp32 scores). Known limit: with
+fp16 scores and such an untouched fp16 mask of huge negative values (e.g. BERT's
+`(1 - m) * finfo(fp16).min` on data m), a row where every key carries that value is uniform in eager
+(s + c rounds to c for |s| <= 16) but softmax(s) in the op, which adds in fp32; every other row matches.
 """
 from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
 import torch
@@ -175,11 +182,16 @@ class _Keep:
 
 @dataclass(frozen=True)
 class _Two:
-    """Float tensor: sum(extra) + (0 where keep holds else c). extra: opaque float nodes."""
+    """Float tensor: sum(extra) + (on where keep holds else c). extra: opaque float nodes.
+
+    A mask is on == 0; on != 0 only appears midway, e.g. `m.float().masked_fill(m == 0, -inf)` (1 or -inf)
+    before `.masked_fill(m == 1, 0.0)` makes it a mask.
+    """
 
     keep: _Keep
     c: float
     extra: tuple = ()
+    on: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -536,6 +548,8 @@ class _Analyzer:
             return self._cmp(n, _CMP[name])
         if name in _SHAPE_OPS:
             return self._shape_op(n, name)
+        if name in ("transpose", "t", "swapaxes", "swapdims"):
+            return self._transpose(n)
         if handler is not None:
             r = handler(n)
             if r is not None:
@@ -626,7 +640,8 @@ class _Analyzer:
             return _Konst(float(torch.tensor(x.value, dtype=torch.float64).to(dst))) if dst != torch.bool else (
                 _TRUE if x.value else _Keep(lo=1, hi=0))
         if isinstance(x, _Two) and dst.is_floating_point and not x.extra:
-            return _Two(x.keep, float(torch.tensor(x.c, dtype=torch.float64).to(dst)))
+            cast = lambda val: float(torch.tensor(val, dtype=torch.float64).to(dst))  # noqa: E731
+            return _Two(x.keep, cast(x.c), on=cast(x.on))
         if isinstance(x, _Lin) and not dst.is_floating_point and dst != torch.bool and dst.itemsize >= 4:
             return x
         return _Opaque(n)
@@ -673,11 +688,11 @@ class _Analyzer:
         for x, y, ynode in ((a, b, _arg(n, 1, "other")), (b, a, n.args[0])):
             if isinstance(x, _Konst) and x.value == 0:
                 return y if not isinstance(y, _Opaque) else None
-            if isinstance(x, _Two) and isinstance(y, _Opaque) and isinstance(ynode, fx.Node):
+            if isinstance(x, _Two) and x.on == 0 and isinstance(y, _Opaque) and isinstance(ynode, fx.Node):
                 dt = _dtype(ynode)
                 if dt is not None and dt.is_floating_point:
                     return _Two(x.keep, x.c, x.extra + (ynode,))
-            if isinstance(x, _Two) and isinstance(y, _Two) and x.c == y.c == -math.inf:
+            if isinstance(x, _Two) and isinstance(y, _Two) and x.c == y.c == -math.inf and x.on == y.on == 0:
                 k = _and(x.keep, y.keep)
                 return _Two(k, -math.inf, x.extra + y.extra) if k is not None else None
         return None
@@ -776,11 +791,21 @@ class _Analyzer:
             c = float(torch.tensor(c, dtype=torch.float64).to(dst))
         if isinstance(x, _Konst) and x.value == 0:
             return _Two(k, c)
-        if isinstance(x, _Two) and x.c == c and not x.extra:
+        if isinstance(x, _Two) and x.c == c and not x.extra and x.on == 0:
             kk = _and(x.keep, k)
             return _Two(kk, c) if kk is not None else None
         if isinstance(x, _Keep) and dst == torch.bool and c == 0.0:
             return _and(x, k)
+        # a 0/1 (or on/c) tensor whose 1-part or 0-part is overwritten by a fill (masked where k fails)
+        xk, on, off = (x.keep, x.on, x.c) if isinstance(x, _Two) and not x.extra else (
+            (replace(x, numeric=False), 1.0, 0.0) if isinstance(x, _Keep) and x.numeric else (None, 0, 0))
+        if xk is not None:
+            plain = replace(k, numeric=False)
+            if plain == xk:  # the fill covers exactly where x is `off`
+                return _Two(xk, c, on=on)
+            notk = _not(xk)
+            if notk is not None and plain == replace(notk, numeric=False):  # covers where x is `on`
+                return _Two(xk, off, on=c)
         return None
 
     # --- comparisons
@@ -925,7 +950,7 @@ class _Analyzer:
                         bdim = dmap[bdim]
                     lens = (node, bdim, add)
                 nk = replace(k, lo=lo, hi=hi, lens=lens)
-                return _Two(nk, x.c, x.extra) if isinstance(x, _Two) else nk
+                return replace(x, keep=nk) if isinstance(x, _Two) else nk
             if isinstance(x, _Konst):
                 return x
             if isinstance(x, _Opaque) and identity and not slices and isinstance(x.node, fx.Node):
@@ -934,8 +959,27 @@ class _Analyzer:
             return _Opaque(n)
         return _Opaque(n)
 
-    def _op_unsqueeze(self, n):  # reached only through _SHAPE_OPS; kept for clarity
-        return None
+    def _transpose(self, n: fx.Node) -> AbsVal:
+        """x.transpose(-2, -1) (or .t() of a matrix): i and j swap, so lo <= j - i <= hi becomes -hi..-lo."""
+        shape = _shape(n.args[0])
+        if shape is None or len(shape) < 2:
+            return _Opaque(n)
+        dims = (0, 1) if _opname(n) == "t" else (_arg(n, 1, "dim0"), _arg(n, 2, "dim1"))
+        if not all(isinstance(d, int) for d in dims):
+            return _Opaque(n)
+        if sorted(d % len(shape) for d in dims) != [len(shape) - 2, len(shape) - 1]:
+            return _Opaque(n)
+        x = self.value(n.args[0])
+        k = x.keep if isinstance(x, _Two) and not x.extra else x
+        if isinstance(k, _Keep) and not k.data and k.lens is None:
+            mirrored = replace(k, lo=None if k.hi is None else -k.hi, hi=None if k.lo is None else -k.lo)
+            return replace(x, keep=mirrored) if isinstance(x, _Two) else mirrored
+        if isinstance(x, _Konst):
+            return x
+        if isinstance(x, _Lin):
+            swap = {-1: -2, -2: -1}
+            return _Lin(tuple(sorted((swap.get(d, d), c) for d, c in x.coef)), x.const)
+        return _Opaque(n)
 
 
 # ----------------------------------------------------------------------------- assembling a MaskSpec
@@ -964,7 +1008,8 @@ def _term_info(an: _Analyzer, t: MaskTerm, scores_dtype: torch.dtype, q_len: Siz
             if v.value == 0 or (isinstance(v.value, float) and math.isfinite(v.value)):
                 return _TermInfo("add", 0.0, keep=_TRUE)
             return f"additive mask {t.tensor.name} is the constant {v.value}"
-        if isinstance(v, _Two) and (v.c == -math.inf or v.c <= FILL_LIMIT) and _band_fits(v.keep, t.tensor, q_len, k_len):
+        if isinstance(v, _Two) and v.on == 0 and (v.c == -math.inf or v.c <= FILL_LIMIT) and _band_fits(
+                v.keep, t.tensor, q_len, k_len):
             return _TermInfo("add", v.c, keep=v.keep, extra=v.extra)
         return _TermInfo("add", 0.0, keep=None, extra=(an.smallest(t.tensor),), converted=False)
     if t.op not in ("fill", "where", "bool"):

@@ -921,3 +921,28 @@ def test_expanded_float_bias_passes_small_node():
     rw = compile_and_check(fn, *qkv(), bias, dtypes=(torch.float32,))
     assert_spec(rw.spec, "bias", "nan")
     assert tuple(example_value(rw.spec.bias).shape) == (2, 1, 1, 6)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_old_tutorial_square_subsequent_mask(dynamic):
+    """PyTorch's old tutorial: (triu(ones) == 1).transpose(0, 1), then .float() filled -inf / 0.0."""
+
+    def fn(q, k, v):
+        sz = q.shape[-2]
+        mask = (torch.triu(torch.ones(sz, sz)) == 1).transpose(0, 1)
+        mask = mask.float().masked_fill(mask == 0, float("-inf")).masked_fill(mask == 1, float(0.0))
+        return (q @ k.transpose(-2, -1) + mask).softmax(-1) @ v
+
+    rw = compile_and_check(fn, *qkv(), dtypes=(torch.float32,), dynamic_dim=2 if dynamic else None,
+                           more=(qkv(nq=9, nk=9, seed=2),) if dynamic else ())
+    assert_spec(rw.spec, "causal", "impossible", diag_offset=0)
+    assert nxn_nodes(rw.graphs[-1], 6, 6) == []
+
+
+def test_triu_times_large_negative():
+    def fn(q, k, v):
+        t = q.shape[-2]
+        return (q @ k.transpose(-2, -1) + torch.triu(torch.ones(t, t), diagonal=1) * -1e9).softmax(-1) @ v
+
+    rw = compile_and_check(fn, *qkv(), dtypes=(torch.float32,), dynamic_dim=2, more=(qkv(nq=8, nk=8, seed=1),))
+    assert_spec(rw.spec, "causal", "impossible", diag_offset=0)
