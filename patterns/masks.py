@@ -260,7 +260,7 @@ class _Fail(Exception):
 _INPLACE_FUNCS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
                   operator.iand, operator.ior}
 _RANDOM_WORDS = ("rand", "empty", "dropout", "bernoulli", "normal", "uniform", "exponential", "multinomial",
-                 "seed", "poisson", "cauchy", "geometric", "log_normal")
+                 "seed", "poisson", "cauchy", "geometric", "log_normal", "rrelu", "gumbel")
 
 
 def _opname(node: fx.Node) -> str:
