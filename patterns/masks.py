@@ -537,10 +537,10 @@ class _Analyzer:
                     return r
             except Exception:
                 pass
+        v = example_value(n)
+        if isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool):
+            return _Lin((), v)  # a size or size arithmetic (T // 2, Nk - Nq): its value is known symbolically
         if n.op != "call_function" and n.op != "call_method":
-            v = example_value(n)
-            if isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool):
-                return _Lin((), v)
             return _Opaque(n)
         name = _opname(n)
         handler = getattr(self, "_op_" + name.strip("_"), None)
@@ -1078,10 +1078,19 @@ class _Emitter:
     def __init__(self, gm: fx.GraphModule, insert_before: fx.Node):
         self.gm, self.at = gm, insert_before
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self.made: list = []
 
     def call(self, target, *args, **kwargs) -> fx.Node:
         with self.gm.graph.inserting_before(self.at):
-            return call(self.gm.graph, target, *args, **kwargs)
+            n = call(self.gm.graph, target, *args, **kwargs)
+        self.made.append(n)
+        return n
+
+    def rollback(self) -> None:
+        for n in reversed(self.made):
+            if not n.users:
+                self.gm.graph.erase_node(n)
+        self.made.clear()
 
     def before(self, n: fx.Node) -> bool:
         return self.order.get(n, 1 << 60) < self.order.get(self.at, -1)
@@ -1183,26 +1192,47 @@ def analyze_mask(
         if isinstance(info, str):
             return info
         infos.append(info)
-    plan = _combine(infos, an, q_len, k_len, sdpa)
-    if isinstance(plan, str) and any(t.op == "add" and t.converted and t.keep is not None and t.extra == ()
-                                     and (t.keep.structural or t.keep.data) for t in infos):
-        # Retry with additive masks passed untouched: the op then does eager's own arithmetic on them.
-        fallback = [t if not (t.op == "add" and t.converted) else
-                    _TermInfo("add", 0.0, keep=None, extra=(an.smallest(terms[i].tensor),), converted=False)
-                    for i, t in enumerate(infos)]
-        plan2 = _combine(fallback, an, q_len, k_len, sdpa)
-        if not isinstance(plan2, str):
-            plan = plan2
-    if isinstance(plan, str):
-        return plan
-    try:
-        return _emit_spec(gm, insert_before, plan, batch, q_len, k_len)
-    except _Fail as e:
-        return f"mask structure proven but not expressible: {e}"
+
+    def is_mask_add(i: int) -> bool:
+        t = infos[i]
+        return (t.op == "add" and t.converted and t.keep is not None and (t.keep.structural or bool(t.keep.data))
+                and isinstance(terms[i].tensor, fx.Node))
+
+    def untouched_adds(src: list) -> list:
+        # additive masks passed as they are: the op then does eager's own arithmetic on them
+        return [_TermInfo("add", 0.0, keep=None, extra=(an.smallest(terms[i].tensor),), converted=False)
+                if is_mask_add(i) else t for i, t in enumerate(src)]
+
+    def destructured(src: list) -> list:
+        # no structure at all: each keep-mask is passed as the (smallest) mask node itself
+        out = []
+        for i, t in enumerate(src):
+            if t.op in ("fill", "where", "bool") and t.keep is not None and t.keep.structural:
+                t = _TermInfo(t.op, t.c, keep=_Keep(data=((an.smallest(terms[i].tensor), t.op == "fill"),)))
+            out.append(t)
+        return out
+
+    attempts = [infos]
+    if any(is_mask_add(i) for i in range(len(infos))):
+        attempts.append(untouched_adds(infos))
+    if any(t.keep is not None and t.keep.structural for t in attempts[-1]):
+        attempts.append(destructured(attempts[-1]))
+    reason = ""
+    for attempt in attempts:
+        plan = _combine(attempt, an, q_len, k_len, sdpa)
+        if isinstance(plan, str):
+            reason = reason or plan
+            continue
+        em = _Emitter(gm, insert_before)
+        try:
+            return _emit_spec(em, plan, batch, q_len, k_len)
+        except _Fail as e:
+            em.rollback()
+            reason = reason or f"mask structure proven but not expressible: {e}"
+    return reason
 
 
-def _emit_spec(gm, insert_before, plan: dict, batch, q_len, k_len) -> MaskSpec:
-    em = _Emitter(gm, insert_before)
+def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len) -> MaskSpec:
     lo, hi, lens = plan["lo"], plan["hi"], plan["lens"]
     kinds = []
     spec = MaskSpec(empty_rows=plan["empty"])

@@ -946,3 +946,31 @@ def test_triu_times_large_negative():
 
     rw = compile_and_check(fn, *qkv(), dtypes=(torch.float32,), dynamic_dim=2, more=(qkv(nq=8, nk=8, seed=1),))
     assert_spec(rw.spec, "causal", "impossible", diag_offset=0)
+
+
+def test_symbolic_window_width_falls_back_to_the_mask():
+    """A window whose width depends on the sequence length (T // 2) is no int window: the mask is passed."""
+
+    def fn(q, k, v):
+        t = q.shape[-2]
+        i = torch.arange(t)[:, None]
+        j = torch.arange(t)[None, :]
+        keep = (j <= i) & (j > i - t // 2)
+        return torch.where(keep, q @ k.transpose(-2, -1), NEG_INF).softmax(-1) @ v
+
+    rw = compile_and_check(fn, *qkv(nq=8, nk=8), dtypes=(torch.float32,), dynamic_dim=2,
+                           more=(qkv(nq=12, nk=12, seed=2),))
+    assert_spec(rw.spec, "bool-mask", "nan")
+    rw = compile_and_check(fn, *qkv(nq=8, nk=8), dtypes=(torch.float32,))
+    assert_spec(rw.spec, "window", "impossible", window_left=3)
+
+
+def test_refuse_fill_mask_not_bool():
+    def fn(q, k, v, m):
+        return (q @ k.transpose(-2, -1)).masked_fill(m.bool(), NEG_INF).softmax(-1) @ v
+
+    gm, x = capture_terms(fn, *qkv(), torch.zeros(6, 6))
+    float_mask = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    reason = masks.analyze_mask(gm, [MaskTerm("fill", float_mask, NEG_INF)], batch=2, q_heads=2, q_len=6,
+                                k_len=6, scores_dtype=torch.float32, insert_before=x)
+    assert isinstance(reason, str) and "is not a bool tensor" in reason
