@@ -48,6 +48,7 @@ class Scores:
     factors: list = field(default_factory=list)  # [(node, "mul" | "div")]: symbolic / tensor scale factors
     softcap: float = 0.0
     terms: list = field(default_factory=list)  # MaskTerm, outermost first
+    term_batches: list = field(default_factory=list)  # the scores' batch dims where each term is applied
     nodes: list = field(default_factory=list)  # the chain, softmax input first (all single-user)
 
 
@@ -123,9 +124,17 @@ def _softcap_at(node: fx.Node) -> Optional[tuple[float, fx.Node, list]]:
     return float(c), x, [t, inner]
 
 
+def _regroups_batch(node: fx.Node) -> bool:
+    """A view/reshape that keeps the last two dims and only regroups the batch dims."""
+    src = node.args[0] if node.args else None
+    a, b = tensor_of(src), tensor_of(node)
+    return a is not None and b is not None and a.dim() >= 2 and b.dim() >= 2 and \
+        known_eq(a.shape[-1], b.shape[-1]) and known_eq(a.shape[-2], b.shape[-2])
+
+
 def walk_scores(x: fx.Node) -> Scores:
     """From the softmax input back to the Q·Kᵀ contraction."""
-    scale, factors, softcap, terms, nodes = 1.0, [], 0.0, [], []
+    scale, factors, softcap, terms, nodes, batches = 1.0, [], 0.0, [], [], []
     phase = "mask"  # outermost first: mask terms -> softcap -> scale
     shifted = False
     cur = x
@@ -142,6 +151,9 @@ def walk_scores(x: fx.Node) -> Scores:
         k = kind(cur)
         if k in ("cast", "identity"):
             cur = cur.args[0]
+            continue
+        if k == "reshape" and _regroups_batch(cur):
+            cur = cur.args[0]  # batch dims regrouped ([B*H, N, N] <-> [B, H, N, N]); rows and keys kept
             continue
         if k == "mul":
             cap = _softcap_at(cur)
@@ -195,6 +207,7 @@ def walk_scores(x: fx.Node) -> Scores:
                 if phase != "mask":
                     raise Miss("the scores are scaled or softcapped after a mask/bias is added")
                 terms.append(MaskTerm("sub", b))  # becomes "add" of -b at rewrite time
+                batches.append(list(t.shape[:-2]))
                 cur = a
                 continue
             chain, other = _operand_roles(cur, t.shape)
@@ -207,6 +220,7 @@ def walk_scores(x: fx.Node) -> Scores:
             if phase != "mask":
                 raise Miss("the scores are scaled or softcapped after a mask/bias is added")
             terms.append(MaskTerm("add", other))
+            batches.append(list(t.shape[:-2]))
             cur = chain
             continue
         if k == "masked_fill":
@@ -217,6 +231,7 @@ def walk_scores(x: fx.Node) -> Scores:
             if phase != "mask":
                 raise Miss("the scores are scaled or softcapped after a mask is applied")
             terms.append(MaskTerm("fill", mask, fill))
+            batches.append(list(t.shape[:-2]))
             cur = cur.args[0]
             continue
         if k == "where" and len(cur.args) == 3:
@@ -231,6 +246,7 @@ def walk_scores(x: fx.Node) -> Scores:
             if phase != "mask":
                 raise Miss("the scores are scaled or softcapped after a mask is applied")
             terms.append(term)
+            batches.append(list(t.shape[:-2]))
             cur = nxt
             continue
         raise Miss(f"scores are not a Q·Kᵀ contraction (reached {_describe(cur)})")
@@ -248,6 +264,7 @@ def walk_scores(x: fx.Node) -> Scores:
             if phase != "mask" or factors or scale != float(c.alpha) or softcap:
                 raise Miss("baddbmm's added input is scaled or softcapped afterwards")
             terms.append(MaskTerm("add", c.addend))
+            batches.append(list(tensor_of(c.node).shape[:-2]))
     for n in nodes + [c.node]:
         bad = [u for u in n.users if is_inplace(u) and u.args and u.args[0] is n and u not in nodes]
         if bad:
@@ -256,7 +273,7 @@ def walk_scores(x: fx.Node) -> Scores:
         users = [u for u in n.users if not (kind(u) == "cast" and u.args and u.args[0] is not n)]
         if len(users) != 1:
             raise Miss(f"the scores ({n.name}) are also used outside the attention")
-    return Scores(c, scale, factors, softcap, terms, nodes)
+    return Scores(c, scale, factors, softcap, terms, batches, nodes)
 
 
 def _describe(n: Any) -> str:
@@ -288,7 +305,7 @@ def walk_probs(sm: fx.Node, options: PassOptions) -> Probs:
             raise Miss(f"probabilities have {len(users)} users ({names}); only a P·V contraction may read them")
         u = users[0]
         k = kind(u)
-        if k in ("cast", "identity") and u.args[0] is cur:
+        if (k in ("cast", "identity") or (k == "reshape" and _regroups_batch(u))) and u.args[0] is cur:
             cur = u
         elif k == "dropout" and u.args[0] is cur:
             _, p, training = dropout_args(u)
@@ -588,8 +605,12 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
     nb = len(bd)
     o_node = pv.node
     o_val = tensor_of(o_node)
-    if o_val.dim() != st.dim() or not all(known_eq(a, b) for a, b in zip(_canon_out_shape(pv, o_val)[:-2], bd)):
+    inner_bd = list(_canon_out_shape(qk, tensor_of(qk.node))[:-2])  # where the scores are computed
+    p_bd = list(tensor_of(probs.end).shape[:-2])  # where the probabilities meet V
+    o_bd = list(_canon_out_shape(pv, o_val)[:-2])
+    if len(o_bd) != len(p_bd) or not _same(o_bd, p_bd):
         raise Miss("the P·V contraction broadcasts the probabilities to more batch dims")
+    qk_regroup, v_regroup = not _same(inner_bd, bd), not _same(p_bd, bd)
     own = set(scores.nodes) | set(probs.nodes) | {qk.node}
     if ctx.mutation_between(qk.node, o_node, own):
         raise Miss("a tensor is modified in place between the scores and the P·V product")
@@ -600,11 +621,11 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
     scale = scores.scale
     q, scale = _absorb_scale(q, scale)
     k, scale = _absorb_scale(k, scale)
-    if q.rank > nb + 2 or k.rank > nb + 2 or v.rank > nb + 2:
+    if (not qk_regroup and (q.rank > nb + 2 or k.rank > nb + 2)) or (not v_regroup and v.rank > nb + 2):
         raise Miss("q/k/v have more batch dims than the scores")
     # GQA: the last batch dim is the head axis when the layout keeps it as H
     group = 1
-    if nb >= 2 and k.rank >= 3 and v.rank >= 3:
+    if nb >= 2 and k.rank >= 3 and v.rank >= 3 and not qk_regroup and not v_regroup:
         k2 = fold(unrepeat(k, k.rank - 3))
         v2 = fold(unrepeat(v, v.rank - 3))
         if k2.group == v2.group:
@@ -612,6 +633,10 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
         elif k2.group == 1 and v2.group == 1:
             k, v = k2, v2
     qb, kb, vb = (_padded_batch(t.shape, nb) for t in (q, k, v))
+    if qk_regroup:
+        qb, kb = list(bd), list(bd)  # regrouped from the full (expanded) inner batch
+    if v_regroup:
+        vb = list(bd)
     layout = _choose_layout(bd, qb, kb, vb)
     if group > 1 and layout.mode != "std":
         raise Miss("repeated K/V heads in a layout where the head axis is not the last batch dim")
@@ -638,14 +663,19 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
     o = _Out(graph, o_node)
     try:
         terms = scores.terms
-        if any(t.op == "sub" for t in terms):
-            with graph.inserting_before(o_node):
-                terms = [MaskTerm("add", o.call(operator.neg, t.tensor)) if t.op == "sub" else t for t in terms]
+        with graph.inserting_before(o_node):
+            terms = [MaskTerm("add", o.call(operator.neg, t.tensor)) if t.op == "sub" else t for t in terms]
+            terms = [t if _same(tb, bd) else MaskTerm(t.op, _regroup(o, t.tensor, tb, bd), t.fill)
+                     for t, tb in zip(terms, scores.term_batches)]
         spec = _analyze_mask(gm, terms, bd, st, o_node)
         if spec.empty_rows == "unknown":
             raise Miss("cannot keep eager's value on fully masked rows for this mask")
         with graph.inserting_before(o_node):
             qn, kn, vn = _materialize(o, q, dtype), _materialize(o, k, dtype), _materialize(o, v, dtype)
+            if qk_regroup:
+                qn, kn = _regroup(o, qn, inner_bd, bd, full=True), _regroup(o, kn, inner_bd, bd, full=True)
+            if v_regroup:
+                vn = _regroup(o, vn, p_bd, bd, full=True)
             while tensor_of(qn).dim() < nb + 2:
                 qn = o.call(torch.unsqueeze, qn, 0)
             while tensor_of(kn).dim() < nb + 2:
@@ -694,6 +724,8 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
             )
             o.made.append(out)
             res = b.out_from_op(out, q_padded)
+            if v_regroup:
+                res = _regroup(o, res, bd, p_bd, full=True)
             if pv.out_perm != identity(len(pv.out_perm)):
                 res = o.call(torch.permute, res, pv.out_perm)
             if tensor_of(res).dtype != o_val.dtype:
@@ -724,6 +756,46 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
     rep.scale = scale if not scores.factors else f"{scale:g} * tensor factors"
     rep.call = call
     return rep
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(known_eq(x, y) for x, y in zip(a, b))
+
+
+def _target_sizes(sizes: list) -> list:
+    """Sizes for reshape/expand arguments: ints, with at most one symbolic size given as -1."""
+    sym = [i for i, s in enumerate(sizes) if not isinstance(s, int)]
+    if len(sym) > 1:
+        raise Miss("batch dims regrouped with more than one symbolic size")
+    return [-1 if i in sym else s for i, s in enumerate(sizes)]
+
+
+def _regroup(o: "_Out", node: Any, from_bd: list, to_bd: list, full: bool = False) -> Any:
+    """A tensor broadcasting to [*from_bd, X, Y] -> the same values broadcasting to [*to_bd, X, Y]
+    (the batch dims regrouped as a view/reshape of the scores does). full: node has from_bd exactly."""
+    t = tensor_of(node)
+    if t is None:
+        return node  # a Python scalar broadcasts anywhere
+    if t.dim() <= 2:
+        return node
+    batch = _padded_batch(t.shape, len(from_bd)) if t.dim() <= len(from_bd) + 2 else None
+    if batch is None:
+        raise Miss("a mask has more batch dims than the scores")
+    if not full and all(known_one(b) for b in batch):
+        return o.call(torch.flatten, node, 0, t.dim() - 3)  # [1, .., 1, X, Y] -> [1, X, Y]
+    while tensor_of(node).dim() < len(from_bd) + 2:
+        node = o.call(torch.unsqueeze, node, 0)
+    if not _same(batch, from_bd):
+        need = [f if (known_one(b) and not known_one(f)) else -1 for b, f in zip(batch, from_bd)]
+        if any(not isinstance(x, int) for x in need):
+            raise Miss("a broadcast mask must be expanded along a symbolic batch dim")
+        node = o.call("expand", node, *need, -1, -1, method=True)
+    want = list(to_bd) + list(tensor_of(node).shape[-2:])
+    src = node.args[0] if kind(node) == "reshape" and node.args else None
+    if tensor_of(src) is not None and _same(list(tensor_of(src).shape), want):
+        return src  # x.reshape(B*H, N, D) regrouped back to [B, H, N, D] is x itself
+    last = [o.size(node, -2), o.size(node, -1)]
+    return o.call("reshape", node, *_target_sizes(list(to_bd)), *last, method=True)
 
 
 def _canon_out_shape(c: Contraction, val: torch.Tensor) -> tuple:

@@ -40,7 +40,16 @@ def vit():
     return transformers.ViTModel(cfg), (torch.randn(2, 3, 8, 8),), {}, "none"
 
 
-MODELS = {"gpt2": gpt2, "llama_gqa": llama_gqa, "bert_padding": bert_padding, "vit": vit}
+def bloom_alibi():
+    """baddbmm(alibi, q, k^T) in [B*H, N, N], viewed to [B, H, N, N] for the mask, back to 3-D for bmm."""
+    cfg = transformers.BloomConfig(n_layer=LAYERS, n_head=2, hidden_size=16, vocab_size=50, attn_implementation="eager",
+                                   hidden_dropout=0.0, attention_dropout=0.0)
+    am = torch.ones(2, 8, dtype=torch.long)
+    am[1, :3] = 0
+    return transformers.BloomModel(cfg), (torch.randint(0, 50, (2, 8)),), dict(attention_mask=am), None
+
+
+MODELS = {"gpt2": gpt2, "llama_gqa": llama_gqa, "bert_padding": bert_padding, "vit": vit, "bloom_alibi": bloom_alibi}
 
 
 def _first(out):

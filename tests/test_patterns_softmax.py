@@ -417,6 +417,19 @@ def test_baddbmm_with_additive_input():
     check(f, q, k, v, rand(B * H, 1, N, seed=7))
 
 
+def test_scores_regrouped_between_3d_and_4d():
+    """Scores computed [B*H, N, N], viewed [B, H, N, N] to add a mask, back to 3-D for the bmm with V."""
+    def f(q, k, v, mask):
+        b, h, n, d = q.shape
+        s = torch.bmm(q.reshape(b * h, n, d), k.reshape(b * h, n, d).transpose(1, 2)).view(b, h, n, n) * 0.25 + mask
+        p = torch.softmax(s, -1).view(b * h, n, n)
+        return torch.bmm(p, v.reshape(b * h, n, d)).view(b, h, n, d)
+
+    q, k, v = qkv()
+    c = check(f, q, k, v, rand(B, 1, 1, N, seed=3))
+    assert c.rewritten[0].q_shape == (B, H, N, D)  # the op sees the 4-D q, not a reshape of a reshape
+
+
 # ------------------------------------------------------------------------------------------- training
 
 @pytest.mark.parametrize("form", ["repeat_kv", "bshd", "per_head_temperature"])
