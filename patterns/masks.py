@@ -161,6 +161,13 @@ class _Lin:
 
 
 @dataclass(frozen=True)
+class _AbsLin:
+    """|lin| of an integer index expression (local attention: (i - j).abs() <= w)."""
+
+    lin: _Lin
+
+
+@dataclass(frozen=True)
 class _Keep:
     """Keep-mask (True or 1 = admissible): lo <= j - i <= hi, j < lens[b] + lens_add, and bool factors.
 
@@ -206,7 +213,7 @@ class _Opaque:
     node: Any
 
 
-AbsVal = Union[_Lin, _Keep, _Two, _Konst, _Opaque]
+AbsVal = Union[_Lin, _AbsLin, _Keep, _Two, _Konst, _Opaque]
 
 _TRUE = _Keep()
 
@@ -739,6 +746,10 @@ class _Analyzer:
             return _Lin(tuple((d, -c) for d, c in a.coef), -a.const)
         return None
 
+    def _op_abs(self, n):
+        a = self.value(n.args[0])
+        return _AbsLin(a) if isinstance(a, _Lin) else None
+
     def _op_mul(self, n):
         a, b = self.value(n.args[0]), self.value(_arg(n, 1, "other"))
         for x, y in ((a, b), (b, a)):
@@ -824,6 +835,16 @@ class _Analyzer:
                     if r is not None:
                         return replace(r, numeric=False)
                 return _Opaque(n)
+        for x, y, o in ((a, b, op), (b, a, _FLIP[op])):  # |D| <= t with D = s (j - i) + c
+            if isinstance(x, _AbsLin) and o in ("le", "lt"):
+                ly = y if isinstance(y, _Lin) else self._lin_add(y, _Konst(0), 1)
+                d = x.lin
+                sj = d.get(-1)
+                if ly is None or ly.coef or set(dd for dd, _ in d.coef) - {-1, -2} or abs(sj) != 1 or d.get(-2) != -sj:
+                    return _Opaque(n)
+                t = ly.const if o == "le" else ly.const - 1
+                c = d.const
+                return _Keep(lo=-t - c, hi=t - c) if sj == 1 else _Keep(lo=c - t, hi=c + t)
         if isinstance(a, _Lin) or isinstance(b, _Lin):
             r = self._lin_cmp(n, a, b, an, bn, op)
             if r is not None:

@@ -974,3 +974,18 @@ def test_refuse_fill_mask_not_bool():
     reason = masks.analyze_mask(gm, [MaskTerm("fill", float_mask, NEG_INF)], batch=2, q_heads=2, q_len=6,
                                 k_len=6, scores_dtype=torch.float32, insert_before=x)
     assert isinstance(reason, str) and "is not a bool tensor" in reason
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_local_attention_abs_distance(dynamic):
+    """Two-sided local window |i - j| <= 2 (Longformer-style): a window with left and right bounds."""
+
+    def fn(q, k, v):
+        t = q.shape[-2]
+        pos = torch.arange(t)
+        keep = (pos[:, None] - pos[None, :]).abs() <= 2
+        return torch.where(keep, q @ k.transpose(-2, -1), NEG_INF).softmax(-1) @ v
+
+    rw = compile_and_check(fn, *qkv(nq=8, nk=8), dtypes=(torch.float32,), dynamic_dim=2 if dynamic else None,
+                           more=(qkv(nq=11, nk=11, seed=2),) if dynamic else ())
+    assert_spec(rw.spec, "window", "impossible", causal=True, diag_offset=2, window_left=4)
