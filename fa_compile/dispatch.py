@@ -12,7 +12,8 @@ written there), shape rules (`candidates.PROMOTIONS`), and, with FA_COMPILE_TUNE
 The user's settings are reasons like any other: `torch.use_deterministic_algorithms(True)` refuses
 non-deterministic backward kernels, `torch.get_float32_matmul_precision() == "highest"` refuses
 TF32 kernels for fp32 inputs, an enclosing `sdpa_kernel([...])` refuses the SDPA backends it
-disables, and a forced kernel (`fa_compile.backend(kernel=...)`, baked into each call's
+disables (and `sdpa_kernel([SDPBackend.MATH])` alone, a request for plain math, leaves only the
+reference), and a forced kernel (`fa_compile.backend(kernel=...)`, baked into each call's
 force_kernel, or FA_COMPILE_KERNEL) is used or named in a clear error.
 
 When nothing fits, the error lists every candidate's reasons. The reference path accepts every
@@ -168,8 +169,16 @@ class NoKernelError(RuntimeError):
     pass
 
 
+def _math_only() -> bool:
+    """sdpa_kernel([SDPBackend.MATH]) (every fused SDPA backend off, math on): the user asks for plain math."""
+    b = torch.backends.cuda
+    return b.math_sdp_enabled() and not (b.flash_sdp_enabled() or b.cudnn_sdp_enabled() or b.mem_efficient_sdp_enabled())
+
+
 def _reasons(cand, args: AttentionArgs, forced: bool) -> list[str]:
     reasons = list(cand.not_supported_reasons(args))
+    if cand.name != "reference" and _math_only():
+        reasons.insert(0, "an enclosing sdpa_kernel() enables only SDPBackend.MATH, i.e. plain math (the reference path)")
     opt = getattr(cand, "opt_in_reason", None)
     if not forced and opt is not None:
         why = opt()
@@ -317,7 +326,7 @@ def _memo_key(args: AttentionArgs, forced: Optional[str], direction: str):
         direction, forced, os.environ.get("FA_COMPILE_KERNEL"), os.environ.get("FA_COMPILE_FA4"), tuning.enabled(),
         torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision(),
         torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled(),
-        torch.backends.cuda.mem_efficient_sdp_enabled(), _VERSION[0], id(_REGISTRY),
+        torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled(), _VERSION[0], id(_REGISTRY),
         _meta(args.q), _meta(args.k), _meta(args.v), _meta(args.bias), _meta(args.kv_lens),
         bool(args.causal), int(args.diag_offset), args.window_left, args.window_right, args.softcap > 0,
         args.dropout_p > 0, args.needs_backward, args.bias_requires_grad,

@@ -151,6 +151,10 @@ def test_user_settings_deterministic_precision_sdpa_kernel(hopper):
         assert reasons(sdpa.FLASH, fake_args()) == ""
         assert dispatch.select_forward(fake_args()).name == "flash"
     assert dispatch.select_forward(fake_args()).name == "cudnn"
+    with sdpa_kernel([SDPBackend.MATH]):
+        chosen, refused = dispatch.explain_choice(fake_args())
+        assert chosen == "reference"
+        assert refused and all(any("only SDPBackend.MATH" in x for x in r) for _, r in refused)
 
 
 def test_fa3_not_importable_says_so(hopper, monkeypatch):
