@@ -12,6 +12,7 @@ import math
 import operator
 from typing import Any, Optional
 
+import expecttest
 import pytest
 import torch
 import torch.fx as fx
@@ -989,3 +990,62 @@ def test_local_attention_abs_distance(dynamic):
     rw = compile_and_check(fn, *qkv(nq=8, nk=8), dtypes=(torch.float32,), dynamic_dim=2 if dynamic else None,
                            more=(qkv(nq=11, nk=11, seed=2),) if dynamic else ())
     assert_spec(rw.spec, "window", "impossible", causal=True, diag_offset=2, window_left=4)
+
+
+def _pinned_code(fn, *args) -> str:
+    rw = Rewriter()
+    torch._dynamo.reset()
+    torch.compile(fn, backend=rw, fullgraph=True)(*args)
+    return rw.graphs[-1].code.strip()
+
+
+def test_pinned_graph_causal_and_padding():
+    """The rewritten graph: causal as a flag, the [B, 1, 1, Nk] padding as bias, no mask-building left."""
+
+    def fn(q, k, v, am):
+        nq, nk = q.shape[-2], k.shape[-2]
+        mask = (torch.arange(nk)[None, :] <= torch.arange(nq)[:, None]) & am.bool()[:, None, None, :]
+        s = q @ k.transpose(-2, -1) + torch.where(mask, 0.0, torch.finfo(q.dtype).min)
+        return s.softmax(-1) @ v
+
+    am = torch.ones(2, 6, dtype=torch.long)
+    expecttest.assert_expected_inline(_pinned_code(fn, *qkv(), am), """\
+def forward(self, L_q_ : torch.Tensor, L_k_ : torch.Tensor, L_am_ : torch.Tensor, L_v_ : torch.Tensor):
+    l_q_ = L_q_
+    l_k_ = L_k_
+    l_am_ = L_am_
+    l_v_ = L_v_
+    bool_1 = l_am_.bool();  l_am_ = None
+    getitem_2 = bool_1[(slice(None, None, None), None, None, slice(None, None, None))];  bool_1 = None
+    attention_default = torch.ops.fa3.attention.default(l_q_, l_k_, l_v_, 1.0, True, 0, -1, -1, getitem_2, None, 0.0, 0.0, None, None);  l_q_ = l_k_ = getitem_2 = None
+    getitem_3 = attention_default[0]
+    getitem_4 = attention_default[1];  attention_default = None
+    isneginf = torch.isneginf(getitem_4);  getitem_4 = None
+    unsqueeze = torch.unsqueeze(isneginf, -1);  isneginf = None
+    mean = torch.mean(l_v_, dim = 2, keepdim = True);  l_v_ = None
+    to = mean.to(torch.float32);  mean = None
+    where_1 = torch.where(unsqueeze, to, getitem_3);  unsqueeze = to = getitem_3 = None
+    return (where_1,)""")
+
+
+def test_pinned_graph_key_lengths():
+    def fn(q, k, v, lens):
+        keep = torch.arange(k.shape[-2])[None, :] < lens[:, None]
+        return (q @ k.transpose(-2, -1)).masked_fill(~keep[:, None, None, :], NEG_INF).softmax(-1) @ v
+
+    expecttest.assert_expected_inline(_pinned_code(fn, *qkv(), torch.tensor([6, 2])), """\
+def forward(self, L_k_ : torch.Tensor, L_lens_ : torch.Tensor, L_q_ : torch.Tensor, L_v_ : torch.Tensor):
+    l_k_ = L_k_
+    l_lens_ = L_lens_
+    l_q_ = L_q_
+    l_v_ = L_v_
+    getitem_1 = l_lens_[(slice(None, None, None), None)];  l_lens_ = None
+    reshape = torch.reshape(getitem_1, (-1,));  getitem_1 = None
+    attention_default = torch.ops.fa3.attention.default(l_q_, l_k_, l_v_, 1.0, False, 0, -1, -1, None, reshape, 0.0, 0.0, None, None);  l_q_ = l_k_ = l_v_ = reshape = None
+    getitem_3 = attention_default[0]
+    getitem_4 = attention_default[1];  attention_default = None
+    isneginf = torch.isneginf(getitem_4);  getitem_4 = None
+    unsqueeze = torch.unsqueeze(isneginf, -1);  isneginf = None
+    full_like = torch.full_like(getitem_3, nan)
+    where = torch.where(unsqueeze, full_like, getitem_3);  unsqueeze = full_like = getitem_3 = None
+    return (where,)""")
