@@ -178,6 +178,78 @@ def test_fa3_build_flags_and_bottom_right_alignment(hopper, fake_fa3):
     assert "float32" in reasons(fa3.FA3, fake_args(dtype=torch.float32))
 
 
+def _fa3_semantics_forward(q, k, v, seqused_k=None, softmax_scale=None, causal=False, window_size_left=-1,
+                           window_size_right=-1, softcap=0.0, num_splits=1):
+    """FA3's documented semantics, written independently: BSHD, bounds around i + Nk - Nq."""
+    b, nq, hq, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    qh, kh, vh = (t.transpose(1, 2).double() for t in (q, k, v))
+    kh, vh = kh.repeat_interleave(hq // hkv, 1), vh.repeat_interleave(hq // hkv, 1)
+    s = qh @ kh.transpose(-2, -1) * softmax_scale
+    i = torch.arange(nq).view(nq, 1) + (nk - nq)
+    j = torch.arange(nk).view(1, nk)
+    keep = torch.ones(nq, nk, dtype=torch.bool)
+    if causal:
+        keep &= j <= i
+    if window_size_left >= 0:
+        keep &= j >= i - window_size_left
+    if window_size_right >= 0:
+        keep &= j <= i + window_size_right
+    keep = keep.view(1, 1, nq, nk).expand(b, 1, nq, nk)
+    if seqused_k is not None:
+        keep = keep & (j.view(1, 1, 1, nk) < seqused_k.view(b, 1, 1, 1))
+    s = s.masked_fill(~keep, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    out = torch.softmax(s, -1).nan_to_num(0.0) @ vh
+    return out.transpose(1, 2).to(q.dtype), lse.float(), None, None
+
+
+FA3_PLUMBING = [
+    # (Nq, Nk, kwargs in the op's terms)
+    (16, 40, dict(causal=True, diag_offset=24)),                      # bottom-right causal (KV cache)
+    (16, 40, dict(window_left=5, window_right=2, diag_offset=24)),     # sliding window
+    (16, 40, dict(causal=True, window_left=5, diag_offset=24)),        # causal + left window
+    (40, 16, dict(causal=True, diag_offset=-24)),                      # Nq > Nk: empty rows
+    (1, 40, dict(causal=True, diag_offset=39)),                        # decode: the bound is vacuous
+    (16, 40, dict(kv_lens=[40, 7, 0])),                                # key padding, one empty batch
+]
+
+
+@pytest.mark.parametrize("nq,nk,kw", FA3_PLUMBING)
+def test_fa3_translation_of_diagonal_window_and_kv_lens(monkeypatch, nq, nk, kw):
+    """The FA3 candidate's argument translation against FA3's documented semantics (no GPU needed)."""
+    fake = types.SimpleNamespace(_flash_attn_forward=_fa3_semantics_forward)
+    monkeypatch.setattr(fa3, "_module", lambda: (fake, {}, ""))
+    torch.manual_seed(3)
+    b, hq, hkv, d = 3, 4, 2, 8
+    q = torch.randn(b, nq, hq, d).transpose(1, 2)
+    k = torch.randn(b, nk, hkv, d).transpose(1, 2)
+    v = torch.randn(b, nk, hkv, d).transpose(1, 2)
+    kw = dict(kw)
+    if "kv_lens" in kw:
+        kw["kv_lens"] = torch.tensor(kw["kv_lens"])
+    args = AttentionArgs(q=q, k=k, v=v, scale=0.35, **kw)
+    out, lse = fa3.FA3.forward(args)
+    exp, exp_lse = ref.attention_reference(q.double(), k.double(), v.double(), **args.mask_kwargs())
+    torch.testing.assert_close(out, exp.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, exp_lse.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cand", [sdpa.CUDNN, sdpa.FLASH, sdpa.EFFICIENT], ids=lambda c: c.name)
+def test_sdpa_calls_match_the_op_schemas_on_meta(cand):
+    """Argument order and lse shapes against torch's own meta functions of the private ops."""
+    b, hq, hkv, nq, nk, d = 2, 4, 4 if cand is sdpa.EFFICIENT else 2, 24, 24, 64
+    mk = lambda n, h: torch.empty(b, n, h, d, device="meta", dtype=BF16).transpose(1, 2)
+    q, k, v = mk(nq, hq), mk(nk, hkv), mk(nk, hkv)
+    kw = dict(kv_lens=torch.empty(b, device="meta", dtype=torch.int32)) if cand is sdpa.CUDNN else {}
+    args = AttentionArgs(q=q, k=k, v=v, scale=0.125, causal=True, needs_backward=True, **kw)
+    out, lse = cand.forward(args)
+    assert out.shape == (b, hq, nq, d) and lse.shape == (b, hq, nq) and lse.dtype == torch.float32
+    if cand.has_backward():
+        dq, dk, dv, db = cand.backward(args, torch.empty_like(out), out, lse)
+        assert (dq.shape, dk.shape, dv.shape, db) == (q.shape, k.shape, v.shape, None)
+
+
 def test_fa3_needs_sm90(fake_fa3, monkeypatch):
     monkeypatch.setattr(common, "device_capability", lambda device: (8, 0))
     assert "needs sm90..sm90, device is sm80" in reasons(fa3.FA3, fake_args())
