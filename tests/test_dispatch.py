@@ -650,3 +650,25 @@ def test_gpu_op_end_to_end_with_autograd_and_kernel_choice():
     torch.testing.assert_close(out.float(), exp, atol=2e-2, rtol=2e-2)
     out.float().square().sum().backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_fp32_goes_to_tf32_kernels_only_when_precision_allows():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 128, 64, device="cuda") for _ in range(3))
+    args = AttentionArgs(q=q, k=k, v=v, scale=0.125, causal=True)
+    prec = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert "'highest'" in reasons(sdpa.EFFICIENT, args)
+        torch.set_float32_matmul_precision("high")
+        assert reasons(sdpa.EFFICIENT, args) == ""
+        _poison_allocator()
+        out, lse = sdpa.EFFICIENT.forward(args)
+    finally:
+        torch.set_float32_matmul_precision(prec)
+    exp, exp_lse = ref.attention_reference(q.double(), k.double(), v.double(), scale=0.125, causal=True)
+    # TF32 operands carry 10 mantissa bits, about fp16's precision
+    torch.testing.assert_close(out.double(), exp, atol=5e-3, rtol=5e-3)
+    torch.testing.assert_close(lse.double(), exp_lse, atol=5e-3, rtol=5e-3)
