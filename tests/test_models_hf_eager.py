@@ -92,3 +92,18 @@ def test_hf_output_attentions_is_left_alone_with_reason():
     torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, **TOL[torch.float32])
     assert len(c.missed) == LAYERS and not c.rewritten
     assert all("output_attentions" in r.reason for r in c.missed)
+
+
+@pytest.mark.parametrize("how", ["dynamic=True", "mark_dynamic"])
+def test_hf_llama_dynamic_sequence_length_one_graph(how):
+    torch.manual_seed(0)
+    model, _, _, _ = llama_gqa()
+    model.eval()
+    c = Compiled(model, dynamic=True if how == "dynamic=True" else None, fullgraph=False)
+    for n in (8, 11, 17):
+        ids = torch.randint(0, 50, (2, n), generator=torch.Generator().manual_seed(n))
+        if how == "mark_dynamic":
+            torch._dynamo.mark_dynamic(ids, 1)
+        torch.testing.assert_close(_first(c(ids)), _first(model(ids)), **TOL[torch.float32])
+    assert len(c.graphs) == 1  # one compile serves every length
+    assert len(c.rewritten) == LAYERS and all(r.mask == "causal" for r in c.rewritten)
