@@ -40,7 +40,11 @@ when they come in an additive mask. On a row where every key is masked eager com
   always for fp32/bf16 finfo.min, |s| <= 16 for fp16 finfo.min, |s| < 32 for fp32 -1e9)
                                                           -> empty_rows "mean_v"
 Mixes whose fully masked rows eager computes differently (finite fills of different values, a
-finite fill and a separate additive float mask) are refused unless proven to have no empty row.
+finite fill and a separate additive float mask) are refused unless proven to have no empty row, or
+unless every fill is -inf or <= ABSORB_LIMIT (fp32/bf16 finfo.min) and precedes the additive masks:
+then every term is passed as one additive float bias (fill -> where(T, c, 0)), which is eager's
+arithmetic (legacy GPT-2: where(causal, s, finfo.min) + (1 - m) * finfo.min), at the cost of an
+N x N bias.
 An additive float mask that is not proven to be 0-or-c is passed untouched as the op's float bias;
 the op adds it in fp32, which is eager's own arithmetic (exact for fp32 scores). Known limit: with
 fp16 scores and such an untouched fp16 mask of huge negative values (e.g. BERT's
@@ -61,6 +65,7 @@ from .emit import call, example_value
 from .site import MaskSpec, MaskTerm
 
 FILL_LIMIT = -1e4  # finite fills at or below this are equivalent to -inf on rows with an admissible key
+ABSORB_LIMIT = -1e30  # fp32 s + c == c for |s| < 1e22 when c <= this: a fill then acts as an additive c
 CONCRETE_MAX_NUMEL = 1 << 24  # concrete evaluation is skipped for larger mask subgraphs
 
 Size = Any  # int or SymInt
@@ -1233,11 +1238,31 @@ def analyze_mask(
             out.append(t)
         return out
 
+    def additive(src: list) -> Optional[list]:
+        # every term as an additive float: masked_fill(T, c) == + where(T, c, 0) when c absorbs every score
+        # (fp32 s + c == c for |s| < 1e22 when c <= ABSORB_LIMIT) and no additive mask precedes the fill
+        out, seen_add = [], False
+        for i, t in enumerate(src):
+            if t.op == "add":
+                seen_add = seen_add or t.converted or t.keep is None
+                out.append(t if not is_mask_add(i) else untouched_adds(src)[i])
+                continue
+            if t.c != -math.inf and (t.c > ABSORB_LIMIT or seen_add):
+                return None
+            node = terms[i].tensor
+            item = ("where", node, t.c, t.op == "fill")  # masked where node is True for fill, False otherwise
+            out.append(_TermInfo("add", 0.0, keep=None, extra=(item,), converted=False))
+        return out
+
     attempts = [infos]
     if any(is_mask_add(i) for i in range(len(infos))):
         attempts.append(untouched_adds(infos))
     if any(t.keep is not None and t.keep.structural for t in attempts[-1]):
         attempts.append(destructured(attempts[-1]))
+    if any(t.op in ("fill", "where", "bool") for t in infos) and len(infos) > 1:
+        add_only = additive(infos)
+        if add_only is not None:
+            attempts.append(add_only)
     reason = ""
     for attempt in attempts:
         plan = _combine(attempt, an, q_len, k_len, sdpa)
@@ -1299,7 +1324,12 @@ def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len) -> MaskSpec:
         bool_bias = f if bool_bias is None else em.call(torch.logical_and, bool_bias, f)
     float_bias = None
     for node in plan["extras"]:
-        if not em.before(node):
+        if isinstance(node, tuple):  # ("where", bool node, c, masked_when_true): the fill as an additive float
+            _, m, c, masked_when_true = node
+            if not em.before(m):
+                raise _Fail(f"mask {m.name} is computed after the site")
+            node = em.call(torch.where, m, c, 0.0) if masked_when_true else em.call(torch.where, m, 0.0, c)
+        elif not em.before(node):
             raise _Fail(f"mask {node.name} is computed after the site")
         float_bias = node if float_bias is None else em.call(operator.add, float_bias, node)
     if bool_bias is not None and float_bias is not None:

@@ -572,14 +572,45 @@ def test_refuse_mixed_finite_fills():
 
 
 def test_refuse_finite_fill_then_additive_float():
-    """finfo.min fill then an additive float mask: eager's fully masked rows depend on rounding."""
+    """-1e9 fill then an additive float mask: eager's fully masked rows hold -1e9 + bias, which the op
+    can neither reproduce with -inf masking nor as an additive -1e9 (fp32 s - 1e9 keeps s)."""
 
     def fn(q, k, v, m, bias):
-        s = (q @ k.transpose(-2, -1)).masked_fill(m, torch.finfo(torch.float32).min)
+        s = (q @ k.transpose(-2, -1)).masked_fill(m, -1e9)
         return (s + bias).softmax(-1) @ v
 
     reason = _analyze(fn, *qkv(), torch.zeros(6, 6, dtype=torch.bool), torch.zeros(2, 1, 1, 6))
     assert isinstance(reason, str) and "finite fill with other float masks" in reason
+
+
+def test_refuse_additive_float_then_finite_fill():
+    """An additive mask before a finfo.min fill: eager overwrites s + bias with c, the op cannot."""
+
+    def fn(q, k, v, m, bias):
+        s = (q @ k.transpose(-2, -1)) + bias
+        return s.masked_fill(m, torch.finfo(torch.float32).min).softmax(-1) @ v
+
+    reason = _analyze(fn, *qkv(), torch.zeros(6, 6, dtype=torch.bool), torch.zeros(2, 1, 1, 6))
+    assert isinstance(reason, str) and "finite fill with other float masks" in reason
+
+
+def test_legacy_gpt2_causal_where_plus_extended_padding():
+    """where(causal, s, finfo.min) + (1 - m) * finfo.min (GPT-2 before transformers 4.48, GPT-J, GPT-Neo):
+    passed as one additive bias, so left-padded rows keep eager's uniform average over keys."""
+
+    class Legacy(GPT2Legacy):
+        def forward(self, q, k, v, am):
+            w = torch.matmul(q, k.transpose(-1, -2))
+            ql, kl = q.size(-2), k.size(-2)
+            causal = self.bias[:, :, kl - ql: kl, :kl]
+            w = torch.where(causal, w, torch.finfo(w.dtype).min)
+            w = w + (1.0 - am[:, None, None, :].to(w.dtype)) * torch.finfo(w.dtype).min
+            return torch.matmul(torch.softmax(w, dim=-1), v)
+
+    am = torch.ones(2, 6)
+    am[0, :3] = 0
+    rw = compile_and_check(Legacy(), *qkv(), am, dtypes=(torch.float32,))
+    assert_spec(rw.spec, "bias", "nan")
 
 
 def test_refuse_additive_bool_mask():
