@@ -33,8 +33,8 @@ def _visit(graph: fx.Graph, node: fx.Node, options: PassOptions, reports: list, 
     if is_sdpa(node):
         reports.append(rewrite_sdpa(graph, node, options, cache))
     elif is_mha(node):
-        reports.append(rewrite_mha(graph, node, options))
+        reports.append(rewrite_mha(graph, node, options, cache))
     elif is_native_mha(node):
-        reports.append(rewrite_native_mha(graph, node, options))
+        reports.append(rewrite_native_mha(graph, node, options, cache))
     elif is_encoder_layer(node):
-        reports.append(rewrite_encoder_layer(graph, node, options))
+        reports.append(rewrite_encoder_layer(graph, node, options, cache))

@@ -189,3 +189,34 @@ def emit_attention(b: Builder, q: fx.Node, k: fx.Node, v: fx.Node, *, dropout_p:
         call.update_arg(12, seed)
         emit.set_example_value(call)
     return out, call
+
+
+_SPEC_FIELDS = ("causal", "diag_offset", "window_left", "window_right", "kv_lens", "bias", "empty_rows")
+
+
+def structured_mask(b: Builder, node: fx.Node, terms: list, q4v: torch.Tensor, k4v: torch.Tensor, *, sdpa: bool,
+                    fallback: dict, fallback_kind: str, cache: dict) -> tuple[dict, str]:
+    """The op's mask arguments for masks entering the scores as `terms` [(op, tensor node, fill)]:
+    what masks.analyze_mask proves (causal / window / key lengths + residual bias), else `fallback`
+    (the masks combined into one bias, eager's own arithmetic). Analyses are shared through `cache`
+    by the sites of one graph (models reuse one mask in every layer)."""
+    try:
+        from .masks import analyze_mask
+        from .site import MaskSpec, MaskTerm
+    except ImportError:  # mask analysis not available: the bias is exact
+        return fallback, fallback_kind
+    key = (tuple((op, t, fill) for op, t, fill in terms), tuple(map(str, q4v.shape)), str(k4v.shape[2]),
+           q4v.dtype, sdpa)
+    spec = cache.get(key)
+    if spec is None:
+        try:
+            spec = analyze_mask(b.graph.owning_module, [MaskTerm(op, t, fill) for op, t, fill in terms],
+                                batch=q4v.shape[0], q_heads=q4v.shape[1], q_len=q4v.shape[2], k_len=k4v.shape[2],
+                                scores_dtype=q4v.dtype, insert_before=node, sdpa=sdpa)
+        except Exception as e:  # analysis is an optimisation: never let it break an exact rewrite
+            spec = f"mask analysis failed: {type(e).__name__}: {e}"
+        if isinstance(spec, MaskSpec):
+            b.pending_cache[key] = spec
+    if not isinstance(spec, MaskSpec) or spec.empty_rows not in ("impossible", "zero", "nan", "mean_v"):
+        return fallback, fallback_kind
+    return {f: getattr(spec, f) for f in _SPEC_FIELDS}, spec.kind

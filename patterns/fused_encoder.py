@@ -16,6 +16,8 @@ multi_head_attention_forward path then, handled in fused_mha).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -34,19 +36,20 @@ def is_encoder_layer(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is ENCODER_LAYER_TARGET
 
 
-def rewrite_encoder_layer(graph: fx.Graph, node: fx.Node, options: PassOptions) -> SiteReport:
+def rewrite_encoder_layer(graph: fx.Graph, node: fx.Node, options: PassOptions,
+                          cache: Optional[dict] = None) -> SiteReport:
     rep = report("encoder-layer", node)
     b = Builder(graph)
     try:
         with graph.inserting_before(node):
-            _rewrite(b, node, options, rep)
+            _rewrite(b, node, options, rep, {} if cache is None else cache)
     except Refuse as e:
         b.rollback()
         rep.rewritten, rep.reason, rep.call = False, str(e), None
     return rep
 
 
-def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport) -> None:
+def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, cache: dict) -> None:
     if len(node.args) > len(_ARGS):
         raise Refuse("unexpected positional arguments to _transformer_encoder_layer_fwd")
     a = {"mask": None, "mask_type": None}
@@ -75,7 +78,7 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport) -
     x = norm(src, 1) if norm_first else src
     attn, call = native_attention(
         b, x, x, x, embed_dim, heads, a["qkv_weight"], a["qkv_bias"], a["proj_weight"], a["proj_bias"],
-        a["mask"], a["mask_type"], options, rep,
+        a["mask"], a["mask_type"], options, rep, node, cache,
     )
     x = b.f(torch.add, attn, src)
     if not norm_first:
@@ -92,3 +95,4 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport) -
     replace_output(b.graph, node, x)
     b.graph.erase_node(node)
     rep.rewritten, rep.call = True, call
+    cache.update(b.pending_cache)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from . import emit
 from .fused_common import (
-    Builder, emit_attention, Refuse, const, options_allow_dropout, replace_output, report, shape_of, static_int, tensor_value,
+    Builder, emit_attention, Refuse, const, options_allow_dropout, structured_mask, replace_output, report, shape_of, static_int, tensor_value,
 )
 from .site import PassOptions, SiteReport
 
@@ -116,19 +116,19 @@ def _combine_masks(b: Builder, masks: list, q_dtype: torch.dtype) -> tuple[Optio
     return total, "bias"
 
 
-def rewrite_mha(graph: fx.Graph, node: fx.Node, options: PassOptions) -> SiteReport:
+def rewrite_mha(graph: fx.Graph, node: fx.Node, options: PassOptions, cache: Optional[dict] = None) -> SiteReport:
     rep = report("mha", node)
     b = Builder(graph)
     try:
         with graph.inserting_before(node):
-            _rewrite_mha(b, node, options, rep)
+            _rewrite_mha(b, node, options, rep, {} if cache is None else cache)
     except Refuse as e:
         b.rollback()
         rep.rewritten, rep.reason, rep.call = False, str(e), None
     return rep
 
 
-def _rewrite_mha(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport) -> None:
+def _rewrite_mha(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, cache: dict) -> None:
     try:
         bound = _MHA_SIG.bind(*node.args, **node.kwargs)
     except TypeError as e:
@@ -223,19 +223,24 @@ def _rewrite_mha(b: Builder, node: fx.Node, options: PassOptions, rep: SiteRepor
             m[0] = b.f(F.pad, m[0], (0, 1))
 
     bias, kind = _combine_masks(b, masks, qv.dtype)
-    rep.mask = "causal" if causal else kind
     if need_weights:
         scale = (1.0 / float(head_dim)) ** 0.5  # q * math.sqrt(1.0 / float(E)), as the functional
         empty_rows = "nan" if bias is not None else "impossible"  # softmax of an all -inf row
     else:
         scale = 1.0 / float(head_dim) ** 0.5
         empty_rows = "zero" if bias is not None else "impossible"  # SDPA's value on such a row
+    mask_args = dict(causal=causal, diag_offset=0, bias=bias, empty_rows=empty_rows)
+    rep.mask = "causal" if causal else kind
+    if masks and not extra_keys:  # prove structure (causal masks built in the graph, ...) when possible
+        terms = [("fill", m, float("-inf")) if is_bool else ("add", m, None) for m, is_bool in masks]
+        mask_args, rep.mask = structured_mask(
+            b, node, terms, tensor_value(q4, "q"), tensor_value(k4, "k"), sdpa=not need_weights,
+            fallback=mask_args, fallback_kind=kind, cache=cache)
     rep.q_shape, rep.k_shape, rep.v_shape = (shape_of(tensor_value(t, n)) for t, n in ((q4, "q"), (k4, "k"), (v4, "v")))
     rep.scale, rep.dropout_p = scale, dropout_p
 
     out4, call = emit_attention(
-        b, q4, k4, v4, scale=scale, causal=causal, diag_offset=0, bias=bias, dropout_p=dropout_p,
-        kernel=options.kernel, empty_rows=empty_rows,
+        b, q4, k4, v4, scale=scale, dropout_p=dropout_p, kernel=options.kernel, **mask_args,
     )
     out = b.m("flatten", b.m("permute", out4, 2, 0, 1, 3), 2)  # [L, B, E]
     out = _linear(b, out, a["out_proj_weight"], a["out_proj_bias"])
@@ -243,6 +248,7 @@ def _rewrite_mha(b: Builder, node: fx.Node, options: PassOptions, rep: SiteRepor
         out = b.m("squeeze", out, 1)
     _finish(b.graph, node, outs, weights, out)
     rep.rewritten, rep.call = True, call
+    cache.update(b.pending_cache)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,7 +258,7 @@ def _rewrite_mha(b: Builder, node: fx.Node, options: PassOptions, rep: SiteRepor
 def native_attention(
     b: Builder, query: fx.Node, key: fx.Node, value: fx.Node, embed_dim: int, heads: int, qkv_w: fx.Node,
     qkv_b: fx.Node, proj_w: fx.Node, proj_b: fx.Node, mask: Any, mask_type: Any, options: PassOptions,
-    rep: SiteReport,
+    rep: SiteReport, anchor: fx.Node, cache: dict,
 ) -> tuple[fx.Node, fx.Node]:
     """Native MHA on [B, T, E] inputs, need_weights=False: (output [B, T, E], the fa3 call)."""
     head_dim = embed_dim // heads
@@ -268,33 +274,30 @@ def native_attention(
         qp, kp, vp = (_linear(b, x, _rows(b, qkv_w, i, embed_dim), _rows(b, qkv_b, i, embed_dim))
                       for i, x in enumerate((query, key, value)))
     q4, k4, v4 = (_heads(b, t, heads, head_dim, (0, 2, 1, 3)) for t in (qp, kp, vp))
-    bias, empty_rows = None, "impossible"
+    mask_args: dict = dict(bias=None, empty_rows="impossible")
     if mask is not None:
         mv = tensor_value(mask, "mask")
         # masked_softmax converts the mask to bool: any nonzero entry masks, whatever its value.
-        keep = b.f(torch.logical_not, mask)
+        masked = mask if mv.dtype == torch.bool else b.f(torch.ne, mask, 0)
         mtype = const(mask_type, "mask_type")
-        if mv.dim() == 4:
-            bias = keep
-        elif mv.dim() == 2 and mtype == 1:
-            bias = b.m("unsqueeze", b.m("unsqueeze", keep, 1), 1)  # key padding [B, T]
-        elif mv.dim() == 2 and mtype == 0:
-            bias = keep  # [T, T]
-        else:
+        if mv.dim() == 2 and mtype == 1:
+            masked = b.m("unsqueeze", b.m("unsqueeze", masked, 1), 1)  # key padding [B, T] -> [B, 1, 1, T]
+        elif not (mv.dim() == 4 or (mv.dim() == 2 and mtype == 0)):  # [B, H, T, T] or [T, T] broadcast as is
             raise Refuse(f"a {mv.dim()}-D mask with mask_type={mtype}")
-        empty_rows = "nan"  # the masked softmax gives NaN on a row whose keys are all masked
-        rep.mask = "bool-mask"
+        # the masked softmax gives NaN on a row whose keys are all masked
+        mask_args = dict(bias=b.f(torch.logical_not, masked), empty_rows="nan")
+        mask_args, rep.mask = structured_mask(
+            b, anchor, [("fill", masked, float("-inf"))], tensor_value(q4, "q"), tensor_value(k4, "k"), sdpa=False,
+            fallback=mask_args, fallback_kind="bool-mask", cache=cache)
     scale = 1.0 / float(head_dim) ** 0.5
     rep.q_shape, rep.k_shape, rep.v_shape = (shape_of(tensor_value(t, n)) for t, n in ((q4, "q"), (k4, "k"), (v4, "v")))
     rep.dtype, rep.scale = str(qv.dtype).replace("torch.", ""), scale
-    out4, call = emit_attention(
-        b, q4, k4, v4, scale=scale, bias=bias, kernel=options.kernel, empty_rows=empty_rows,
-    )
+    out4, call = emit_attention(b, q4, k4, v4, scale=scale, kernel=options.kernel, **mask_args)
     out = b.m("flatten", b.m("transpose", out4, 1, 2), 2)  # [B, T, E]: free, the op stores BSHD
     return _linear(b, out, proj_w, proj_b), call
 
 
-def rewrite_native_mha(graph: fx.Graph, node: fx.Node, options: PassOptions) -> SiteReport:
+def rewrite_native_mha(graph: fx.Graph, node: fx.Node, options: PassOptions, cache: Optional[dict] = None) -> SiteReport:
     rep = report("native-mha", node)
     b = Builder(graph)
     try:
@@ -310,10 +313,13 @@ def rewrite_native_mha(graph: fx.Graph, node: fx.Node, options: PassOptions) -> 
             heads = static_int(const(a["num_head"], "num_head"), "num_head")
             out, call = native_attention(
                 b, a["query"], a["key"], a["value"], embed_dim, heads, a["qkv_weight"], a["qkv_bias"],
-                a["proj_weight"], a["proj_bias"], a["mask"], a["mask_type"], options, rep,
+                a["proj_weight"], a["proj_bias"], a["mask"], a["mask_type"], options, rep, node,
+                {} if cache is None else cache,
             )
             _finish(graph, node, outs, weights, out)
             rep.rewritten, rep.call = True, call
+            if cache is not None:
+                cache.update(b.pending_cache)
     except Refuse as e:
         b.rollback()
         rep.rewritten, rep.reason, rep.call = False, str(e), None

@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from . import emit
 from .fused_common import (
-    Builder, emit_attention, Refuse, const, default_scale, runtime_scale, options_allow_dropout, replace_output, report, same_size, shape_of,
+    Builder, emit_attention, Refuse, const, default_scale, runtime_scale, structured_mask, options_allow_dropout, replace_output, report, same_size, shape_of,
     static_int, tensor_value,
 )
 from .site import PassOptions, SiteReport
@@ -219,32 +219,11 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, c
     cache.update(b.pending_cache)
 
 
-_SPEC_FIELDS = ("causal", "diag_offset", "window_left", "window_right", "kv_lens", "bias", "empty_rows")
-
-
 def _mask_structure(b: Builder, node: fx.Node, bias: fx.Node, dtype: torch.dtype, q4v: torch.Tensor,
                     k4v: torch.Tensor, cache: dict) -> tuple[dict, str]:
     """attn_mask -> the op's mask arguments: structure proven by masks.analyze_mask (causal, window,
     key lengths), else the mask itself as the bias, which is SDPA's own arithmetic (exact)."""
     fallback = dict(causal=False, diag_offset=0, bias=bias, empty_rows="zero")  # SDPA: 0 on empty rows
     kind = "bool-mask" if dtype == torch.bool else "bias"
-    try:
-        from .masks import analyze_mask
-        from .site import MaskSpec, MaskTerm
-    except ImportError:  # mask analysis not available: the bias is exact
-        return fallback, kind
-    key = (bias, tuple(map(str, q4v.shape)), str(k4v.shape[2]), q4v.dtype)
-    spec = cache.get(key)
-    if spec is None:
-        term = MaskTerm("bool", bias) if dtype == torch.bool else MaskTerm("add", bias)
-        try:
-            spec = analyze_mask(b.graph.owning_module, [term], batch=q4v.shape[0], q_heads=q4v.shape[1],
-                                q_len=q4v.shape[2], k_len=k4v.shape[2], scores_dtype=q4v.dtype,
-                                insert_before=node, sdpa=True)
-        except Exception as e:  # analysis is an optimisation: never let it break an exact rewrite
-            spec = f"mask analysis failed: {type(e).__name__}: {e}"
-        if isinstance(spec, MaskSpec):
-            b.pending_cache[key] = spec
-    if not isinstance(spec, MaskSpec) or spec.empty_rows not in ("impossible", "zero", "nan", "mean_v"):
-        return fallback, kind
-    return {f: getattr(spec, f) for f in _SPEC_FIELDS}, spec.kind
+    term = ("bool", bias, None) if dtype == torch.bool else ("add", bias, None)
+    return structured_mask(b, node, [term], q4v, k4v, sdpa=True, fallback=fallback, fallback_kind=kind, cache=cache)

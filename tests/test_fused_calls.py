@@ -382,6 +382,23 @@ def test_mha_training_gradients_match_eager(case):
         torch.testing.assert_close(g, r, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_mha_causal_mask_built_in_the_graph_becomes_structure(need_weights):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = rnd(2, 6, 16, seed=1)
+
+    def fn(x):
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])  # float 0 / -inf, built in the graph
+        return mha(x, x, x, attn_mask=mask, need_weights=need_weights)[0]
+
+    out, cap = run(fn, x)
+    rep = only_report(cap)
+    assert rep.rewritten and rep.mask == "causal", (rep.mask, rep.reason)
+    assert rep.call.args[4] is True and rep.call.args[8] is None
+    assert_same(out, fn(x), **tolerances(torch.float32))
+
+
 def test_mha_fully_masked_rows_keep_eager_values():
     """need_weights=True: softmax of an all -inf row is NaN; need_weights=False (SDPA): 0."""
     torch.manual_seed(0)
@@ -547,6 +564,19 @@ def test_encoder_layer_fast_path_matches_eager(case, masks, dtype):
     if masks == "empty_rows":
         assert ref[:, 2].isnan().all()
     assert_same(out, ref, **tolerances(dtype))
+
+
+def test_encoder_layer_causal_mask_built_in_the_graph_becomes_structure():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True).eval()
+    x = rnd(2, 6, 16, seed=1)
+    fn = lambda x: layer(x, src_mask=nn.Transformer.generate_square_subsequent_mask(x.shape[1]), is_causal=True)
+    with torch.no_grad():
+        out, cap = run(fn, x)
+        rep = only_report(cap)
+        assert rep.rewritten and rep.mask == "causal", (rep.mask, rep.reason)
+        assert rep.call.args[4] is True and rep.call.args[8] is None
+        assert_same(out, fn(x), **tolerances(torch.float32))
 
 
 def test_encoder_layer_fast_path_float_mask_is_read_as_bool_like_eager():
