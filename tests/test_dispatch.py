@@ -369,12 +369,7 @@ def _site_with_call(args: AttentionArgs, forced=None):
 
 
 def test_explain_shows_forward_and_backward_kernels_and_faster_refusals(hopper, fake_fa3):
-    import fa_compile
-
-    # Resolve the lazy `fa_compile.explain` function before its module is imported: importing the
-    # submodule first would leave the module object under that name (see requests.md).
-    assert callable(fa_compile.explain)
-    ExplainReport = fa_compile.ExplainReport
+    from fa_compile.report import ExplainReport
 
     with FakeTensorMode():
         # requires_grad set on the BSHD views (a CUDA fake leaf with autograd aborts on CPU-only builds)
