@@ -667,3 +667,27 @@ def test_gpu_fp32_goes_to_tf32_kernels_only_when_precision_allows():
     # TF32 operands carry 10 mantissa bits, about fp16's precision
     torch.testing.assert_close(out.double(), exp, atol=5e-3, rtol=5e-3)
     torch.testing.assert_close(lse.double(), exp_lse, atol=5e-3, rtol=5e-3)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_forward_only_fa3_then_cudnn_backward_through_the_op():
+    """Issue 4 item 4: FA3 (forward-only build) forward, the backward from another kernel on its lse."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 2048, 4, 64, device="cuda", dtype=BF16).transpose(1, 2).requires_grad_()
+    k = torch.randn(1, 2048, 2, 64, device="cuda", dtype=BF16).transpose(1, 2).requires_grad_()
+    v = torch.randn(1, 2048, 2, 64, device="cuda", dtype=BF16).transpose(1, 2).requires_grad_()
+    args = AttentionArgs(q=q, k=k, v=v, scale=0.125, causal=True, needs_backward=True)
+    fwd, bwd = dispatch.select_forward(args).name, dispatch.select_backward(args).name
+    if fwd != "fa3":
+        pytest.skip(f"FA3 not chosen here: {dispatch.explain_choice(args)}")
+    assert bwd != "fa3"
+    out, _lse = torch.ops.fa3.attention(q, k, v, 0.125, True)
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    exp, _ = ref.attention_reference(qf, kf, vf, scale=0.125, causal=True)
+    eq, ek, ev = torch.autograd.grad(exp, (qf, kf, vf), dout.float())
+    torch.testing.assert_close(out.float(), exp, atol=2e-2, rtol=2e-2)
+    for got, want in ((dq, eq), (dk, ek), (dv, ev)):
+        torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
