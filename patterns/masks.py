@@ -36,9 +36,11 @@ we rely on every row's largest admissible (scaled, biased) score exceeding c + 1
 fills that holds for any finite score). Larger fills (e.g. -100) are refused, or passed untouched
 when they come in an additive mask. On a row where every key is masked eager computes:
   -inf fills: NaN (SDPA: 0)                              -> empty_rows "nan" ("zero")
-  one finite fill c (every entry becomes c, or s + c which rounds to c when |s| < ulp(c) / 2, i.e.
-  always for fp32/bf16 finfo.min, |s| <= 16 for fp16 finfo.min, |s| < 32 for fp32 -1e9)
-                                                          -> empty_rows "mean_v"
+  one finite fill c: masked_fill / where set every entry to c    -> empty_rows "mean_v"
+  an additive 0-or-c mask: s + c, uniform only where it rounds to c (c <= ABSORB_LIMIT, e.g. fp32 or
+  bf16 finfo.min; fp16 finfo.min for |s| <= 16)                -> empty_rows "mean_v"; other c
+  (fp32 -1e9, -1e4) keep s in s + c, so such masks are passed untouched (exact) unless the structure
+  proves that no row is empty.
 Mixes whose fully masked rows eager computes differently (finite fills of different values, a
 finite fill and a separate additive float mask) are refused unless proven to have no empty row, or
 unless every fill is -inf or <= ABSORB_LIMIT (fp32/bf16 finfo.min) and precedes the additive masks:
@@ -1017,6 +1019,15 @@ class _TermInfo:
     keep: Optional[_Keep] = None  # None: untouched float term
     extra: tuple = ()  # float nodes added (untouched terms: the term node itself)
     converted: bool = True
+    absorbs: bool = True  # additive 0-or-c: eager's s + c rounds to c, so a fully masked row is uniform
+
+
+def _absorbs(c: float, dtype: torch.dtype) -> bool:
+    """s + c == c in `dtype` for every plausible score s: c <= ABSORB_LIMIT (|s| < 1e22 in fp32/bf16), or
+    fp16's finfo.min, which absorbs |s| <= 16 only (eager's own fp16 result is rounding noise beyond)."""
+    if c == -math.inf:
+        return True
+    return c <= ABSORB_LIMIT or (dtype == torch.float16 and c <= float(torch.finfo(torch.float16).min))
 
 
 def _term_info(an: _Analyzer, t: MaskTerm, scores_dtype: torch.dtype, q_len: Size, k_len: Size) -> Union[_TermInfo, str]:
@@ -1036,7 +1047,8 @@ def _term_info(an: _Analyzer, t: MaskTerm, scores_dtype: torch.dtype, q_len: Siz
             return f"additive mask {t.tensor.name} is the constant {v.value}"
         if isinstance(v, _Two) and v.on == 0 and (v.c == -math.inf or v.c <= FILL_LIMIT) and _band_fits(
                 v.keep, t.tensor, q_len, k_len):
-            return _TermInfo("add", v.c, keep=v.keep, extra=v.extra)
+            eager_dt = torch.promote_types(scores_dtype, dt)
+            return _TermInfo("add", v.c, keep=v.keep, extra=v.extra, absorbs=_absorbs(v.c, eager_dt))
         return _TermInfo("add", 0.0, keep=None, extra=(an.smallest(t.tensor),), converted=False)
     if t.op not in ("fill", "where", "bool"):
         return f"unknown mask term op {t.op!r}"
@@ -1178,7 +1190,7 @@ def _combine(infos: list, an: _Analyzer, q_len, k_len, sdpa: bool) -> Union[str,
         empty = "zero" if sdpa else "nan"
     elif len(cs) == 1:
         fills_only = all(t.op in ("fill", "where") for t in masking)
-        if untouched or not (len(masking) == 1 or fills_only):
+        if untouched or not (len(masking) == 1 or fills_only) or not all(t.absorbs for t in masking):
             if no_empty:
                 empty = "impossible"
             else:

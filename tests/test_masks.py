@@ -1080,3 +1080,29 @@ def forward(self, L_k_ : torch.Tensor, L_lens_ : torch.Tensor, L_q_ : torch.Tens
     full_like = torch.full_like(getitem_3, nan)
     where = torch.where(unsqueeze, full_like, getitem_3);  unsqueeze = full_like = getitem_3 = None
     return (where,)""")
+
+
+def test_additive_minus_1e9_mask_with_empty_rows_passes_untouched():
+    """where(keep, 0, -1e9) added in fp32 keeps s in s - 1e9: a fully masked row is softmax(s), not uniform.
+    Structure would need -inf masking plus a uniform fix-up, which is wrong there, so the mask is passed."""
+
+    def fn(q, k, v):
+        t = q.shape[-2]
+        keep = torch.arange(t)[None, :] < torch.arange(t)[:, None]  # row 0 admits no key
+        s = q @ k.transpose(-2, -1) * 20.0  # scores large enough that s - 1e9 does not round to -1e9
+        return (s + torch.where(keep, 0.0, -1e9)).softmax(-1) @ v
+
+    rw = compile_and_check(fn, *qkv(), dtypes=(torch.float32,))
+    assert_spec(rw.spec, "bias", "nan")
+
+
+def test_additive_minus_1e9_causal_is_structural():
+    """The same -1e9 mask with the diagonal admitted has no empty row: causal is exact there."""
+
+    def fn(q, k, v):
+        t = q.shape[-2]
+        keep = torch.arange(t)[None, :] <= torch.arange(t)[:, None]
+        return (q @ k.transpose(-2, -1) + torch.where(keep, 0.0, -1e9)).softmax(-1) @ v
+
+    rw = compile_and_check(fn, *qkv(), dtypes=(torch.float32,))
+    assert_spec(rw.spec, "causal", "impossible")
