@@ -1222,6 +1222,16 @@ def analyze_mask(
     """The MaskSpec of a site whose scores receive `terms` in order, or the reason to refuse it."""
     if not terms:
         return MaskSpec()
+    try:
+        return _analyze(gm, terms, batch=batch, q_len=q_len, k_len=k_len, scores_dtype=scores_dtype,
+                        insert_before=insert_before, sdpa=sdpa)
+    except Exception as e:  # an unforeseen graph form refuses the site; it never breaks compilation
+        if _DEBUG:
+            raise
+        return f"mask analysis failed: {type(e).__name__}: {e}"
+
+
+def _analyze(gm, terms, *, batch, q_len, k_len, scores_dtype, insert_before, sdpa) -> Union[MaskSpec, str]:
     sdpa = sdpa or any(t.op == "bool" for t in terms)  # a bool keep-mask is SDPA's: empty rows give 0
     an = _Analyzer(gm)
     infos = []
@@ -1287,6 +1297,9 @@ def analyze_mask(
         except _Fail as e:
             em.rollback()
             reason = reason or f"mask structure proven but not expressible: {e}"
+        except Exception:
+            em.rollback()
+            raise
     return reason
 
 

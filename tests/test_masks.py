@@ -1106,3 +1106,18 @@ def test_additive_minus_1e9_causal_is_structural():
 
     rw = compile_and_check(fn, *qkv(), dtypes=(torch.float32,))
     assert_spec(rw.spec, "causal", "impossible")
+
+
+def test_unexpected_failure_is_a_reason_not_a_crash(monkeypatch):
+    gm, x = capture_terms(lambda q, k, v, m: (q @ k.transpose(-2, -1)).masked_fill(m, NEG_INF).softmax(-1) @ v,
+                          *qkv(), torch.zeros(6, 6, dtype=torch.bool))
+    before = len(gm.graph.nodes)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(masks, "_emit_spec", boom)
+    reason = masks.analyze_mask(gm, [MaskTerm("fill", x.args[1], NEG_INF)], batch=2, q_heads=2, q_len=6, k_len=6,
+                                scores_dtype=torch.float32, insert_before=x)
+    assert reason == "mask analysis failed: RuntimeError: boom"
+    assert len(gm.graph.nodes) == before
