@@ -94,12 +94,18 @@ def kind(node: Any) -> Optional[str]:
     return k
 
 
+_OPERATOR_INPLACE = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                     operator.iand, operator.ior, operator.ixor, operator.ifloordiv, operator.imod, operator.ipow)
+
+
 def is_inplace(node: fx.Node) -> bool:
     """An op that writes into its first argument (`x.add_(1)`, `operator.setitem`, `torch.Tensor.mul_`)."""
     if node.op not in ("call_method", "call_function"):
         return False
-    if node.target is operator.setitem:
-        return True
+    if node.target in _OPERATOR_INPLACE:  # in place on tensors only (`n += 1` on a SymInt is not)
+        return bool(node.args) and tensor_of(node.args[0]) is not None
+    if node.op == "call_function" and getattr(node.target, "__module__", None) in ("_operator", "operator"):
+        return False  # operator.and_ / or_ / not_ are functional despite the underscore
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
 

@@ -405,6 +405,65 @@ def test_key_padding_mask():
     check(padding_mask, q, k, v, keep)
 
 
+def full_inf_triu(q, k, v):
+    n = q.shape[-2]
+    return torch.softmax(q @ k.transpose(-2, -1) * 0.25 + torch.full((n, n), float("-inf")).triu(1), -1) @ v
+
+
+def arange_sliding_window(q, k, v):
+    n = q.shape[-2]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    keep = (j <= i) & (j > i - 3)
+    return torch.softmax((q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, float("-inf")), -1) @ v
+
+
+def causal_and_padding(q, k, v, keep):
+    n = q.shape[-2]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~(causal & keep[:, None, None, :]), torch.finfo(q.dtype).min)
+    return torch.softmax(s, -1) @ v
+
+
+class RelativeBias(nn.Module):
+    """T5 / Swin style: a learned bias [1, H, N, N] added to unscaled scores."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(1, H, N, N) * 0.5)
+
+    def forward(self, q, k, v):
+        return torch.softmax(q @ k.transpose(-2, -1) + self.bias, -1) @ v
+
+
+@pytest.mark.parametrize("fn,kind", [(full_inf_triu, "causal"), (arange_sliding_window, "window")],
+                         ids=["full_inf_triu", "arange_window"])
+def test_structural_masks(fn, kind):
+    c = check(fn, *qkv())
+    assert c.rewritten[0].mask == kind
+
+
+def test_causal_combined_with_padding():
+    q, k, v = qkv()
+    keep = torch.ones(B, N, dtype=torch.bool)
+    keep[0, 6:] = False
+    check(causal_and_padding, q, k, v, keep)
+
+
+def test_relative_position_bias_trains():
+    m = RelativeBias()
+    q, k, v = (t.requires_grad_(True) for t in qkv())
+    c = Compiled(m, inner="aot_eager")
+    out = c(q, k, v)
+    assert len(c.rewritten) == 1
+    g = rand(*out.shape, seed=4)
+    got = torch.autograd.grad(out, [q, k, v, m.bias], g)
+    ref = m(q, k, v)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    want = torch.autograd.grad(ref, [q, k, v, m.bias], g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 def test_baddbmm_with_additive_input():
     """BLOOM-style: baddbmm(alibi, q, k^T, beta=1, alpha=1/sqrt(d)) adds the bias inside the contraction."""
     def f(q, k, v, bias):
