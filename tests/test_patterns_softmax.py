@@ -489,6 +489,40 @@ def test_scores_regrouped_between_3d_and_4d():
     assert c.rewritten[0].q_shape == (B, H, N, D)  # the op sees the 4-D q, not a reshape of a reshape
 
 
+def swin_windows(q, k, v, rel, mask):
+    """Swin (timm): relative bias, then the window mask added in a [B, nW, H, N, N] view of the scores."""
+    nw = mask.shape[0]
+    attn = (q * 0.25) @ k.transpose(-2, -1)
+    attn = attn + rel.unsqueeze(0)
+    b_, h, n, _ = attn.shape
+    attn = attn.view(-1, nw, h, n, n) + mask.unsqueeze(1).unsqueeze(0)
+    attn = attn.view(-1, h, n, n).softmax(-1)
+    return (attn @ v).transpose(1, 2).reshape(b_, n, -1)
+
+
+def test_swin_window_mask_in_a_regrouped_view():
+    q, k, v = qkv(shape=(6, 2, 9, 8))
+    mask = torch.where(rand(3, 9, 9, seed=5) > 0.3, 0.0, -100.0)
+    c = check(swin_windows, q, k, v, rand(2, 9, 9, seed=6), mask)
+    assert c.rewritten[0].scale == pytest.approx(0.25)
+
+
+def test_cross_attention_nq_ne_nk_and_dv_ne_d():
+    q, k, v = rand(B, H, 5, 16), rand(B, H, 11, 16, seed=1), rand(B, H, 11, 24, seed=2)
+    c = check(SCALE_FORMS["div_sqrt_d"], q, k, v)
+    r = c.rewritten[0]
+    assert r.q_shape == (B, H, 5, 16) and r.v_shape == (B, H, 11, 24)
+
+
+def test_einsum_reads_bshd_directly():
+    def f(q, k, v):
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+        return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
+
+    c = check(f, *qkv(shape=(B, N, H, D)))
+    assert c.rewritten[0].q_shape == (B, H, N, D)
+
+
 # ------------------------------------------------------------------------------------------- training
 
 @pytest.mark.parametrize("form", ["repeat_kv", "bshd", "per_head_temperature"])
