@@ -716,8 +716,7 @@ PIPELINE_CASES = [
     ("tril-eq-0", _fn_tril, lambda: qkv(), "causal", True),
     ("arange-where-min", _fn_arange_where, lambda: qkv(), "causal", True),
     ("full-triu-add", _fn_full_triu, lambda: qkv(), "causal", True),
-    pytest.param("window", _fn_window, lambda: qkv(), "window", True, marks=pytest.mark.xfail(
-        strict=True, reason="pipeline DCE keeps operator.and_ as in-place (canonicalize.is_inplace; requested fix)")),
+    ("window", _fn_window, lambda: qkv(), "window", True),
     ("kv-lens", _fn_lens, lambda: (*qkv(nq=5, nk=7), torch.tensor([7, 0])), "key-padding", True),
     ("nanogpt", NanoGPT(), lambda: qkv(), "causal", True),
     ("sdpa-bool-tril", _fn_sdpa_tril, lambda: qkv(), "causal", True),
@@ -736,7 +735,7 @@ def test_pipeline_static(name, fn, make, kind, dynamic):
     assert [s.mask for s in report.sites] == [kind], report
 
 
-@pytest.mark.parametrize("name,fn,make,kind,dynamic", [getattr(c, "values", c) for c in PIPELINE_CASES])
+@pytest.mark.parametrize("name,fn,make,kind,dynamic", PIPELINE_CASES)
 def test_pipeline_dynamic(name, fn, make, kind, dynamic):
     args = make()
     more = tuple(a[..., :4, :].contiguous() if isinstance(a, torch.Tensor) and a.dim() == 4 else a for a in args)
@@ -873,19 +872,17 @@ def test_guard_implied_condition():
     assert seen == {"ge0": True, "ge1": False}
 
 
-def test_hf_dead_mask_code_removed():
+@pytest.mark.parametrize("name", ["llama", "mistral", "gpt2"])
+def test_hf_dead_mask_code_removed(name):
     """After the rewrite no N x N mask-building node of HF's masking_utils survives DCE."""
-    model = _hf_model("llama", "eager")
+    model = _hf_model(name, "eager")
     ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(0))
     am = torch.ones(2, 6, dtype=torch.long)
     am[0, :2] = 0
     with torch.no_grad():
         run = pipeline_check(lambda i, a: model(input_ids=i, attention_mask=a).logits, ids, am,
                              dtypes=(torch.float32,))
-    left = nxn_nodes(run.graphs[-1], 6, 6)
-    if left:
-        pytest.xfail(f"pipeline DCE keeps operator.and_ as in-place (canonicalize.is_inplace; requested fix): {left}")
-    assert left == []
+    assert nxn_nodes(run.graphs[-1], 6, 6) == [], run.graphs[-1].code
 
 
 @pytest.mark.parametrize("spelling", ["tril", "triu-masked", "arange-cmp"])
