@@ -45,7 +45,7 @@ class Miss(Exception):
 class Scores:
     contraction: Contraction
     scale: float = 1.0  # Python-number part of the scale
-    factors: list = field(default_factory=list)  # [(node, "mul" | "div")]: symbolic / tensor scale factors
+    factors: list = field(default_factory=list)  # [(node, "mul" | "div", batch dims)]: symbolic / tensor factors
     softcap: float = 0.0
     terms: list = field(default_factory=list)  # MaskTerm, outermost first
     term_batches: list = field(default_factory=list)  # the scores' batch dims where each term is applied
@@ -186,7 +186,7 @@ def walk_scores(x: fx.Node) -> Scores:
                 else:
                     scale *= f[1]
             else:
-                factors.append((f[1], k))
+                factors.append((f[1], k, list(t.shape[:-2])))
             cur = chain
             continue
         if k in ("add", "sub"):
@@ -699,11 +699,13 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
                     ko = o.call("expand", ko, o.size(qo, 0), -1, -1, -1, method=True)
                 if not known_eq(tensor_of(vo).shape[0], Bq):
                     vo = o.call("expand", vo, o.size(qo, 0), -1, -1, -1, method=True)
-            for node, how in scores.factors:
+            for node, how, fb in scores.factors:
                 f = node
                 ft = tensor_of(f)
                 if isinstance(ft, torch.Tensor):
                     if ft.dim() > 0:
+                        if not _same(fb, bd):
+                            f = _regroup(o, f, fb, bd)
                         f = b.bias_to_op(f)
                     if ft.dtype != dtype:
                         f = o.call("to", f, dtype, method=True)

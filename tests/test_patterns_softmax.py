@@ -489,6 +489,18 @@ def test_scores_regrouped_between_3d_and_4d():
     assert c.rewritten[0].q_shape == (B, H, N, D)  # the op sees the 4-D q, not a reshape of a reshape
 
 
+def test_tensor_scale_applied_in_a_regrouped_view():
+    """A per-(batch*head) temperature multiplies [B*H, N, N] scores that softmax sees as [B, H, N, N]."""
+    def f(q, k, v, t):
+        b, h, n, d = q.shape
+        s = torch.bmm(q.reshape(b * h, n, d), k.reshape(b * h, n, d).transpose(1, 2)) * t
+        p = torch.softmax(s.view(b, h, n, n), -1).view(b * h, n, n)
+        return torch.bmm(p, v.reshape(b * h, n, d)).view(b, h, n, d)
+
+    q, k, v = qkv()
+    check(f, q, k, v, rand(B * H, 1, 1, seed=8).abs())
+
+
 def swin_windows(q, k, v, rel, mask):
     """Swin (timm): relative bias, then the window mask added in a [B, nW, H, N, N] view of the scores."""
     nw = mask.shape[0]
