@@ -25,7 +25,8 @@ from fa_compile.patterns.emit import emit_attention, example_value
 from fa_compile.patterns.site import MaskSpec, MaskTerm
 
 NEG_INF = float("-inf")
-TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
 
 
 # ----------------------------------------------------------------------------- a test-only site rewriter
@@ -1118,3 +1119,21 @@ def test_unexpected_failure_is_a_reason_not_a_crash(monkeypatch):
                                 scores_dtype=torch.float32, insert_before=x)
     assert reason == "mask analysis failed: RuntimeError: boom"
     assert len(gm.graph.nodes) == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_float_mask_causal_padding(dtype):
+    """SDPA with a float 0/finfo.min mask (older HF sdpa path): causal proven, padding residual, and
+    left-padded rows stay SDPA's uniform average (a finite mask is not SDPA's all -inf zero case)."""
+
+    def fn(q, k, v, am):
+        nq, nk = q.shape[-2], k.shape[-2]
+        keep = (torch.arange(nk)[None, :] <= torch.arange(nq)[:, None]) & am.bool()[:, None, None, :]
+        mask = torch.where(keep, 0.0, torch.finfo(q.dtype).min).to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    am = torch.ones(2, 6, dtype=torch.long)
+    am[1, :2] = 0
+    run = pipeline_check(fn, *qkv(), am, dtypes=(dtype,))
+    assert [r.mask for r in run.reports] == ["causal+bool-mask"], run.reports
+    assert nxn_nodes(run.graphs[-1], 6, 6) == []
