@@ -610,7 +610,10 @@ class _Analyzer:
     def _op_full(self, n):
         return self._fill_value(n, _arg(n, 1, "fill_value"))
 
-    _op_full_like = _op_new_full = _op_full
+    _op_full_like = _op_full
+
+    def _op_new_full(self, n):
+        return self._fill_value(n, _arg(n, 2, "fill_value"))
 
     def _op_tensor(self, n):
         v = n.args[0] if n.args else None

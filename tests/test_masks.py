@@ -1137,3 +1137,23 @@ def test_sdpa_float_mask_causal_padding(dtype):
     run = pipeline_check(fn, *qkv(), am, dtypes=(dtype,))
     assert [r.mask for r in run.reports] == ["causal+bool-mask"], run.reports
     assert nxn_nodes(run.graphs[-1], 6, 6) == []
+
+
+@pytest.mark.parametrize("form", ["full_like", "zeros_like", "new_full"])
+def test_masks_shaped_like_the_scores(form, ):
+    """Masks built from the scores' own shape (full_like(s, -inf).triu(1), ...) depend on no score value."""
+
+    def fn(q, k, v):
+        s = q @ k.transpose(-2, -1)
+        t = s.shape[-1]
+        if form == "full_like":
+            mask = torch.full_like(s, float("-inf")).triu(1)
+        elif form == "zeros_like":
+            mask = torch.zeros_like(s).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        else:
+            mask = s.new_full((t, t), float("-inf")).triu(diagonal=1)
+        return (s + mask).softmax(-1) @ v
+
+    rw = compile_and_check(fn, *qkv(), dtypes=(torch.float32,), dynamic_dim=2, more=(qkv(nq=9, nk=9, seed=1),))
+    assert_spec(rw.spec, "causal", "impossible")
+    assert nxn_nodes(rw.graphs[-1], 6, 6) == []
