@@ -132,9 +132,33 @@ def _regroups_batch(node: fx.Node) -> bool:
         known_eq(a.shape[-1], b.shape[-1]) and known_eq(a.shape[-2], b.shape[-2])
 
 
+def _row_max_of(m: Any, s: Any) -> Optional[fx.Node]:
+    """The max/amax node when m is s.amax(-1, keepdim=True) or s.max(-1, keepdim=True)[0] (detached or not)."""
+    while isinstance(m, fx.Node) and m.op == "call_method" and m.target == "detach":
+        m = m.args[0]
+    if not isinstance(m, fx.Node) or tensor_of(s) is None:
+        return None
+    if m.target is operator.getitem and m.args[1] == 0:
+        m = m.args[0]
+        names = ("max",)
+    else:
+        names = ("amax",)
+    name = m.target if m.op == "call_method" else getattr(m.target, "__name__", "")
+    if name not in names or not m.args or m.args[0] is not s:
+        return None
+    dim, keep = arg(m, 1, "dim"), arg(m, 2, "keepdim", False)
+    nd = tensor_of(s).dim()
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    if not isinstance(dim, int) or dim % nd != nd - 1 or keep is not True:
+        return None
+    return m
+
+
 def walk_scores(x: fx.Node) -> Scores:
     """From the softmax input back to the Q·Kᵀ contraction."""
     scale, factors, softcap, terms, nodes, batches = 1.0, [], 0.0, [], [], []
+    row_max_users: set = set()  # max/amax nodes reading a chain node only to subtract its row max
     phase = "mask"  # outermost first: mask terms -> softcap -> scale
     shifted = False
     cur = x
@@ -200,6 +224,11 @@ def walk_scores(x: fx.Node) -> Scores:
             if k == "add" and (is_finite_number(a) or is_finite_number(b)):
                 shifted = True
                 cur = b if is_finite_number(a) else a
+                continue
+            if k == "sub" and _row_max_of(b, a):
+                shifted = True  # s - rowmax(s): the usual stabilisation, softmax is invariant to it
+                row_max_users.add(_row_max_of(b, a))
+                cur = a
                 continue
             if k == "sub":
                 if not (isinstance(a, fx.Node) and _reaches_contraction(a)) or tensor_of(b) is None:
@@ -270,7 +299,8 @@ def walk_scores(x: fx.Node) -> Scores:
         if bad:
             raise Miss(f"the scores are modified in place ({bad[0].name})")
         # `x.type_as(n)` / `x.to(n)` read only n's dtype: not a use of the scores' values
-        users = [u for u in n.users if not (kind(u) == "cast" and u.args and u.args[0] is not n)]
+        users = [u for u in n.users if not (kind(u) == "cast" and u.args and u.args[0] is not n)
+                 and u not in row_max_users]
         if len(users) != 1:
             raise Miss(f"the scores ({n.name}) are also used outside the attention")
     return Scores(c, scale, factors, softcap, terms, batches, nodes)

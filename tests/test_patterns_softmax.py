@@ -104,6 +104,10 @@ SCALE_FORMS = {
     "two_scales": lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) / 2.0 * 0.5, -1) @ v,
     "per_head_temperature": PerHeadTemperature(),
     "constant_shift": lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) * 0.25 - 3.0, -1) @ v,
+    "row_max_shift": lambda q, k, v: torch.softmax(
+        (lambda s: s - s.max(dim=-1, keepdim=True).values.detach())(q @ k.transpose(-2, -1) * 0.25), -1) @ v,
+    "row_amax_shift": lambda q, k, v: torch.softmax(
+        (lambda s: s - s.amax(-1, keepdim=True))(q @ k.transpose(-2, -1) * 0.25), -1) @ v,
 }
 
 
