@@ -43,7 +43,7 @@ when they come in an additive mask. On a row where every key is masked eager com
   proves that no row is empty.
 Mixes whose fully masked rows eager computes differently (finite fills of different values, a
 finite fill and a separate additive float mask) are refused unless proven to have no empty row, or
-unless every fill is -inf or <= ABSORB_LIMIT (fp32/bf16 finfo.min) and precedes the additive masks:
+unless every fill is -inf, or <= ABSORB_LIMIT (fp32/bf16 finfo.min) and the very first term:
 then every term is passed as one additive float bias (fill -> where(T, c, 0)), which is eager's
 arithmetic (legacy GPT-2: where(causal, s, finfo.min) + (1 - m) * finfo.min), at the cost of an
 N x N bias.
@@ -1265,14 +1265,15 @@ def _analyze(gm, terms, *, batch, q_len, k_len, scores_dtype, insert_before, sdp
 
     def additive(src: list) -> Optional[list]:
         # every term as an additive float: masked_fill(T, c) == + where(T, c, 0) when c absorbs every score
-        # (fp32 s + c == c for |s| < 1e22 when c <= ABSORB_LIMIT) and no additive mask precedes the fill
-        out, seen_add = [], False
+        # (fp32 s + c == c for |s| < 1e22 when c <= ABSORB_LIMIT). A fill overwrites what came before it
+        # (eager: an earlier -inf or s + bias becomes c), addition does not: so a finite fill must be the
+        # very first term; -inf fills may come anywhere (-inf + anything finite or -inf stays -inf).
+        out = []
         for i, t in enumerate(src):
             if t.op == "add":
-                seen_add = seen_add or t.converted or t.keep is None
                 out.append(t if not is_mask_add(i) else untouched_adds(src)[i])
                 continue
-            if t.c != -math.inf and (t.c > ABSORB_LIMIT or seen_add):
+            if t.c != -math.inf and (t.c > ABSORB_LIMIT or i > 0):
                 return None
             node = terms[i].tensor
             item = ("where", node, t.c, t.op == "fill")  # masked where node is True for fill, False otherwise

@@ -1157,3 +1157,64 @@ def test_masks_shaped_like_the_scores(form, ):
     rw = compile_and_check(fn, *qkv(), dtypes=(torch.float32,), dynamic_dim=2, more=(qkv(nq=9, nk=9, seed=1),))
     assert_spec(rw.spec, "causal", "impossible")
     assert nxn_nodes(rw.graphs[-1], 6, 6) == []
+
+
+# ----------------------------------------------------------------------------- random stacks: rewritten => equal
+
+_FILLS = [NEG_INF, "min", -1e9, -1e4]
+
+
+def _random_stack(rng):
+    """A random stack of 1-3 mask terms (causal / window / padding / lengths / float biases, any fill)."""
+    kinds = ["fill-band", "where-band", "add-band", "add-pad", "fill-pad", "add-bias", "fill-lens"]
+    stack = []
+    for _ in range(rng.randint(1, 3)):
+        kind = rng.choice(kinds)
+        stack.append((kind, rng.choice(_FILLS), rng.randint(-2, 3), rng.randint(0, 3)))
+    return stack
+
+
+def _apply_stack(stack, s, am, lens, bias):
+    nq, nk = s.shape[-2], s.shape[-1]
+    for kind, fill, diag, width in stack:
+        c = torch.finfo(s.dtype).min if fill == "min" else fill
+        i = torch.arange(nq)[:, None]
+        j = torch.arange(nk)[None, :]
+        band = (j - i <= diag) & (j - i >= diag - width - 1)
+        if kind == "fill-band":
+            s = s.masked_fill(~band, c)
+        elif kind == "where-band":
+            s = torch.where(band, s, c)
+        elif kind == "add-band":
+            s = s + torch.where(band, 0.0, c).to(s.dtype)
+        elif kind == "add-pad":
+            s = s + (1.0 - am[:, None, None, :]).to(s.dtype) * torch.finfo(s.dtype).min
+        elif kind == "fill-pad":
+            s = s.masked_fill(am[:, None, None, :] == 0, c)
+        elif kind == "add-bias":
+            s = s + bias
+        else:
+            s = s.masked_fill((torch.arange(nk)[None, :] >= lens[:, None])[:, None, None, :], c)
+    return s
+
+
+@pytest.mark.parametrize("seed", [*range(12), 36, 42])  # 36, 42: a fill overwriting an earlier -inf
+def test_random_mask_stacks_rewritten_only_when_equal(seed):
+    import random
+
+    rng = random.Random(seed)
+    stack = _random_stack(rng)
+
+    def fn(q, k, v, am, lens, bias):
+        s = q @ k.transpose(-2, -1)
+        return _apply_stack(stack, s, am, lens, bias).softmax(-1) @ v
+
+    g = torch.Generator().manual_seed(seed)
+    am = (torch.rand(2, 7, generator=g) > 0.3).float()
+    am[1] = 0.0 if seed % 3 == 0 else am[1]  # sometimes a sequence with no key at all
+    lens = torch.tensor([7, rng.randint(0, 7)])
+    bias = torch.randn(1, 2, 5, 7, generator=g)
+    rw = compile_and_check(fn, *qkv(nq=5, nk=7, seed=seed), am, lens, bias, dtypes=(torch.float32,))
+    assert len(rw.specs) == 1
+    if isinstance(rw.spec, str):  # refused: must say why
+        assert "fully masked rows" in rw.spec or "not negligible" in rw.spec, (stack, rw.spec)
