@@ -188,6 +188,9 @@ def _reasons(cand, args: AttentionArgs, forced: bool) -> list[str]:
 
 
 def _is_fake(t: Tensor) -> bool:
+    # Hot path (every op call): a plain tensor or parameter is real; only subclasses need the full test.
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return t.device.type == "meta"
     from torch._subclasses.fake_tensor import is_fake
 
     return t.device.type == "meta" or is_fake(t)

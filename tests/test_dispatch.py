@@ -149,7 +149,9 @@ def test_user_settings_deterministic_precision_sdpa_kernel(hopper):
         assert "disabled" in reasons(sdpa.CUDNN, fake_args())
         assert "disabled" in reasons(sdpa.EFFICIENT, fake_args())
         assert reasons(sdpa.FLASH, fake_args()) == ""
-        assert dispatch.select_forward(fake_args()).name == "flash"
+        # sdpa_kernel governs SDPA's backends only: FA3, when installed, stays ahead of FA2.
+        fa3_ok = not reasons(fa3.FA3, fake_args())
+        assert dispatch.select_forward(fake_args()).name == ("fa3" if fa3_ok else "flash")
     assert dispatch.select_forward(fake_args()).name == "cudnn"
     with sdpa_kernel([SDPBackend.MATH]):
         chosen, refused = dispatch.explain_choice(fake_args())
