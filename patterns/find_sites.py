@@ -617,7 +617,7 @@ class _Ctx:
 
 def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> SiteReport:
     rep = SiteReport(form="softmax", rewritten=False, where=_where(sm))
-    x, dim, sm_dtype = softmax_args(sm)
+    x, dim, _ = softmax_args(sm)  # a dtype= argument is a cast before the softmax: nothing to keep
     if not isinstance(x, fx.Node) or tensor_of(x) is None:
         raise Miss("softmax input is not a tensor of the graph")
     st = tensor_of(x)

@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from .canonicalize import arg, kind, tensor_of
 from .layout import View
-from .shapes import known_eq, prod
+from .shapes import known_eq
 
 
 def _unsqueezed_at(node: fx.Node) -> Optional[tuple[fx.Node, int]]:
@@ -96,4 +96,4 @@ def unrepeat(view: View, head_axis: int) -> View:
     return view
 
 
-__all__ = ["unrepeat", "prod"]
+__all__ = ["unrepeat"]

@@ -11,7 +11,7 @@ lhs [batch..., M, C], rhs [batch..., C, N], out [batch..., M, N] (then `out_perm
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
