@@ -327,7 +327,8 @@ def _real_buffer(node: fx.Node) -> Optional[torch.Tensor]:
         memo, desc = conv.tensor_memo, conv.meta_converter.describer
         for real, tid in list(desc.lookup_tensor.items()):
             if memo.get(tid) is fake and not isinstance(real, torch._subclasses.FakeTensor):
-                return real
+                # parameters (even frozen ones) are weights that training or the user may change
+                return None if isinstance(real, torch.nn.Parameter) or real.requires_grad else real
     except Exception:
         return None
     return None
@@ -352,7 +353,13 @@ class _Evaluator:
             if node.op == "placeholder":
                 ok = _real_buffer(node) is not None
             elif node.op == "get_attr":
-                ok = True
+                try:
+                    val = self.gm
+                    for part in str(node.target).split("."):
+                        val = getattr(val, part)
+                except AttributeError:
+                    val = None
+                ok = isinstance(val, torch.Tensor) and not isinstance(val, torch.nn.Parameter) and not val.requires_grad
             elif node.op in ("call_function", "call_method"):
                 name = _opname(node).lower()
                 ok = not _is_inplace(node) and not any(w in name for w in _RANDOM_WORDS)

@@ -1218,3 +1218,25 @@ def test_random_mask_stacks_rewritten_only_when_equal(seed):
     assert len(rw.specs) == 1
     if isinstance(rw.spec, str):  # refused: must say why
         assert "fully masked rows" in rw.spec or "not negligible" in rw.spec, (stack, rw.spec)
+
+
+def test_parameter_bias_is_never_folded():
+    """A learned additive bias that is all zeros at compile time must stay a bias (it will train)."""
+
+    class Learned(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rel = torch.nn.Parameter(torch.zeros(1, 2, 6, 6))
+            self.frozen = torch.nn.Parameter(torch.zeros(6, 6), requires_grad=False)
+
+        def forward(self, q, k, v):
+            return (q @ k.transpose(-2, -1) + self.rel + self.frozen).softmax(-1) @ v
+
+    model = Learned()
+    rw = compile_and_check(model, *qkv(), dtypes=(torch.float32,))
+    assert isinstance(rw.spec, MaskSpec) and rw.spec.kind == "bias", rw.spec
+    with torch.no_grad():
+        model.rel.add_(torch.randn(1, 2, 6, 6))
+        model.frozen.add_(torch.randn(6, 6))
+    compiled = torch.compile(model, backend=Rewriter(), fullgraph=True)
+    torch.testing.assert_close(compiled(*qkv()), model(*qkv()), **TOL[torch.float32])
