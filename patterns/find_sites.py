@@ -284,13 +284,17 @@ def walk_scores(x: fx.Node) -> Scores:
     if c.spelling == "einsum" and c.out_perm != identity(len(c.out_perm)):
         raise Miss("the einsum's scores are not laid out [batch..., query, key]")
     if c.spelling == "baddbmm":
-        if not is_finite_number(c.alpha) or not is_finite_number(c.beta):
+        if not is_finite_number(c.beta) or not (is_finite_number(c.alpha) or is_symbolic_scalar(c.alpha)):
             raise Miss("baddbmm with a non-constant alpha or beta")
-        scale *= float(c.alpha)
+        if is_finite_number(c.alpha):
+            scale *= float(c.alpha)
+        else:  # a SymFloat alpha (e.g. d ** -0.5 under dynamic shapes): folded into q
+            factors.append((c.alpha, "mul", list(tensor_of(c.node).shape[:-2])))
         if c.beta != 0:
             if c.beta != 1:
                 raise Miss("baddbmm adds its input with beta != 0, 1")
-            if phase != "mask" or factors or scale != float(c.alpha) or softcap:
+            if phase != "mask" or softcap or len(factors) > (0 if is_finite_number(c.alpha) else 1) or \
+                    scale != (float(c.alpha) if is_finite_number(c.alpha) else 1.0):
                 raise Miss("baddbmm's added input is scaled or softcapped afterwards")
             terms.append(MaskTerm("add", c.addend))
             batches.append(list(tensor_of(c.node).shape[:-2]))

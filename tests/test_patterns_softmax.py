@@ -230,6 +230,16 @@ def test_issue_195320_permute_is_not_a_transpose():
     assert tuple(perm.args[1]) == (0, 2, 1, 3)
 
 
+@pytest.mark.parametrize("form", ["bmm_3d", "baddbmm_alpha", "einsum_bshd_out", "single_head_2d"])
+def test_contractions_under_dynamic_shapes(form):
+    f = CONTRACTION_FORMS[form]
+    c = Compiled(f, dynamic=True)
+    for n in (8, 11):
+        q, k, v = qkv(shape=(B, H, n, D), seed=n)
+        torch.testing.assert_close(c(q, k, v), f(q, k, v), **TOL[torch.float32])
+    assert len(c.graphs) == 1 and len(c.rewritten) == 1, [r.reason for r in c.missed]
+
+
 # ------------------------------------------------------------------------------------------------- GQA
 
 HKV = 2
