@@ -299,6 +299,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--no-generate", action="store_true")
+    ap.add_argument("--generate-only", action="store_true", help="skip forward / training, measure generate() only")
     ap.add_argument("--explain", action="store_true", help="also print fa_compile.explain() for the fa3 variant")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
@@ -325,7 +326,7 @@ def main(argv=None) -> int:
 
     wanted = [v for v in VARIANTS if v[0] in args.variants.split(",")]
     rows, gens = [], []
-    for kind in args.models.split(","):
+    for kind in ([] if args.generate_only else args.models.split(",")):
         for label, attn, backend in wanted:
             if budget.left() < args.reserve_s:
                 rows.append({"model": kind, "variant": label, "error": "skipped: time budget"})
