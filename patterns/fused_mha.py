@@ -25,9 +25,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from . import emit
 from .fused_common import (
-    Builder, emit_attention, Refuse, const, options_allow_dropout, structured_mask, replace_output, report, shape_of, static_int, tensor_value,
+    Builder, Refuse, const, emit_attention, options_allow_dropout, replace_output, report, shape_of, static_int,
+    structured_mask, tensor_value,
 )
 from .site import PassOptions, SiteReport
 

@@ -1,8 +1,9 @@
 """`F.scaled_dot_product_attention` -> fa3.attention, with every argument of SDPA.
 
 SDPA's semantics kept exactly:
-- attn_mask: bool (True = attend) or float (added to the scores), broadcasting to [..., L, S];
-  passed as the op's bias (structure analysis of the mask belongs to patterns/masks.py).
+- attn_mask: bool (True = attend) or float (added to the scores), broadcasting to [..., L, S].
+  masks.analyze_mask turns what it proves (causal, window, key lengths) into the op's arguments;
+  the rest stays the op's bias, which is SDPA's own arithmetic.
 - dropout_p is applied whatever the module's training flag (the caller passes 0 in eval).
 - is_causal: top-left alignment (diag_offset 0). With an explicit attn_mask as well, SDPA's result
   depends on the backend (the CPU flash kernel combines both, the math backend raises): refused.
@@ -22,8 +23,8 @@ import torch.fx as fx
 
 from . import emit
 from .fused_common import (
-    Builder, emit_attention, Refuse, const, default_scale, runtime_scale, structured_mask, options_allow_dropout, replace_output, report, same_size, shape_of,
-    static_int, tensor_value,
+    Builder, Refuse, const, default_scale, emit_attention, options_allow_dropout, replace_output, report,
+    runtime_scale, same_size, shape_of, structured_mask, tensor_value,
 )
 from .site import PassOptions, SiteReport
 

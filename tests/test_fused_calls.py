@@ -6,8 +6,6 @@ torch._native_multi_head_attention and nn.TransformerEncoderLayer's fast path
 """
 from __future__ import annotations
 
-import math
-
 import expecttest
 import pytest
 import torch
@@ -623,6 +621,27 @@ def test_transformer_encoder_stack_in_eval():
         out, cap = run(enc, x)
         assert [r.rewritten for r in cap.reports] == [True, True]
         assert_same(out, enc(x), **tolerances(torch.float32))
+
+
+def test_transformer_encoder_nested_tensor_path_with_padding():
+    """Eager (no_grad) converts the padded batch to a nested tensor and returns 0 at padded positions;
+    Dynamo's graph (with or without our pass) runs the dense fast path with the padding mask instead.
+    The rewrite matches the dense semantics everywhere and eager's at every real position."""
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 2).eval()
+    dense = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 2,
+                                  enable_nested_tensor=False).eval()
+    dense.load_state_dict(enc.state_dict())
+    x = rnd(2, 6, 16, seed=1)
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[1, 4:] = True
+    with torch.no_grad():
+        out, cap = run(lambda x, m: enc(x, src_key_padding_mask=m), x, kpm)
+        assert [r.rewritten for r in cap.reports] == [True, True]
+        assert_same(out, dense(x, src_key_padding_mask=kpm), **tolerances(torch.float32))
+        ref = enc(x, src_key_padding_mask=kpm)
+    real = ~kpm
+    assert_same(out[real], ref[real], **tolerances(torch.float32))
 
 
 def test_encoder_layer_rewritten_graph_pinned():
