@@ -554,7 +554,8 @@ _VIEWISH = ("transpose", "permute", "unsqueeze", "getitem", "expand")
 
 
 def _needs_contiguous(old: fx.Node, new_val: torch.Tensor, depth: int = 3) -> bool:
-    """Would a `.view` downstream of `old` fail on `new_val`'s strides (where it worked on eager's)?"""
+    """Would a `.view` downstream of `old` fail on `new_val`'s strides (where it worked on eager's), or
+    would the caller get a non-contiguous tensor where eager returned a contiguous one?"""
     mode = emit._fake_mode([new_val])
     if mode is None:
         return False
@@ -563,6 +564,12 @@ def _needs_contiguous(old: fx.Node, new_val: torch.Tensor, depth: int = 3) -> bo
         nxt = []
         for node, val in frontier:
             for u in node.users:
+                if u.op == "output":
+                    # returned to the caller: keep eager's strides (a caller may .view() it)
+                    old_val = example_value(node)
+                    if isinstance(old_val, torch.Tensor) and old_val.is_contiguous() and not val.is_contiguous():
+                        return True
+                    continue
                 if u.op != "call_method" and u.op != "call_function":
                     continue
                 is_view = u.op == "call_method" and u.target == "view"

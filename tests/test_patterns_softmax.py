@@ -211,6 +211,15 @@ def test_layouts(form):
             assert a.args[0].op == "placeholder", a.format_node()
 
 
+def test_returned_output_keeps_eager_strides():
+    """The op stores its output BSHD; a P·V result returned to the caller must stay contiguous as in
+    eager, or a caller's `.view()` would fail."""
+    f = SCALE_FORMS["no_scale"]
+    q, k, v = qkv()
+    out = check(f, q, k, v).fn(q, k, v)
+    assert out.is_contiguous() and out.stride() == f(q, k, v).stride()
+
+
 def test_issue_195320_permute_is_not_a_transpose():
     """k.permute(0, 2, 3, 1) of a BHSD k is NOT k^T: with N == H the shapes line up and Inductor's
     template matched it as a transpose (pytorch issue 195320). The contraction axes are read from the
@@ -693,7 +702,8 @@ class TestPinnedGraphs(expecttest.TestCase):
     def test_pinned_bhsd_sqrt(self):
         self.assertExpectedInline(pinned(SCALE_FORMS["div_sqrt_d"], *qkv()), """\
 fa3.attention(l_q_, l_k_, l_v_, 0.25, False, 0, -1, -1, None, None, 0.0, 0.0, None, None)
-getitem(attention_default, 0)""")
+getitem(attention_default, 0)
+contiguous(getitem)""")
 
     def test_pinned_bshd(self):
         self.assertExpectedInline(pinned(bshd, *qkv(shape=(B, N, H, D))), """\
@@ -708,7 +718,8 @@ reshape(transpose_4, 2, 8, -1)""")
     def test_pinned_repeat_kv(self):
         self.assertExpectedInline(pinned(GQA_FORMS["repeat_kv"], *qkv(kv_shape=(B, HKV, N, D))), """\
 fa3.attention(l_q_, l_k_, l_v_, 0.25, False, 0, -1, -1, None, None, 0.0, 0.0, None, None)
-getitem(attention_default, 0)""")
+getitem(attention_default, 0)
+contiguous(getitem_2)""")
 
     def test_pinned_bmm_3d(self):
         self.assertExpectedInline(pinned(bmm_3d, *qkv()), """\
