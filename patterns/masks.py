@@ -15,7 +15,9 @@ How a proof works. Each node of the mask subgraph gets an abstract value (`_Lin`
 arithmetic a*i + b*j + c on the query/key axes; `_Keep`: a keep-mask that is a conjunction of a band
 lo <= j - i <= hi, a key-length bound j < lens[b] and opaque bool factors; `_Two`: a float mask equal
 to 0 where a `_Keep` holds and c elsewhere; `_Konst`: a tensor filled with one number; `_Opaque`:
-anything else). Two techniques produce them:
+anything else). SiteReport kinds produced: "causal" (diag_offset 0), "causal-bottom-right"
+(Nk - Nq), "causal-offset" (any other), "window", "key-padding" (kv_lens), "bool-mask" / "bias"
+(residual), joined by '+'. Two techniques produce them:
   (a) symbolic rules over arange / comparisons / tril / triu / where / masked_fill / logical ops and
       shape-only ops; these hold for every size, so they serve dynamic shapes;
   (b) concrete evaluation: a node that depends on no graph input except module buffers and whose
@@ -332,6 +334,12 @@ def _real_buffer(node: fx.Node) -> Optional[torch.Tensor]:
     except Exception:
         return None
     return None
+
+
+def _exact_positions(n: fx.Node) -> bool:
+    """Every dim of n is statically below 2**24 - 2**20 (index arithmetic stays exact in fp32)."""
+    shape = _shape(n)
+    return shape is not None and all(_sym_true(s < (1 << 24) - (1 << 20)) for s in shape)
 
 
 class _Evaluator:
@@ -668,6 +676,8 @@ class _Analyzer:
             return _Two(x.keep, cast(x.c), on=cast(x.on))
         if isinstance(x, _Lin) and not dst.is_floating_point and dst != torch.bool and dst.itemsize >= 4:
             return x
+        if isinstance(x, _Lin) and dst in (torch.float32, torch.float64) and _exact_positions(n):
+            return x  # positions below 2**24 are exact in fp32, so comparisons keep their meaning
         return _Opaque(n)
 
     def _op_to(self, n):
@@ -842,12 +852,15 @@ class _Analyzer:
         a, b = self.value(an), self.value(bn)
         # keep-mask == 0 / == 1 / != 0 / > 0 (0/1 values only)
         for x, y, o in ((a, b, op), (b, a, _FLIP[op])):
-            if isinstance(x, _Keep) and isinstance(y, _Konst) and _scalar(y.value) in (0.0, 1.0):
-                truth = {("eq", 1.0), ("ne", 0.0), ("gt", 0.0), ("ge", 1.0)}
-                falsity = {("eq", 0.0), ("ne", 1.0), ("lt", 1.0), ("le", 0.0)}
-                if (o, y.value) in truth:
+            if isinstance(x, _Keep) and isinstance(y, _Konst) and _scalar(y.value) is not None:
+                v = float(y.value)
+                # x takes the values 0 and 1: which of them satisfy `x o v`?
+                holds = {"eq": lambda z: z == v, "ne": lambda z: z != v, "gt": lambda z: z > v,
+                         "ge": lambda z: z >= v, "lt": lambda z: z < v, "le": lambda z: z <= v}[o]
+                at0, at1 = holds(0.0), holds(1.0)
+                if at1 and not at0:
                     return replace(x, numeric=False)
-                if (o, y.value) in falsity:
+                if at0 and not at1:
                     r = _not(x)
                     if r is not None:
                         return replace(r, numeric=False)

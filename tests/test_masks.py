@@ -1240,3 +1240,21 @@ def test_parameter_bias_is_never_folded():
         model.frozen.add_(torch.randn(6, 6))
     compiled = torch.compile(model, backend=Rewriter(), fullgraph=True)
     torch.testing.assert_close(compiled(*qkv()), model(*qkv()), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_float_positions_and_threshold_comparisons(dynamic):
+    """arange(...).float() positions and `mask < 0.5` on a 0/1 mask keep their meaning."""
+
+    def fn(q, k, v):
+        t = q.shape[-2]
+        pos = torch.arange(t).float()
+        tri = (pos[None, :] <= pos[:, None]).float()  # 1 on and below the diagonal
+        return (q @ k.transpose(-2, -1)).masked_fill(tri < 0.5, NEG_INF).softmax(-1) @ v
+
+    rw = compile_and_check(fn, *qkv(), dtypes=(torch.float32,), dynamic_dim=2 if dynamic else None,
+                           more=(qkv(nq=9, nk=9, seed=1),) if dynamic else ())
+    if dynamic:  # any length is admitted, and fp32 positions stop being exact at 2**24: not proven
+        assert_spec(rw.spec, "bool-mask", "nan")
+    else:
+        assert_spec(rw.spec, "causal", "impossible")
