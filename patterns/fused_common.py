@@ -167,28 +167,9 @@ def options_allow_dropout(options: PassOptions, dropout_p: float) -> None:
         raise Refuse(f"dropout_p={dropout_p} on the probabilities and the pass was told not to rewrite training dropout")
 
 
-def emit_attention(b: Builder, q: fx.Node, k: fx.Node, v: fx.Node, *, dropout_p: float = 0.0, **kwargs: Any):
-    """emit.emit_attention, with the dropout seed given a FakeTensor in q's fake mode.
-
-    emit.call cannot find a fake mode for `torch.randint(...)` (it has no tensor argument), so the
-    seed node would carry no example value and the op's fake check would see dropout_seed=None.
-    """
-    out, call = emit.emit_attention(b.graph, q, k, v, **kwargs)
-    if dropout_p > 0:
-        qv = tensor_value(q, "q")
-        with b.graph.inserting_before(call):
-            seed = b.graph.call_function(torch.randint, (0, emit.DROPOUT_SEED_HIGH, ()),
-                                         {"dtype": torch.int64, "device": qv.device})
-        b.nodes.append(seed)
-        mode = getattr(qv, "fake_mode", None)
-        if mode is None:
-            raise Refuse("no fake mode on q to type the dropout seed")
-        with mode:
-            seed.meta["example_value"] = torch.randint(0, emit.DROPOUT_SEED_HIGH, (), dtype=torch.int64, device=qv.device)
-        call.update_arg(11, float(dropout_p))
-        call.update_arg(12, seed)
-        emit.set_example_value(call)
-    return out, call
+def emit_attention(b: Builder, q: fx.Node, k: fx.Node, v: fx.Node, **kwargs: Any):
+    """emit.emit_attention into the builder's graph (the one way to emit the op)."""
+    return emit.emit_attention(b.graph, q, k, v, **kwargs)
 
 
 _SPEC_FIELDS = ("causal", "diag_offset", "window_left", "window_right", "kv_lens", "bias", "empty_rows")
