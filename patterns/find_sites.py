@@ -50,6 +50,7 @@ class Scores:
     terms: list = field(default_factory=list)  # MaskTerm, outermost first
     term_batches: list = field(default_factory=list)  # the scores' batch dims where each term is applied
     nodes: list = field(default_factory=list)  # the chain, softmax input first (all single-user)
+    clamped: bool = False  # max(s, finfo.min) after the masks: fully masked rows average V, never NaN
 
 
 def _operand_roles(node: fx.Node, cur_shape) -> tuple[Any, Any]:
@@ -132,6 +133,24 @@ def _regroups_batch(node: fx.Node) -> bool:
         known_eq(a.shape[-1], b.shape[-1]) and known_eq(a.shape[-2], b.shape[-2])
 
 
+def _clamp_min_of(node: fx.Node, t: torch.Tensor) -> Optional[fx.Node]:
+    """x when node is torch.max(x, c) / torch.maximum(x, c) with c = finfo(dtype).min (a 0-d constant)."""
+    if node.op not in ("call_function", "call_method"):
+        return None
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if name not in ("max", "maximum") or len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    if node.op == "call_function" and getattr(node.target, "__module__", "") not in ("torch", None) and \
+            node.target not in (torch.max, torch.maximum):
+        return None
+    if not isinstance(b, fx.Node) or tensor_of(b) is None or tensor_of(b).dim() != 0:
+        return None  # torch.max(x, int) is a reduction
+    if constant_value(b) != float(torch.finfo(t.dtype).min) or tensor_of(a) is None:
+        return None
+    return a
+
+
 def _row_max_of(m: Any, s: Any) -> Optional[fx.Node]:
     """The max/amax node when m is s.amax(-1, keepdim=True) or s.max(-1, keepdim=True)[0] (detached or not)."""
     while isinstance(m, fx.Node) and m.op == "call_method" and m.target == "detach":
@@ -159,6 +178,7 @@ def walk_scores(x: fx.Node) -> Scores:
     """From the softmax input back to the Q·Kᵀ contraction."""
     scale, factors, softcap, terms, nodes, batches = 1.0, [], 0.0, [], [], []
     row_max_users: set = set()  # max/amax nodes reading a chain node only to subtract its row max
+    clamped = False
     phase = "mask"  # outermost first: mask terms -> softcap -> scale
     shifted = False
     cur = x
@@ -175,6 +195,15 @@ def walk_scores(x: fx.Node) -> Scores:
         k = kind(cur)
         if k in ("cast", "identity"):
             cur = cur.args[0]
+            continue
+        lo = _clamp_min_of(cur, t)
+        if lo is not None:
+            # max(s, finfo.min) turns -inf into finfo.min (finite values are all >= it): masks applied
+            # before it keep eager's finite-fill semantics (fully masked rows average V)
+            if terms or phase != "mask":
+                raise Miss("the scores are clamped after a mask or before the scale")
+            clamped = True
+            cur = lo
             continue
         if k == "reshape" and _regroups_batch(cur):
             cur = cur.args[0]  # batch dims regrouped ([B*H, N, N] <-> [B, H, N, N]); rows and keys kept
@@ -307,7 +336,10 @@ def walk_scores(x: fx.Node) -> Scores:
                  and u not in row_max_users]
         if len(users) != 1:
             raise Miss(f"the scores ({n.name}) are also used outside the attention")
-    return Scores(c, scale, factors, softcap, terms, batches, nodes)
+    if clamped:
+        terms = [MaskTerm(t.op, t.tensor, float(torch.finfo(tensor_of(x).dtype).min)) if t.op in ("fill", "where")
+                 and t.fill == -math.inf else t for t in terms]
+    return Scores(c, scale, factors, softcap, terms, batches, nodes, clamped)
 
 
 def _describe(n: Any) -> str:
@@ -709,6 +741,8 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
             terms = [t if _same(tb, bd) else MaskTerm(t.op, _regroup(o, t.tensor, tb, bd), t.fill)
                      for t, tb in zip(terms, scores.term_batches)]
         spec = _analyze_mask(gm, terms, bd, st, o_node)
+        if scores.clamped and spec.empty_rows == "nan":
+            spec.empty_rows = "mean_v"  # -inf became finfo.min: a fully masked row is uniform
         if spec.empty_rows == "unknown":
             raise Miss("cannot keep eager's value on fully masked rows for this mask")
         with graph.inserting_before(o_node):

@@ -489,6 +489,20 @@ def test_relative_position_bias_trains():
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_clamp_to_finfo_min_after_mask_keeps_empty_rows_uniform():
+    """OPT/XGLM: max(s, finfo.min) after a -inf mask; a fully masked row is then uniform (mean of V), not NaN."""
+    def f(q, k, v, keep):
+        s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, float("-inf"))
+        s = torch.max(s, torch.full((), torch.finfo(s.dtype).min))
+        return torch.softmax(s, -1) @ v
+
+    q, k, v = qkv()
+    keep = rand(B, 1, N, N, seed=12) > 0
+    keep[0, 0, 3] = False  # one fully masked row
+    c = check(f, q, k, v, keep)
+    assert not torch.isnan(c.fn(q, k, v, keep)).any()
+
+
 def test_baddbmm_with_additive_input():
     """BLOOM-style: baddbmm(alibi, q, k^T, beta=1, alpha=1/sqrt(d)) adds the bias inside the contraction."""
     def f(q, k, v, bias):
