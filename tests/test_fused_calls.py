@@ -688,3 +688,30 @@ def test_encoder_layer_refuses_empty_input():
         reasons = [r.reason for r in cap.reports]
         assert reasons == ["src is empty (the fused op returns a copy of it)"]
         assert out.shape == (2, 0, 16)
+
+
+def test_decompositions_compile_with_inductor():
+    """The glue (narrow, unflatten, _addmm_activation, ...) and the op go through Inductor on CPU."""
+    import fa_compile
+    from torch._dynamo.utils import counters
+
+    be = fa_compile.backend(inner="inductor")
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, activation="gelu", norm_first=True).eval()
+    x = rnd(2, 6, 16, seed=1)
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[1, 4:] = True
+    counters.clear()
+    with torch.no_grad():
+        out = torch.compile(layer, backend=be)(x, src_key_padding_mask=kpm)
+        assert_same(out, layer(x, src_key_padding_mask=kpm), **tolerances(torch.float32))
+    mha = nn.MultiheadAttention(16, 4, batch_first=True, add_bias_kv=True).train()
+    xg = x.clone().requires_grad_()
+    fn = lambda x: mha(x, x, x, key_padding_mask=kpm)[0]
+    out = torch.compile(fn, backend=be)(xg)
+    (g,) = torch.autograd.grad(out.sum(), xg)
+    ref = fn(xg)
+    (rg,) = torch.autograd.grad(ref.sum(), xg)
+    assert_same(out, ref, **tolerances(torch.float32))
+    torch.testing.assert_close(g, rg, atol=2e-5, rtol=2e-5)
+    assert counters["fa_compile"]["sites_rewritten"] == 2 and counters["fa_compile"]["sites_missed"] == 0
