@@ -1053,7 +1053,8 @@ def _absorbs(c: float, dtype: torch.dtype) -> bool:
     return c <= ABSORB_LIMIT or (dtype == torch.float16 and c <= float(torch.finfo(torch.float16).min))
 
 
-def _term_info(an: _Analyzer, t: MaskTerm, scores_dtype: torch.dtype, q_len: Size, k_len: Size) -> Union[_TermInfo, str]:
+def _term_info(an: _Analyzer, t: MaskTerm, scores_dtype: torch.dtype, q_len: Size,
+               k_len: Size) -> Union[_TermInfo, str]:
     if t.op == "add":
         if not isinstance(t.tensor, fx.Node):
             s = _scalar(t.tensor)
