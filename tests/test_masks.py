@@ -1258,3 +1258,22 @@ def test_float_positions_and_threshold_comparisons(dynamic):
         assert_spec(rw.spec, "bool-mask", "nan")
     else:
         assert_spec(rw.spec, "causal", "impossible")
+
+
+@pytest.mark.parametrize("name,kind", [("llama", "causal+bool-mask"), ("mistral", "window+bool-mask")])
+def test_hf_masks_dynamic_true(name, kind):
+    """dynamic=True: one graph serves every sequence length and keeps the proven structure."""
+    model = _hf_model(name, "eager")
+    run = PipelineRun()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda i, a: model(input_ids=i, attention_mask=a).logits, backend=run, dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in (6, 9, 13):
+            ids = torch.randint(0, 32, (2, t), generator=g)
+            am = torch.ones(2, t, dtype=torch.long)
+            am[0, :2] = 0
+            torch.testing.assert_close(compiled(ids, am), model(input_ids=ids, attention_mask=am).logits,
+                                       **TOL[torch.float32])
+    assert len(run.graphs) == 1
+    assert [r.mask for r in run.reports] == [kind]
