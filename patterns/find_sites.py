@@ -133,6 +133,20 @@ def _regroups_batch(node: fx.Node) -> bool:
         known_eq(a.shape[-1], b.shape[-1]) and known_eq(a.shape[-2], b.shape[-2])
 
 
+def _outer_scaled(term: MaskTerm, phase: str, scale: float, factors: list, softcap: float, t: torch.Tensor) -> MaskTerm:
+    """A mask applied before a Python-number scale c: eager scales it too, so the op gets fill * c
+    (computed in the scores' dtype, as eager does) or bias * c; "scaled" terms are multiplied at rewrite."""
+    if phase == "mask":
+        return term
+    if softcap:
+        raise Miss("a mask is applied to the scores before the softcap")
+    if factors or scale <= 0:
+        raise Miss("a mask is applied to the scores before a tensor or non-positive scale")
+    if term.op in ("fill", "where"):
+        return MaskTerm(term.op, term.tensor, float(torch.tensor(term.fill, dtype=t.dtype) * scale))
+    return MaskTerm(term.op + "_scaled", term.tensor, scale)
+
+
 def _clamp_min_of(node: fx.Node, t: torch.Tensor) -> Optional[fx.Node]:
     """x when node is torch.max(x, c) / torch.maximum(x, c) with c = finfo(dtype).min (a 0-d constant)."""
     if node.op not in ("call_function", "call_method"):
@@ -262,9 +276,7 @@ def walk_scores(x: fx.Node) -> Scores:
             if k == "sub":
                 if not (isinstance(a, fx.Node) and _reaches_contraction(a)) or tensor_of(b) is None:
                     raise Miss(f"the scores are subtracted from a tensor ({cur.name})")
-                if phase != "mask":
-                    raise Miss("the scores are scaled or softcapped after a mask/bias is added")
-                terms.append(MaskTerm("sub", b))  # becomes "add" of -b at rewrite time
+                terms.append(_outer_scaled(MaskTerm("sub", b), phase, scale, factors, softcap, t))  # "add" of -b
                 batches.append(list(t.shape[:-2]))
                 cur = a
                 continue
@@ -275,9 +287,7 @@ def walk_scores(x: fx.Node) -> Scores:
                     known_eq(p, q) for p, q in zip(tensor_of(other).shape, t.shape)):
                 if not _reaches_contraction(chain) and _reaches_contraction(other):
                     chain, other = other, chain
-            if phase != "mask":
-                raise Miss("the scores are scaled or softcapped after a mask/bias is added")
-            terms.append(MaskTerm("add", other))
+            terms.append(_outer_scaled(MaskTerm("add", other), phase, scale, factors, softcap, t))
             batches.append(list(t.shape[:-2]))
             cur = chain
             continue
@@ -286,9 +296,7 @@ def walk_scores(x: fx.Node) -> Scores:
             fill = constant_value(value)
             if fill is None:
                 raise Miss(f"masked_fill with a value that is not a constant ({cur.name})")
-            if phase != "mask":
-                raise Miss("the scores are scaled or softcapped after a mask is applied")
-            terms.append(MaskTerm("fill", mask, fill))
+            terms.append(_outer_scaled(MaskTerm("fill", mask, fill), phase, scale, factors, softcap, t))
             batches.append(list(t.shape[:-2]))
             cur = cur.args[0]
             continue
@@ -301,9 +309,7 @@ def walk_scores(x: fx.Node) -> Scores:
                 term, nxt = MaskTerm("fill", cond, ca), b
             else:
                 raise Miss(f"torch.where on the scores without a constant fill ({cur.name})")
-            if phase != "mask":
-                raise Miss("the scores are scaled or softcapped after a mask is applied")
-            terms.append(term)
+            terms.append(_outer_scaled(term, phase, scale, factors, softcap, t))
             batches.append(list(t.shape[:-2]))
             cur = nxt
             continue
@@ -738,6 +744,8 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
         terms = scores.terms
         with graph.inserting_before(o_node):
             terms = [MaskTerm("add", o.call(operator.neg, t.tensor)) if t.op == "sub" else t for t in terms]
+            terms = [MaskTerm("add", o.call(operator.mul, t.tensor, t.fill if t.op == "add_scaled" else -t.fill))
+                     if t.op in ("add_scaled", "sub_scaled") else t for t in terms]
             terms = [t if _same(tb, bd) else MaskTerm(t.op, _regroup(o, t.tensor, tb, bd), t.fill)
                      for t, tb in zip(terms, scores.term_batches)]
         spec = _analyze_mask(gm, terms, bd, st, o_node)

@@ -503,6 +503,34 @@ def test_clamp_to_finfo_min_after_mask_keeps_empty_rows_uniform():
     assert not torch.isnan(c.fn(q, k, v, keep)).any()
 
 
+def fill_then_scale(q, k, v):
+    n = q.shape[-2]
+    s = (q @ k.transpose(-2, -1)).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s / math.sqrt(q.shape[-1]), -1) @ v
+
+
+def min_fill_then_scale_overflows(q, k, v):
+    """finfo.min * 4 overflows to -inf in eager: the op gets eager's -inf, so a fully masked row stays NaN."""
+    n = q.shape[-2]
+    s = (q @ k.transpose(-2, -1)).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), torch.finfo(q.dtype).min)
+    return torch.softmax(s * 4.0, -1) @ v
+
+
+def bias_then_scale(q, k, v, m):
+    return torch.softmax((q @ k.transpose(-2, -1) + m) * 0.25, -1) @ v
+
+
+@pytest.mark.parametrize("fn", [fill_then_scale, min_fill_then_scale_overflows], ids=lambda f: f.__name__)
+def test_mask_applied_before_the_scale(fn):
+    c = check(fn, *qkv())
+    assert c.rewritten[0].mask == "causal"
+
+
+def test_bias_added_before_the_scale():
+    q, k, v = qkv()
+    check(bias_then_scale, q, k, v, rand(B, 1, N, N, seed=13))
+
+
 def test_baddbmm_with_additive_input():
     """BLOOM-style: baddbmm(alibi, q, k^T, beta=1, alpha=1/sqrt(d)) adds the bias inside the contraction."""
     def f(q, k, v, bias):
@@ -624,10 +652,10 @@ def softmax_dim_1(q, k, v):
     return torch.softmax(q @ k.transpose(-2, -1), dim=1) @ v
 
 
-def scaled_after_mask(q, k, v):
+def mask_before_softcap(q, k, v):
     n = q.shape[-2]
-    s = (q @ k.transpose(-2, -1)).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -1e9) * 0.25
-    return torch.softmax(s, -1) @ v
+    s = (q @ k.transpose(-2, -1)).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -1e9)
+    return torch.softmax(torch.tanh(s / 5.0) * 5.0, -1) @ v
 
 
 def elementwise_tensor_mul(q, k, v):
@@ -651,7 +679,7 @@ MISSES = {
     "scores_returned": (returns_scores, "also used outside the attention"),
     "probs_used_twice": (probs_used_twice, "probabilities have 2 users"),
     "softmax_dim_1": (softmax_dim_1, "softmax is over dim 1, not the key axis"),
-    "scaled_after_mask": (scaled_after_mask, "scaled or softcapped after a mask is applied"),
+    "mask_before_softcap": (mask_before_softcap, "a mask is applied to the scores before the softcap"),
     "elementwise_tensor_mul": (elementwise_tensor_mul, "multiplied elementwise by a tensor"),
     "inplace_scale": (inplace_scale_elsewhere, "modified in place"),
     "probs_transposed": (probs_transposed, "probabilities feed transpose"),
