@@ -169,7 +169,10 @@ def _rewrite_mha(b: Builder, node: fx.Node, options: PassOptions, rep: SiteRepor
 
     unbatched = qv.dim() == 2
     if unbatched:
-        query, key, value = (b.m("unsqueeze", t, 1) for t in (query, key, value))
+        batched = {t: None for t in (query, key, value)}  # one unsqueeze per distinct input (self-attention stays packed)
+        for t in batched:
+            batched[t] = b.m("unsqueeze", t, 1)
+        query, key, value = batched[query], batched[key], batched[value]
         if kpm is not None:
             kpm = b.m("unsqueeze", kpm, 0)
     batch = b.size(query, 1)
