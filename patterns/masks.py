@@ -490,6 +490,16 @@ def _getitem_map(in_shape: tuple, index: Any) -> Optional[tuple[dict, dict]]:
     return dmap, slices
 
 
+def _noop_slice(sl: slice, size: Size, out_size: Size) -> bool:
+    """x[start:stop] that keeps the whole dim (T5's position_bias[:, :, -n:, :] with n the dim's size)."""
+    if sl.step not in (None, 1):
+        return False
+    start = example_value(sl.start) if sl.start is not None else 0
+    if not isinstance(start, (int, torch.SymInt)):
+        return False
+    return (_sym_true(start == 0) or _sym_true(start == -size)) and _same(out_size, size)
+
+
 def _nonunit(shape: tuple) -> list:
     return [d for d, s in enumerate(shape) if not _is_one(s)]
 
@@ -937,7 +947,8 @@ class _Analyzer:
                 return _Opaque(n)
             pmap, pslices = gm_
             dmap = {d - len(ins): o - len(outs) for d, o in pmap.items() if not _is_one(ins[d])}
-            slices = {d - len(ins): s for d, s in pslices.items()}
+            slices = {d - len(ins): s for d, s in pslices.items()
+                      if not _noop_slice(s, ins[d], outs[pmap[d]])}
         elif name in ("expand", "expand_as", "broadcast_to", "contiguous", "clone", "detach"):
             dmap = {d - len(ins): d - len(ins) for d in _nonunit(ins)}
             if any(not _same(ins[d], outs[d - len(ins) + len(outs)]) for d in _nonunit(ins)):
@@ -1062,6 +1073,9 @@ def _term_info(an: _Analyzer, t: MaskTerm, scores_dtype: torch.dtype, q_len: Siz
                 return f"additive mask constant {t.tensor!r} is not a finite number"
             return _TermInfo("add", 0.0, keep=_TRUE)  # a constant shift does not change softmax
         dt = _dtype(t.tensor)
+        if dt == torch.bool:  # scores + bool adds 1.0 where True (HF GPT-Neo with a bool mask): a 0/1 bias
+            item = ("to", an.smallest(t.tensor), torch.promote_types(scores_dtype, torch.float32))
+            return _TermInfo("add", 0.0, keep=None, extra=(item,), converted=False)
         if dt is None or not dt.is_floating_point:
             return f"additive mask {t.tensor.name} has dtype {dt}, not a float dtype"
         v = an.value(t.tensor)
@@ -1374,7 +1388,12 @@ def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len) -> MaskSpec:
         bool_bias = f if bool_bias is None else em.call(torch.logical_and, bool_bias, f)
     float_bias = None
     for node in plan["extras"]:
-        if isinstance(node, tuple):  # ("where", bool node, c, masked_when_true): the fill as an additive float
+        if isinstance(node, tuple) and node[0] == "to":  # ("to", bool node, dtype): a bool added as 0/1
+            _, m, dt = node
+            if not em.before(m):
+                raise _Fail(f"mask {m.name} is computed after the site")
+            node = em.call("to", m, dt, method=True)
+        elif isinstance(node, tuple):  # ("where", bool node, c, masked_when_true): a fill as an additive float
             _, m, c, masked_when_true = node
             if not em.before(m):
                 raise _Fail(f"mask {m.name} is computed after the site")

@@ -614,12 +614,43 @@ def test_legacy_gpt2_causal_where_plus_extended_padding():
     assert_spec(rw.spec, "bias", "nan")
 
 
-def test_refuse_additive_bool_mask():
+def test_additive_bool_mask_adds_one():
+    """scores + bool adds 1.0 where True (HF GPT-Neo given a bool mask): passed as a 0/1 float bias."""
+
     def fn(q, k, v, m):
         return ((q @ k.transpose(-2, -1)) + m).softmax(-1) @ v
 
-    reason = _analyze(fn, *qkv(), torch.zeros(6, 6, dtype=torch.bool))
+    m = torch.rand(2, 1, 1, 6, generator=torch.Generator().manual_seed(3)) > 0.5
+    rw = compile_and_check(fn, *qkv(), m, dtypes=(torch.float32,))
+    assert_spec(rw.spec, "bias", "nan")
+    assert example_value(rw.spec.bias).dtype == torch.float32
+
+
+def test_refuse_additive_integer_mask():
+    def fn(q, k, v, m):
+        return ((q @ k.transpose(-2, -1)) + m).softmax(-1) @ v
+
+    gm, x = capture_terms(fn, *qkv(), torch.zeros(6, 6, dtype=torch.int64))
+    (int_mask,) = [n for n in gm.graph.nodes if n.op == "placeholder" and example_value(n).dtype == torch.int64]
+    reason = masks.analyze_mask(gm, [MaskTerm("add", int_mask)], batch=2, q_heads=2, q_len=6, k_len=6,
+                                scores_dtype=torch.float32, insert_before=x)
     assert isinstance(reason, str) and "not a float dtype" in reason
+
+
+def test_noop_slices_keep_the_residual():
+    """bias[:, :, -T:, :] / [..., :Nk] that keep the whole dim do not hide a structure or a small residual."""
+
+    def fn(q, k, v, pad):
+        t = q.shape[-2]
+        causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+        keep = (causal & pad[:, None, None, :])[:, :, -t:, :t]
+        return (q @ k.transpose(-2, -1)).masked_fill(~keep, NEG_INF).softmax(-1) @ v
+
+    pad = torch.ones(2, 6, dtype=torch.bool)
+    pad[0, :2] = False
+    rw = compile_and_check(fn, *qkv(), pad, dtypes=(torch.float32,))
+    assert_spec(rw.spec, "causal+bool-mask", "nan")
+    assert tuple(example_value(rw.spec.bias).shape)[-2] == 1
 
 
 def test_refuse_fill_with_tensor_value():
