@@ -36,7 +36,8 @@ class Builder:
         try:
             emit.set_example_value(node)
         except Exception as e:  # the fake run rejected it: this rewrite does not apply here
-            raise Refuse(f"{what} on the site's tensors failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise Refuse(f"{what} on the site's tensors failed: {first}") from e
         if "example_value" not in node.meta:
             raise Refuse(f"no FakeTensor for the inserted {what} (not a Dynamo graph?)")
         return node
@@ -164,7 +165,8 @@ def runtime_scale(node: fx.Node) -> Any:
 
 def options_allow_dropout(options: PassOptions, dropout_p: float) -> None:
     if dropout_p > 0 and not options.allow_training_dropout:
-        raise Refuse(f"dropout_p={dropout_p} on the probabilities and the pass was told not to rewrite training dropout")
+        raise Refuse(f"dropout_p={dropout_p} on the probabilities and the pass was told not to rewrite "
+                     "training dropout")
 
 
 def emit_attention(b: Builder, q: fx.Node, k: fx.Node, v: fx.Node, **kwargs: Any):

@@ -169,7 +169,8 @@ def _rewrite_mha(b: Builder, node: fx.Node, options: PassOptions, rep: SiteRepor
 
     unbatched = qv.dim() == 2
     if unbatched:
-        batched = {t: None for t in (query, key, value)}  # one unsqueeze per distinct input (self-attention stays packed)
+        # one unsqueeze per distinct input, so self-attention keeps its packed projection
+        batched = {t: None for t in (query, key, value)}
         for t in batched:
             batched[t] = b.m("unsqueeze", t, 1)
         query, key, value = batched[query], batched[key], batched[value]
@@ -192,7 +193,8 @@ def _rewrite_mha(b: Builder, node: fx.Node, options: PassOptions, rep: SiteRepor
         ws = (a["q_proj_weight"], a["k_proj_weight"], a["v_proj_weight"])
         if any(w is None for w in ws):
             raise Refuse("use_separate_proj_weight with a missing q/k/v_proj_weight")
-        qp, kp, vp = (_linear(b, x, w, _rows(b, in_b, i, embed_dim)) for i, (x, w) in enumerate(zip((query, key, value), ws)))
+        qp, kp, vp = (_linear(b, x, w, _rows(b, in_b, i, embed_dim))
+                      for i, (x, w) in enumerate(zip((query, key, value), ws)))
 
     # Masks in [B, H, L, S] broadcast form; True / -inf = masked out.
     masks: list = []
@@ -300,7 +302,8 @@ def native_attention(
     return _linear(b, out, proj_w, proj_b), call
 
 
-def rewrite_native_mha(graph: fx.Graph, node: fx.Node, options: PassOptions, cache: Optional[dict] = None) -> SiteReport:
+def rewrite_native_mha(graph: fx.Graph, node: fx.Node, options: PassOptions,
+                       cache: Optional[dict] = None) -> SiteReport:
     rep = report("native-mha", node)
     b = Builder(graph)
     try:

@@ -146,7 +146,8 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, c
     a = sdpa_args(node)
     q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
     qv, kv, vv = tensor_value(q, "query"), tensor_value(k, "key"), tensor_value(v, "value")
-    rep.q_shape, rep.k_shape, rep.v_shape, rep.dtype = shape_of(qv), shape_of(kv), shape_of(vv), str(qv.dtype).replace("torch.", "")
+    rep.q_shape, rep.k_shape, rep.v_shape = shape_of(qv), shape_of(kv), shape_of(vv)
+    rep.dtype = str(qv.dtype).replace("torch.", "")
     dropout_p = float(const(a["dropout_p"], "dropout_p"))
     is_causal = bool(const(a["is_causal"], "is_causal"))
     enable_gqa = bool(const(a["enable_gqa"], "enable_gqa"))
