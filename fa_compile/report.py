@@ -83,7 +83,15 @@ class ExplainReport:
         out = [f"fa-compile: {len(self.rewritten)} of {len(self.rows)} attention sites rewritten", fmt(head),
                fmt(tuple("-" * w for w in widths))]
         out += [fmt(l) for l in lines]
+        seen: dict = {}  # identical refusals (every layer of a model) are spelled out once
         for i, row in enumerate(self.rows):
+            key = (repr(row.refused), repr(row.refused_bwd))
+            if not row.refused and not row.refused_bwd:
+                continue
+            if key in seen:
+                out.append(f"  site {i}: kernels refused as for site {seen[key]}")
+                continue
+            seen[key] = i
             for name, reasons in row.refused:
                 out.append(f"  site {i}: forward kernel {name} refused: {'; '.join(reasons)}")
             for name, reasons in row.refused_bwd:
