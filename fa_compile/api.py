@@ -7,7 +7,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from . import ops
+from . import ops  # noqa: F401  (registers torch.ops.fa3)
 
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 

@@ -5,7 +5,6 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-import torch
 import torch.fx as fx
 
 from . import config

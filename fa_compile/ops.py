@@ -102,7 +102,7 @@ def check_args(
 
 
 def _bshd_strides(q: Tensor, v: Tensor) -> tuple[int, ...]:
-    b, hq, nq, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
+    hq, nq, dv = q.shape[1], q.shape[2], v.shape[3]
     return (nq * hq * dv, dv, hq * dv, 1)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -118,6 +118,19 @@ def where(node: fx.Node) -> str:
 
 def report(form: str, node: fx.Node, **fields: Any) -> SiteReport:
     return SiteReport(form=form, rewritten=fields.pop("rewritten", False), where=where(node), **fields)
+
+
+def guarded_rewrite(form: str, graph: fx.Graph, node: fx.Node, body: Callable[[Builder, SiteReport], None]) -> SiteReport:
+    """Run `body(builder, report)` before `node`; a Refuse rolls back every inserted node and says why."""
+    rep = report(form, node)
+    b = Builder(graph)
+    try:
+        with graph.inserting_before(node):
+            body(b, rep)
+    except Refuse as e:
+        b.rollback()
+        rep.rewritten, rep.reason, rep.call = False, str(e), None
+    return rep
 
 
 def replace_output(graph: fx.Graph, old: fx.Node, new: fx.Node) -> None:

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .fused_common import Builder, Refuse, const, replace_output, report, static_int, tensor_value
+from .fused_common import Builder, Refuse, const, guarded_rewrite, replace_output, static_int, tensor_value
 from .fused_mha import native_attention
 from .site import PassOptions, SiteReport
 
@@ -38,15 +38,8 @@ def is_encoder_layer(node: fx.Node) -> bool:
 
 def rewrite_encoder_layer(graph: fx.Graph, node: fx.Node, options: PassOptions,
                           cache: Optional[dict] = None) -> SiteReport:
-    rep = report("encoder-layer", node)
-    b = Builder(graph)
-    try:
-        with graph.inserting_before(node):
-            _rewrite(b, node, options, rep, {} if cache is None else cache)
-    except Refuse as e:
-        b.rollback()
-        rep.rewritten, rep.reason, rep.call = False, str(e), None
-    return rep
+    return guarded_rewrite("encoder-layer", graph, node,
+                           lambda b, rep: _rewrite(b, node, options, rep, {} if cache is None else cache))
 
 
 def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, cache: dict) -> None:

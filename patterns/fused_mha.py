@@ -26,7 +26,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .fused_common import (
-    Builder, Refuse, const, emit_attention, options_allow_dropout, replace_output, report, shape_of, static_int,
+    Builder, Refuse, const, emit_attention, guarded_rewrite, options_allow_dropout, replace_output, shape_of, static_int,
     structured_mask, tensor_value,
 )
 from .site import PassOptions, SiteReport
@@ -117,15 +117,8 @@ def _combine_masks(b: Builder, masks: list, q_dtype: torch.dtype) -> tuple[Optio
 
 
 def rewrite_mha(graph: fx.Graph, node: fx.Node, options: PassOptions, cache: Optional[dict] = None) -> SiteReport:
-    rep = report("mha", node)
-    b = Builder(graph)
-    try:
-        with graph.inserting_before(node):
-            _rewrite_mha(b, node, options, rep, {} if cache is None else cache)
-    except Refuse as e:
-        b.rollback()
-        rep.rewritten, rep.reason, rep.call = False, str(e), None
-    return rep
+    return guarded_rewrite("mha", graph, node,
+                           lambda b, rep: _rewrite_mha(b, node, options, rep, {} if cache is None else cache))
 
 
 def _rewrite_mha(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, cache: dict) -> None:
@@ -304,29 +297,26 @@ def native_attention(
 
 def rewrite_native_mha(graph: fx.Graph, node: fx.Node, options: PassOptions,
                        cache: Optional[dict] = None) -> SiteReport:
-    rep = report("native-mha", node)
-    b = Builder(graph)
-    try:
-        with graph.inserting_before(node):
-            if len(node.args) > len(_NATIVE_ARGS):
-                raise Refuse("unexpected positional arguments to _native_multi_head_attention")
-            a = dict(_NATIVE_DEFAULTS)
-            a.update(zip(_NATIVE_ARGS, node.args))
-            a.update(node.kwargs)
-            need_weights = bool(const(a["need_weights"], "need_weights"))
-            outs, weights = _split_outputs(node, need_weights)
-            embed_dim = static_int(const(a["embed_dim"], "embed_dim"), "embed_dim")
-            heads = static_int(const(a["num_head"], "num_head"), "num_head")
-            out, call = native_attention(
-                b, a["query"], a["key"], a["value"], embed_dim, heads, a["qkv_weight"], a["qkv_bias"],
-                a["proj_weight"], a["proj_bias"], a["mask"], a["mask_type"], options, rep, node,
-                {} if cache is None else cache,
-            )
-            _finish(graph, node, outs, weights, out)
-            rep.rewritten, rep.call = True, call
-            if cache is not None:
-                cache.update(b.pending_cache)
-    except Refuse as e:
-        b.rollback()
-        rep.rewritten, rep.reason, rep.call = False, str(e), None
-    return rep
+    return guarded_rewrite("native-mha", graph, node, lambda b, rep: _rewrite_native(b, graph, node, options, rep, cache))
+
+
+def _rewrite_native(b: Builder, graph: fx.Graph, node: fx.Node, options: PassOptions, rep: SiteReport,
+                    cache: Optional[dict]) -> None:
+    if len(node.args) > len(_NATIVE_ARGS):
+        raise Refuse("unexpected positional arguments to _native_multi_head_attention")
+    a = dict(_NATIVE_DEFAULTS)
+    a.update(zip(_NATIVE_ARGS, node.args))
+    a.update(node.kwargs)
+    need_weights = bool(const(a["need_weights"], "need_weights"))
+    outs, weights = _split_outputs(node, need_weights)
+    embed_dim = static_int(const(a["embed_dim"], "embed_dim"), "embed_dim")
+    heads = static_int(const(a["num_head"], "num_head"), "num_head")
+    out, call = native_attention(
+        b, a["query"], a["key"], a["value"], embed_dim, heads, a["qkv_weight"], a["qkv_bias"],
+        a["proj_weight"], a["proj_bias"], a["mask"], a["mask_type"], options, rep, node,
+        {} if cache is None else cache,
+    )
+    _finish(graph, node, outs, weights, out)
+    rep.rewritten, rep.call = True, call
+    if cache is not None:
+        cache.update(b.pending_cache)

@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from . import emit
 from .fused_common import (
-    Builder, Refuse, const, default_scale, emit_attention, options_allow_dropout, replace_output, report,
+    Builder, Refuse, const, default_scale, emit_attention, guarded_rewrite, options_allow_dropout, replace_output,
     runtime_scale, same_size, shape_of, structured_mask, tensor_value,
 )
 from .site import PassOptions, SiteReport
@@ -130,16 +130,8 @@ def _expand_batch(b: Builder, t: fx.Node, batch: Any, name: str) -> fx.Node:
 
 def rewrite_sdpa(graph: fx.Graph, node: fx.Node, options: PassOptions, cache: Optional[dict] = None) -> SiteReport:
     """cache: mask analyses shared by the SDPA sites of one graph (models reuse one mask per layer)."""
-    rep = report("sdpa", node)
-    b = Builder(graph)
-    try:
-        with graph.inserting_before(node):
-            _rewrite(b, node, options, rep, {} if cache is None else cache)
-    except Refuse as e:
-        b.rollback()
-        rep.rewritten, rep.reason, rep.call = False, str(e), None
-        return rep
-    return rep
+    return guarded_rewrite("sdpa", graph, node,
+                           lambda b, rep: _rewrite(b, node, options, rep, {} if cache is None else cache))
 
 
 def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, cache: dict) -> None:

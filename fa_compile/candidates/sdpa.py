@@ -19,7 +19,6 @@ our counter hash), a causal diagonal other than SDPA's top-left one, fp64.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
