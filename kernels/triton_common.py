@@ -93,6 +93,38 @@ def score_tile(
 
 
 @triton.jit
+def softmax_step(
+    qk, m_i, rows, cols, qk_scale, softcap, cap_scale,
+    bias_ptr, stride_bm, stride_bn, Nq, Nk, n_lim, diag_offset, window_left, window_right,
+    IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, MASK: tl.constexpr,
+    BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, PLAIN: tl.constexpr,
+):
+    """One online-softmax step of the forward on a Q·Kᵀ tile: (p, new row max, rescale of the old sums).
+
+    Shared by the pointer and TMA forwards. PLAIN (no bias / softcap, scale > 0): the row max scales
+    with qk, so the scale folds into one FMA inside exp2's argument instead of a multiply of the tile.
+    """
+    if PLAIN:
+        if MASK:
+            ok = structural_ok(rows, cols, n_lim, diag_offset, window_left, window_right, IS_CAUSAL, HAS_WL, HAS_WR)
+            qk = tl.where(ok, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+    else:
+        s, _t = score_tile(
+            qk, rows, cols, qk_scale, softcap, cap_scale, bias_ptr, stride_bm, stride_bn, Nq, Nk, n_lim,
+            diag_offset, window_left, window_right, IS_CAUSAL, HAS_WL, HAS_WR, MASK, BIAS_KIND, SOFTCAP,
+        )
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+    # A row with nothing admissible yet keeps m = -inf; subtracting 0 keeps exp2 at 0, not NaN.
+    alpha = tl.math.exp2(m_i - m_use)
+    return p, m_new, alpha
+
+
+@triton.jit
 def structural_ok(
     rows, cols, n_lim, diag_offset, window_left, window_right,
     IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,

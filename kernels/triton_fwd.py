@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import dropout_keep, dropout_row_hash, kv_block_range, score_tile, structural_ok
+from .triton_common import dropout_keep, dropout_row_hash, kv_block_range, softmax_step
 
 
 @triton.jit
@@ -34,27 +34,11 @@ def _fwd_range(
         else:
             k = tl.load(k_ptrs, mask=offs_d[:, None] < D, other=0.0)
         qk = tl.dot(q, k)
-        if PLAIN:
-            # No bias / softcap and scale > 0: the row max scales with qk, so the scale folds into
-            # one FMA inside exp2's argument instead of a separate multiply of the whole tile.
-            if MASK:
-                ok = structural_ok(offs_m[:, None], offs_n[None, :], n_lim, diag_offset, window_left, window_right,
-                                   IS_CAUSAL, HAS_WL, HAS_WR)
-                qk = tl.where(ok, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
-        else:
-            s, _t = score_tile(
-                qk, offs_m[:, None], offs_n[None, :], qk_scale, softcap, cap_scale,
-                bias_base, stride_bm, stride_bn, Nq, Nk, n_lim, diag_offset, window_left, window_right,
-                IS_CAUSAL, HAS_WL, HAS_WR, MASK, BIAS_KIND, SOFTCAP,
-            )
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_use[:, None])
-        # A row with nothing admissible yet keeps m = -inf; subtracting 0 keeps exp2 at 0, not NaN.
-        alpha = tl.math.exp2(m_i - m_use)
+        p, m_new, alpha = softmax_step(
+            qk, m_i, offs_m[:, None], offs_n[None, :], qk_scale, softcap, cap_scale,
+            bias_base, stride_bm, stride_bn, Nq, Nk, n_lim, diag_offset, window_left, window_right,
+            IS_CAUSAL, HAS_WL, HAS_WR, MASK, BIAS_KIND, SOFTCAP, PLAIN,
+        )
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if DROPOUT:
