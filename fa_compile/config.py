@@ -7,8 +7,29 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
+# os.environ.get costs microseconds (it re-encodes the key); the per-call dispatch reads a few
+# switches, so on POSIX read CPython's underlying bytes mapping, which os.environ keeps current.
+_ENV_BYTES = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_ENCODED: dict[str, bytes] = {}
+
+
+def env(name: str) -> str | None:
+    """os.environ.get(name), cheaply (the dispatch hot path)."""
+    if _ENV_BYTES is None:
+        return os.environ.get(name)
+    key = _ENCODED.get(name)
+    if key is None:
+        key = _ENCODED[name] = name.encode()
+    raw = _ENV_BYTES.get(key)
+    return None if raw is None else raw.decode(errors="surrogateescape")
+
+
 def _flag(name: str) -> str:
-    return os.environ.get(name, "").strip().lower()
+    return (env(name) or "").strip().lower()
+
+
+def flag_on(name: str) -> bool:
+    return _flag(name) in _TRUE
 
 
 def opt_in() -> bool:

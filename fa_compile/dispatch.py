@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from . import candidates as _cands
+from . import config
 from . import tuning
 from .kernels import reference as _ref
 
@@ -162,7 +163,7 @@ def ordered(args: AttentionArgs, direction: str = "forward") -> list:
 
 
 def forced_kernel(forced: Optional[str]) -> Optional[str]:
-    return forced or os.environ.get("FA_COMPILE_KERNEL") or None
+    return forced or config.env("FA_COMPILE_KERNEL") or None
 
 
 class NoKernelError(RuntimeError):
@@ -320,47 +321,66 @@ _MEMO_MAX = 4096
 def _meta(t: Optional[Tensor]):
     if t is None:
         return None
-    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
 
 
-def _memo_key(args: AttentionArgs, forced: Optional[str], direction: str):
-    """Everything the reasons and the order read (metadata and settings, never data)."""
+def _settings() -> tuple:
+    """The user's settings that reasons and order read; cheap, since every op call builds it."""
+    b = torch.backends.cuda
     return (
-        direction, forced, os.environ.get("FA_COMPILE_KERNEL"), os.environ.get("FA_COMPILE_FA4"), tuning.enabled(),
+        config.env("FA_COMPILE_KERNEL"), config.env("FA_COMPILE_FA4"), tuning.enabled(),
         torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision(),
-        torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled(),
-        torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled(), _VERSION[0], id(_REGISTRY),
-        _meta(args.q), _meta(args.k), _meta(args.v), _meta(args.bias), _meta(args.kv_lens),
-        bool(args.causal), int(args.diag_offset), args.window_left, args.window_right, args.softcap > 0,
-        args.dropout_p > 0, args.needs_backward, args.bias_requires_grad,
+        b.flash_sdp_enabled(), b.cudnn_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled(),
+        _VERSION[0], id(_REGISTRY),
     )
 
 
-def _choose(args: AttentionArgs, forced: Optional[str], direction: str) -> _Chosen:
-    """The choice for these inputs, memoised on real tensors (decode calls it once per layer and token)."""
+def _memo_key(args: AttentionArgs, forced: Optional[str], direction: str):
+    """Everything the reasons, the order and the argument checks read (metadata, scalar facts and
+    settings, never data): a hit means equal inputs were checked and chosen for before."""
+    return (
+        direction, forced, _settings(),
+        _meta(args.q), _meta(args.k), _meta(args.v), _meta(args.bias), _meta(args.kv_lens), _meta(args.dropout_seed),
+        bool(args.causal), int(args.diag_offset), args.window_left, args.window_right, args.softcap > 0,
+        args.dropout_p > 0, _scalars_valid(args), args.needs_backward, args.bias_requires_grad,
+    )
+
+
+def _scalars_valid(args: AttentionArgs) -> bool:
+    """What the argument checks ask of the float scalars, as one bit of the memo key (a learned
+    temperature changes the scale every step; that must not miss the memo)."""
+    return math.isfinite(args.scale) and 0.0 <= args.softcap < math.inf and 0.0 <= args.dropout_p < 1.0
+
+
+def _choose(args: AttentionArgs, forced: Optional[str], direction: str, validate=None) -> _Chosen:
+    """The choice for these inputs, memoised on real tensors (decode calls it once per layer and
+    token, so a hit costs one key and one lookup). `validate(args)` (the op's argument checks) runs
+    on a miss only: a hit means equal metadata and scalars passed it before."""
     args = _for_direction(args, direction)
     key = None if _is_fake(args.q) else _memo_key(args, forced, direction)
     hit = _MEMO.get(key) if key is not None else None
     if hit is None:
+        if validate is not None:
+            validate(args)
         cands = ordered(args, direction)
         cand = _select(cands, args, forced, direction)
         is_forced = forced_kernel(forced) is not None and cand.name == forced_kernel(forced)
         rest = cands[cands.index(cand) + 1:] if cand in cands else []
-        hit = (cand, rest, is_forced)
+        hit = _Chosen(cand, rest, is_forced, direction)
         if key is not None:
             if len(_MEMO) >= _MEMO_MAX:
                 _MEMO.clear()
             _MEMO[key] = hit
-    STATS[(direction, hit[0].name)] += 1
-    return _Chosen(hit[0], hit[1], hit[2], direction)
+    STATS[(direction, hit.cand.name)] += 1
+    return hit
 
 
-def select_forward(args: AttentionArgs, forced: Optional[str] = None):
-    return _choose(args, forced, "forward")
+def select_forward(args: AttentionArgs, forced: Optional[str] = None, validate=None):
+    return _choose(args, forced, "forward", validate)
 
 
-def select_backward(args: AttentionArgs, forced: Optional[str] = None):
-    return _choose(args, forced, "backward")
+def select_backward(args: AttentionArgs, forced: Optional[str] = None, validate=None):
+    return _choose(args, forced, "backward", validate)
 
 
 def explain_choice(args: AttentionArgs, forced: Optional[str] = None, direction: str = "forward") -> tuple[str, list[tuple[str, list[str]]]]:

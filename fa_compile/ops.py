@@ -111,7 +111,31 @@ def _out_like(q: Tensor, v: Tensor) -> Tensor:
     return q.new_empty((b, nq, hq, v.shape[3])).transpose(1, 2)
 
 
-@torch.library.custom_op("fa3::attention", mutates_args=())
+# Registered through torch.library.Library rather than torch.library.custom_op: the op runs once per
+# attention per step, and custom_op's generic wrappers (autograd indirection, redispatch, alias
+# checks, dynamo-disable) cost more host time than a whole small attention kernel. Same schema.
+_LIB = torch.library.Library("fa3", "DEF")
+_TAGS = (torch.Tag.pt2_compliant_tag,)
+_LIB.define(
+    "attention(Tensor q, Tensor k, Tensor v, float scale, bool causal=False, SymInt diag_offset=0, "
+    "SymInt window_left=-1, SymInt window_right=-1, Tensor? bias=None, Tensor? kv_lens=None, "
+    "float softcap=0., float dropout_p=0., Tensor? dropout_seed=None, str? force_kernel=None) -> (Tensor, Tensor)",
+    tags=_TAGS,
+)
+_LIB.define(
+    "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, "
+    "bool causal=False, SymInt diag_offset=0, SymInt window_left=-1, SymInt window_right=-1, Tensor? bias=None, "
+    "Tensor? kv_lens=None, float softcap=0., float dropout_p=0., Tensor? dropout_seed=None, "
+    "bool bias_requires_grad=False, str? force_kernel=None) -> (Tensor, Tensor, Tensor, Tensor)",
+    tags=_TAGS,
+)
+
+
+def _validate(a: dispatch.AttentionArgs) -> None:
+    check_args(a.q, a.k, a.v, a.scale, a.bias, a.kv_lens, a.softcap, a.dropout_p, a.dropout_seed,
+               a.window_left, a.window_right)
+
+
 def attention(
     q: Tensor,
     k: Tensor,
@@ -128,23 +152,24 @@ def attention(
     dropout_seed: Optional[Tensor] = None,
     force_kernel: Optional[str] = None,
 ) -> tuple[Tensor, Tensor]:
-    check_args(q, k, v, scale, bias, kv_lens, softcap, dropout_p, dropout_seed, window_left, window_right)
-    args = dispatch.AttentionArgs(
-        q=q, k=k, v=v, scale=scale, causal=causal, diag_offset=diag_offset, window_left=window_left,
-        window_right=window_right, bias=bias, kv_lens=kv_lens, softcap=softcap, dropout_p=dropout_p,
-        dropout_seed=dropout_seed,
-    )
-    out, lse = dispatch.select_forward(args, forced=force_kernel).forward(args)
+    """The kernel behind `torch.ops.fa3.attention` on real tensors: checks (memoised with the choice
+    of kernel on the inputs' metadata and scalars), dispatch, and the output conventions."""
+    if kv_lens is not None and not kv_lens.is_contiguous():
+        kv_lens = kv_lens.contiguous()  # kernels index it by batch (an expanded [1] length, say)
+    args = dispatch.AttentionArgs(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
+                                  softcap, dropout_p, dropout_seed)
+    out, lse = dispatch.select_forward(args, force_kernel, _validate).forward(args)
     # Callers (and the fake implementation) rely on out's documented BSHD storage: copy only a kernel
     # result stored otherwise. Kernel outputs never alias inputs, so returning them is safe.
-    if out.stride() != _bshd_strides(q, v) or out.dtype != q.dtype:
+    if out.dtype != q.dtype or out.stride() != _bshd_strides(q, v):
         res = _out_like(q, v)
         res.copy_(out)
         out = res
-    return out, lse.to(torch.float32).contiguous()
+    if lse.dtype != torch.float32 or not lse.is_contiguous():
+        lse = lse.to(torch.float32).contiguous()
+    return out, lse
 
 
-@attention.register_fake
 def _attention_fake(
     q, k, v, scale, causal=False, diag_offset=0, window_left=-1, window_right=-1, bias=None, kv_lens=None,
     softcap=0.0, dropout_p=0.0, dropout_seed=None, force_kernel=None,
@@ -154,7 +179,6 @@ def _attention_fake(
     return _out_like(q, v), q.new_empty((b, hq, nq), dtype=torch.float32)
 
 
-@torch.library.custom_op("fa3::attention_backward", mutates_args=())
 def attention_backward(
     dout: Tensor,
     q: Tensor,
@@ -176,15 +200,14 @@ def attention_backward(
     force_kernel: Optional[str] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dbias); dbias is an empty tensor unless bias_requires_grad."""
-    args = dispatch.AttentionArgs(
-        q=q, k=k, v=v, scale=scale, causal=causal, diag_offset=diag_offset, window_left=window_left,
-        window_right=window_right, bias=bias, kv_lens=kv_lens, softcap=softcap, dropout_p=dropout_p,
-        dropout_seed=dropout_seed, needs_backward=True, bias_requires_grad=bias_requires_grad,
-    )
-    dq, dk, dv, dbias = dispatch.select_backward(args, forced=force_kernel).backward(args, dout, out, lse)
+    if kv_lens is not None and not kv_lens.is_contiguous():
+        kv_lens = kv_lens.contiguous()
+    args = dispatch.AttentionArgs(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
+                                  softcap, dropout_p, dropout_seed, True, bias_requires_grad)
+    dq, dk, dv, dbias = dispatch.select_backward(args, force_kernel).backward(args, dout, out, lse)
     outs = []
     for got, like in ((dq, q), (dk, k), (dv, v)):
-        if got.stride() != torch.empty_like(like, device="meta").stride() or got.dtype != like.dtype or got is like:
+        if got.dtype != like.dtype or got is like or got.stride() != _dense_strides(like):
             res = torch.empty_like(like)
             res.copy_(got)
             got = res
@@ -197,7 +220,13 @@ def attention_backward(
     return outs[0], outs[1], outs[2], db
 
 
-@attention_backward.register_fake
+def _dense_strides(t: Tensor) -> tuple[int, ...]:
+    """The strides torch.empty_like(t) gives (t's dimension order, made dense)."""
+    if t.is_contiguous():
+        return t.stride()
+    return torch.empty_like(t, device="meta").stride()
+
+
 def _attention_backward_fake(
     dout, q, k, v, out, lse, scale, causal=False, diag_offset=0, window_left=-1, window_right=-1, bias=None,
     kv_lens=None, softcap=0.0, dropout_p=0.0, dropout_seed=None, bias_requires_grad=False, force_kernel=None,
@@ -206,28 +235,73 @@ def _attention_backward_fake(
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), db
 
 
+_LIB.impl("attention", attention, "CompositeExplicitAutograd")
+_LIB.impl("attention_backward", attention_backward, "CompositeExplicitAutograd")
+torch.library.register_fake("fa3::attention", _attention_fake, lib=_LIB)
+torch.library.register_fake("fa3::attention_backward", _attention_backward_fake, lib=_LIB)
+_ATTENTION = torch.ops.fa3.attention.default
+_ATTENTION_BACKWARD = torch.ops.fa3.attention_backward.default
+
 _SCALARS = ("scale", "causal", "diag_offset", "window_left", "window_right", "softcap", "dropout_p", "kernel")
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    (q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens, softcap, dropout_p,
-     dropout_seed, force_kernel) = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, bias, kv_lens, dropout_seed)
-    # lse is state for kernels, not a differentiable result: autograd refuses to backprop through it.
-    ctx.mark_non_differentiable(lse)
-    ctx.scalars = dict(zip(_SCALARS, (scale, causal, diag_offset, window_left, window_right, softcap, dropout_p, force_kernel)))
-    ctx.bias_requires_grad = bias is not None and bias.requires_grad and bias.dtype != torch.bool
+class _AttentionFunction(torch.autograd.Function):
+    """Autograd of fa3::attention: the forward saves (q, k, v, out, lse, ...); the backward is the
+    fa3::attention_backward op, so AOTAutograd traces it into the compiled backward graph."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens, softcap,
+                dropout_p, dropout_seed, force_kernel):
+        with torch._C._AutoDispatchBelowAutograd():
+            out, lse = _ATTENTION(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
+                                  softcap, dropout_p, dropout_seed, force_kernel)
+        ctx.save_for_backward(q, k, v, out, lse, bias, kv_lens, dropout_seed)
+        # lse is state for kernels, not a differentiable result: autograd refuses to backprop through it.
+        ctx.mark_non_differentiable(lse)
+        ctx.scalars = dict(zip(_SCALARS, (scale, causal, diag_offset, window_left, window_right, softcap, dropout_p,
+                                          force_kernel)))
+        ctx.bias_requires_grad = bias is not None and bias.requires_grad and bias.dtype != torch.bool
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout: Tensor, dlse: Optional[Tensor]):
+        q, k, v, out, lse, bias, kv_lens, dropout_seed = ctx.saved_tensors
+        s = ctx.scalars
+        dq, dk, dv, db = _ATTENTION_BACKWARD(
+            dout, q, k, v, out, lse, s["scale"], s["causal"], s["diag_offset"], s["window_left"],
+            s["window_right"], bias, kv_lens, s["softcap"], s["dropout_p"], dropout_seed, ctx.bias_requires_grad,
+            s["kernel"],
+        )
+        db = db if ctx.bias_requires_grad else None
+        return dq, dk, dv, None, None, None, None, None, db, None, None, None, None, None
 
 
-def _backward(ctx, dout: Tensor, dlse: Optional[Tensor]):
-    q, k, v, out, lse, bias, kv_lens, dropout_seed = ctx.saved_tensors
-    s = ctx.scalars
-    dq, dk, dv, db = torch.ops.fa3.attention_backward(
-        dout, q, k, v, out, lse, s["scale"], s["causal"], s["diag_offset"], s["window_left"], s["window_right"],
-        bias, kv_lens, s["softcap"], s["dropout_p"], dropout_seed, ctx.bias_requires_grad, s["kernel"],
-    )
-    return dq, dk, dv, None, None, None, None, None, (db if ctx.bias_requires_grad else None), None, None, None, None, None
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-attention.register_autograd(_backward, setup_context=_setup_context)
+def _runs_directly(tensors) -> bool:
+    """Real eager tensors, no dispatch mode or functorch transform: the kernel below autograd is
+    exactly `attention`, so calling it skips a second trip through the dispatcher."""
+    if torch._C._len_torch_dispatch_stack() or torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN or t.is_meta):
+            return False
+    return True
+
+
+def _attention_autograd(q, k, v, scale, causal=False, diag_offset=0, window_left=-1, window_right=-1, bias=None,
+                        kv_lens=None, softcap=0.0, dropout_p=0.0, dropout_seed=None, force_kernel=None):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return _AttentionFunction.apply(q, k, v, scale, causal, diag_offset, window_left, window_right, bias,
+                                        kv_lens, softcap, dropout_p, dropout_seed, force_kernel)
+    if _runs_directly((q, k, v, bias, kv_lens, dropout_seed)):
+        return attention(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens, softcap,
+                         dropout_p, dropout_seed, force_kernel)
+    with torch._C._AutoDispatchBelowAutograd():
+        return _ATTENTION(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens, softcap,
+                          dropout_p, dropout_seed, force_kernel)
+
+
+_LIB.impl("attention", _attention_autograd, "Autograd")

@@ -21,6 +21,8 @@ from typing import Callable, Optional
 
 import torch
 
+from . import config
+
 _ENABLED: Optional[bool] = None  # None: read FA_COMPILE_TUNE
 _MEM: dict = {}
 _LOCK = threading.Lock()
@@ -35,7 +37,7 @@ def enable(on: bool = True) -> None:
 def enabled() -> bool:
     if _ENABLED is not None:
         return _ENABLED
-    return os.environ.get("FA_COMPILE_TUNE", "").strip().lower() in ("1", "true", "yes", "on")
+    return config.flag_on("FA_COMPILE_TUNE")
 
 
 def cache_path() -> str:

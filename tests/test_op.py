@@ -238,6 +238,11 @@ def test_invalid_arguments_name_the_argument(mutate, message):
     a = dict(q=rand(2, 4, 5, 8), k=rand(2, 2, 7, 8), v=rand(2, 2, 7, 8), scale=0.3, causal=False, diag_offset=0,
              window_left=-1, window_right=-1, bias=None, kv_lens=None, softcap=0.0, dropout_p=0.0,
              dropout_seed=None, force_kernel=None)
+    # A valid call first: the checks are memoised with the kernel choice, and a memo hit must
+    # never let a bad argument through.
+    torch.ops.fa3.attention(**a)
+    with torch.no_grad():
+        torch.ops.fa3.attention(**a)
     mutate(a)
     with pytest.raises((ValueError, TypeError), match=__import__("re").escape(message)):
         torch.ops.fa3.attention(**a)

@@ -8,13 +8,13 @@ from the upstream interface: BSHD, bottom-right causal/window alignment, lse [B,
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
+from .. import config
 from . import common as c
 
 
@@ -30,7 +30,7 @@ def _module() -> tuple[Optional[Any], str]:
 
 
 def opted_in() -> bool:
-    return os.environ.get("FA_COMPILE_FA4", "").strip().lower() in ("1", "true", "yes", "on")
+    return config.flag_on("FA_COMPILE_FA4")
 
 
 @dataclass
