@@ -799,9 +799,13 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
             kv_lens = spec.kv_lens
             if kv_lens is not None:
                 kl = tensor_of(kv_lens)
-                if kl is None or kl.dim() != 1 or not known_eq(kl.shape[0], tensor_of(qo).shape[0]) or layout.mode != "std" \
-                        or layout.lead != 1:
+                if kl is None or kl.dim() != 1 or layout.mode != "std" or layout.lead != 1:
                     raise Miss("key-padding lengths do not map to the op's batch axis")
+                if not known_eq(kl.shape[0], tensor_of(qo).shape[0]):
+                    if not known_one(kl.shape[0]):
+                        raise Miss("key-padding lengths do not map to the op's batch axis")
+                    # one length for every batch row (a static cache's decode position): broadcast it
+                    kv_lens = o.call("expand", kv_lens, o.size(qo, 0), method=True)
             out, call = emit.emit_attention(
                 graph, qo, ko, vo, scale=scale, causal=spec.causal, diag_offset=spec.diag_offset,
                 window_left=spec.window_left, window_right=spec.window_right, bias=bias, kv_lens=kv_lens,

@@ -107,3 +107,33 @@ def test_hf_llama_dynamic_sequence_length_one_graph(how):
         torch.testing.assert_close(_first(c(ids)), _first(model(ids)), **TOL[torch.float32])
     assert len(c.graphs) == 1  # one compile serves every length
     assert len(c.rewritten) == LAYERS and all(r.mask == "causal" for r in c.rewritten)
+
+
+def test_hf_llama_static_cache_prefill_and_decode():
+    """generate()'s static cache: the prefill mask is causal, a decode step's (one query, every
+    key up to the cache position, one position for the whole batch) is a key length broadcast
+    over the batch; both are rewritten and every step's logits equal eager's."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                   hidden_size=32, intermediate_size=64, vocab_size=50, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    prompt, steps = 6, 3
+
+    def run(fn):
+        cache = transformers.StaticCache(config=cfg, max_cache_len=prompt + steps + 2)
+        ids = torch.randint(0, 50, (2, prompt), generator=torch.Generator().manual_seed(3))
+        logits = [fn(input_ids=ids, past_key_values=cache, cache_position=torch.arange(prompt), use_cache=True).logits]
+        for i in range(steps):
+            tok = logits[-1][:, -1:].argmax(-1)
+            pos = torch.tensor([prompt + i])
+            logits.append(fn(input_ids=tok, past_key_values=cache, cache_position=pos, use_cache=True).logits)
+        return logits
+
+    c = Compiled(model, fullgraph=False)
+    with torch.no_grad():
+        got, ref = run(c), run(model)
+    for step, (a, b) in enumerate(zip(got, ref)):
+        torch.testing.assert_close(a, b, **TOL[torch.float32], msg=f"step {step}")
+    assert not c.missed, [r.reason for r in c.missed]
+    masks = [r.mask for r in c.rewritten]
+    assert len(masks) == 2 * LAYERS and set(masks) == {"causal", "key-padding"}, masks
