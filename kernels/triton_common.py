@@ -48,6 +48,26 @@ def tanh_f32(x):
 
 
 @triton.jit
+def load_bias_tile(bias_ptr, rows, cols, stride_bm, stride_bn, Nq, Nk, MASK: tl.constexpr, BIAS_KIND: tl.constexpr):
+    """The bias (or uint8 keep-mask) values of a score tile, as stored."""
+    # Clamped indices: padded rows/cols read a valid element instead of needing a load mask.
+    # Off-band blocks (MASK False) lie inside [0, Nk) by construction, so their columns stay
+    # unclamped: the compiler can then prove them contiguous and vectorize the bias loads.
+    if MASK:
+        c = tl.minimum(cols, Nk - 1).to(tl.int64)
+    else:
+        c = cols.to(tl.int64)
+    if BIAS_KIND >= 3:
+        # Constant along query rows (stride 0, e.g. a key-padding mask [B, 1, 1, Nk]): one load
+        # per key, broadcast over the tile, instead of one per (row, key).
+        bv = tl.load(bias_ptr + c * stride_bn)
+    else:
+        r = tl.minimum(rows, Nq - 1).to(tl.int64)
+        bv = tl.load(bias_ptr + r * stride_bm + c * stride_bn)
+    return bv
+
+
+@triton.jit
 def score_tile(
     qk, rows, cols, qk_scale, softcap, cap_scale,
     bias_ptr, stride_bm, stride_bn, Nq, Nk, n_lim, diag_offset, window_left, window_right,
@@ -66,20 +86,7 @@ def score_tile(
         t = qk
         s = qk * qk_scale  # qk_scale = scale * log2(e)
     if BIAS_KIND != 0:
-        # Clamped indices: padded rows/cols read a valid element instead of needing a load mask.
-        # Off-band blocks (MASK False) lie inside [0, Nk) by construction, so their columns stay
-        # unclamped: the compiler can then prove them contiguous and vectorize the bias loads.
-        if MASK:
-            c = tl.minimum(cols, Nk - 1).to(tl.int64)
-        else:
-            c = cols.to(tl.int64)
-        if BIAS_KIND >= 3:
-            # Constant along query rows (stride 0, e.g. a key-padding mask [B, 1, 1, Nk]): one load
-            # per key, broadcast over the tile, instead of one per (row, key).
-            bv = tl.load(bias_ptr + c * stride_bn)
-        else:
-            r = tl.minimum(rows, Nq - 1).to(tl.int64)
-            bv = tl.load(bias_ptr + r * stride_bm + c * stride_bn)
+        bv = load_bias_tile(bias_ptr, rows, cols, stride_bm, stride_bn, Nq, Nk, MASK, BIAS_KIND)
         if BIAS_KIND % 2 == 1:
             # A finfo.min-style fill times log2(e) overflows to -inf: that key is masked (eager's exp
             # underflows to 0 there too); a row of nothing else reads as empty (lse = -inf, out = 0).
@@ -97,12 +104,14 @@ def softmax_step(
     qk, m_i, rows, cols, qk_scale, softcap, cap_scale,
     bias_ptr, stride_bm, stride_bn, Nq, Nk, n_lim, diag_offset, window_left, window_right,
     IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, MASK: tl.constexpr,
-    BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, PLAIN: tl.constexpr,
+    BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, PLAIN: tl.constexpr, BIAS_FMA: tl.constexpr = False,
 ):
     """One online-softmax step of the forward on a Q·Kᵀ tile: (p, new row max, rescale of the old sums).
 
     Shared by the pointer and TMA forwards. PLAIN (no bias / softcap, scale > 0): the row max scales
     with qk, so the scale folds into one FMA inside exp2's argument instead of a multiply of the tile.
+    BIAS_FMA (a float bias, no softcap, scale > 0): the same with s = qk * scale + bias in natural
+    units (one FMA), log2(e) applied inside exp2's FMA; two ALU ops per score instead of four.
     """
     if PLAIN:
         if MASK:
@@ -111,6 +120,17 @@ def softmax_step(
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+    elif BIAS_FMA:
+        bv = load_bias_tile(bias_ptr, rows, cols, stride_bm, stride_bn, Nq, Nk, MASK, BIAS_KIND)
+        # A finfo.min-style fill stays finite here and overflows to -inf inside exp2's argument and
+        # in the row max (both times log2(e)), exactly as in score_tile.
+        s = qk * (qk_scale * 0.6931471805599453) + bv.to(tl.float32)
+        if MASK:
+            ok = structural_ok(rows, cols, n_lim, diag_offset, window_left, window_right, IS_CAUSAL, HAS_WL, HAS_WR)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * 1.4426950408889634)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s * 1.4426950408889634 - m_use[:, None])
     else:
         s, _t = score_tile(
             qk, rows, cols, qk_scale, softcap, cap_scale, bias_ptr, stride_bm, stride_bn, Nq, Nk, n_lim,

@@ -12,6 +12,7 @@ softcap, dropout_p, dropout_seed, needs_backward, bias_requires_grad) so kernels
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -40,9 +41,12 @@ class BlockConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # Forward (TMA) only: Q kept in registers as the A operand of Q·Kᵀ instead of shared memory.
+    qreg: bool = False
 
 
-# Tests and the benchmark may pin configurations: {("fwd" | "dkdv" | "dq", head_dim_block): BlockConfig}.
+# Tests and the benchmark may pin configurations: {(kind, head_dim_block[, causal]): BlockConfig}, kind one of
+# "fwd", "fwd_bias", "dkdv", "dq"; a key with `causal` wins over one without.
 CONFIG_OVERRIDE: dict = {}
 # The last compiled kernel handle per kernel name (registers, spills, PTX for the benchmark's report).
 LAST_COMPILED: dict = {}
@@ -58,42 +62,52 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def pick_config(kind: str, block_d: int, causal: bool, cap: tuple[int, int]) -> BlockConfig:
-    """Block shapes per kernel, head-dim block and GPU generation (measured on H200; see benchmarks/results)."""
-    hit = CONFIG_OVERRIDE.get((kind, block_d))
-    if hit is not None:
-        return hit
+def pick_config(kind: str, block_d: int, causal: bool, cap: tuple[int, int], bias_kind: int = 0) -> BlockConfig:
+    """Block shapes per kernel, head-dim block and GPU generation (measured on H200; see benchmarks/results).
+
+    Overrides: (kind, block_d, causal) before (kind, block_d); a forward with a bias tile per (row, key)
+    (bias_kind 1 or 2) looks up "fwd_bias" before "fwd"."""
+    kinds = ("fwd_bias", kind) if kind == "fwd" and bias_kind in (1, 2) else (kind,)
+    for key in [(k, block_d, bool(causal)) for k in kinds] + [(k, block_d) for k in kinds]:
+        hit = CONFIG_OVERRIDE.get(key)
+        if hit is not None:
+            return hit
     if cap == (0, 0):  # interpreter: small tiles so tiny test shapes still cross several blocks
         return BlockConfig(16, 16, 4, 1)
     hopper = cap[0] >= 9
+    # H200, bf16, 16k tokens, 2026-11-29 (best of two timings each; benchmarks/results/kernels.md):
     if kind == "fwd":
         if block_d <= 64:
-            return BlockConfig(128, 64, 4, 3) if hopper else BlockConfig(128, 64, 4, 2)
+            # qreg 441 / causal 423 TFLOP/s vs 422 / 403 with Q in shared memory (223 / 255 regs).
+            return BlockConfig(128, 64, 4, 3, qreg=True) if hopper else BlockConfig(128, 64, 4, 2)
         if block_d <= 128:
-            return BlockConfig(64, 64, 4, 3) if hopper else BlockConfig(128, 32, 8, 2)
+            # qreg 529 / causal 530 vs 485 / 478 (170 regs, 98 KB: two programs per SM); also the best
+            # with a [1, H, N, N] float bias (364 vs 309). 128x128 w8 s3: 512, with qreg 516.
+            return BlockConfig(64, 64, 4, 3, qreg=True) if hopper else BlockConfig(128, 32, 8, 2)
+        # 535 / causal 522; with qreg 410 (255 regs), 128x32 w8 s3 qreg 515.
         return BlockConfig(128, 64, 8, 2) if hopper else BlockConfig(64, 32, 4, 2)
     if kind == "dkdv":
-        if block_d <= 64:
-            return BlockConfig(64, 64, 4, 3) if hopper else BlockConfig(32, 64, 4, 2)
+        # With dq 64x64 w4 s2: d128 403 TFLOP/s (dK/dV 255 regs, 8 B spilled) vs 390 for 64x128 w8 s2 +
+        # dq 128x32 w4 s3; d64 339 vs 332.
         if block_d <= 128:
-            return BlockConfig(64, 128, 8, 2) if hopper else BlockConfig(32, 64, 4, 2)
+            return BlockConfig(64, 64, 4, 2) if hopper else BlockConfig(32, 64, 4, 2)
         return BlockConfig(64, 64, 8, 2) if hopper else BlockConfig(16, 32, 4, 1)
     # dq
     if block_d <= 128:
-        return BlockConfig(128, 32, 4, 3) if hopper else BlockConfig(64, 32, 4, 2)
+        return BlockConfig(64, 64, 4, 2) if hopper else BlockConfig(64, 32, 4, 2)
     return BlockConfig(128, 32, 8, 2) if hopper else BlockConfig(32, 32, 4, 1)
 
 
 def _smaller(cfg: BlockConfig) -> Optional[BlockConfig]:
     """A config with half the tile (for shared-memory / register out-of-resource fallbacks)."""
     if cfg.num_stages > 2:
-        return BlockConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages - 1)
+        return dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
     if cfg.block_n > 32:
-        return BlockConfig(cfg.block_m, cfg.block_n // 2, cfg.num_warps, cfg.num_stages)
+        return dataclasses.replace(cfg, block_n=cfg.block_n // 2)
     if cfg.block_m > 32:
-        return BlockConfig(cfg.block_m // 2, cfg.block_n, cfg.num_warps, cfg.num_stages)
+        return dataclasses.replace(cfg, block_m=cfg.block_m // 2)
     if cfg.num_stages > 1:
-        return BlockConfig(cfg.block_m, cfg.block_n, cfg.num_warps, 1)
+        return dataclasses.replace(cfg, num_stages=1)
     return None
 
 
@@ -152,6 +166,11 @@ def _plain(args, bias_kind: int) -> bool:
     return bias_kind == 0 and float(args.softcap) == 0 and float(args.scale) > 0
 
 
+def _bias_fma(args, bias_kind: int) -> bool:
+    """A float bias, no softcap, positive scale: the forward adds the bias inside one FMA (softmax_step)."""
+    return bias_kind in (1, 3) and float(args.softcap) == 0 and float(args.scale) > 0
+
+
 def _scalars(args) -> dict:
     scale = float(args.scale)
     softcap = float(args.softcap)
@@ -206,7 +225,8 @@ def _forward_tma(args, q, k, v, out, lse, bias, bias_kind, bstr, consts, sc, see
     while True:
         try:
             kw = dict(consts, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-                      REVERSE_M=bool(args.causal), WARP_SPEC=warp_spec, PLAIN=_plain(args, bias_kind))
+                      REVERSE_M=bool(args.causal), WARP_SPEC=warp_spec, PLAIN=_plain(args, bias_kind),
+                      QREG=cfg.qreg, BIAS_FMA=_bias_fma(args, bias_kind))
             if not interpreting():
                 kw.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             handle = attn_fwd_tma_kernel[grid(cfg)](
@@ -246,7 +266,7 @@ def attention_forward(args, out: Optional[Tensor] = None, lse: Optional[Tensor] 
     seed = args.dropout_seed.to(q.device).reshape(1) if consts["DROPOUT"] else q
     block_d, block_dv = _pow2(d), _pow2(dv)
     cap = _capability(q.device)
-    cfg = pick_config("fwd", max(block_d, block_dv), bool(args.causal), cap)
+    cfg = pick_config("fwd", max(block_d, block_dv), bool(args.causal), cap, bias_kind)
     if _tma_ok((q, k, v, out), cap):
         with _device_ctx(q):
             _forward_tma(args, q, k, v, out, lse, bias, bias_kind, bstr, consts, sc, seed, block_d, block_dv, cfg)
@@ -261,7 +281,7 @@ def attention_forward(args, out: Optional[Tensor] = None, lse: Optional[Tensor] 
             sc["qk_scale"], sc["softcap"], sc["cap_scale"], int(args.diag_offset), int(args.window_left),
             int(args.window_right), sc["drop_threshold"], sc["drop_scale"],
             BLOCK_D=block_d, BLOCK_DV=block_dv, EVEN_D=(d == block_d and dv == block_dv),
-            REVERSE_M=bool(args.causal), PLAIN=_plain(args, bias_kind), **consts,
+            REVERSE_M=bool(args.causal), PLAIN=_plain(args, bias_kind), BIAS_FMA=_bias_fma(args, bias_kind), **consts,
         )
     return out, lse
 

@@ -20,7 +20,7 @@ def _fwd_range(
     lo, hi,
     BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-    EVEN_D: tl.constexpr, PLAIN: tl.constexpr,
+    EVEN_D: tl.constexpr, PLAIN: tl.constexpr, BIAS_FMA: tl.constexpr,
 ):
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -37,7 +37,7 @@ def _fwd_range(
         p, m_new, alpha = softmax_step(
             qk, m_i, offs_m[:, None], offs_n[None, :], qk_scale, softcap, cap_scale,
             bias_base, stride_bm, stride_bn, Nq, Nk, n_lim, diag_offset, window_left, window_right,
-            IS_CAUSAL, HAS_WL, HAS_WR, MASK, BIAS_KIND, SOFTCAP, PLAIN,
+            IS_CAUSAL, HAS_WL, HAS_WR, MASK, BIAS_KIND, SOFTCAP, PLAIN, BIAS_FMA,
         )
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -67,7 +67,7 @@ def attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KVLEN: tl.constexpr,
     BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
-    REVERSE_M: tl.constexpr, PLAIN: tl.constexpr,
+    REVERSE_M: tl.constexpr, PLAIN: tl.constexpr, BIAS_FMA: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -114,7 +114,7 @@ def attn_fwd_kernel(
         stride_kn, stride_vn, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
         qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold,
         full_lo, full_hi,
-        BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, False, BIAS_KIND, SOFTCAP, DROPOUT, EVEN_D, PLAIN,
+        BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, False, BIAS_KIND, SOFTCAP, DROPOUT, EVEN_D, PLAIN, BIAS_FMA,
     )
     # Band / edge blocks: masked.
     acc, l_i, m_i = _fwd_range(
@@ -122,7 +122,7 @@ def attn_fwd_kernel(
         stride_kn, stride_vn, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
         qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold,
         full_hi, hi,
-        BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, EVEN_D, PLAIN,
+        BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, EVEN_D, PLAIN, BIAS_FMA,
     )
     if HAS_WL:
         acc, l_i, m_i = _fwd_range(
@@ -130,7 +130,7 @@ def attn_fwd_kernel(
             stride_kn, stride_vn, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
             qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold,
             lo, full_lo,
-            BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, EVEN_D, PLAIN,
+            BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, EVEN_D, PLAIN, BIAS_FMA,
         )
 
     empty = l_i == 0.0

@@ -23,7 +23,7 @@ def _fwd_tma_range(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-    WARP_SPEC: tl.constexpr, PLAIN: tl.constexpr,
+    WARP_SPEC: tl.constexpr, PLAIN: tl.constexpr, BIAS_FMA: tl.constexpr,
 ):
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -33,7 +33,7 @@ def _fwd_tma_range(
         p, m_new, alpha = softmax_step(
             qk, m_i, offs_m[:, None], offs_n[None, :], qk_scale, softcap, cap_scale,
             bias_base, stride_bm, stride_bn, Nq, Nk, n_lim, diag_offset, window_left, window_right,
-            IS_CAUSAL, HAS_WL, HAS_WR, MASK, BIAS_KIND, SOFTCAP, PLAIN,
+            IS_CAUSAL, HAS_WL, HAS_WR, MASK, BIAS_KIND, SOFTCAP, PLAIN, BIAS_FMA,
         )
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -54,7 +54,8 @@ def attn_fwd_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KVLEN: tl.constexpr,
     BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, REVERSE_M: tl.constexpr,
-    WARP_SPEC: tl.constexpr, PLAIN: tl.constexpr,
+    WARP_SPEC: tl.constexpr, PLAIN: tl.constexpr, QREG: tl.constexpr = False,
+    BIAS_FMA: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -76,6 +77,10 @@ def attn_fwd_tma_kernel(
         seed = tl.load(SEED).to(tl.uint32)
         row_hash = dropout_row_hash(seed, bh, Nq, offs_m)[:, None]
     q = q_desc.load([b, h, m0, 0]).reshape(BLOCK_M, BLOCK_D)
+    if QREG:
+        # Q as a register operand of the Q·Kᵀ wgmma (anything computed, not loaded, stays in registers):
+        # its shared-memory reads would otherwise compete with the K/V tiles for bandwidth.
+        q = q + 0.0
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -86,17 +91,20 @@ def attn_fwd_tma_kernel(
         acc, l_i, m_i, q, k_desc, v_desc, b, hk, bias_base, row_hash, offs_m, stride_bm, stride_bn, Nq, Nk, n_lim,
         qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, full_lo, full_hi,
         BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, HAS_WL, HAS_WR, False, BIAS_KIND, SOFTCAP, DROPOUT, WARP_SPEC, PLAIN,
+        BIAS_FMA,
     )
     acc, l_i, m_i = _fwd_tma_range(
         acc, l_i, m_i, q, k_desc, v_desc, b, hk, bias_base, row_hash, offs_m, stride_bm, stride_bn, Nq, Nk, n_lim,
         qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, full_hi, hi,
         BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, False, PLAIN,
+        BIAS_FMA,
     )
     if HAS_WL:
         acc, l_i, m_i = _fwd_tma_range(
             acc, l_i, m_i, q, k_desc, v_desc, b, hk, bias_base, row_hash, offs_m, stride_bm, stride_bn, Nq, Nk, n_lim,
             qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, lo, full_lo,
             BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, False, PLAIN,
+        BIAS_FMA,
         )
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, drop_scale / tl.where(empty, 1.0, l_i))

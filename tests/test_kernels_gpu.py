@@ -84,3 +84,34 @@ def test_pointer_path_without_tma(causal, monkeypatch):
 def test_unaligned_head_dim_falls_back():
     # d = 36: BSHD strides of 72 bytes are not 16-byte multiples, so TMA cannot take them.
     _check(b=1, hq=3, nq=130, nk=200, d=36, dtype=F16, layout="bshd", causal=True)
+
+
+@pytest.mark.parametrize("d,cfg,causal", [
+    (128, (64, 64, 4, 3), False), (128, (64, 64, 4, 2), True), (128, (128, 128, 8, 3), False),
+    (64, (128, 64, 4, 3), True), (64, (64, 128, 4, 3), False), (256, (128, 64, 8, 2), True),
+    (256, (128, 32, 8, 3), False),
+], ids=["d128", "d128_s2_causal", "d128_w8", "d64_causal", "d64_n128", "d256_causal", "d256_n32"])
+def test_q_in_registers_forward(d, cfg, causal, monkeypatch):
+    # Q as the register operand of Q·Kᵀ (qreg), pinned.
+    monkeypatch.setitem(tf.CONFIG_OVERRIDE, ("fwd", d), tf.BlockConfig(*cfg, qreg=True))
+    _check(b=2, hq=4, hkv=2, nq=700, nk=901, d=d, dtype=BF16, causal=causal, layout="bshd")
+    assert tf.LAST_COMPILED["attn_fwd_kernel"][0].qreg
+
+
+@pytest.mark.parametrize("shape,cfg", [
+    ((1, 4, 300, 411), (64, 64, 4, 2, True)), ((2, 1, 300, 411), (64, 64, 4, 3, True)),
+    ((2, 4, 300, 411), (64, 64, 4, 2)), ((1, 1, 1, 411), (64, 64, 4, 3, True)),
+], ids=["heads_qreg", "batch_qreg_s3", "full_s2", "keys_qreg"])
+def test_float_bias_configs(shape, cfg, monkeypatch):
+    # The float-bias forward (bias added inside one FMA) under the configs the tuning compared.
+    monkeypatch.setitem(tf.CONFIG_OVERRIDE, ("fwd_bias", 128), tf.BlockConfig(*cfg))
+    monkeypatch.setitem(tf.CONFIG_OVERRIDE, ("fwd", 128), tf.BlockConfig(*cfg))
+    _check(b=2, hq=4, nq=300, nk=411, d=128, dtype=BF16, bias_shape=shape, bias_grad=True, causal=shape[-2] == 1)
+
+
+@pytest.mark.parametrize("d,dkdv,dq", [(128, (64, 128, 8, 2), (128, 32, 4, 3)), (64, (64, 64, 4, 3), (128, 32, 4, 3))])
+def test_backward_configs(d, dkdv, dq, monkeypatch):
+    # The previous defaults (the current ones run in every other test).
+    monkeypatch.setitem(tf.CONFIG_OVERRIDE, ("dkdv", d), tf.BlockConfig(*dkdv))
+    monkeypatch.setitem(tf.CONFIG_OVERRIDE, ("dq", d), tf.BlockConfig(*dq))
+    _check(b=2, hq=4, hkv=2, nq=333, nk=500, d=d, dtype=BF16, causal=True, layout="bshd")

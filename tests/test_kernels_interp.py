@@ -146,6 +146,21 @@ else:
         check_case(make_case(**kw))
         assert calls == [1]
 
+    @pytest.mark.parametrize("kw", [
+        dict(d=32, nq=70, nk=83),  # several unmasked key blocks, a partial last one
+        dict(d=32, nq=40, nk=40, hq=4, hkv=2, causal=True, layout="bshd"),
+        dict(d=32, nq=35, nk=66, b=3, bias_shape=(1, 2, 35, 66), dropout_p=0.25, softcap=2.0),
+        dict(d=32, nq=35, nk=66, b=2, bias_shape=(2, 1, 35, 66), causal=True, diag_offset=31),  # bias in one FMA
+        dict(d=32, nq=30, nk=47, bias_shape=(2, 1, 1, 47), bias_bool=True, window_left=20, window_right=3),
+    ], ids=["dense", "causal_gqa", "bias_dropout_softcap", "bias_fma_causal", "keymask_window"])
+    def test_tma_q_in_registers(kw, monkeypatch):
+        # The Hopper forward with Q as a register operand (qreg, the H200 default), forced on under the
+        # interpreter; the float-bias cases take the bias-in-one-FMA softmax step.
+        monkeypatch.setenv("FA_COMPILE_TRITON_TMA", "1")
+        monkeypatch.setitem(tf.CONFIG_OVERRIDE, ("fwd", 32), tf.BlockConfig(16, 16, 4, 1, qreg=True))
+        check_case(make_case(**kw))
+        assert tf.LAST_COMPILED["attn_fwd_kernel"][0].qreg
+
     def test_kv_lens_with_empty_batch():
         res = check_case(make_case(b=3, nq=20, nk=37, d=32, kv_lens=[37, 0, 18]))
         assert torch.isneginf(res["lse"][1]).all() and (res["out"][1] == 0).all()
