@@ -1,10 +1,12 @@
 """The kernel candidates behind `torch.ops.fa3.attention` and the order dispatch tries them in.
 
-The order is measured, not guessed. Two sources, both one H200, torch 2.11.0+cu130, cuDNN 9.19,
+The order is measured, not guessed. Three sources, all one H200, torch 2.11.0+cu130, cuDNN 9.19,
 bf16, medians of triton.testing.do_bench:
   [A] the peer anchors (shared/anchors/h200-2026-11-29.json): B*N = 16k tokens, H*D = 2048;
   [P] benchmarks/dispatch_probe.py, our candidates called as dispatch calls them, same run
-      (benchmarks/results/dispatch_h200.json); forward / backward ms:
+      (benchmarks/results/dispatch_h200.json);
+  [O] benchmarks/op_overhead.py, host and GPU time per op call (BENCHMARKS.md).
+  [P]'s forward / backward ms:
 
   | shape (causal)                     | cudnn         | fa3   | triton        | flash         | efficient     |
   | Llama B2 N4096 Hq16/Hkv8 D128      | 0.255 / 0.798 | 0.206 | 0.369 / 1.408 | 0.528 / 1.448 | (GQA refused) |
@@ -66,9 +68,16 @@ def _decode(args) -> bool:
     return nq is not None and nq <= DECODE_MAX_Q
 
 
+def _key_lengths(args) -> bool:
+    return args.kv_lens is not None
+
+
 PROMOTIONS = (
     Promotion("fa3", "cudnn", _long_prefill,
               "FA3 forward led cuDNN from N = 2048: [A] 12/12 configurations at N >= 4096, [P] +24% Llama, +11% GPT-2"),
+    Promotion("fa3", "cudnn", _key_lengths,
+              "kv_lens: FA3 takes them natively (seqused_k), cuDNN through a bias built per call; static-cache "
+              "decode (B2, 16/8 heads, 320 keys, d128): cuDNN 337 us of host time per call [O]"),
     Promotion("flash", "triton", _decode,
               "decode (Nq = 1, 4096 keys, GQA 32/8): FA2 0.206 ms vs our Triton 0.587 ms [P]"),
 )
