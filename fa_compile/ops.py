@@ -305,3 +305,30 @@ def _attention_autograd(q, k, v, scale, causal=False, diag_offset=0, window_left
 
 
 _LIB.impl("attention", _attention_autograd, "Autograd")
+
+
+class _AttentionBackwardFunction(torch.autograd.Function):
+    """fa3::attention_backward under grad mode (create_graph=True): a clear error if anything
+    differentiates through it, instead of autograd's fallback, which would give wrong numbers."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            return _ATTENTION_BACKWARD(*args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("fa3::attention_backward: double backward (a gradient of an attention gradient) is not "
+                           "supported; compute it with the unfused attention, e.g. under fa_compile disabled (FA_COMPILE=0)")
+
+
+def _attention_backward_autograd(*args):
+    if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
+        return _AttentionBackwardFunction.apply(*args)
+    if _runs_directly([a for a in args if isinstance(a, Tensor)]):
+        return attention_backward(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return _ATTENTION_BACKWARD(*args)
+
+
+_LIB.impl("attention_backward", _attention_backward_autograd, "Autograd")

@@ -202,6 +202,17 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.fa3.attention.default, (q, k, v, 0.3, False, 0, 2, 2, None, torch.tensor([3, 7]), 1.0, 0.0, None, None))
 
 
+def test_double_backward_is_a_clear_error_not_a_wrong_number():
+    q = rand(1, 2, 4, 8, dtype=torch.float64).requires_grad_()
+    out, _ = torch.ops.fa3.attention(q, q, q, 0.3)
+    (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    ref_out = F.scaled_dot_product_attention(q, q, q, scale=0.3)
+    (ref_g,) = torch.autograd.grad(ref_out.sum(), q, create_graph=True)
+    torch.testing.assert_close(g, ref_g)  # the first gradient is still right under create_graph
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(g.sum(), q)
+
+
 def test_fake_tensor_shapes_match_real():
     q, k, v = rand(2, 4, 5, 8), rand(2, 2, 7, 8), rand(2, 2, 7, 6)
     real_out, real_lse = torch.ops.fa3.attention(q, k, v, 0.3)
