@@ -1376,8 +1376,13 @@ def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len) -> MaskSpec:
         kv = em.call(torch.reshape, node, (-1,))
         if add:
             kv = em.call(operator.add, kv, add)
-        if _dtype(kv) not in (torch.int32, torch.int64):
-            kv = em.call("to", kv, torch.int64, method=True)
+        if _dtype(kv) != torch.int32:
+            # int32 is what FA3 (seqused_k) takes; converting here lets Inductor fuse it into the
+            # lengths' own arithmetic instead of a kernel launch per call (decode is host-bound).
+            # Clamped first so that no length wraps: every value keeps its meaning (<= 0: no keys,
+            # >= Nk: every key).
+            kv = em.call("clamp", kv, 0, 2**31 - 1, method=True)
+            kv = em.call("to", kv, torch.int32, method=True)
         spec.kv_lens = kv
         kinds.append("key-padding")
     bool_bias = None

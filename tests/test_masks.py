@@ -403,6 +403,19 @@ def test_key_padding_from_lengths(dynamic):
     assert nxn_nodes(rw.graphs[-1], 5, 7) == []
 
 
+def test_key_lengths_out_of_int32_range_keep_their_meaning():
+    """The op gets int32 lengths; a length past int32 (every key) or below 0 (no key) must not wrap."""
+
+    def fn(q, k, v, lens):
+        keep = torch.arange(k.shape[-2])[None, :] < lens[:, None]
+        return (q @ k.transpose(-2, -1)).masked_fill(~keep[:, None, None, :], NEG_INF).softmax(-1) @ v
+
+    q, k, v = qkv(nq=5, nk=7)
+    rw = compile_and_check(fn, q, k, v, torch.tensor([2**40, 3]),
+                           more=((*qkv(nq=5, nk=7, seed=4), torch.tensor([4, -2**40])),))
+    assert_spec(rw.spec, "key-padding", "nan")
+
+
 def test_causal_and_data_padding_residual_is_small():
     """HF masking_utils style: causal & padding[b, j] -> where(mask, 0, finfo.min)."""
 
@@ -1101,7 +1114,9 @@ def forward(self, L_k_ : torch.Tensor, L_lens_ : torch.Tensor, L_q_ : torch.Tens
     l_v_ = L_v_
     getitem_1 = l_lens_[(slice(None, None, None), None)];  l_lens_ = None
     reshape = torch.reshape(getitem_1, (-1,));  getitem_1 = None
-    attention_default = torch.ops.fa3.attention.default(l_q_, l_k_, l_v_, 1.0, False, 0, -1, -1, None, reshape, 0.0, 0.0, None, None);  l_q_ = l_k_ = l_v_ = reshape = None
+    clamp = reshape.clamp(0, 2147483647);  reshape = None
+    to = clamp.to(torch.int32);  clamp = None
+    attention_default = torch.ops.fa3.attention.default(l_q_, l_k_, l_v_, 1.0, False, 0, -1, -1, None, to, 0.0, 0.0, None, None);  l_q_ = l_k_ = l_v_ = to = None
     getitem_3 = attention_default[0]
     getitem_4 = attention_default[1];  attention_default = None
     isneginf = torch.isneginf(getitem_4);  getitem_4 = None
