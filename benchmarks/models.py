@@ -51,13 +51,20 @@ def build(kind: str, attn: str, cfg: dict, device: str, dtype: torch.dtype):
     return model.to(device=device, dtype=dtype)
 
 
-def backend_for(name: str, inner: str):
+def backend_for(name: str, inner: str, mode: Optional[str] = None):
     """'fa3' -> fa_compile's backend with the chosen inner compiler; 'inductor' -> `inner` itself."""
     if name == "fa3":
         import fa_compile
 
-        return fa_compile.backend(inner)
+        return fa_compile.backend(inner, mode=mode)
     return inner
+
+
+def compile_with(fn, name: str, args, **kw):
+    """torch.compile(fn) for a variant; --mode goes to Inductor in every variant alike."""
+    if name == "fa3":
+        return torch.compile(fn, backend=backend_for(name, args.inner, args.mode), **kw)
+    return torch.compile(fn, backend=args.inner, mode=args.mode, **kw)
 
 
 def sync(device: str) -> None:
@@ -135,7 +142,7 @@ def run_variant(kind: str, label: str, attn: str, backend: str, spec: dict, args
         vocab = model.config.vocab_size
         gen = torch.Generator(device="cpu").manual_seed(1)
         ids = torch.randint(0, vocab, (b, n), generator=gen).to(device)
-        compiled = torch.compile(model, backend=backend_for(backend, args.inner))
+        compiled = compile_with(model, backend, args)
 
         model.eval()
         with torch.no_grad():
@@ -199,7 +206,7 @@ def run_generate(kind: str, label: str, attn: str, backend: str, spec: dict, arg
         reset_stats()
         cfg = dict(spec["cfg"])
         model = build(kind, attn, cfg, device, dtype).eval()
-        model.forward = torch.compile(model.forward, backend=backend_for(backend, args.inner), dynamic=False)
+        model.forward = compile_with(model.forward, backend, args, dynamic=False)
         gen = torch.Generator(device="cpu").manual_seed(2)
         ids = torch.randint(0, model.config.vocab_size, (b, prompt), generator=gen).to(device)
         kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, cache_implementation="static",
@@ -293,6 +300,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="llama,gpt2")
     ap.add_argument("--variants", default=",".join(v[0] for v in VARIANTS))
     ap.add_argument("--inner", default=None, help="inner compiler for every variant (default inductor; smoke: aot_eager)")
+    ap.add_argument("--mode", default=None, help="torch.compile mode for every variant (e.g. reduce-overhead)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip phases that would not fit (default 7 min)")
     ap.add_argument("--reserve-s", type=float, default=45.0, help="time a phase needs to be started")
     ap.add_argument("--reps", type=int, default=10, help="timed calls per figure (training step: half)")
@@ -314,7 +322,7 @@ def main(argv=None) -> int:
     out_dir = os.environ.get("OUT", ".")
     budget = Budget(args.budget_s)
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-           "dtype": str(args.dtype), "inner": args.inner}
+           "dtype": str(args.dtype), "inner": args.inner, "mode": args.mode}
     try:
         import transformers
 

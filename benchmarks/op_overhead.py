@@ -1,0 +1,95 @@
+"""Host cost of one `torch.ops.fa3.attention` call against its parts and peers (device run).
+
+For each shape: microseconds per call to enqueue (CPU clock, GPU work queued, not waited for),
+for the op, the chosen kernel's adapter called directly, and SDPA; then where the op's host time
+goes (cProfile, top functions). Decode shapes are all host: their GPU work is a few microseconds.
+
+    python benchmarks/op_overhead.py
+"""
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+import torch.nn.functional as F
+
+import fa_compile.ops  # noqa: F401  (registers torch.ops.fa3)
+from fa_compile import dispatch
+
+SHAPES = {
+    # name: (B, Hq, Hkv, Nq, Nk, D, causal, kv_lens)
+    "gpt2 fwd B4 N2048 d64 causal": (4, 16, 16, 2048, 2048, 64, True, False),
+    "llama decode B2 Nk320 d128 kv_lens": (2, 16, 8, 1, 320, 128, False, True),
+    "llama decode B2 Nk320 d128": (2, 16, 8, 1, 320, 128, False, False),
+}
+
+
+def per_call_us(fn, n: int = 200) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return dt / n * 1e6
+
+
+def gpu_us(fn) -> float:
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=50) * 1e3
+
+
+def main() -> None:
+    from fa_compile.candidates import fa3
+
+    print("FA3 forward through", "the C++ op directly" if fa3._direct_forward() else "the wrapper (schema not usable)")
+    for name, (b, hq, hkv, nq, nk, d, causal, lens) in SHAPES.items():
+        q = torch.randn(b, nq, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        k = torch.randn(b, nk, hkv, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        v = torch.randn(b, nk, hkv, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        kv = torch.full((b,), nk - 3, device="cuda", dtype=torch.int64) if lens else None
+        off = nk - nq if causal else 0
+        op = torch.ops.fa3.attention.default
+
+        def call(kernel=None):
+            return op(q, k, v, d ** -0.5, causal, off, -1, -1, None, kv, 0.0, 0.0, None, kernel)
+
+        args = dispatch.AttentionArgs(q, k, v, d ** -0.5, causal, off, -1, -1, None, kv)
+        chosen = dispatch.select_forward(args)
+        kq, kk, kvv = q, k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+        rows = {
+            f"fa3.attention (dispatch -> {chosen.name})": call,
+            f"{chosen.name} adapter directly": lambda: chosen.cand.forward(args),
+            "dispatch.select_forward only": lambda: dispatch.select_forward(args),
+            "F.scaled_dot_product_attention (K/V repeated)": lambda: F.scaled_dot_product_attention(kq, kk, kvv, is_causal=causal),
+        }
+        for cand in dispatch.candidates("forward"):
+            if cand.name != "reference" and not dispatch._reasons(cand, args, forced=True):
+                rows[f"fa3.attention forced {cand.name}"] = (lambda n: lambda: call(n))(cand.name)
+        print(f"\n== {name}   (host: enqueue time per call; GPU: CUDA-graph replay time per call)")
+        for label, fn in rows.items():
+            try:
+                host = per_call_us(fn)
+                gpu = gpu_us(fn) if "select_forward" not in label else float("nan")
+                print(f"   {label:48s} host {host:8.1f} us   GPU {gpu:8.1f} us")
+            except Exception as e:
+                print(f"   {label:48s} failed: {type(e).__name__}: {str(e)[:160]}")
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(200):
+            call()
+        pr.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(8)
+        print("\n".join(line for line in s.getvalue().splitlines() if line.strip())[:3000])
+
+
+if __name__ == "__main__":
+    main()
