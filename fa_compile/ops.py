@@ -245,6 +245,20 @@ _ATTENTION_BACKWARD = torch.ops.fa3.attention_backward.default
 _SCALARS = ("scale", "causal", "diag_offset", "window_left", "window_right", "softcap", "dropout_p", "kernel")
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _runs_directly(tensors) -> bool:
+    """Real eager tensors, no dispatch mode or functorch transform: the kernel below autograd is
+    exactly `attention`, so calling it skips a second trip through the dispatcher."""
+    if torch._C._len_torch_dispatch_stack() or torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN or t.is_meta):
+            return False
+    return True
+
+
 class _AttentionFunction(torch.autograd.Function):
     """Autograd of fa3::attention: the forward saves (q, k, v, out, lse, ...); the backward is the
     fa3::attention_backward op, so AOTAutograd traces it into the compiled backward graph."""
@@ -252,9 +266,13 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens, softcap,
                 dropout_p, dropout_seed, force_kernel):
-        with torch._C._AutoDispatchBelowAutograd():
-            out, lse = _ATTENTION(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
-                                  softcap, dropout_p, dropout_seed, force_kernel)
+        if _runs_directly((q, k, v, bias, kv_lens, dropout_seed)):
+            out, lse = attention(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
+                                 softcap, dropout_p, dropout_seed, force_kernel)
+        else:
+            with torch._C._AutoDispatchBelowAutograd():
+                out, lse = _ATTENTION(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
+                                      softcap, dropout_p, dropout_seed, force_kernel)
         ctx.save_for_backward(q, k, v, out, lse, bias, kv_lens, dropout_seed)
         # lse is state for kernels, not a differentiable result: autograd refuses to backprop through it.
         ctx.mark_non_differentiable(lse)
@@ -274,20 +292,6 @@ class _AttentionFunction(torch.autograd.Function):
         )
         db = db if ctx.bias_requires_grad else None
         return dq, dk, dv, None, None, None, None, None, db, None, None, None, None, None
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def _runs_directly(tensors) -> bool:
-    """Real eager tensors, no dispatch mode or functorch transform: the kernel below autograd is
-    exactly `attention`, so calling it skips a second trip through the dispatcher."""
-    if torch._C._len_torch_dispatch_stack() or torch._C._functorch.peek_interpreter_stack() is not None:
-        return False
-    for t in tensors:
-        if t is not None and (type(t) not in _PLAIN or t.is_meta):
-            return False
-    return True
 
 
 def _attention_autograd(q, k, v, scale, causal=False, diag_offset=0, window_left=-1, window_right=-1, bias=None,
