@@ -274,3 +274,17 @@ def test_sdpa_agrees_on_plain_inputs():
     q, k, v = rand(2, 4, 8, 16, gen=gen), rand(2, 4, 8, 16, gen=gen), rand(2, 4, 8, 16, gen=gen)
     torch.testing.assert_close(fa_compile.attention(q, k, v, causal=True),
                                F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-5, rtol=1e-5)
+
+
+def test_export_keeps_the_op_and_matches():
+    """torch.export of a module using the public API: one fa3.attention node, equal outputs."""
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v):
+            return fa_compile.attention(q, k, v, causal=True)
+
+    q, k, v = rand(2, 8, 4, 16), rand(2, 8, 2, 16), rand(2, 8, 2, 16)
+    ep = torch.export.export(M(), (q, k, v))
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.fa3.attention.default) == 1, targets
+    torch.testing.assert_close(ep.module()(q, k, v), M()(q, k, v))
