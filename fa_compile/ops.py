@@ -25,7 +25,7 @@ because the log-sum-exp is the only state they share (dropout excepted, whose ma
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -248,7 +248,7 @@ _SCALARS = ("scale", "causal", "diag_offset", "window_left", "window_right", "so
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _runs_directly(tensors) -> bool:
+def _runs_directly(tensors: Sequence[Optional[Tensor]]) -> bool:
     """Real eager tensors, no dispatch mode or functorch transform: the kernel below autograd is
     exactly `attention`, so calling it skips a second trip through the dispatcher."""
     if torch._C._len_torch_dispatch_stack() or torch._C._functorch.peek_interpreter_stack() is not None:
@@ -294,8 +294,12 @@ class _AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, db, None, None, None, None, None
 
 
-def _attention_autograd(q, k, v, scale, causal=False, diag_offset=0, window_left=-1, window_right=-1, bias=None,
-                        kv_lens=None, softcap=0.0, dropout_p=0.0, dropout_seed=None, force_kernel=None):
+def _attention_autograd(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = False, diag_offset: int = 0, window_left: int = -1,
+    window_right: int = -1, bias: Optional[Tensor] = None, kv_lens: Optional[Tensor] = None, softcap: float = 0.0,
+    dropout_p: float = 0.0, dropout_seed: Optional[Tensor] = None, force_kernel: Optional[str] = None,
+) -> tuple[Tensor, Tensor]:
+    """The Autograd-key kernel: the autograd Function when a gradient is wanted, else the kernel."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         return _AttentionFunction.apply(q, k, v, scale, causal, diag_offset, window_left, window_right, bias,
@@ -326,7 +330,7 @@ class _AttentionBackwardFunction(torch.autograd.Function):
                            "supported; compute it with the unfused attention, e.g. under fa_compile disabled (FA_COMPILE=0)")
 
 
-def _attention_backward_autograd(*args):
+def _attention_backward_autograd(*args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
         return _AttentionBackwardFunction.apply(*args)
     if _runs_directly([a for a in args if isinstance(a, Tensor)]):
