@@ -84,8 +84,11 @@ def emit_attention(
     """Insert fa3.attention on q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D]; return (out node, op call node).
 
     empty_rows (see MaskSpec) keeps eager's value on rows where every key is masked, which the op
-    itself returns as 0 with lse = -inf: "nan" and "mean_v" add an exact fix-up on those rows,
-    "impossible" and "zero" add nothing; "unknown" is refused (the caller must not rewrite).
+    itself returns as 0 with lse = -inf: "nan", "mean_v" and "mean_v_add" add an exact fix-up on those
+    rows, "impossible" and "zero" add nothing; "unknown" is refused (the caller must not rewrite).
+    "mean_v_add" also keeps eager's gradient of q and k on those rows (see `_uniform_row_grad`); it
+    cannot with a softcap (tanh' of every score of the row), so the caller refuses that when q or k
+    needs a gradient.
 
     Call inside `graph.inserting_before(...)` at a point where q, k, v, bias, kv_lens are defined.
     A scale held in a tensor node (learned temperature, 0-d tensor) is folded into q so the op's
@@ -109,7 +112,7 @@ def emit_attention(
     out = call(graph, operator.getitem, node, 0)
     if empty_rows in ("impossible", "zero"):
         return out, node
-    if empty_rows not in ("nan", "mean_v"):
+    if empty_rows not in ("nan", "mean_v", "mean_v_add"):
         raise ValueError(f"empty_rows: cannot keep eager's value on fully masked rows for {empty_rows!r}")
     lse = call(graph, operator.getitem, node, 1)
     empty = call(graph, torch.unsqueeze, call(graph, torch.isneginf, lse), -1)
@@ -121,5 +124,37 @@ def emit_attention(
         fill = call(graph, torch.mean, v, dim=2, keepdim=True)
         if hq != hkv:
             fill = call(graph, torch.repeat_interleave, fill, hq // hkv, dim=1)
+        if empty_rows == "mean_v_add" and needs_qk_grad(q, k):
+            if softcap:
+                raise ValueError("empty_rows: 'mean_v_add' cannot keep eager's gradient through a softcap")
+            fill = call(graph, torch.add, fill, _uniform_row_grad(graph, q, k, v, float(scale), hq, hkv))
         fill = call(graph, "to", fill, example_value(out).dtype, method=True)
     return call(graph, torch.where, empty, fill, out), node
+
+
+def needs_qk_grad(q: Any, k: Any) -> bool:
+    """Whether q or k (nodes or example values) require a gradient in the traced graph."""
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (example_value(q), example_value(k)))
+
+
+def _uniform_row_grad(graph: fx.Graph, q: fx.Node, k: fx.Node, v: fx.Node, scale: float, hq: Any, hkv: Any) -> fx.Node:
+    """A zero [B, Hq, Nq, Dv] whose gradient is what eager gives q and k from a fully masked row whose
+    scores all absorbed one additive mask value (s + finfo.min == finfo.min): the forward is uniform
+    but the addition passes the gradient, so eager's backward is softmax's at P = 1/Nk:
+    ds_j = (dO . v_j - dO . mean(v)) / Nk. That is the gradient of g = scale * q @ C with
+    C = mean_j k_j (v_j - mean(v))^T and v held constant (O(Nk * D * Dv), no Nq x Nk scores);
+    g - g.detach() keeps the value 0. Computed in fp32 so that g cannot overflow to inf."""
+    f32 = torch.float32
+    qf, kf, vf = (call(graph, "to", t, f32, method=True) for t in (q, k, v))
+    vd = call(graph, "detach", vf, method=True)
+    vc = call(graph, torch.sub, vd, call(graph, torch.mean, vd, dim=2, keepdim=True))
+    c = call(graph, torch.matmul, call(graph, torch.transpose, kf, -1, -2), vc)  # [B, Hkv, D, Dv], sum over keys
+    nk = example_value(k).shape[2]
+    if isinstance(nk, int):
+        c = call(graph, torch.mul, c, 1.0 / nk)
+    else:
+        c = call(graph, operator.truediv, c, call(graph, "size", k, 2, method=True))
+    if hq != hkv:
+        c = call(graph, torch.repeat_interleave, c, hq // hkv, dim=1)
+    g = call(graph, torch.mul, call(graph, torch.matmul, qf, c), scale)
+    return call(graph, torch.sub, g, call(graph, "detach", g, method=True))

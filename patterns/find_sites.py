@@ -806,6 +806,9 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
                         raise Miss("key-padding lengths do not map to the op's batch axis")
                     # one length for every batch row (a static cache's decode position): broadcast it
                     kv_lens = o.call("expand", kv_lens, o.size(qo, 0), method=True)
+            if spec.empty_rows == "mean_v_add" and scores.softcap and emit.needs_qk_grad(qo, ko):
+                raise Miss("fully masked rows: eager's gradient there passes through the softcap of every "
+                           "score (an additive mask absorbed them), which the rewrite cannot keep")
             out, call = emit.emit_attention(
                 graph, qo, ko, vo, scale=scale, causal=spec.causal, diag_offset=spec.diag_offset,
                 window_left=spec.window_left, window_right=spec.window_right, bias=bias, kv_lens=kv_lens,

@@ -40,7 +40,8 @@ when they come in an additive mask. On a row where every key is masked eager com
   -inf fills: NaN (SDPA: 0)                              -> empty_rows "nan" ("zero")
   one finite fill c: masked_fill / where set every entry to c    -> empty_rows "mean_v"
   an additive 0-or-c mask: s + c, uniform only where it rounds to c (c <= ABSORB_LIMIT, e.g. fp32 or
-  bf16 finfo.min; fp16 finfo.min for |s| <= 16)                -> empty_rows "mean_v"; other c
+  bf16 finfo.min; fp16 finfo.min for |s| <= 16)                -> empty_rows "mean_v_add" (the
+  addition passes the gradient to the absorbed scores: eager's backward is softmax's at uniform P); other c
   (fp32 -1e9, -1e4) keep s in s + c, so such masks are passed untouched (exact) unless the structure
   proves that no row is empty.
 Mixes whose fully masked rows eager computes differently (finite fills of different values, a
@@ -1234,8 +1235,15 @@ def _combine(infos: list, an: _Analyzer, q_len, k_len, sdpa: bool) -> Union[str,
             else:
                 return ("fully masked rows: eager mixes a finite fill with other float masks there, "
                         "which the op cannot reproduce")
+        elif not fills_only and any(isinstance(x, fx.Node) and getattr(example_value(x), "requires_grad", False)
+                                    for x in extras):
+            # eager's gradient of that bias on a fully masked row is softmax's at uniform P, which the
+            # op (0 there) and emit's fix-up (q and k only) do not give: pass the mask untouched instead
+            return ("fully masked rows: an additive mask absorbed a bias that needs a gradient there, "
+                    "which the op cannot reproduce with the structure extracted")
         else:
-            empty = "mean_v"
+            # an added mask passes the gradient to the absorbed scores, a fill does not (emit keeps both)
+            empty = "mean_v" if fills_only else "mean_v_add"
     else:
         if not no_empty:
             return f"fully masked rows: eager mixes the fill values {sorted(cs)} there, which the op cannot reproduce"

@@ -66,7 +66,10 @@ class MaskSpec:
     empty_rows says what eager computes on a row in which every key is masked, so the rewrite can
     keep it exactly: "impossible" (proven that no row is empty), "nan" (eager gives NaN: -inf fills),
     "mean_v" (eager gives the uniform average of V over all keys: finfo.min-style fills that make
-    every score of the row equal), "zero" (eager gives 0, e.g. SDPA), or "unknown" (refuse if
+    every score of the row equal, with no gradient to those scores: masked_fill / where), "mean_v_add"
+    (the same value, from one additive mask that absorbed every score of the row, s + c == c: the
+    addition passes the gradient, so eager's q and k get softmax's gradient at uniform probabilities
+    from that row), "zero" (eager gives 0, e.g. SDPA), or "unknown" (refuse if
     structure was extracted; passing the untouched mask as bias keeps eager's own arithmetic).
     """
 

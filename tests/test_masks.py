@@ -432,9 +432,40 @@ def test_causal_and_data_padding_residual_is_small():
     am = torch.ones(2, 6, dtype=torch.long)
     am[0, :2] = 0  # left padding: query rows 0 and 1 of batch 0 see no key -> uniform average in eager
     rw = compile_and_check(fn, *qkv(), am)
-    assert_spec(rw.spec, "causal+bool-mask", "mean_v")
+    assert_spec(rw.spec, "causal+bool-mask", "mean_v_add")
     assert tuple(example_value(rw.spec.bias).shape) == (2, 1, 1, 6)
     assert nxn_nodes(rw.graphs[-1], 6, 6) == []
+
+
+@pytest.mark.parametrize("how", ["add", "fill"])
+def test_finfo_min_empty_rows_keep_eager_gradient(how):
+    """A fully masked row is uniform in eager either way, but an added finfo.min mask (HF eager models
+    with left padding) passes the gradient to the absorbed scores: eager's dq / dk get softmax's
+    gradient at P = 1/Nk from that row, which the rewrite must keep; masked_fill gives them none."""
+
+    def fn(q, k, v, keep):
+        s = q @ k.transpose(-2, -1) * 0.4
+        if how == "add":
+            s = s + torch.where(keep, 0.0, torch.finfo(s.dtype).min)
+        else:
+            s = s.masked_fill(~keep, torch.finfo(s.dtype).min)
+        return s.softmax(-1) @ v
+
+    q, k, v = (t.requires_grad_() for t in qkv(nq=5, nk=7, d=4, seed=3))
+    keep = torch.rand(2, 1, 5, 7, generator=torch.Generator().manual_seed(4)) > 0.4
+    keep[1, 0, :2] = False  # rows with no key at all
+    keep[0, 0, 4] = False
+    rw = Rewriter()
+    got = torch.compile(fn, backend=rw, fullgraph=True)(q, k, v, keep)
+    assert_spec(rw.spec, "bool-mask", "mean_v_add" if how == "add" else "mean_v")
+    ref = fn(q, k, v, keep)
+    torch.testing.assert_close(got, ref, **TOL[torch.float32])
+    dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(5))
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    for name, a, b in zip("qkv", torch.autograd.grad(got, (q, k, v), dout), ref_grads):
+        torch.testing.assert_close(a, b, **TOL[torch.float32], msg=name)
+    if how == "add":  # the empty rows' eager gradient of q is not zero: the check above has teeth
+        assert ref_grads[0][1, :, :2].abs().max() > 1e-3
 
 
 def test_causal_fill_plus_bert_padding_bias():
@@ -875,8 +906,34 @@ def test_t5_style_position_bias_plus_causal():
         return torch.softmax(q @ k.transpose(-2, -1) + bias, dim=-1) @ v
 
     rw = compile_and_check(fn, *qkv())
-    assert_spec(rw.spec, "causal+bias", "mean_v")
+    assert_spec(rw.spec, "causal+bias", "mean_v_add")
     assert tuple(example_value(rw.spec.bias).shape) == (1, 2, 6, 6)  # the position bias itself
+
+
+def test_learned_bias_in_additive_mask_with_empty_rows_is_passed_untouched():
+    """A learned bias summed with a 0/finfo.min padding mask (T5 / BEiT style with padding): on a fully
+    masked row eager's gradient reaches the bias (softmax's at uniform P); with the structure extracted
+    the op would give it 0 there, so the whole mask is the op's bias (eager's arithmetic) and every
+    gradient matches."""
+    pos_bias = torch.randn(1, 2, 5, 7, generator=torch.Generator().manual_seed(6), requires_grad=True)
+
+    def fn(q, k, v, am):
+        mask = torch.where(am.bool()[:, None, None, :], 0.0, torch.finfo(q.dtype).min)
+        return torch.softmax(q @ k.transpose(-2, -1) + (pos_bias + mask), dim=-1) @ v
+
+    q, k, v = (t.requires_grad_() for t in qkv(nq=5, nk=7, d=4, seed=7))
+    am = torch.ones(2, 7, dtype=torch.long)
+    am[1] = 0  # every key of batch 1 masked: its rows are uniform in eager
+    rw = Rewriter()
+    got = torch.compile(fn, backend=rw, fullgraph=True)(q, k, v, am)
+    assert isinstance(rw.spec, MaskSpec) and rw.spec.empty_rows != "mean_v_add", rw.spec
+    ref = fn(q, k, v, am)
+    torch.testing.assert_close(got, ref, **TOL[torch.float32])
+    dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(8))
+    ref_grads = torch.autograd.grad(ref, (q, k, v, pos_bias), dout)
+    for name, a, b in zip(("q", "k", "v", "bias"), torch.autograd.grad(got, (q, k, v, pos_bias), dout), ref_grads):
+        torch.testing.assert_close(a, b, **TOL[torch.float32], msg=name)
+    assert ref_grads[3].abs().max() > 1e-3
 
 
 def test_data_mask_minus_1e9_fill_uniform_rows():
