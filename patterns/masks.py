@@ -1318,11 +1318,33 @@ def _analyze(gm, terms, *, batch, q_len, k_len, scores_dtype, insert_before, sdp
                 continue
             if t.c != -math.inf and (t.c > ABSORB_LIMIT or i > 0):
                 return None
+            if t.c != -math.inf and not fill_gradient_kept(i):
+                refusals.append("a finite fill mixed with an additive mask: on a fully masked row eager's "
+                                "filled scores get no gradient, the op's bias would pass one (training graph)")
+                return None
             node = terms[i].tensor
             item = ("where", node, t.c, t.op == "fill")  # masked where node is True for fill, False otherwise
             out.append(_TermInfo("add", 0.0, keep=None, extra=(item,), converted=False))
         return out
 
+    def fill_gradient_kept(i: int) -> bool:
+        # A fill gives its entries no gradient; as an additive where(T, c, 0) they get softmax's, which
+        # differs only on rows where they keep a weight: fully masked rows (uniform). It stays exact when
+        # the graph needs no gradient, or when a later 0-or-c' mask masks every filled entry too and
+        # c + c' overflows to -inf (weight 0 on both sides: GPT-Neo's causal where() + causal/padding mask).
+        if not _needs_grad(insert_before):
+            return True
+        f = infos[i]
+        if f.keep is None or f.keep.inverted:
+            return False
+        for j in range(i + 1, len(infos)):
+            a = infos[j]
+            if is_mask_add(j) and not a.keep.inverted and _sum_is_neg_inf(f.c, a.c, scores_dtype) \
+                    and _keep_within(a.keep, f.keep):
+                return True
+        return False
+
+    refusals: list = []
     attempts = [infos]
     if any(is_mask_add(i) for i in range(len(infos))):
         attempts.append(untouched_adds(infos))
@@ -1347,7 +1369,30 @@ def _analyze(gm, terms, *, batch, q_len, k_len, scores_dtype, insert_before, sdp
         except Exception:
             em.rollback()
             raise
-    return reason
+    return f"{reason}; {refusals[0]}" if refusals else reason
+
+
+def _needs_grad(node: Any) -> bool:
+    """Whether the site's output (a node's example value, or the first tensor of a tuple) needs a gradient."""
+    v = example_value(node)
+    if isinstance(v, (tuple, list)):
+        v = next((x for x in v if isinstance(x, torch.Tensor)), None)
+    return not isinstance(v, torch.Tensor) or v.requires_grad  # unknown: assume it does
+
+
+def _sum_is_neg_inf(c1: float, c2: float, dtype: torch.dtype) -> bool:
+    return bool(torch.isneginf(torch.tensor(c1, dtype=dtype) + torch.tensor(c2, dtype=dtype)))
+
+
+def _keep_within(a: "_Keep", f: "_Keep") -> bool:
+    """Every entry keep-mask `a` admits is admitted by `f` (a's conjunction implies each factor of f)."""
+    if f.lo is not None and not (a.lo is not None and _sym_true(a.lo >= f.lo)):
+        return False
+    if f.hi is not None and not (a.hi is not None and _sym_true(a.hi <= f.hi)):
+        return False
+    if f.lens is not None and a.lens != f.lens:
+        return False
+    return set(f.data) <= set(a.data)
 
 
 def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len) -> MaskSpec:

@@ -1380,3 +1380,47 @@ def test_hf_masks_dynamic_true(name, kind):
                                        **TOL[torch.float32])
     assert len(run.graphs) == 1
     assert [r.mask for r in run.reports] == [kind]
+
+
+def _legacy_fill_then_add(subsumed: bool):
+    """where(causal, s, finfo.min) then an added 0/finfo.min mask: key padding only (legacy GPT-2 style),
+    or causal & padding (GPT-Neo with HF's mask), which masks every filled entry again."""
+    MIN = torch.finfo(torch.float32).min
+
+    def fn(q, k, v, am):
+        n = q.shape[-2]
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        s = torch.where(causal, q @ k.transpose(-1, -2) * 0.5, MIN)
+        keep = am[:, None, None, :].bool()
+        if subsumed:
+            keep = keep & causal
+        return (s + torch.where(keep, 0.0, MIN)).softmax(-1) @ v
+
+    return fn
+
+
+@pytest.mark.parametrize("subsumed", [False, True])
+def test_finite_fill_passed_as_additive_bias_keeps_eager_gradient(subsumed):
+    """Passing masked_fill(T, finfo.min) as + where(T, finfo.min, 0) gives the filled scores softmax's
+    gradient on a fully masked row (uniform there), eager's fill gives them none: refused in a graph that
+    needs gradients, unless a later added mask masks every filled entry too (their sum is -inf)."""
+    fn = _legacy_fill_then_add(subsumed)
+    q, k, v = (t.requires_grad_() for t in qkv(nq=6, nk=6, d=4, seed=9))
+    am = torch.ones(2, 6)
+    am[1, :3] = 0  # left padding: queries 0..2 of row 1 see no key
+    rw = Rewriter()
+    got = torch.compile(fn, backend=rw, fullgraph=True)(q, k, v, am)
+    ref = fn(q, k, v, am)
+    torch.testing.assert_close(got, ref, **TOL[torch.float32])
+    if subsumed:
+        assert isinstance(rw.spec, MaskSpec), rw.spec
+    else:
+        assert isinstance(rw.spec, str) and "filled scores get no gradient" in rw.spec, rw.spec
+    dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(10))
+    for name, a, b in zip("qkv", torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+        torch.testing.assert_close(a, b, **TOL[torch.float32], msg=name)
+    with torch.no_grad():  # no gradient: the additive form is exact
+        rw = Rewriter()
+        got = torch.compile(fn, backend=rw, fullgraph=True)(q, k, v, am)
+        assert isinstance(rw.spec, MaskSpec) and rw.spec.kind == "bias", rw.spec
+        torch.testing.assert_close(got, fn(q, k, v, am), **TOL[torch.float32])
