@@ -44,8 +44,10 @@ when they come in an additive mask. On a row where every key is masked eager com
   addition passes the gradient to the absorbed scores: eager's backward is softmax's at uniform P); other c
   (fp32 -1e9, -1e4) keep s in s + c, so such masks are passed untouched (exact) unless the structure
   proves that no row is empty.
+Finite fills of one value c applied after every other term (s + bias, then masked_fill) overwrite
+it: a fully masked row is all c -> empty_rows "mean_v", the bias passed as the op's.
 Mixes whose fully masked rows eager computes differently (finite fills of different values, a
-finite fill and a separate additive float mask) are refused unless proven to have no empty row, or
+finite fill and a separate additive float mask added after it) are refused unless proven to have no empty row, or
 unless every fill is -inf, or <= ABSORB_LIMIT (fp32/bf16 finfo.min) and the very first term:
 then every term is passed as one additive float bias (fill -> where(T, c, 0)), which is eager's
 arithmetic (legacy GPT-2: where(causal, s, finfo.min) + (1 - m) * finfo.min), at the cost of an
@@ -1229,7 +1231,13 @@ def _combine(infos: list, an: _Analyzer, q_len, k_len, sdpa: bool) -> Union[str,
         empty = "zero" if sdpa else "nan"
     elif len(cs) == 1:
         fills_only = all(t.op in ("fill", "where") for t in masking)
-        if untouched or not (len(masking) == 1 or fills_only) or not all(t.absorbs for t in masking):
+        # fills applied after every other term overwrite it: a fully masked row is all c, uniform, and
+        # gets no gradient (MPT: s + alibi, then masked_fill(padding & causal, finfo.min))
+        first = next(i for i, t in enumerate(infos) if any(t is m for m in masking))
+        fills_last = fills_only and all(any(t is m for m in masking) for t in infos[first:])
+        if fills_last and all(t.absorbs for t in masking) and (untouched or extras):
+            empty = "mean_v"
+        elif untouched or not (len(masking) == 1 or fills_only) or not all(t.absorbs for t in masking):
             if no_empty:
                 empty = "impossible"
             else:

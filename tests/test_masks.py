@@ -628,15 +628,19 @@ def test_refuse_finite_fill_then_additive_float():
     assert isinstance(reason, str) and "finite fill with other float masks" in reason
 
 
-def test_refuse_additive_float_then_finite_fill():
-    """An additive mask before a finfo.min fill: eager overwrites s + bias with c, the op cannot."""
+def test_additive_float_then_finite_fill_is_mean_v():
+    """An additive mask before a finfo.min fill: eager overwrites s + bias with c, so a fully masked row
+    is uniform (empty_rows "mean_v") and the bias goes to the op as it is (was refused before)."""
 
     def fn(q, k, v, m, bias):
         s = (q @ k.transpose(-2, -1)) + bias
         return s.masked_fill(m, torch.finfo(torch.float32).min).softmax(-1) @ v
 
-    reason = _analyze(fn, *qkv(), torch.zeros(6, 6, dtype=torch.bool), torch.zeros(2, 1, 1, 6))
-    assert isinstance(reason, str) and "finite fill with other float masks" in reason
+    m = torch.rand(6, 6, generator=torch.Generator().manual_seed(15)) > 0.6
+    m[2] = True  # a fully masked row
+    bias = torch.randn(2, 1, 1, 6, generator=torch.Generator().manual_seed(16))
+    rw = compile_and_check(fn, *qkv(), m, bias, dtypes=(torch.float32,))
+    assert_spec(rw.spec, "bool-mask+bias", "mean_v")
 
 
 def test_legacy_gpt2_causal_where_plus_extended_padding():
@@ -1424,3 +1428,45 @@ def test_finite_fill_passed_as_additive_bias_keeps_eager_gradient(subsumed):
         got = torch.compile(fn, backend=rw, fullgraph=True)(q, k, v, am)
         assert isinstance(rw.spec, MaskSpec) and rw.spec.kind == "bias", rw.spec
         torch.testing.assert_close(got, fn(q, k, v, am), **TOL[torch.float32])
+
+
+def test_bias_then_finfo_min_fill_overwrites_empty_rows():
+    """MPT: s + alibi (here a learned bias), then masked_fill(causal | padding, finfo.min). The fill comes
+    last, so a fully masked row is all finfo.min in eager: uniform, and no gradient to q, k or the bias
+    there. The structure is extracted, the bias passed, empty rows are the mean of V."""
+    MIN = torch.finfo(torch.float32).min
+    bias = torch.randn(1, 2, 6, 6, generator=torch.Generator().manual_seed(11), requires_grad=True)
+
+    def fn(q, k, v, am):
+        n = q.shape[-2]
+        masked = torch.ones(n, n, dtype=torch.bool).triu(1) | ~am[:, None, None, :].bool()
+        return ((q @ k.transpose(-1, -2) * 0.5 + bias).masked_fill(masked, MIN)).softmax(-1) @ v
+
+    q, k, v = (t.requires_grad_() for t in qkv(nq=6, nk=6, d=4, seed=12))
+    am = torch.ones(2, 6)
+    am[1, :3] = 0  # left padding: queries 0..2 of row 1 see no key
+    rw = Rewriter()
+    got = torch.compile(fn, backend=rw, fullgraph=True)(q, k, v, am)
+    assert_spec(rw.spec, "bool-mask+bias", "mean_v")
+    ref = fn(q, k, v, am)
+    torch.testing.assert_close(got, ref, **TOL[torch.float32])
+    dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(13))
+    ins = (q, k, v, bias)
+    for name, a, b in zip(("q", "k", "v", "bias"), torch.autograd.grad(got, ins, dout), torch.autograd.grad(ref, ins, dout)):
+        torch.testing.assert_close(a, b, **TOL[torch.float32], msg=name)
+
+
+def test_finfo_min_fill_then_added_bias_is_still_refused_on_empty_rows():
+    """The other order: masked_fill(finfo.min) then + bias keeps the bias on a fully masked row
+    (softmax(bias) in eager, not uniform): no structure may be extracted."""
+    MIN = torch.finfo(torch.float32).min
+    bias = torch.randn(1, 2, 6, 6, generator=torch.Generator().manual_seed(14))
+
+    def fn(q, k, v, am):
+        masked = ~am[:, None, None, :].bool()
+        return ((q @ k.transpose(-1, -2)).masked_fill(masked, MIN) + bias).softmax(-1) @ v
+
+    am = torch.ones(2, 6)
+    am[1] = 0
+    rw = compile_and_check(fn, *qkv(), am, dtypes=(torch.float32,))
+    assert isinstance(rw.spec, str) or rw.spec.empty_rows != "mean_v", rw.spec
