@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
@@ -336,26 +335,20 @@ def _settings() -> tuple:
 
 
 def _memo_key(args: AttentionArgs, forced: Optional[str], direction: str):
-    """Everything the reasons, the order and the argument checks read (metadata, scalar facts and
-    settings, never data): a hit means equal inputs were checked and chosen for before."""
+    """Everything the reasons, the order and `validate` read (metadata, scalar facts and settings,
+    never data): a hit means equal inputs were validated and chosen for before."""
     return (
         direction, forced, _settings(),
         _meta(args.q), _meta(args.k), _meta(args.v), _meta(args.bias), _meta(args.kv_lens), _meta(args.dropout_seed),
         bool(args.causal), int(args.diag_offset), args.window_left, args.window_right, args.softcap > 0,
-        args.dropout_p > 0, _scalars_valid(args), args.needs_backward, args.bias_requires_grad,
+        args.dropout_p > 0, args.needs_backward, args.bias_requires_grad,
     )
-
-
-def _scalars_valid(args: AttentionArgs) -> bool:
-    """What the argument checks ask of the float scalars, as one bit of the memo key (a learned
-    temperature changes the scale every step; that must not miss the memo)."""
-    return math.isfinite(args.scale) and 0.0 <= args.softcap < math.inf and 0.0 <= args.dropout_p < 1.0
 
 
 def _choose(args: AttentionArgs, forced: Optional[str], direction: str, validate=None) -> _Chosen:
     """The choice for these inputs, memoised on real tensors (decode calls it once per layer and
-    token, so a hit costs one key and one lookup). `validate(args)` (the op's argument checks) runs
-    on a miss only: a hit means equal metadata and scalars passed it before."""
+    token, so a hit costs one key and one lookup). `validate(args)` (the op's tensor checks, which
+    read metadata only) runs on a miss only: a hit means equal metadata passed it before."""
     args = _for_direction(args, direction)
     key = None if _is_fake(args.q) else _memo_key(args, forced, direction)
     hit = _MEMO.get(key) if key is not None else None

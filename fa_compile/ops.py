@@ -49,6 +49,30 @@ def check_args(
     window_right: int = -1,
 ) -> None:
     """Raise a ValueError naming the offending argument; works on fake and symbolic shapes."""
+    check_tensors(q, k, v, bias, kv_lens)
+    check_scalars(scale, softcap, dropout_p, dropout_seed, window_left, window_right)
+
+
+def check_scalars(
+    scale: float, softcap: float, dropout_p: float, dropout_seed: Optional[Tensor], window_left: int, window_right: int,
+) -> None:
+    """The scalar arguments' checks: cheap, so run on every call (a learned temperature changes the
+    scale every step)."""
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: must be finite, got {scale}")
+    if softcap < 0 or not math.isfinite(softcap):
+        raise ValueError(f"softcap: must be >= 0 and finite, got {softcap}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0 and dropout_seed is None:
+        raise ValueError("dropout_seed: required when dropout_p > 0")
+    if window_left < -1 or window_right < -1:
+        raise ValueError(f"window_left, window_right: must be >= 0, or -1 for unbounded; got {window_left}, {window_right}")
+
+
+def check_tensors(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], kv_lens: Optional[Tensor]) -> None:
+    """The tensor arguments' checks: they read metadata only, so dispatch memoises them with the
+    kernel choice (a memo hit means equal metadata passed them before)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name}: expected a Tensor, got {type(t).__name__}")
@@ -70,16 +94,6 @@ def check_args(
         raise ValueError(f"k: head dim {k.shape[3]} differs from q's {q.shape[3]}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"k: q's {q.shape[1]} heads are not a multiple of k's {k.shape[1]} (GQA needs Hq % Hkv == 0)")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale: must be finite, got {scale}")
-    if softcap < 0 or not math.isfinite(softcap):
-        raise ValueError(f"softcap: must be >= 0 and finite, got {softcap}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p: must be in [0, 1), got {dropout_p}")
-    if dropout_p > 0 and dropout_seed is None:
-        raise ValueError("dropout_seed: required when dropout_p > 0")
-    if window_left < -1 or window_right < -1:
-        raise ValueError(f"window_left, window_right: must be >= 0, or -1 for unbounded; got {window_left}, {window_right}")
     if bias is not None:
         if bias.dtype != torch.bool and bias.dtype not in _FLOAT_DTYPES:
             raise ValueError(f"bias: dtype {bias.dtype} must be bool (True = attend) or floating (additive)")
@@ -132,8 +146,7 @@ _LIB.define(
 
 
 def _validate(a: dispatch.AttentionArgs) -> None:
-    check_args(a.q, a.k, a.v, a.scale, a.bias, a.kv_lens, a.softcap, a.dropout_p, a.dropout_seed,
-               a.window_left, a.window_right)
+    check_tensors(a.q, a.k, a.v, a.bias, a.kv_lens)
 
 
 def attention(
@@ -154,6 +167,7 @@ def attention(
 ) -> tuple[Tensor, Tensor]:
     """The kernel behind `torch.ops.fa3.attention` on real tensors: checks (memoised with the choice
     of kernel on the inputs' metadata and scalars), dispatch, and the output conventions."""
+    check_scalars(scale, softcap, dropout_p, dropout_seed, window_left, window_right)
     if kv_lens is not None and not kv_lens.is_contiguous():
         kv_lens = kv_lens.contiguous()  # kernels index it by batch (an expanded [1] length, say)
     args = dispatch.AttentionArgs(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
