@@ -37,8 +37,6 @@ def _module() -> tuple[Optional[Any], dict, str]:
     return fai, flags, ""
 
 
-# Defaults of the wrapper's Python signature, for C++ schema arguments that declare none.
-_WRAPPER_DEFAULTS = {"attention_chunk": 0, "softcap": 0.0, "rotary_interleaved": True, "num_splits": 1, "sm_margin": 0}
 _WE_PASS = ("q", "k", "v", "seqused_k", "softmax_scale", "causal", "window_size_left", "window_size_right", "softcap",
             "num_splits")
 # The wrapper's keyword -> the C++ schema's name, where they differ (FA3 3.0: `is_causal`).
@@ -66,8 +64,6 @@ def _direct_forward() -> Optional[tuple[Any, tuple, dict]]:
         index[a.name] = i
         if a.has_default_value():
             template.append(a.default_value)
-        elif a.name in _WRAPPER_DEFAULTS:
-            template.append(_WRAPPER_DEFAULTS[a.name])
         elif isinstance(a.type, torch.OptionalType) or a.name in _WE_PASS:
             template.append(None)
         else:
