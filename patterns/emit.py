@@ -63,6 +63,10 @@ def call(graph: fx.Graph, target: Any, *args: Any, method: bool = False, **kwarg
     return node
 
 
+# The MaskSpec.empty_rows values emit_attention reproduces exactly (everything but "unknown").
+EMPTY_ROWS_KEPT = ("impossible", "zero", "nan", "mean_v", "mean_v_add")
+
+
 def emit_attention(
     graph: fx.Graph,
     q: fx.Node,
@@ -112,7 +116,7 @@ def emit_attention(
     out = call(graph, operator.getitem, node, 0)
     if empty_rows in ("impossible", "zero"):
         return out, node
-    if empty_rows not in ("nan", "mean_v", "mean_v_add"):
+    if empty_rows not in EMPTY_ROWS_KEPT:
         raise ValueError(f"empty_rows: cannot keep eager's value on fully masked rows for {empty_rows!r}")
     lse = call(graph, operator.getitem, node, 1)
     empty = call(graph, torch.unsqueeze, call(graph, torch.isneginf, lse), -1)

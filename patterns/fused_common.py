@@ -213,6 +213,6 @@ def structured_mask(b: Builder, node: fx.Node, terms: list, q4v: torch.Tensor, k
             spec = f"mask analysis failed: {type(e).__name__}: {e}"
         if isinstance(spec, MaskSpec):
             b.pending_cache[key] = spec
-    if not isinstance(spec, MaskSpec) or spec.empty_rows not in ("impossible", "zero", "nan", "mean_v", "mean_v_add"):
+    if not isinstance(spec, MaskSpec) or spec.empty_rows not in emit.EMPTY_ROWS_KEPT:
         return fallback, fallback_kind
     return {f: getattr(spec, f) for f in _SPEC_FIELDS}, spec.kind
