@@ -428,6 +428,35 @@ def _band_of(m: torch.Tensor) -> Optional[_Keep]:
     return _Keep(lo=None if lo <= -(nq - 1) else lo, hi=None if hi >= nk - 1 else hi)
 
 
+def _affine_of(val: torch.Tensor) -> Optional[_Lin]:
+    """The _Lin equal to an integer tensor whose value is c + sum(coef_d * index_d), or None.
+
+    Small index tensors (HF's `position_ids[batch_idx, q_idx]`, [B, 1, Nq, 1]) fold concretely while the
+    [B, 1, Nq, Nk] comparison built from them may be too large to evaluate; as _Lin the comparison is
+    proven symbolically at any size."""
+    if val.dtype == torch.bool or val.is_floating_point() or val.is_complex() or val.dim() == 0:
+        return None
+    v = val.to(torch.int64)
+    const = int(v.reshape(-1)[0])
+    expect = torch.full((1,) * v.dim(), const, dtype=torch.int64)
+    coef = []
+    for d, size in enumerate(v.shape):
+        if size < 2:
+            continue
+        idx = [0] * v.dim()
+        idx[d] = 1
+        c = int(v[tuple(idx)]) - const
+        if c == 0:
+            continue
+        coef.append((d - v.dim(), c))
+        shape = [1] * v.dim()
+        shape[d] = size
+        expect = expect + c * torch.arange(size, dtype=torch.int64).view(shape)
+    if not coef or not torch.equal(v, expect.expand(v.shape)):
+        return None
+    return _Lin(tuple(sorted(coef)), const)
+
+
 def _classify(node: fx.Node, val: Any) -> AbsVal:
     """Abstract value of a concretely evaluated node."""
     if not isinstance(val, torch.Tensor):
@@ -438,6 +467,15 @@ def _classify(node: fx.Node, val: Any) -> AbsVal:
     flat = val.reshape(-1)
     if bool((flat == flat[0]).all()) and val.dtype != torch.bool:
         return _Konst(float(flat[0]))
+    r = _classify_mask(node, val)
+    if isinstance(r, _Opaque):  # only what no mask form describes: results above never change
+        lin = _affine_of(val)
+        if lin is not None:
+            return lin
+    return r
+
+
+def _classify_mask(node: fx.Node, val: torch.Tensor) -> AbsVal:
     if val.dim() < 2:
         return _Opaque(node)
     m3 = val.reshape(-1, val.shape[-2], val.shape[-1])
@@ -863,6 +901,12 @@ class _Analyzer:
     def _cmp(self, n: fx.Node, op: str) -> AbsVal:
         an, bn = n.args[0], _arg(n, 1, "other")
         a, b = self.value(an), self.value(bn)
+        if isinstance(a, _Konst) and isinstance(b, _Konst) and _dtype(n) == torch.bool:
+            x, y = _scalar(a.value), _scalar(b.value)  # e.g. HF's packed-sequence ids, all 0: id[i] == id[j]
+            if x is not None and y is not None:
+                holds = {"eq": x == y, "ne": x != y, "gt": x > y, "ge": x >= y, "lt": x < y, "le": x <= y}[op]
+                if holds:
+                    return _TRUE  # (a never-true result stays opaque: the op has no "mask every key" form)
         # keep-mask == 0 / == 1 / != 0 / > 0 (0/1 values only)
         for x, y, o in ((a, b, op), (b, a, _FLIP[op])):
             if isinstance(x, _Keep) and isinstance(y, _Konst) and _scalar(y.value) is not None:
