@@ -315,6 +315,72 @@ def run_tune(shard: tuple[int, int] | None = None) -> list[dict]:
     return rows
 
 
+# (block_m, block_n, stages, qreg[, pingpong]); block_m 128 = warp-specialized (2 consumer warpgroups)
+GLUON_VARIANTS = {
+    64: [(128, 128, 2, True), (128, 128, 2, True, True), (128, 128, 3, True, True), (128, 128, 2, False, True)],
+    128: [(128, 128, 2, False), (128, 128, 3, False), (128, 128, 2, False, True), (128, 128, 3, False, True),
+          (128, 64, 2, False, True), (128, 64, 3, True, True)],
+    256: [(128, 64, 2, False), (128, 64, 2, False, True)],
+}
+
+
+def run_gluon_compare(dims: list[int], fa3) -> list[dict]:
+    """The Gluon forward's tiles against the `tl` forward, cuDNN and FA3 at 16k tokens, in one process:
+    every variant timed twice (forward order, then reverse), best kept."""
+    rows = []
+    for d in dims:
+        h = 2048 // d
+        torch.manual_seed(0)
+        q, k, v = bshd(1, h, 16384, d), bshd(1, h, 16384, d), bshd(1, h, 16384, d)
+        for causal in (False, True):
+            fl = 4 * h * 16384 * 16384 * d * (0.5 if causal else 1.0)
+            a = Args(q, k, v, causal=causal)
+            ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+            runs: list[tuple[str, object]] = [("tl", None)] + [(f"gluon {c}", c) for c in GLUON_VARIANTS[d]]
+            runs += [("cudnn", "cudnn")] + ([("fa3", "fa3")] if fa3 is not None else [])
+            res: dict = {}
+
+            def once(name, c):
+                tf.CONFIG_OVERRIDE.clear()
+                os.environ["FA_COMPILE_GLUON"] = "0" if name == "tl" else "1"
+                if isinstance(c, tuple):
+                    tf.CONFIG_OVERRIDE[("fwd_gluon", d)] = tf.BlockConfig(c[0], c[1], 4, c[2], qreg=c[3],
+                                                                          pingpong=len(c) > 4 and c[4])
+                if c == "cudnn":
+                    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                        return bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)), None, {}
+                if c == "fa3":
+                    qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
+                    return bench(lambda: fa3.flash_attn_func(qs, ks, vs, causal=causal)), None, {}
+                out, _ = tf.attention_forward(a)
+                err = float((out.float() - ref).norm() / ref.norm())
+                t = bench(lambda: tf.attention_forward(a))
+                return t, err, kernel_report("attn_fwd_kernel" if name == "tl" else "attn_fwd_gluon_kernel")
+
+            for order in (runs, runs[::-1]):
+                for name, c in order:
+                    try:
+                        t, err, rep = once(name, c)
+                        r = res.setdefault(name, {"tflops_runs": [], "err": err, "kern": rep})
+                        r["tflops_runs"].append(tflops(fl, t))
+                    except Exception as e:
+                        res.setdefault(name, {"tflops_runs": []})["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            tf.CONFIG_OVERRIDE.clear()
+            os.environ.pop("FA_COMPILE_GLUON", None)
+            peer = max(res.get("cudnn", {}).get("tflops_runs") or [float("nan")])
+            for name, r in res.items():
+                best = max(r["tflops_runs"]) if r["tflops_runs"] else None
+                row = {"d": d, "causal": causal, "variant": name, "tflops": best, "runs": r["tflops_runs"],
+                       "vs_cudnn": round(best / peer, 3) if best else None, "err": r.get("err"),
+                       "kern": r.get("kern"), "error": r.get("error")}
+                rows.append(row)
+                kk = row["kern"] or {}
+                print(f"gluon-compare d{d:<4}{'causal' if causal else '':<7}{name:<32}{best!s:<8}{row['vs_cudnn']!s:<7}"
+                      f"{r['tflops_runs']!s:<18} err {row['err']} regs {kk.get('n_regs')} spills {kk.get('n_spills')}"
+                      f" {row['error'] or ''}", flush=True)
+    return rows
+
+
 def _cfg_label(c) -> str:
     c = tuple(c)
     if len(c) == 8 and all(isinstance(x, int) for x in c):
@@ -345,6 +411,8 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help="time the forward/backward variants first (tune_variants)")
     ap.add_argument("--tune-only", action="store_true", help="with --tune: stop after the variants")
     ap.add_argument("--warm", default=None, help="I/N: compile the I-th N-th of the variants and exit")
+    ap.add_argument("--gluon", default=None, help="head dims (e.g. 64,128,256): compare the Gluon forward's tiles "
+                    "with the tl forward, cuDNN and FA3, then exit")
     opt = ap.parse_args()
     if opt.warm:
         i, n = (int(x) for x in opt.warm.split("/"))
@@ -363,6 +431,11 @@ def main() -> None:
         env["fa3"] = f"missing ({type(e).__name__})"
     print(env, flush=True)
     result = {"env": env, "sweep": {}, "rows": []}
+    if opt.gluon:
+        result["gluon"] = run_gluon_compare([int(x) for x in opt.gluon.split(",")], fa3)
+        os.makedirs(opt.out, exist_ok=True)
+        json.dump(result, open(os.path.join(opt.out, "kernels_gluon.json"), "w"), indent=1, default=str)
+        return
     if opt.tune:
         result["tune"] = run_tune()
         tune_table(result["tune"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -43,6 +44,8 @@ class BlockConfig:
     num_stages: int
     # Forward (TMA) only: Q kept in registers as the A operand of Q·Kᵀ instead of shared memory.
     qreg: bool = False
+    # Gluon warp-specialized forward only: the two consumer warpgroups take turns issuing their wgmma.
+    pingpong: bool = False
 
 
 # Tests and the benchmark may pin configurations: {(kind, head_dim_block[, causal]): BlockConfig}, kind one of
@@ -247,6 +250,71 @@ def _forward_tma(args, q, k, v, out, lse, bias, bias_kind, bstr, consts, sc, see
             cfg = _smaller(cfg)
 
 
+def gluon_available() -> bool:
+    try:
+        return importlib.util.find_spec("triton.experimental.gluon.language.nvidia.hopper") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+# Gluon forward tiles on Hopper, {head-dim block: BlockConfig}; block_m is always 128 (two consumer
+# warpgroups of 64 rows and a producer warp), num_warps 4 (the default partition). H200, bf16, 16k tokens,
+# 2026-11-30, best of two timings (benchmarks/results/kernels.md, run E): d128 128x128 s3 ping-pong 640
+# TFLOP/s vs 618 without ping-pong and 527 for the tl kernel; d64 128x128 s2 447 (ping-pong 445);
+# d256 128x64 s2 661 (ping-pong 655).
+GLUON_CONFIGS: dict[int, BlockConfig] = {
+    64: BlockConfig(128, 128, 4, 2, qreg=True),
+    128: BlockConfig(128, 128, 4, 3, pingpong=True),
+    256: BlockConfig(128, 64, 4, 2),
+}
+# Keys whose Gluon launch raised (e.g. a Triton release whose Gluon API moved): the tl kernel runs instead.
+_GLUON_FAILED: set = set()
+
+
+def _gluon_ok(args, tensors, cap: tuple[int, int], bias_kind: int, block: int) -> bool:
+    """The Gluon forward (kernels/gluon_fwd.py) takes the structural masks only, on Hopper, through TMA,
+    for head-dim blocks 64..256 (smaller heads keep the tl kernel, whose tiles were tuned for them)."""
+    if os.environ.get("FA_COMPILE_GLUON", "1") == "0" or cap[0] != 9 or interpreting() or block not in GLUON_CONFIGS:
+        return False
+    if bias_kind != 0 or float(args.softcap) != 0 or float(args.dropout_p) > 0 or float(args.scale) <= 0:
+        return False
+    return gluon_available() and _tma_ok(tensors, cap)
+
+
+def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int) -> None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .gluon_fwd import attn_fwd_gluon_ws_kernel
+
+    b, hq, nq, _ = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    key = max(block_d, block_dv)
+    cfg = CONFIG_OVERRIDE.get(("fwd_gluon", key)) or GLUON_CONFIGS[key]
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+
+    def desc(t: Tensor, rows: int, cols: int):
+        block = [1, 1, rows, cols]
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
+                                gl.NVMMASharedLayout.get_default_for(block, gdt))
+
+    kvl = args.kv_lens
+    if cfg.block_m != 128 or cfg.num_warps != 4:
+        raise ValueError(f"Gluon forward config {cfg}: block_m must be 128 (two warpgroups of 64) and num_warps 4")
+    wg_m = 64
+    handle = attn_fwd_gluon_ws_kernel[(triton_cdiv(nq, cfg.block_m), b * hq)](
+        desc(q, wg_m, block_d), desc(k, cfg.block_n, block_d), desc(v, cfg.block_n, block_dv),
+        desc(out, wg_m, block_dv), lse, kvl if kvl is not None else lse,
+        hq, hq // hkv, nq, nk, float(args.scale) * LOG2E, int(args.diag_offset), int(args.window_left),
+        int(args.window_right),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, STAGES=cfg.num_stages,
+        IS_CAUSAL=bool(args.causal), HAS_WL=int(args.window_left) >= 0, HAS_WR=int(args.window_right) >= 0,
+        HAS_KVLEN=kvl is not None, REVERSE_M=bool(args.causal), QREG=cfg.qreg, CONSUMER_REGS=240,
+        PINGPONG=cfg.pingpong, num_warps=4,
+    )
+    LAST_COMPILED["attn_fwd_gluon_kernel"] = (cfg, handle)
+
+
 def attention_forward(args, out: Optional[Tensor] = None, lse: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, Nq, Dv] stored BSHD, lse [B, Hq, Nq] fp32); `out`/`lse` may be given (tests poison them)."""
     from .triton_fwd import attn_fwd_kernel
@@ -266,6 +334,18 @@ def attention_forward(args, out: Optional[Tensor] = None, lse: Optional[Tensor] 
     seed = args.dropout_seed.to(q.device).reshape(1) if consts["DROPOUT"] else q
     block_d, block_dv = _pow2(d), _pow2(dv)
     cap = _capability(q.device)
+    gkey = (max(block_d, block_dv), q.dtype, bool(args.causal))
+    if gkey not in _GLUON_FAILED and _gluon_ok(args, (q, k, v, out), cap, bias_kind, max(block_d, block_dv)):
+        try:
+            with _device_ctx(q):
+                _forward_gluon(args, q, k, v, out, lse, block_d, block_dv)
+            return out, lse
+        except Exception as e:  # compile-time failure only: nothing was written; the tl kernel takes over
+            if os.environ.get("FA_COMPILE_GLUON") == "1":
+                raise
+            _GLUON_FAILED.add(gkey)
+            warnings.warn(f"fa_compile: the Gluon forward failed to build ({type(e).__name__}: {str(e)[:200]}); "
+                          "using the Triton forward instead", RuntimeWarning)
     cfg = pick_config("fwd", max(block_d, block_dv), bool(args.causal), cap, bias_kind)
     if _tma_ok((q, k, v, out), cap):
         with _device_ctx(q):

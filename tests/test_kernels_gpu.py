@@ -22,21 +22,66 @@ def _check(**kw):
     return check_case(make_case(device="cuda", **kw))
 
 
+def _hopper_gluon() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and tf.gluon_available()
+
+
+@pytest.fixture(params=["tl", "gluon"])
+def fwd_path(request, monkeypatch):
+    """Run a structural-mask case through the `tl` forward and through the Gluon forward (Hopper only)."""
+    if request.param == "tl":
+        monkeypatch.setenv("FA_COMPILE_GLUON", "0")
+    elif not _hopper_gluon():
+        pytest.skip("the Gluon forward runs on Hopper only")
+    tf.LAST_COMPILED.pop("attn_fwd_gluon_kernel", None)
+    tf.LAST_COMPILED.pop("attn_fwd_kernel", None)
+    yield request.param
+    # The path asked for is the one that ran.
+    ran_gluon = "attn_fwd_gluon_kernel" in tf.LAST_COMPILED
+    assert ran_gluon == (request.param == "gluon")
+
+
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 80, 128, 256])
-def test_dense(dtype, d):
+def test_dense(dtype, d, fwd_path):
     _check(b=2, hq=4, nq=317, nk=450, d=d, dtype=dtype, layout="bshd")
 
 
 @pytest.mark.parametrize("off", ["top_left", "bottom_right"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_causal_gqa(off, d):
+def test_causal_gqa(off, d, fwd_path):
     nq, nk = 300, 520
     _check(b=2, hq=8, hkv=2, nq=nq, nk=nk, d=d, dtype=BF16, causal=True, diag_offset=0 if off == "top_left" else nk - nq)
 
 
-def test_window_kv_lens_fp16():
+def test_window_kv_lens_fp16(fwd_path):
     _check(b=3, hq=4, nq=400, nk=400, d=96, dtype=F16, window_left=70, window_right=10, kv_lens=[400, 0, 257])
+
+
+@pytest.mark.skipif(not _hopper_gluon(), reason="the Gluon forward runs on Hopper only")
+@pytest.mark.parametrize("d,cfg,kw", [
+    (128, (128, 128, 2, False), dict(causal=True)),
+    (128, (128, 128, 3, False, True), dict(causal=True, diag_offset=-37)),
+    (128, (128, 64, 2, True), dict(causal=True, diag_offset=-37, kv_lens=[901, 130])),
+    (128, (128, 128, 3, False, True), dict(window_left=300, window_right=40)),
+    (128, (128, 64, 3, True, True), dict(window_left=100, window_right=0, kv_lens=[901, 3])),
+    (64, (128, 128, 2, True, True), dict(kv_lens=[0, 640])),
+    (64, (128, 128, 2, True), dict(causal=True)),
+    (256, (128, 64, 2, False, True), dict(causal=True, diag_offset=201)),
+    (256, (128, 32, 3, False), dict()),
+    (192, (128, 64, 2, False), dict(dv=128)),
+    (192, (128, 64, 2, False, True), dict(dv=128, causal=True)),
+], ids=["d128", "d128_pp_neg_offset", "d128_n64_lens", "d128_pp_window", "d128_qreg_window_lens", "d64_pp_lens",
+        "d64_causal", "d256_pp_br", "d256_n32", "mla", "mla_pp_causal"])
+def test_gluon_forward_configs(d, cfg, kw, monkeypatch):
+    # Every tile shape the tuning compares, on ragged GQA shapes with masks that leave some rows empty.
+    bm, bn, st, qreg, *pp = cfg
+    want = tf.BlockConfig(bm, bn, 4, st, qreg=qreg, pingpong=bool(pp and pp[0]))
+    key = max(64, 1 << (max(d, kw.get("dv", d)) - 1).bit_length())
+    monkeypatch.setitem(tf.CONFIG_OVERRIDE, ("fwd_gluon", key), want)
+    tf.LAST_COMPILED.pop("attn_fwd_gluon_kernel", None)
+    _check(b=2, hq=4, hkv=2, nq=700, nk=901, d=d, dtype=BF16, layout="bshd", **kw)
+    assert tf.LAST_COMPILED["attn_fwd_gluon_kernel"][0] == want
 
 
 @pytest.mark.parametrize("shape", [(1, 4, 257, 300), (257, 300), (2, 1, 1, 300)], ids=["heads", "2d", "keys"])
@@ -78,7 +123,9 @@ def test_deterministic_backward():
 def test_pointer_path_without_tma(causal, monkeypatch):
     # The Ampere-safe forward (plain pointer loads), as taken on 8.x or with unaligned strides.
     monkeypatch.setenv("FA_COMPILE_TRITON_TMA", "0")
+    tf.LAST_COMPILED.pop("attn_fwd_gluon_kernel", None)
     _check(b=2, hq=4, hkv=2, nq=300, nk=411, d=128, dtype=BF16, causal=causal, layout="bshd")
+    assert "attn_fwd_gluon_kernel" not in tf.LAST_COMPILED  # Gluon needs TMA too
 
 
 def test_unaligned_head_dim_falls_back():
@@ -92,7 +139,8 @@ def test_unaligned_head_dim_falls_back():
     (256, (128, 32, 8, 3), False),
 ], ids=["d128", "d128_s2_causal", "d128_w8", "d64_causal", "d64_n128", "d256_causal", "d256_n32"])
 def test_q_in_registers_forward(d, cfg, causal, monkeypatch):
-    # Q as the register operand of Q·Kᵀ (qreg), pinned.
+    # Q as the register operand of Q·Kᵀ (qreg), pinned; the `tl` forward (Gluon off).
+    monkeypatch.setenv("FA_COMPILE_GLUON", "0")
     monkeypatch.setitem(tf.CONFIG_OVERRIDE, ("fwd", d), tf.BlockConfig(*cfg, qreg=True))
     _check(b=2, hq=4, hkv=2, nq=700, nk=901, d=d, dtype=BF16, causal=causal, layout="bshd")
     assert tf.LAST_COMPILED["attn_fwd_kernel"][0].qreg

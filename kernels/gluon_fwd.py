@@ -1,0 +1,287 @@
+"""Hopper forward written in Gluon: FA3's schedule, which plain Triton 3.6 cannot express.
+
+A program owns 128 query rows and runs three partitions (`gl.warp_specialize`):
+- a producer warp moves Q, then K and V tile by tile, by TMA into a ring of STAGES shared-memory
+  slots; each slot has a "full" mbarrier (TMA bytes landed) and an "empty" one (both consumers done);
+- two consumer warpgroups own 64 rows each and share every K/V tile, so K/V cross shared memory
+  once per 128 rows. Each issues its two wgmma per key block asynchronously in FA3's
+  intra-warpgroup order
+
+      S_j = Q·K_jᵀ, O += P_{j-1}·V_{j-1} (both async)  ->  wait S_j  ->  softmax(S_j)  ->  wait O
+
+  so the exp2 work of block j overlaps P·V of block j-1, and (PINGPONG) the two warpgroups take
+  turns issuing, so one's softmax runs while the other's products hold the tensor cores.
+Registers are rebalanced with setmaxnreg: 240 per consumer thread, 24 for the producer.
+
+Measured on H200 (benchmarks/results/kernels.md): a one-warpgroup version of the same loop was no
+faster than the `tl` kernel (529 vs 522 TFLOP/s at d128); the 128-row warp-specialized program is
+what pays (618, 640 with ping-pong).
+
+Scope: the structural masks (causal in any alignment, sliding window, key-padding lengths, ragged
+Nq / Nk), GQA, any [B, H, N, D] strides TMA accepts, fp16 / bf16, head-dim blocks 64..256 (zero-
+filled by TMA past D), positive scale. Bias, softcap and dropout run on the `tl` kernels.
+Gluon has no interpreter: this kernel is tested on the GPU only, against the same reference.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
+
+LN2 = gl.constexpr(0.6931471805599453)
+# Triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global; later
+# releases renamed them async_load / async_store (and made the old names raise).
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+
+@gluon.jit
+def _kv_range(m0, Nq, n_lim, diag_offset, window_left, window_right,
+              IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Key-block bounds (lo, full_lo, full_hi, hi) for rows [m0, m0 + BLOCK_M), as triton_common.kv_block_range:
+    blocks in [full_lo, full_hi) need no mask, blocks outside [lo, hi) are skipped."""
+    m_last = gl.minimum(m0 + BLOCK_M, Nq) - 1
+    hi = n_lim
+    lo = m0 * 0
+    full_lo_raw = m0 * 0
+    full_hi_raw = n_lim
+    if IS_CAUSAL:
+        hi = gl.minimum(hi, m_last + diag_offset + 1)
+        full_hi_raw = gl.minimum(full_hi_raw, m0 + diag_offset + 1)
+    if HAS_WR:
+        hi = gl.minimum(hi, m_last + diag_offset + window_right + 1)
+        full_hi_raw = gl.minimum(full_hi_raw, m0 + diag_offset + window_right + 1)
+    if HAS_WL:
+        lo = gl.maximum(lo, m0 + diag_offset - window_left)
+        full_lo_raw = gl.maximum(full_lo_raw, m0 + BLOCK_M - 1 + diag_offset - window_left)
+    hi = gl.maximum(hi, 0)
+    hi_blk = (hi + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    lo = gl.minimum(gl.maximum(lo, 0) // BLOCK_N * BLOCK_N, hi_blk)
+    full_lo = (gl.maximum(full_lo_raw, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    full_lo = gl.minimum(gl.maximum(full_lo, lo), hi_blk)
+    full_hi = gl.maximum(full_hi_raw, 0) // BLOCK_N * BLOCK_N
+    full_hi = gl.minimum(gl.maximum(full_hi, full_lo), hi_blk)
+    return lo, full_lo, full_hi, hi_blk
+
+
+@gluon.jit
+def _masked_scores(s, rows, start_n, cols0, n_lim, diag_offset, window_left, window_right,
+                   IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr):
+    cols = start_n + cols0
+    r = gl.expand_dims(rows, 1)
+    c = gl.expand_dims(cols, 0)
+    keep = c < n_lim
+    if IS_CAUSAL:
+        keep = keep & (c <= r + diag_offset)
+    if HAS_WR:
+        keep = keep & (c <= r + diag_offset + window_right)
+    if HAS_WL:
+        keep = keep & (c >= r + diag_offset - window_left)
+    return gl.where(keep, s, float("-inf"))
+
+
+@gluon.jit
+def _softmax_update(s, m_i, l_i, qk_scale):
+    """Online softmax in log2 units, scale folded into one FMA; rows with no admissible key yet keep m = -inf."""
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i, alpha
+
+
+
+
+@gluon.jit
+def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
+                 b, h, hk, m0, lo, n_blocks, WG_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    for i in gl.static_range(2):
+        mbarrier.expect(q_bar.index(i), q_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h, m0 + i * WG_M, 0], q_bar.index(i), q_smem.index(i))
+    for j in range(n_blocks):
+        slot = j % STAGES
+        free_phase = ((j // STAGES) & 1) ^ 1  # a fresh barrier counts as having completed phase 1
+        start_n = lo + j * BLOCK_N
+        mbarrier.wait(k_empty.index(slot), free_phase)
+        mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
+        _tma_load(k_desc, [b, hk, start_n, 0], k_full.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), free_phase)
+        mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
+        _tma_load(v_desc, [b, hk, start_n, 0], v_full.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _ws_consumer(q_smem, o_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, my_turn, their_turn,
+                 o_desc, LSE, b, h, bh, m0, Nq, n_lim, lo, n_blocks, qk_scale, diag_offset, window_left, window_right,
+                 WG_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
+                 STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr,
+                 QREG: gl.constexpr, PINGPONG: gl.constexpr, FIRST: gl.constexpr):
+    dtype: gl.constexpr = o_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_DV, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    # This warpgroup's own unmasked range; the program's range [lo, lo + n_blocks) is the union of both.
+    _lo, full_lo, full_hi, _hi = _kv_range(m0, Nq, n_lim, diag_offset, window_left, window_right,
+                                           IS_CAUSAL, HAS_WL, HAS_WR, WG_M, BLOCK_N)
+    rows = m0 + gl.arange(0, WG_M, layout=rows_layout)
+    cols0 = gl.arange(0, BLOCK_N, layout=cols_layout)
+    m_i = gl.full([WG_M], float("-inf"), gl.float32, layout=rows_layout)
+    l_i = gl.full([WG_M], 0.0, gl.float32, layout=rows_layout)
+    acc = gl.zeros([WG_M, BLOCK_DV], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([WG_M, BLOCK_N], gl.float32, layout=s_layout)
+
+    mbarrier.wait(q_bar, 0)
+    q2 = q_smem.reshape([WG_M, BLOCK_D])
+    if QREG:
+        q_op = q2.load(q_layout)
+    else:
+        q_op = q2
+
+    # Ping-pong: the two warpgroups take turns issuing their wgmma (turn t of a warpgroup waits for the
+    # other's turn t - 1), so one's softmax runs while the other's products occupy the tensor cores.
+    # The first warpgroup's wait on a fresh barrier with parity 1 passes at once.
+    turn_phase = 0 if FIRST else 1
+    if n_blocks > 0:
+        mbarrier.wait(k_full.index(0), 0)
+        k_t = k_smem.index(0).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
+        if PINGPONG:
+            mbarrier.wait(my_turn, turn_phase ^ 1)
+            turn_phase ^= 1
+        s_tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(their_turn)
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        mbarrier.arrive(k_empty.index(0))
+        if (lo < full_lo) | (lo >= full_hi):
+            s = _masked_scores(s, rows, lo, cols0, n_lim, diag_offset, window_left, window_right,
+                               IS_CAUSAL, HAS_WL, HAS_WR)
+        p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, qk_scale)
+        for j in range(1, n_blocks):
+            slot = j % STAGES
+            prev = (j - 1) % STAGES
+            start_n = lo + j * BLOCK_N
+            mbarrier.wait(k_full.index(slot), (j // STAGES) & 1)
+            k_t = k_smem.index(slot).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
+            mbarrier.wait(v_full.index(prev), ((j - 1) // STAGES) & 1)
+            v_j = v_smem.index(prev).reshape([BLOCK_N, BLOCK_DV])
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            if PINGPONG:
+                mbarrier.wait(my_turn, turn_phase ^ 1)
+                turn_phase ^= 1
+            s_tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
+            o_tok = warpgroup_mma(p_op, v_j, acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(their_turn)
+            s = warpgroup_mma_wait(1, deps=[s_tok])
+            mbarrier.arrive(k_empty.index(slot))
+            if (start_n < full_lo) | (start_n >= full_hi):
+                s = _masked_scores(s, rows, start_n, cols0, n_lim, diag_offset, window_left, window_right,
+                                   IS_CAUSAL, HAS_WL, HAS_WR)
+            p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, qk_scale)
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
+            mbarrier.arrive(v_empty.index(prev))
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+        last = n_blocks - 1
+        mbarrier.wait(v_full.index(last % STAGES), (last // STAGES) & 1)
+        v_j = v_smem.index(last % STAGES).reshape([BLOCK_N, BLOCK_DV])
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        if PINGPONG:
+            mbarrier.wait(my_turn, turn_phase ^ 1)
+            turn_phase ^= 1
+        o_tok = warpgroup_mma(p_op, v_j, acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(their_turn)
+        acc = warpgroup_mma_wait(0, deps=[o_tok])
+
+    empty = l_i == 0.0
+    inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
+    out = acc * gl.expand_dims(gl.convert_layout(inv_l, orow_layout), 1)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)
+    gl.store(LSE + bh.to(gl.int64) * Nq + rows, lse, mask=rows < Nq)
+    o_smem.reshape([WG_M, BLOCK_DV]).store(out.to(dtype))
+    fence_async_shared()
+    _tma_store(o_desc, [b, h, m0, 0], o_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def attn_fwd_gluon_ws_kernel(
+    q_desc, k_desc, v_desc, o_desc, LSE, KVLENS,
+    Hq, G, Nq, Nk, qk_scale, diag_offset, window_left, window_right,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
+    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr,
+    HAS_KVLEN: gl.constexpr, REVERSE_M: gl.constexpr, QREG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PINGPONG: gl.constexpr = False,
+):
+    """BLOCK_M = 128 query rows per program (two warpgroups of 64); launched with num_warps=4."""
+    WG_M: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = q_desc.dtype
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    if REVERSE_M:
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // G
+    m0 = pid_m * BLOCK_M
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, WG_M, BLOCK_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_DV], v_desc.layout)
+    if BLOCK_D == BLOCK_DV:
+        o_smem = q_smem  # each warpgroup's Q tile is dead once its last Q·Kᵀ has retired
+    else:
+        o_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, WG_M, BLOCK_DV], o_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(v_full.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+
+    n_lim = Nk
+    if HAS_KVLEN:
+        n_lim = gl.maximum(gl.minimum(gl.load(KVLENS + b).to(gl.int32), Nk), 0)
+    lo, _full_lo, _full_hi, hi = _kv_range(m0, Nq, n_lim, diag_offset, window_left, window_right,
+                                           IS_CAUSAL, HAS_WL, HAS_WR, BLOCK_M, BLOCK_N)
+    n_blocks = (hi - lo) // BLOCK_N
+
+    gl.warp_specialize([
+        (_ws_consumer, (q_smem.index(0), o_smem.index(0), k_smem, v_smem, q_bar.index(0), k_full, v_full,
+                        k_empty, v_empty, turn.index(0), turn.index(1), o_desc, LSE, b, h, bh, m0, Nq, n_lim, lo,
+                        n_blocks, qk_scale, diag_offset, window_left, window_right, WG_M, BLOCK_N, BLOCK_D,
+                        BLOCK_DV, STAGES, IS_CAUSAL, HAS_WL, HAS_WR, QREG, PINGPONG, True)),
+        (_ws_consumer, (q_smem.index(1), o_smem.index(1), k_smem, v_smem, q_bar.index(1), k_full, v_full,
+                        k_empty, v_empty, turn.index(1), turn.index(0), o_desc, LSE, b, h, bh, m0 + WG_M, Nq, n_lim,
+                        lo, n_blocks, qk_scale, diag_offset, window_left, window_right, WG_M, BLOCK_N, BLOCK_D,
+                        BLOCK_DV, STAGES, IS_CAUSAL, HAS_WL, HAS_WR, QREG, PINGPONG, False)),
+        (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
+                        b, h, hk, m0, lo, n_blocks, WG_M, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+    for i in gl.static_range(2):
+        mbarrier.invalidate(q_bar.index(i))
+        mbarrier.invalidate(turn.index(i))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_full.index(i))
+        mbarrier.invalidate(v_full.index(i))
+        mbarrier.invalidate(k_empty.index(i))
+        mbarrier.invalidate(v_empty.index(i))

@@ -1,0 +1,83 @@
+"""The Gluon Hopper forward (kernels/gluon_fwd.py) compiled for sm_90 on a machine without a GPU.
+
+Gluon has no interpreter, so numerics are checked on the GPU (test_kernels_gpu.py); this test keeps
+the kernel building under the Triton installed here (CI's) and pins the properties its speed rests
+on: wgmma (HGMMA) for both products, TMA loads, register rebalancing between the partitions, and
+no shared-memory round trip for P (the P·V operand stays in registers)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from fa_compile.kernels import triton_family as tf
+
+pytestmark = pytest.mark.skipif(not tf.triton_available() or not tf.gluon_available(), reason="needs triton with Gluon")
+
+
+class _Sm90Driver:
+    """Just enough of a Triton driver to compile (never launch) for capability 9.0."""
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+@pytest.fixture
+def sm90():
+    from triton.runtime.driver import driver
+
+    prev = driver._active  # restored as found (None on a machine without a GPU: resolved lazily)
+    driver.set_active(_Sm90Driver())
+    try:
+        yield
+    finally:
+        driver._active = prev
+
+
+def _compile(d: int, cfg: tf.BlockConfig, causal: bool, masks: bool):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from fa_compile.kernels.gluon_fwd import attn_fwd_gluon_ws_kernel
+
+    b, h, n = 1, 2, 256
+    q = torch.empty(b, n, h, d, dtype=torch.bfloat16).transpose(1, 2)  # BSHD storage
+    lse = torch.empty(b, h, n)
+
+    def desc(rows: int):
+        block = [1, 1, rows, d]
+        return TensorDescriptor(q, list(q.shape), list(q.stride()), block,
+                                gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+
+    return attn_fwd_gluon_ws_kernel.warmup(
+        desc(64), desc(cfg.block_n), desc(cfg.block_n), desc(64), lse, lse, h, 1, n, n, 0.1, 0, 16, 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d, BLOCK_DV=d, STAGES=cfg.num_stages, IS_CAUSAL=causal,
+        HAS_WL=masks, HAS_WR=masks, HAS_KVLEN=masks, REVERSE_M=causal, QREG=cfg.qreg, CONSUMER_REGS=240,
+        PINGPONG=cfg.pingpong, num_warps=4, grid=(1,),
+    )
+
+
+@pytest.mark.parametrize("d,causal,masks", [(128, True, False), (64, False, True), (256, True, True)])
+def test_default_configs_build_for_sm90(sm90, d, causal, masks):
+    cfg = tf.GLUON_CONFIGS[d]
+    k = _compile(d, cfg, causal, masks)
+    ptx = k.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx
+    assert "cp.async.bulk.tensor" in ptx  # TMA
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)  # consumers raised to 240
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24\b", ptx)  # producer lowered to 24
+    # Shared-memory stores: only the epilogue's O tile (a few st.shared), never P per key block.
+    assert len(re.findall(r"\bst\.shared", ptx)) <= 4
+    assert k.metadata.shared <= 232448  # fits the 227 KB an H100/H200 block may use
