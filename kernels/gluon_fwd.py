@@ -30,6 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
 LN2 = gl.constexpr(0.6931471805599453)
+LOG2E = gl.constexpr(1.4426950408889634)
 # Triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global; later
 # releases renamed them async_load / async_store (and made the old names raise).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -96,8 +97,22 @@ def _softmax_update(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
-                 b, h, hk, m0, lo, n_blocks, WG_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _add_bias(s, qk_scale, b_smem, b_full, b_empty, slot, phase, s_layout: gl.constexpr, WG_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, FIRST: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """(scores, scale still to apply): with a bias, s·scale·log2(e) + bias·log2(e) in one FMA per score."""
+    if HAS_BIAS:
+        mbarrier.wait(b_full.index(slot), phase)
+        bt = b_smem.index(slot * 2 + (0 if FIRST else 1)).reshape([WG_M, BLOCK_N]).load(s_layout)
+        mbarrier.arrive(b_empty.index(slot))
+        return s * qk_scale + bt.to(gl.float32) * LOG2E, 1.0
+    else:
+        return s, qk_scale
+
+
+@gluon.jit
+def _ws_producer(q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, k_empty,
+                 v_empty, b_full, b_empty, b, h, hk, bb, bh_bias, m0, lo, n_blocks,
+                 WG_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr):
     for i in gl.static_range(2):
         mbarrier.expect(q_bar.index(i), q_desc.block_type.nbytes)
         _tma_load(q_desc, [b, h, m0 + i * WG_M, 0], q_bar.index(i), q_smem.index(i))
@@ -111,14 +126,21 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, 
         mbarrier.wait(v_empty.index(slot), free_phase)
         mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
         _tma_load(v_desc, [b, hk, start_n, 0], v_full.index(slot), v_smem.index(slot))
+        if HAS_BIAS:  # one [64, BLOCK_N] bias tile per consumer, both on one barrier
+            mbarrier.wait(b_empty.index(slot), free_phase)
+            mbarrier.expect(b_full.index(slot), 2 * bias_desc.block_type.nbytes)
+            for i in gl.static_range(2):
+                _tma_load(bias_desc, [bb, bh_bias, m0 + i * WG_M, start_n], b_full.index(slot),
+                          b_smem.index(slot * 2 + i))
 
 
 @gluon.jit
-def _ws_consumer(q_smem, o_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, my_turn, their_turn,
-                 o_desc, LSE, b, h, bh, m0, Nq, n_lim, lo, n_blocks, qk_scale, diag_offset, window_left, window_right,
+def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, k_empty, v_empty, b_full, b_empty,
+                 my_turn, their_turn, o_desc, LSE, b, h, bh, m0, Nq, n_lim, lo, n_blocks, qk_scale, diag_offset,
+                 window_left, window_right,
                  WG_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
                  STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr,
-                 QREG: gl.constexpr, PINGPONG: gl.constexpr, FIRST: gl.constexpr):
+                 QREG: gl.constexpr, PINGPONG: gl.constexpr, FIRST: gl.constexpr, HAS_BIAS: gl.constexpr):
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -162,10 +184,11 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty,
             mbarrier.arrive(their_turn)
         s = warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(0))
+        s, scale = _add_bias(s, qk_scale, b_smem, b_full, b_empty, 0, 0, s_layout, WG_M, BLOCK_N, FIRST, HAS_BIAS)
         if (lo < full_lo) | (lo >= full_hi):
             s = _masked_scores(s, rows, lo, cols0, n_lim, diag_offset, window_left, window_right,
                                IS_CAUSAL, HAS_WL, HAS_WR)
-        p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, qk_scale)
+        p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, scale)
         for j in range(1, n_blocks):
             slot = j % STAGES
             prev = (j - 1) % STAGES
@@ -184,10 +207,12 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty,
                 mbarrier.arrive(their_turn)
             s = warpgroup_mma_wait(1, deps=[s_tok])
             mbarrier.arrive(k_empty.index(slot))
+            s, scale = _add_bias(s, qk_scale, b_smem, b_full, b_empty, slot, (j // STAGES) & 1, s_layout, WG_M,
+                                 BLOCK_N, FIRST, HAS_BIAS)
             if (start_n < full_lo) | (start_n >= full_hi):
                 s = _masked_scores(s, rows, start_n, cols0, n_lim, diag_offset, window_left, window_right,
                                    IS_CAUSAL, HAS_WL, HAS_WR)
-            p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, qk_scale)
+            p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, scale)
             acc = warpgroup_mma_wait(0, deps=[o_tok])
             mbarrier.arrive(v_empty.index(prev))
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
@@ -216,12 +241,12 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty,
 
 @gluon.jit
 def attn_fwd_gluon_ws_kernel(
-    q_desc, k_desc, v_desc, o_desc, LSE, KVLENS,
+    q_desc, k_desc, v_desc, o_desc, LSE, KVLENS, bias_desc, bias_b_mul, bias_h_mul,
     Hq, G, Nq, Nk, qk_scale, diag_offset, window_left, window_right,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr,
     HAS_KVLEN: gl.constexpr, REVERSE_M: gl.constexpr, QREG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PINGPONG: gl.constexpr = False,
+    PINGPONG: gl.constexpr = False, HAS_BIAS: gl.constexpr = False,
 ):
     """BLOCK_M = 128 query rows per program (two warpgroups of 64); launched with num_warps=4."""
     WG_M: gl.constexpr = BLOCK_M // 2
@@ -248,6 +273,13 @@ def attn_fwd_gluon_ws_kernel(
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    b_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if HAS_BIAS:
+        # A float bias [B|1, H|1, Nq, Nk] (broadcast dims read at coordinate 0): two tiles per slot.
+        b_smem = gl.allocate_shared_memory(bias_desc.dtype, [2 * STAGES, 1, 1, WG_M, BLOCK_N], bias_desc.layout)
+    else:
+        b_smem = k_smem
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
@@ -256,6 +288,8 @@ def attn_fwd_gluon_ws_kernel(
         mbarrier.init(v_full.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(b_full.index(i), count=1)
+        mbarrier.init(b_empty.index(i), count=2)
 
     n_lim = Nk
     if HAS_KVLEN:
@@ -265,16 +299,18 @@ def attn_fwd_gluon_ws_kernel(
     n_blocks = (hi - lo) // BLOCK_N
 
     gl.warp_specialize([
-        (_ws_consumer, (q_smem.index(0), o_smem.index(0), k_smem, v_smem, q_bar.index(0), k_full, v_full,
-                        k_empty, v_empty, turn.index(0), turn.index(1), o_desc, LSE, b, h, bh, m0, Nq, n_lim, lo,
-                        n_blocks, qk_scale, diag_offset, window_left, window_right, WG_M, BLOCK_N, BLOCK_D,
-                        BLOCK_DV, STAGES, IS_CAUSAL, HAS_WL, HAS_WR, QREG, PINGPONG, True)),
-        (_ws_consumer, (q_smem.index(1), o_smem.index(1), k_smem, v_smem, q_bar.index(1), k_full, v_full,
-                        k_empty, v_empty, turn.index(1), turn.index(0), o_desc, LSE, b, h, bh, m0 + WG_M, Nq, n_lim,
-                        lo, n_blocks, qk_scale, diag_offset, window_left, window_right, WG_M, BLOCK_N, BLOCK_D,
-                        BLOCK_DV, STAGES, IS_CAUSAL, HAS_WL, HAS_WR, QREG, PINGPONG, False)),
-        (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
-                        b, h, hk, m0, lo, n_blocks, WG_M, BLOCK_N, STAGES)),
+        (_ws_consumer, (q_smem.index(0), o_smem.index(0), k_smem, v_smem, b_smem, q_bar.index(0), k_full, v_full,
+                        k_empty, v_empty, b_full, b_empty, turn.index(0), turn.index(1), o_desc, LSE, b, h, bh, m0,
+                        Nq, n_lim, lo, n_blocks, qk_scale, diag_offset, window_left, window_right, WG_M, BLOCK_N,
+                        BLOCK_D, BLOCK_DV, STAGES, IS_CAUSAL, HAS_WL, HAS_WR, QREG, PINGPONG, True, HAS_BIAS)),
+        (_ws_consumer, (q_smem.index(1), o_smem.index(1), k_smem, v_smem, b_smem, q_bar.index(1), k_full, v_full,
+                        k_empty, v_empty, b_full, b_empty, turn.index(1), turn.index(0), o_desc, LSE, b, h, bh,
+                        m0 + WG_M, Nq, n_lim, lo, n_blocks, qk_scale, diag_offset, window_left, window_right, WG_M,
+                        BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, IS_CAUSAL, HAS_WL, HAS_WR, QREG, PINGPONG, False,
+                        HAS_BIAS)),
+        (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full,
+                        k_empty, v_empty, b_full, b_empty, b, h, hk, b * bias_b_mul, h * bias_h_mul, m0, lo,
+                        n_blocks, WG_M, BLOCK_N, STAGES, HAS_BIAS)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
     for i in gl.static_range(2):
@@ -285,3 +321,5 @@ def attn_fwd_gluon_ws_kernel(
         mbarrier.invalidate(v_full.index(i))
         mbarrier.invalidate(k_empty.index(i))
         mbarrier.invalidate(v_empty.index(i))
+        mbarrier.invalidate(b_full.index(i))
+        mbarrier.invalidate(b_empty.index(i))

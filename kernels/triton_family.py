@@ -271,12 +271,45 @@ GLUON_CONFIGS: dict[int, BlockConfig] = {
 _GLUON_FAILED: set = set()
 
 
+# With a float bias tile the ring holds two bias tiles per slot as well: two stages fit in shared memory.
+GLUON_BIAS_CONFIGS: dict[int, BlockConfig] = {
+    64: BlockConfig(128, 128, 4, 2, qreg=True),
+    128: BlockConfig(128, 128, 4, 2, pingpong=True),
+    256: BlockConfig(128, 64, 4, 2),
+}
+
+
+def _gluon_bias(bias: Optional[Tensor], q: Tensor) -> Optional[tuple[Tensor, int, int]]:
+    """A float bias the Gluon forward reads by TMA: (a [B|1, H|1, Nq, Nk] view without broadcast strides,
+    batch and head coordinate multipliers (0 on broadcast dims)), or None when it cannot (other dtype,
+    a bias constant along query rows, unaligned strides)."""
+    if bias is None or bias.dtype != q.dtype or bias.dim() < 2 or bias.stride(-1) != 1:
+        return None
+    t = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)) if bias.dim() < 4 else bias
+    nq, nk = t.shape[2], t.shape[3]
+    if nq != q.shape[2] or t.stride(2) == 0 or nq == 1:
+        return None
+    row = t.stride(2)
+    sizes, strides, muls = [], [], []
+    for i in (0, 1):
+        bcast = t.shape[i] == 1 or t.stride(i) == 0
+        sizes.append(1 if bcast else t.shape[i])
+        strides.append(row * nq if bcast else t.stride(i))  # any aligned stride will do for a size-1 dim
+        muls.append(0 if bcast else 1)
+    view = t.as_strided(sizes + [nq, nk], strides + [row, 1])
+    if view.data_ptr() % 16 or any((st * view.element_size()) % 16 for st in view.stride()[:3]):
+        return None
+    return view, muls[0], muls[1]
+
+
 def _gluon_ok(args, tensors, cap: tuple[int, int], bias_kind: int, block: int) -> bool:
-    """The Gluon forward (kernels/gluon_fwd.py) takes the structural masks only, on Hopper, through TMA,
-    for head-dim blocks 64..256 (smaller heads keep the tl kernel, whose tiles were tuned for them)."""
+    """The Gluon forward (kernels/gluon_fwd.py) takes the structural masks and a float bias tile that TMA can
+    read, on Hopper, for head-dim blocks 64..256 (smaller heads keep the tl kernel, tuned for them)."""
     if os.environ.get("FA_COMPILE_GLUON", "1") == "0" or cap[0] != 9 or interpreting() or block not in GLUON_CONFIGS:
         return False
-    if bias_kind != 0 or float(args.softcap) != 0 or float(args.dropout_p) > 0 or float(args.scale) <= 0:
+    if float(args.softcap) != 0 or float(args.dropout_p) > 0 or float(args.scale) <= 0:
+        return False
+    if bias_kind != 0 and (bias_kind != 1 or _gluon_bias(args.bias, tensors[0]) is None):
         return False
     return gluon_available() and _tma_ok(tensors, cap)
 
@@ -290,7 +323,11 @@ def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int) -> None
     b, hq, nq, _ = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     key = max(block_d, block_dv)
-    cfg = CONFIG_OVERRIDE.get(("fwd_gluon", key)) or GLUON_CONFIGS[key]
+    gb = _gluon_bias(args.bias, q) if args.bias is not None else None
+    if gb is None:
+        cfg = CONFIG_OVERRIDE.get(("fwd_gluon", key)) or GLUON_CONFIGS[key]
+    else:
+        cfg = CONFIG_OVERRIDE.get(("fwd_gluon_bias", key)) or GLUON_BIAS_CONFIGS[key]
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
 
     def desc(t: Tensor, rows: int, cols: int):
@@ -298,19 +335,20 @@ def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int) -> None
         return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
                                 gl.NVMMASharedLayout.get_default_for(block, gdt))
 
+    bias_args = (desc(gb[0], 64, cfg.block_n), gb[1], gb[2]) if gb is not None else (desc(k, cfg.block_n, block_d), 0, 0)
     kvl = args.kv_lens
     if cfg.block_m != 128 or cfg.num_warps != 4:
         raise ValueError(f"Gluon forward config {cfg}: block_m must be 128 (two warpgroups of 64) and num_warps 4")
     wg_m = 64
     handle = attn_fwd_gluon_ws_kernel[(triton_cdiv(nq, cfg.block_m), b * hq)](
         desc(q, wg_m, block_d), desc(k, cfg.block_n, block_d), desc(v, cfg.block_n, block_dv),
-        desc(out, wg_m, block_dv), lse, kvl if kvl is not None else lse,
+        desc(out, wg_m, block_dv), lse, kvl if kvl is not None else lse, *bias_args,
         hq, hq // hkv, nq, nk, float(args.scale) * LOG2E, int(args.diag_offset), int(args.window_left),
         int(args.window_right),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, STAGES=cfg.num_stages,
         IS_CAUSAL=bool(args.causal), HAS_WL=int(args.window_left) >= 0, HAS_WR=int(args.window_right) >= 0,
         HAS_KVLEN=kvl is not None, REVERSE_M=bool(args.causal), QREG=cfg.qreg, CONSUMER_REGS=240,
-        PINGPONG=cfg.pingpong, num_warps=4,
+        PINGPONG=cfg.pingpong, HAS_BIAS=gb is not None, num_warps=4,
     )
     LAST_COMPILED["attn_fwd_gluon_kernel"] = (cfg, handle)
 

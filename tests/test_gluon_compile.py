@@ -46,7 +46,7 @@ def sm90():
         driver._active = prev
 
 
-def _compile(d: int, cfg: tf.BlockConfig, causal: bool, masks: bool):
+def _compile(d: int, cfg: tf.BlockConfig, causal: bool, masks: bool, bias: bool = False):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -56,23 +56,27 @@ def _compile(d: int, cfg: tf.BlockConfig, causal: bool, masks: bool):
     q = torch.empty(b, n, h, d, dtype=torch.bfloat16).transpose(1, 2)  # BSHD storage
     lse = torch.empty(b, h, n)
 
-    def desc(rows: int):
-        block = [1, 1, rows, d]
-        return TensorDescriptor(q, list(q.shape), list(q.stride()), block,
+    def desc(rows: int, t: torch.Tensor = q, cols: int = d):
+        block = [1, 1, rows, cols]
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
                                 gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
+    bias_desc = desc(64, torch.empty(1, h, n, n, dtype=torch.bfloat16), cfg.block_n) if bias else desc(cfg.block_n)
     return attn_fwd_gluon_ws_kernel.warmup(
-        desc(64), desc(cfg.block_n), desc(cfg.block_n), desc(64), lse, lse, h, 1, n, n, 0.1, 0, 16, 0,
+        desc(64), desc(cfg.block_n), desc(cfg.block_n), desc(64), lse, lse, bias_desc, 0, 1, h, 1, n, n, 0.1, 0, 16, 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d, BLOCK_DV=d, STAGES=cfg.num_stages, IS_CAUSAL=causal,
         HAS_WL=masks, HAS_WR=masks, HAS_KVLEN=masks, REVERSE_M=causal, QREG=cfg.qreg, CONSUMER_REGS=240,
-        PINGPONG=cfg.pingpong, num_warps=4, grid=(1,),
+        PINGPONG=cfg.pingpong, HAS_BIAS=bias, num_warps=4, grid=(1,),
     )
 
 
-@pytest.mark.parametrize("d,causal,masks", [(128, True, False), (64, False, True), (256, True, True)])
-def test_default_configs_build_for_sm90(sm90, d, causal, masks):
-    cfg = tf.GLUON_CONFIGS[d]
-    k = _compile(d, cfg, causal, masks)
+@pytest.mark.parametrize("d,causal,masks,bias", [
+    (128, True, False, False), (64, False, True, False), (256, True, True, False), (128, True, False, True),
+    (64, False, True, True), (256, False, False, True),
+])
+def test_default_configs_build_for_sm90(sm90, d, causal, masks, bias):
+    cfg = (tf.GLUON_BIAS_CONFIGS if bias else tf.GLUON_CONFIGS)[d]
+    k = _compile(d, cfg, causal, masks, bias)
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx
     assert "cp.async.bulk.tensor" in ptx  # TMA

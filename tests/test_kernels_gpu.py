@@ -151,7 +151,8 @@ def test_q_in_registers_forward(d, cfg, causal, monkeypatch):
     ((2, 4, 300, 411), (64, 64, 4, 2)), ((1, 1, 1, 411), (64, 64, 4, 3, True)),
 ], ids=["heads_qreg", "batch_qreg_s3", "full_s2", "keys_qreg"])
 def test_float_bias_configs(shape, cfg, monkeypatch):
-    # The float-bias forward (bias added inside one FMA) under the configs the tuning compared.
+    # The tl float-bias forward (bias added inside one FMA) under the configs the tuning compared.
+    monkeypatch.setenv("FA_COMPILE_GLUON", "0")
     monkeypatch.setitem(tf.CONFIG_OVERRIDE, ("fwd_bias", 128), tf.BlockConfig(*cfg))
     monkeypatch.setitem(tf.CONFIG_OVERRIDE, ("fwd", 128), tf.BlockConfig(*cfg))
     _check(b=2, hq=4, nq=300, nk=411, d=128, dtype=BF16, bias_shape=shape, bias_grad=True, causal=shape[-2] == 1)
@@ -163,3 +164,42 @@ def test_backward_configs(d, dkdv, dq, monkeypatch):
     monkeypatch.setitem(tf.CONFIG_OVERRIDE, ("dkdv", d), tf.BlockConfig(*dkdv))
     monkeypatch.setitem(tf.CONFIG_OVERRIDE, ("dq", d), tf.BlockConfig(*dq))
     _check(b=2, hq=4, hkv=2, nq=333, nk=500, d=d, dtype=BF16, causal=True, layout="bshd")
+
+
+@pytest.mark.skipif(not _hopper_gluon(), reason="the Gluon forward runs on Hopper only")
+@pytest.mark.parametrize("shape,kw", [
+    ((1, 4, 700, 904), dict(causal=True)),
+    ((2, 4, 700, 904), dict(kv_lens=[904, 77])),
+    ((700, 904), dict(window_left=200, window_right=30)),
+    ((2, 1, 700, 904), dict(d=64)),
+    ((1, 4, 700, 904), dict(d=256, causal=True, diag_offset=204)),
+], ids=["heads_causal", "full_lens", "2d_window", "batch_d64", "heads_d256_br"])
+def test_gluon_float_bias(shape, kw, monkeypatch):
+    # A float bias read by TMA in the Gluon forward (broadcast dims at coordinate 0); its gradient and
+    # the backward come from the tl kernels, on the Gluon forward's LSE.
+    tf.LAST_COMPILED.pop("attn_fwd_gluon_kernel", None)
+    d = kw.pop("d", 128)
+    _check(b=2, hq=4, hkv=2, nq=700, nk=904, d=d, dtype=BF16, layout="bshd", bias_shape=shape, bias_grad=True, **kw)
+    assert "attn_fwd_gluon_kernel" in tf.LAST_COMPILED
+
+
+def test_gluon_bias_broadcast_view_and_fallbacks():
+    # An expanded [B, H, N, N] view (stride 0 over batch) is read without copies; a bias TMA cannot
+    # read (rows of 600 bytes) or one constant along rows takes the tl forward. Results checked each time.
+    if not _hopper_gluon():
+        pytest.skip("the Gluon forward runs on Hopper only")
+    from fa_compile.kernels.triton_testing import check_case, make_case
+
+    case = make_case(device="cuda", b=2, hq=4, nq=300, nk=904, d=128, dtype=BF16, bias_shape=(1, 4, 300, 904))
+    case.bias = case.bias.expand(2, 4, 300, 904)
+    view, bmul, hmul = tf._gluon_bias(case.bias, case.q)
+    assert (bmul, hmul) == (0, 1) and view.data_ptr() == case.bias.data_ptr()
+    tf.LAST_COMPILED.pop("attn_fwd_gluon_kernel", None)
+    check_case(case)
+    assert "attn_fwd_gluon_kernel" in tf.LAST_COMPILED
+    for shape, nk in (((1, 4, 300, 300), 300), ((2, 1, 1, 904), 904)):
+        case = make_case(device="cuda", b=2, hq=4, nq=300, nk=nk, d=128, dtype=BF16, bias_shape=shape)
+        assert tf._gluon_bias(case.bias, case.q) is None
+        tf.LAST_COMPILED.pop("attn_fwd_gluon_kernel", None)
+        check_case(case)
+        assert "attn_fwd_gluon_kernel" not in tf.LAST_COMPILED
