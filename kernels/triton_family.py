@@ -267,6 +267,8 @@ GLUON_CONFIGS: dict[int, BlockConfig] = {
     128: BlockConfig(128, 128, 4, 3, pingpong=True),
     256: BlockConfig(128, 64, 4, 2),
 }
+# Shared-memory layouts of the Gluon TMA tiles, {(rows, cols, dtype): NVMMASharedLayout}.
+_GLUON_LAYOUTS: dict = {}
 # Keys whose Gluon launch raised (e.g. a Triton release whose Gluon API moved): the tl kernel runs instead.
 _GLUON_FAILED: set = set()
 
@@ -332,8 +334,11 @@ def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int) -> None
 
     def desc(t: Tensor, rows: int, cols: int):
         block = [1, 1, rows, cols]
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
-                                gl.NVMMASharedLayout.get_default_for(block, gdt))
+        key = (rows, cols, q.dtype)
+        layout = _GLUON_LAYOUTS.get(key)
+        if layout is None:  # ~19 us to build each time: five per call
+            layout = _GLUON_LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(block, gdt)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
     bias_args = (desc(gb[0], 64, cfg.block_n), gb[1], gb[2]) if gb is not None else (desc(k, cfg.block_n, block_d), 0, 0)
     kvl = args.kv_lens

@@ -85,3 +85,58 @@ def test_default_configs_build_for_sm90(sm90, d, causal, masks, bias):
     # Shared-memory stores: only the epilogue's O tile (a few st.shared), never P per key block.
     assert len(re.findall(r"\bst\.shared", ptx)) <= 4
     assert k.metadata.shared <= 232448  # fits the 227 KB an H100/H200 block may use
+
+
+def _case(**kw):
+    from fa_compile.kernels.triton_testing import make_case
+
+    return make_case(b=2, hq=4, hkv=2, nq=300, nk=904, d=128, dtype=torch.bfloat16, layout="bshd", **kw)
+
+
+def test_bias_views_for_tma():
+    # Broadcast dims become size-1 dims read at coordinate 0; biases TMA cannot read are refused (tl path).
+    c = _case(bias_shape=(1, 4, 300, 904))
+    view, bmul, hmul = tf._gluon_bias(c.bias.expand(2, 4, 300, 904), c.q)
+    assert (tuple(view.shape), bmul, hmul) == ((1, 4, 300, 904), 0, 1) and view.data_ptr() == c.bias.data_ptr()
+    view, bmul, hmul = tf._gluon_bias(_case(bias_shape=(300, 904)).bias, c.q)
+    assert (tuple(view.shape), bmul, hmul) == ((1, 1, 300, 904), 0, 0)
+    view, bmul, hmul = tf._gluon_bias(_case(bias_shape=(2, 1, 300, 904)).bias, c.q)
+    assert (bmul, hmul) == (1, 0)
+    assert tf._gluon_bias(_case(bias_shape=(2, 1, 1, 904)).bias, c.q) is None  # constant along rows
+    assert tf._gluon_bias(_case(bias_shape=(1, 4, 300, 904)).bias.float(), c.q) is None  # dtype differs from q
+    assert tf._gluon_bias(torch.zeros(1, 4, 300, 300, dtype=torch.bfloat16), c.q) is None  # 600-byte rows
+    assert tf._gluon_bias(_case(bias_shape=(1, 4, 300, 904), bias_bool=True).bias, c.q) is None
+
+
+def test_host_launch_arguments(monkeypatch):
+    # What _forward_gluon hands the kernel: grid, tiles, the bias view and its coordinates, the config.
+    import fa_compile.kernels.gluon_fwd as gf
+
+    calls = []
+
+    class _Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append((grid, a, kw)) or "handle"
+
+    monkeypatch.setattr(gf, "attn_fwd_gluon_ws_kernel", _Recorder())
+    for bias_shape, want_cfg in ((None, tf.GLUON_CONFIGS[128]), ((2, 4, 300, 904), tf.GLUON_BIAS_CONFIGS[128])):
+        c = _case(bias_shape=bias_shape, causal=True, kv_lens=[904, 5])
+        out = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16).transpose(1, 2)
+        lse = torch.empty(2, 4, 300)
+        calls.clear()
+        tf._forward_gluon(c, c.q, c.k, c.v, out, lse, 128, 128)
+        (grid, a, kw), = calls
+        assert grid == (3, 8)  # ceil(300 / 128) programs per (batch, head)
+        qd, kd, vd, od, lse_arg, kvl, bias_desc, bmul, hmul = a[:9]
+        assert qd.block_shape == [1, 1, 64, 128] and od.block_shape == [1, 1, 64, 128]
+        assert kd.block_shape == vd.block_shape == [1, 1, want_cfg.block_n, 128]
+        assert qd.strides == list(c.q.stride()) and od.base.data_ptr() == out.data_ptr()  # BSHD, no copies
+        assert lse_arg is lse and kvl is c.kv_lens
+        assert a[9:11] == (4, 2)  # Hq, group size
+        assert kw["HAS_BIAS"] == (bias_shape is not None) and kw["IS_CAUSAL"] and kw["HAS_KVLEN"]
+        assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["STAGES"], kw["PINGPONG"]) == (
+            want_cfg.block_m, want_cfg.block_n, want_cfg.num_stages, want_cfg.pingpong)
+        if bias_shape is not None:
+            assert bias_desc.base.data_ptr() == c.bias.data_ptr() and (bmul, hmul) == (1, 1)
+            assert bias_desc.block_shape == [1, 1, 64, want_cfg.block_n]
+        assert tf.LAST_COMPILED["attn_fwd_gluon_kernel"] == (want_cfg, "handle")
