@@ -4,6 +4,9 @@ Supports every feature of the op: causal (any diag_offset), sliding window, kv_l
 bool keep-mask broadcasting through strides, softcap, dropout (the counter hash of dropout_hash.py,
 bit-identical to the reference), GQA, any strides with a unit last stride (others are copied),
 fp16 / bf16, and fp32 through TF32 when torch's matmul precision allows it.
+On Hopper the forward of the common cases (structural masks, a float bias tile TMA can read; head
+dims 33..256) runs the Gluon warp-specialized kernel of gluon_fwd.py; everything else, the backward,
+other GPUs and the interpreter run the Triton-language kernels (triton_fwd*.py, triton_bwd.py).
 The backward never uses atomics, so it is deterministic whether or not torch asks for it.
 
 Triton is imported lazily: without it this module still imports and reports "triton not installed".
