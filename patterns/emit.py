@@ -131,7 +131,7 @@ def emit_attention(
         if empty_rows == "mean_v_add" and needs_qk_grad(q, k):
             if softcap:
                 raise ValueError("empty_rows: 'mean_v_add' cannot keep eager's gradient through a softcap")
-            fill = call(graph, torch.add, fill, _uniform_row_grad(graph, q, k, v, float(scale), hq, hkv))
+            fill = call(graph, torch.add, fill, _uniform_row_grad(graph, q, k, v, float(scale)))
         fill = call(graph, "to", fill, example_value(out).dtype, method=True)
     return call(graph, torch.where, empty, fill, out), node
 
@@ -141,24 +141,11 @@ def needs_qk_grad(q: Any, k: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (example_value(q), example_value(k)))
 
 
-def _uniform_row_grad(graph: fx.Graph, q: fx.Node, k: fx.Node, v: fx.Node, scale: float, hq: Any, hkv: Any) -> fx.Node:
+def _uniform_row_grad(graph: fx.Graph, q: fx.Node, k: fx.Node, v: fx.Node, scale: float) -> fx.Node:
     """A zero [B, Hq, Nq, Dv] whose gradient is what eager gives q and k from a fully masked row whose
     scores all absorbed one additive mask value (s + finfo.min == finfo.min): the forward is uniform
     but the addition passes the gradient, so eager's backward is softmax's at P = 1/Nk:
-    ds_j = (dO . v_j - dO . mean(v)) / Nk. That is the gradient of g = scale * q @ C with
-    C = mean_j k_j (v_j - mean(v))^T and v held constant (O(Nk * D * Dv), no Nq x Nk scores);
-    g - g.detach() keeps the value 0. Computed in fp32 so that g cannot overflow to inf."""
-    f32 = torch.float32
-    qf, kf, vf = (call(graph, "to", t, f32, method=True) for t in (q, k, v))
-    vd = call(graph, "detach", vf, method=True)
-    vc = call(graph, torch.sub, vd, call(graph, torch.mean, vd, dim=2, keepdim=True))
-    c = call(graph, torch.matmul, call(graph, torch.transpose, kf, -1, -2), vc)  # [B, Hkv, D, Dv], sum over keys
-    nk = example_value(k).shape[2]
-    if isinstance(nk, int):
-        c = call(graph, torch.mul, c, 1.0 / nk)
-    else:
-        c = call(graph, operator.truediv, c, call(graph, "size", k, 2, method=True))
-    if hq != hkv:
-        c = call(graph, torch.repeat_interleave, c, hq // hkv, dim=1)
-    g = call(graph, torch.mul, call(graph, torch.matmul, qf, c), scale)
-    return call(graph, torch.sub, g, call(graph, "detach", g, method=True))
+    ds_j = (dO . v_j - dO . mean(v)) / Nk. fa3::uniform_row_grad computes it (in fp32) in its backward
+    from q, k, v alone, which fa3::attention saves anyway: spelled out in the graph, the partitioner
+    kept its fp32 intermediates (q and k sized) alive per layer for backward."""
+    return call(graph, torch.ops.fa3.uniform_row_grad.default, q, k, v, float(scale))

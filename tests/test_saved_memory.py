@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 B, N = 2, 128
+TOL16 = dict(rtol=5e-3, atol=5e-3)
 
 
 class _Stop(Exception):
@@ -27,7 +28,7 @@ def _llama(attn: str, layers: int = 2):
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).to(torch.bfloat16)
 
 
-def _saved_for_backward(model, rewrite: bool) -> tuple[list, list]:
+def _saved_for_backward(model, rewrite: bool, padded: bool = False) -> tuple[list, list]:
     """(saved tensors of the partitioned forward graph as (name, shape, dtype, bytes), site reports)."""
     from functorch.compile import min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
@@ -49,17 +50,22 @@ def _saved_for_backward(model, rewrite: bool) -> tuple[list, list]:
 
     torch._dynamo.reset()
     ids = torch.randint(0, 64, (B, N))
+    kw = {}
+    if padded:  # left padding: the padded queries of row 1 see no key (empty_rows "mean_v_add")
+        kw["attention_mask"] = torch.ones(B, N, dtype=torch.long)
+        kw["attention_mask"][1, :7] = 0
     with pytest.raises(Exception) as info:
-        torch.compile(model, backend=backend, fullgraph=True)(input_ids=ids, labels=ids, use_cache=False)
+        torch.compile(model, backend=backend, fullgraph=True)(input_ids=ids, labels=ids, use_cache=False, **kw)
     assert "_Stop" in repr(info.value) or isinstance(info.value, _Stop), info.value
     gm = box["fw"]
     outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    box["ops"] = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
     saved = []
     for node in outputs:
         v = node.meta.get("val") if hasattr(node, "meta") else None
         if isinstance(v, torch.Tensor) and node.op != "placeholder":  # parameters are held anyway
             saved.append((node.name, tuple(v.shape), v.dtype, v.numel() * v.element_size()))
-    return saved, box["reports"]
+    return saved, (box["reports"], box["ops"]) if padded else box["reports"]
 
 
 @pytest.fixture
@@ -98,3 +104,68 @@ def test_llama_saved_bytes_grow_per_layer_like_sdpa(large_mask_emulated):
         return two - one
 
     assert per_layer("eager", True) <= per_layer("sdpa", False)
+
+
+def test_llama_padded_training_saves_no_more_per_layer_than_sdpa():
+    """Left padding keeps eager's gradient of q and k from fully masked rows (fa3.uniform_row_grad);
+    that fix-up must not keep fp32 copies of q / k alive for backward."""
+    def per_layer(attn, rewrite):
+        one = sum(s[-1] for s in _saved_for_backward(_llama(attn, 1), rewrite, padded=True)[0])
+        saved, extra = _saved_for_backward(_llama(attn, 2), rewrite, padded=True)
+        return sum(s[-1] for s in saved) - one, saved, extra
+
+    ours, saved, (reports, ops) = per_layer("eager", True)
+    sdpa = per_layer("sdpa", False)[0]
+    assert reports and all(r.rewritten for r in reports)
+    assert "fa3.uniform_row_grad.default" in ops, sorted(ops)
+    assert ours <= sdpa, (ours, sdpa)
+    assert not [s for s in saved if s[2] == torch.float32 and s[-1] >= B * N * 256 * 2], saved
+
+
+def _uniform_row_grad_reference(q, k, v, scale):
+    """The fix-up written out with autograd (its first form in patterns/emit.py)."""
+    qf, kf, vd = q.double(), k.double(), v.double().detach()
+    vc = vd - vd.mean(dim=2, keepdim=True)
+    c = kf.transpose(-1, -2) @ vc / k.shape[2]
+    c = c.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    g = (qf @ c) * scale
+    return g - g.detach()
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (6, 1)])
+def test_uniform_row_grad_op_matches_reference(hq, hkv):
+    import fa_compile.ops  # noqa: F401  (registers torch.ops.fa3)
+
+    gen = torch.Generator().manual_seed(hq * 10 + hkv)
+    q = torch.randn(2, hq, 5, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    k = torch.randn(2, hkv, 7, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    v = torch.randn(2, hkv, 7, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    dg = torch.randn(2, hq, 5, 3, dtype=torch.float64, generator=gen)
+    got = torch.ops.fa3.uniform_row_grad(q, k, v, 0.3)
+    want = _uniform_row_grad_reference(q, k, v, 0.3)
+    assert got.shape == want.shape and got.dtype == q.dtype and not got.any()
+    g_got = torch.autograd.grad(got, (q, k), dg, retain_graph=True)
+    g_want = torch.autograd.grad(want, (q, k), dg)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    assert torch.autograd.grad(got, v, dg, allow_unused=True)[0] is None  # v is held constant
+
+
+def test_uniform_row_grad_op_fp16_gradient_stays_finite():
+    """Terms in fp32: the sum over 512 keys of k_j (v_j - mean v)^T (about 3e6) overflows fp16, its mean
+    (6e3) and the gradients (hundreds) do not."""
+    import fa_compile.ops  # noqa: F401
+
+    nk = 512
+    q = torch.full((1, 2, 4, 64), 200.0, dtype=torch.float16, requires_grad=True)
+    k = torch.full((1, 2, nk, 64), 200.0, dtype=torch.float16)
+    k[:, :, ::2] = -200.0
+    k.requires_grad_(True)
+    v = torch.zeros(1, 2, nk, 64, dtype=torch.float16)
+    v[:, :, ::2] = 60.0
+    dg = torch.full((1, 2, 4, 64), 1e-3, dtype=torch.float16)
+    dq, dk = torch.autograd.grad(torch.ops.fa3.uniform_row_grad(q, k, v, 1.0), (q, k), dg)
+    assert torch.isfinite(dq).all() and torch.isfinite(dk).all()
+    ref = torch.autograd.grad(_uniform_row_grad_reference(q, k, v, 1.0), (q, k), dg.double())
+    torch.testing.assert_close(dq.double(), ref[0].double(), **TOL16)
+    torch.testing.assert_close(dk.double(), ref[1].double(), **TOL16)
