@@ -117,6 +117,39 @@ def _smaller(cfg: BlockConfig) -> Optional[BlockConfig]:
     return None
 
 
+# Pruned candidates for first-call tile tuning (FA_COMPILE_TUNE=1, kernels/tile_tuning.py) on Hopper:
+# the runners-up of the H200 tile runs (benchmarks/results/kernels.md), each within ~10% of the default
+# there, so another Hopper part or shape can pick differently; the default is always timed first.
+TUNE_CANDIDATES: dict[tuple[str, int], list[BlockConfig]] = {
+    ("fwd_gluon", 64): [BlockConfig(128, 128, 4, 2, qreg=True, pingpong=True), BlockConfig(128, 128, 4, 3, qreg=True)],
+    ("fwd_gluon", 128): [BlockConfig(128, 128, 4, 3), BlockConfig(128, 128, 4, 2)],
+    ("fwd_gluon", 256): [BlockConfig(128, 64, 4, 2, pingpong=True)],
+    ("fwd_gluon_bias", 128): [BlockConfig(128, 128, 4, 2), BlockConfig(128, 64, 4, 3)],
+    ("fwd", 64): [BlockConfig(64, 128, 4, 3, qreg=True)],
+    ("fwd", 128): [BlockConfig(128, 128, 8, 3, qreg=True)],
+    ("fwd", 256): [BlockConfig(128, 32, 8, 3, qreg=True)],
+    ("fwd_bias", 128): [BlockConfig(64, 64, 4, 2, qreg=True)],
+    ("dkdv", 128): [BlockConfig(64, 128, 8, 2)],
+    ("dq", 128): [BlockConfig(128, 32, 4, 3)],
+    ("dkdv", 64): [BlockConfig(64, 64, 4, 3)],
+    ("dq", 64): [BlockConfig(128, 32, 4, 3)],
+}
+
+
+def _tuned(kind: str, block: int, default: BlockConfig, q: Tensor, causal: bool, bias_kind: int,
+           cap: tuple[int, int], run) -> BlockConfig:
+    """`default`, or with tuning on the fastest of it and TUNE_CANDIDATES[kind, block] (Hopper; a pinned
+    CONFIG_OVERRIDE is never second-guessed). `run(cfg)` must write the full outputs."""
+    from . import tile_tuning
+
+    if cap[0] != 9 or not tile_tuning.enabled() or any(k[0] == kind and k[1] == block for k in CONFIG_OVERRIDE):
+        return default
+    cands = [default] + [c for c in TUNE_CANDIDATES.get((kind, block), []) if c != default]
+    key = f"{kind}|bd{block}|{str(q.dtype).replace('torch.', '')}|{'causal' if causal else '-'}|bias{bias_kind}"
+    return tile_tuning.choose(key, q.device, cands, run, encode=lambda c: list(dataclasses.astuple(c)),
+                              decode=lambda v: BlockConfig(*v))
+
+
 def _launch(kernel, grid_fn, cfg: BlockConfig, *args, args_fn=None, **const):
     """Launch, falling back to smaller tiles when the compiler reports the config does not fit.
 
@@ -319,7 +352,14 @@ def _gluon_ok(args, tensors, cap: tuple[int, int], bias_kind: int, block: int) -
     return gluon_available() and _tma_ok(tensors, cap)
 
 
-def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int) -> None:
+def _gluon_config(args, q: Tensor, block: int) -> tuple[str, BlockConfig]:
+    """(tuning kind, pinned or default tile) of the Gluon forward."""
+    if args.bias is None:
+        return "fwd_gluon", CONFIG_OVERRIDE.get(("fwd_gluon", block)) or GLUON_CONFIGS[block]
+    return "fwd_gluon_bias", CONFIG_OVERRIDE.get(("fwd_gluon_bias", block)) or GLUON_BIAS_CONFIGS[block]
+
+
+def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int, cfg: BlockConfig) -> None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -327,12 +367,7 @@ def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int) -> None
 
     b, hq, nq, _ = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    key = max(block_d, block_dv)
     gb = _gluon_bias(args.bias, q) if args.bias is not None else None
-    if gb is None:
-        cfg = CONFIG_OVERRIDE.get(("fwd_gluon", key)) or GLUON_CONFIGS[key]
-    else:
-        cfg = CONFIG_OVERRIDE.get(("fwd_gluon_bias", key)) or GLUON_BIAS_CONFIGS[key]
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
 
     def desc(t: Tensor, rows: int, cols: int):
@@ -384,7 +419,11 @@ def attention_forward(args, out: Optional[Tensor] = None, lse: Optional[Tensor] 
     if gkey not in _GLUON_FAILED and _gluon_ok(args, (q, k, v, out), cap, bias_kind, max(block_d, block_dv)):
         try:
             with _device_ctx(q):
-                _forward_gluon(args, q, k, v, out, lse, block_d, block_dv)
+                block = max(block_d, block_dv)
+                kind, cfg = _gluon_config(args, q, block)
+                cfg = _tuned(kind, block, cfg, q, bool(args.causal), bias_kind, cap,
+                             lambda c: _forward_gluon(args, q, k, v, out, lse, block_d, block_dv, c))
+                _forward_gluon(args, q, k, v, out, lse, block_d, block_dv, cfg)
             return out, lse
         except Exception as e:  # compile-time failure only: nothing was written; the tl kernel takes over
             if os.environ.get("FA_COMPILE_GLUON") == "1":
@@ -395,6 +434,10 @@ def attention_forward(args, out: Optional[Tensor] = None, lse: Optional[Tensor] 
     cfg = pick_config("fwd", max(block_d, block_dv), bool(args.causal), cap, bias_kind)
     if _tma_ok((q, k, v, out), cap):
         with _device_ctx(q):
+            cfg = _tuned("fwd_bias" if bias_kind in (1, 2) else "fwd", max(block_d, block_dv), cfg, q,
+                         bool(args.causal), bias_kind, cap,
+                         lambda c: _forward_tma(args, q, k, v, out, lse, bias, bias_kind, bstr, consts, sc, seed,
+                                                block_d, block_dv, c))
             _forward_tma(args, q, k, v, out, lse, bias, bias_kind, bstr, consts, sc, seed, block_d, block_dv, cfg)
         return out, lse
     with _device_ctx(q):
@@ -476,27 +519,35 @@ def attention_backward(
             out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
             dout.stride(2), hq, nq, dv, BLOCK_M=pre_m, BLOCK_DV=block_dv,
         )
-        cfg = pick_config("dkdv", max(block_d, block_dv), bool(args.causal), cap)
-        _launch(
-            attn_bwd_dkdv_kernel, lambda c: (triton_cdiv(nk, c.block_n), b * hkv), cfg,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-            dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
-            *bstr, hq, hkv, hq // hkv, nq, nk, d, dv, *common,
-            BLOCK_D=block_d, BLOCK_DV=block_dv, PLAIN=_plain(args, bias_kind), USE_TMA=use_tma, **consts,
-            args_fn=lambda c: (q, k, v, dout, lse, delta, dk, dvv, bias_arg, kvl, seed, *descs(c, "dkdv")),
-        )
-        cfg = pick_config("dq", max(block_d, block_dv), bool(args.causal), cap)
-        _launch(
-            attn_bwd_dq_kernel, lambda c: (triton_cdiv(nq, c.block_m), b * hq), cfg,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-            dq.stride(0), dq.stride(1), dq.stride(2),
-            *bstr, hq, hq // hkv, nq, nk, d, dv, *common,
-            BLOCK_D=block_d, BLOCK_DV=block_dv, WRITE_DS=want_dbias, REVERSE_M=bool(args.causal),
-            PLAIN=_plain(args, bias_kind), USE_TMA=use_tma, **consts,
-            args_fn=lambda c: (q, k, v, dout, lse, delta, dq, ds, bias_arg, kvl, seed, *descs(c, "dq")),
-        )
+        block = max(block_d, block_dv)
+
+        def dkdv(c: BlockConfig) -> None:
+            _launch(
+                attn_bwd_dkdv_kernel, lambda c: (triton_cdiv(nk, c.block_n), b * hkv), c,
+                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+                dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
+                *bstr, hq, hkv, hq // hkv, nq, nk, d, dv, *common,
+                BLOCK_D=block_d, BLOCK_DV=block_dv, PLAIN=_plain(args, bias_kind), USE_TMA=use_tma, **consts,
+                args_fn=lambda c: (q, k, v, dout, lse, delta, dk, dvv, bias_arg, kvl, seed, *descs(c, "dkdv")),
+            )
+
+        def dq_(c: BlockConfig) -> None:
+            _launch(
+                attn_bwd_dq_kernel, lambda c: (triton_cdiv(nq, c.block_m), b * hq), c,
+                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+                dq.stride(0), dq.stride(1), dq.stride(2),
+                *bstr, hq, hq // hkv, nq, nk, d, dv, *common,
+                BLOCK_D=block_d, BLOCK_DV=block_dv, WRITE_DS=want_dbias, REVERSE_M=bool(args.causal),
+                PLAIN=_plain(args, bias_kind), USE_TMA=use_tma, **consts,
+                args_fn=lambda c: (q, k, v, dout, lse, delta, dq, ds, bias_arg, kvl, seed, *descs(c, "dq")),
+            )
+
+        # Each kernel stores (never accumulates) its outputs, so timing candidates leaves nothing behind.
+        causal = bool(args.causal)
+        dkdv(_tuned("dkdv", block, pick_config("dkdv", block, causal, cap), q, causal, bias_kind, cap, dkdv))
+        dq_(_tuned("dq", block, pick_config("dq", block, causal, cap), q, causal, bias_kind, cap, dq_))
     dbias = _reduce_dbias(ds, args.bias) if want_dbias else None
     return dq, dk, dvv, dbias
 

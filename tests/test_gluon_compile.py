@@ -124,7 +124,9 @@ def test_host_launch_arguments(monkeypatch):
         out = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16).transpose(1, 2)
         lse = torch.empty(2, 4, 300)
         calls.clear()
-        tf._forward_gluon(c, c.q, c.k, c.v, out, lse, 128, 128)
+        kind, cfg = tf._gluon_config(c, c.q, 128)
+        assert (kind, cfg) == ("fwd_gluon" if bias_shape is None else "fwd_gluon_bias", want_cfg)
+        tf._forward_gluon(c, c.q, c.k, c.v, out, lse, 128, 128, cfg)
         (grid, a, kw), = calls
         assert grid == (3, 8)  # ceil(300 / 128) programs per (batch, head)
         qd, kd, vd, od, lse_arg, kvl, bias_desc, bmul, hmul = a[:9]
