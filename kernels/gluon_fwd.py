@@ -251,10 +251,13 @@ def attn_fwd_gluon_ws_kernel(
     """BLOCK_M = 128 query rows per program (two warpgroups of 64); launched with num_warps=4."""
     WG_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_desc.dtype
-    pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
+    # A 1-D grid, query blocks fastest (triton_common.program_ids: no 65535 cap on batch x heads).
+    n_m = (Nq + BLOCK_M - 1) // BLOCK_M
+    pid = gl.program_id(0)
+    pid_m = pid % n_m
+    bh = pid // n_m
     if REVERSE_M:
-        pid_m = gl.num_programs(0) - 1 - pid_m
+        pid_m = n_m - 1 - pid_m
     b = bh // Hq
     h = bh % Hq
     hk = h // G

@@ -12,7 +12,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import dropout_keep, dropout_row_hash, kv_block_range, q_block_range, score_tile, structural_ok
+from .triton_common import (
+    dropout_keep, dropout_row_hash, kv_block_range, program_ids, q_block_range, score_tile, structural_ok,
+)
 
 
 @triton.jit
@@ -20,8 +22,7 @@ def attn_bwd_preprocess_kernel(
     O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_db, stride_dh, stride_dm, Hq, Nq, DV,
     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_m, bh = program_ids(tl.cdiv(Nq, BLOCK_M), False)
     b = bh // Hq
     h = bh % Hq
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -115,8 +116,7 @@ def attn_bwd_dkdv_kernel(
     BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, PLAIN: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    bhk = tl.program_id(1)
+    pid_n, bhk = program_ids(tl.cdiv(Nk, BLOCK_N), False)
     b = bhk // Hkv
     hk = bhk % Hkv
     n0 = pid_n * BLOCK_N
@@ -267,10 +267,7 @@ def attn_bwd_dq_kernel(
     BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr,
     REVERSE_M: tl.constexpr, PLAIN: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    if REVERSE_M:
-        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_m, bh = program_ids(tl.cdiv(Nq, BLOCK_M), REVERSE_M)
     b = bh // Hq
     h = bh % Hq
     hk = h // G

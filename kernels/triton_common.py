@@ -17,6 +17,18 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def program_ids(n_inner, REVERSE: tl.constexpr):
+    """(inner, outer) ids in a 1-D grid of n_inner * n_outer programs, inner fastest: the launch order of a
+    2-D (inner, outer) grid without CUDA's 65535 cap on the second axis, which B·H exceeds for windowed
+    vision attention (batch x windows x heads). REVERSE runs the inner ids backwards (causal: long rows first)."""
+    pid = tl.program_id(0)
+    inner = pid % n_inner
+    if REVERSE:
+        inner = n_inner - 1 - inner
+    return inner, pid // n_inner
+
+
+@triton.jit
 def hash32(x):
     """Wellons' lowbias32 on uint32 (wrapping multiply, logical shifts): the same bits as dropout_hash.hash32."""
     x = x ^ (x >> 16)

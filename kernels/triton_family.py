@@ -259,7 +259,7 @@ def _forward_tma(args, q, k, v, out, lse, bias, bias_kind, bstr, consts, sc, see
     warp_spec = os.environ.get("FA_COMPILE_TRITON_WS", "0") == "1"
 
     def grid(c):
-        return (triton_cdiv(nq, c.block_m), b * hq)
+        return (triton_cdiv(nq, c.block_m) * b * hq,)
 
     while True:
         try:
@@ -383,7 +383,7 @@ def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int, cfg: Bl
     if cfg.block_m != 128 or cfg.num_warps != 4:
         raise ValueError(f"Gluon forward config {cfg}: block_m must be 128 (two warpgroups of 64) and num_warps 4")
     wg_m = 64
-    handle = attn_fwd_gluon_ws_kernel[(triton_cdiv(nq, cfg.block_m), b * hq)](
+    handle = attn_fwd_gluon_ws_kernel[(triton_cdiv(nq, cfg.block_m) * b * hq,)](
         desc(q, wg_m, block_d), desc(k, cfg.block_n, block_d), desc(v, cfg.block_n, block_dv),
         desc(out, wg_m, block_dv), lse, kvl if kvl is not None else lse, *bias_args,
         hq, hq // hkv, nq, nk, float(args.scale) * LOG2E, int(args.diag_offset), int(args.window_left),
@@ -442,7 +442,7 @@ def attention_forward(args, out: Optional[Tensor] = None, lse: Optional[Tensor] 
         return out, lse
     with _device_ctx(q):
         _launch(
-            attn_fwd_kernel, lambda c: (triton_cdiv(nq, c.block_m), b * hq), cfg,
+            attn_fwd_kernel, lambda c: (triton_cdiv(nq, c.block_m) * b * hq,), cfg,
             q, k, v, out, lse, bias if bias is not None else q, args.kv_lens if args.kv_lens is not None else q, seed,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
@@ -515,7 +515,7 @@ def attention_backward(
 
     with _device_ctx(q):
         pre_m = 16 if cap == (0, 0) else 64
-        attn_bwd_preprocess_kernel[(triton_cdiv(nq, pre_m), b * hq)](
+        attn_bwd_preprocess_kernel[(triton_cdiv(nq, pre_m) * b * hq,)](
             out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
             dout.stride(2), hq, nq, dv, BLOCK_M=pre_m, BLOCK_DV=block_dv,
         )
@@ -523,7 +523,7 @@ def attention_backward(
 
         def dkdv(c: BlockConfig) -> None:
             _launch(
-                attn_bwd_dkdv_kernel, lambda c: (triton_cdiv(nk, c.block_n), b * hkv), c,
+                attn_bwd_dkdv_kernel, lambda c: (triton_cdiv(nk, c.block_n) * b * hkv,), c,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
                 dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
@@ -534,7 +534,7 @@ def attention_backward(
 
         def dq_(c: BlockConfig) -> None:
             _launch(
-                attn_bwd_dq_kernel, lambda c: (triton_cdiv(nq, c.block_m), b * hq), c,
+                attn_bwd_dq_kernel, lambda c: (triton_cdiv(nq, c.block_m) * b * hq,), c,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
                 dq.stride(0), dq.stride(1), dq.stride(2),

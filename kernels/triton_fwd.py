@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import dropout_keep, dropout_row_hash, kv_block_range, softmax_step
+from .triton_common import dropout_keep, dropout_row_hash, kv_block_range, program_ids, softmax_step
 
 
 @triton.jit
@@ -69,11 +69,8 @@ def attn_fwd_kernel(
     BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
     REVERSE_M: tl.constexpr, PLAIN: tl.constexpr, BIAS_FMA: tl.constexpr = False,
 ):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    if REVERSE_M:
-        # Causal: the longest rows first, so the short ones fill the tail of the wave.
-        pid_m = tl.num_programs(0) - 1 - pid_m
+    # Causal (REVERSE_M): the longest rows first, so the short ones fill the tail of the wave.
+    pid_m, bh = program_ids(tl.cdiv(Nq, BLOCK_M), REVERSE_M)
     b = bh // Hq
     h = bh % Hq
     hk = h // G

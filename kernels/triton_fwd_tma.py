@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import dropout_keep, dropout_row_hash, kv_block_range, softmax_step
+from .triton_common import dropout_keep, dropout_row_hash, kv_block_range, program_ids, softmax_step
 
 
 @triton.jit
@@ -57,10 +57,7 @@ def attn_fwd_tma_kernel(
     WARP_SPEC: tl.constexpr, PLAIN: tl.constexpr, QREG: tl.constexpr = False,
     BIAS_FMA: tl.constexpr = False,
 ):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    if REVERSE_M:
-        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_m, bh = program_ids(tl.cdiv(Nq, BLOCK_M), REVERSE_M)
     b = bh // Hq
     h = bh % Hq
     hk = h // G

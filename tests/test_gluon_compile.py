@@ -3,7 +3,8 @@
 Gluon has no interpreter, so numerics are checked on the GPU (test_kernels_gpu.py); this test keeps
 the kernel building under the Triton installed here (CI's) and pins the properties its speed rests
 on: wgmma (HGMMA) for both products, TMA loads, register rebalancing between the partitions, and
-no shared-memory round trip for P (the P·V operand stays in registers)."""
+no shared-memory round trip for P (the P·V operand stays in registers). The host-side launch
+arguments are checked with the kernel replaced by a recorder."""
 from __future__ import annotations
 
 import re
@@ -82,8 +83,11 @@ def test_default_configs_build_for_sm90(sm90, d, causal, masks, bias):
     assert "cp.async.bulk.tensor" in ptx  # TMA
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)  # consumers raised to 240
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24\b", ptx)  # producer lowered to 24
-    # Shared-memory stores: only the epilogue's O tile (a few st.shared), never P per key block.
-    assert len(re.findall(r"\bst\.shared", ptx)) <= 4
+    # P stays in registers as the A operand of P·V: the only register-to-shared stores are the two
+    # consumers' O tiles, and no shared buffer is allocated from a register value (a staged P would be).
+    ir = k.asm["ttgir"]
+    assert len(re.findall(r"ttg\.local_store ", ir)) == 2
+    assert not re.search(r"ttg\.local_alloc %", ir)
     assert k.metadata.shared <= 232448  # fits the 227 KB an H100/H200 block may use
 
 
@@ -128,7 +132,7 @@ def test_host_launch_arguments(monkeypatch):
         assert (kind, cfg) == ("fwd_gluon" if bias_shape is None else "fwd_gluon_bias", want_cfg)
         tf._forward_gluon(c, c.q, c.k, c.v, out, lse, 128, 128, cfg)
         (grid, a, kw), = calls
-        assert grid == (3, 8)  # ceil(300 / 128) programs per (batch, head)
+        assert grid == (3 * 8,)  # ceil(300 / 128) query blocks x (batch, head), one axis: no 65535 cap
         qd, kd, vd, od, lse_arg, kvl, bias_desc, bmul, hmul = a[:9]
         assert qd.block_shape == [1, 1, 64, 128] and od.block_shape == [1, 1, 64, 128]
         assert kd.block_shape == vd.block_shape == [1, 1, want_cfg.block_n, 128]
