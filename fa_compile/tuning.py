@@ -13,15 +13,14 @@ powers of two above Nq and Nk (and B*Hq, coarsely), so a model's few shapes cost
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
 import threading
 from typing import Callable, Optional
 
 import torch
 
 from . import config
+from .kernels import tuning_cache
 
 _ENABLED: Optional[bool] = None  # None: read FA_COMPILE_TUNE
 _MEM: dict = {}
@@ -45,8 +44,7 @@ def enabled() -> bool:
 
 
 def cache_path() -> str:
-    root = os.environ.get("FA_COMPILE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fa_compile")
-    return os.path.join(root, "tuning.json")
+    return tuning_cache.cache_file("tuning.json")
 
 
 def _pow2(n) -> int:
@@ -89,25 +87,11 @@ def _device_key(index: int) -> str:
 
 
 def _load() -> dict:
-    try:
-        with open(cache_path()) as f:
-            return json.load(f)
-    except Exception:
-        return {}
+    return tuning_cache.load(cache_path())
 
 
 def _store(dev: str, key: str, name: str) -> None:
-    path = cache_path()
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        data = _load()
-        data.setdefault(dev, {})[key] = name
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home: the in-memory cache still holds
+    tuning_cache.store(cache_path(), dev, key, name)
 
 
 def cached(args, direction: str) -> Optional[str]:
@@ -123,18 +107,7 @@ def cached(args, direction: str) -> Optional[str]:
 
 
 def _time(fn: Callable, reps: int = 5) -> float:
-    fn()  # warm-up (compiles, plans, allocates)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+    return tuning_cache.time_ms(fn, reps)
 
 
 def measure(args, direction: str, eligible: list, bwd_inputs: Optional[Callable] = None) -> dict:

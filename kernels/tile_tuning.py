@@ -11,13 +11,14 @@ Every candidate writes the full outputs, so the caller simply runs the winner af
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import threading
 from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
+
+from . import tuning_cache
 
 C = TypeVar("C")
 ENABLED: Optional[bool] = None  # None: read FA_COMPILE_TUNE (fa_compile.tuning.enable() sets this too)
@@ -32,8 +33,7 @@ def enabled() -> bool:
 
 
 def cache_path() -> str:
-    root = os.environ.get("FA_COMPILE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fa_compile")
-    return os.path.join(root, "tiles.json")
+    return tuning_cache.cache_file("tiles.json")
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,40 +44,8 @@ def _device_key(index: int) -> str:
     return f"{torch.cuda.get_device_name(index)}|sm{cap[0]}{cap[1]}|torch{torch.__version__}|triton{triton.__version__}"
 
 
-def _load() -> dict:
-    try:
-        with open(cache_path()) as f:
-            return json.load(f)
-    except Exception:
-        return {}
-
-
-def _store(dev: str, key: str, value: list) -> None:
-    path = cache_path()
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        data = _load()
-        data.setdefault(dev, {})[key] = value
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home: the in-memory cache still holds
-
-
-def _time_ms(run: Callable[[], None], reps: int = 3) -> float:
-    run()  # compiles
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+def _time_ms(run: Callable[[], None]) -> float:
+    return tuning_cache.time_ms(run, reps=3)
 
 
 def choose(key: str, device: torch.device, candidates: Sequence[C], run: Callable[[C], None],
@@ -91,7 +59,7 @@ def choose(key: str, device: torch.device, candidates: Sequence[C], run: Callabl
     dev = _device_key(device.index if device.index is not None else torch.cuda.current_device())
     hit = _MEM.get((dev, key))
     if hit is None:
-        stored = _load().get(dev, {}).get(key)
+        stored = tuning_cache.load(cache_path()).get(dev, {}).get(key)
         if stored is not None:
             hit = _MEM[(dev, key)] = decode(stored)
     if hit is not None and hit in candidates:
@@ -109,5 +77,5 @@ def choose(key: str, device: torch.device, candidates: Sequence[C], run: Callabl
     if math.isinf(times[best]):
         return candidates[0]
     _MEM[(dev, key)] = candidates[best]
-    _store(dev, key, encode(candidates[best]))
+    tuning_cache.store(cache_path(), dev, key, encode(candidates[best]))
     return candidates[best]

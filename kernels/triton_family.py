@@ -16,6 +16,7 @@ softcap, dropout_p, dropout_seed, needs_backward, bias_requires_grad) so kernels
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import warnings
@@ -286,6 +287,7 @@ def _forward_tma(args, q, k, v, out, lse, bias, bias_kind, bstr, consts, sc, see
             cfg = _smaller(cfg)
 
 
+@functools.lru_cache(maxsize=None)
 def gluon_available() -> bool:
     try:
         return importlib.util.find_spec("triton.experimental.gluon.language.nvidia.hopper") is not None
@@ -303,18 +305,17 @@ GLUON_CONFIGS: dict[int, BlockConfig] = {
     128: BlockConfig(128, 128, 4, 3, pingpong=True),
     256: BlockConfig(128, 64, 4, 2),
 }
-# Shared-memory layouts of the Gluon TMA tiles, {(rows, cols, dtype): NVMMASharedLayout}.
-_GLUON_LAYOUTS: dict = {}
-# Keys whose Gluon launch raised (e.g. a Triton release whose Gluon API moved): the tl kernel runs instead.
-_GLUON_FAILED: set = set()
-
-
 # With a float bias tile the ring holds two bias tiles per slot as well: two stages fit in shared memory.
 GLUON_BIAS_CONFIGS: dict[int, BlockConfig] = {
     64: BlockConfig(128, 128, 4, 2, qreg=True),
     128: BlockConfig(128, 128, 4, 2, pingpong=True),
     256: BlockConfig(128, 64, 4, 2),
 }
+# Shared-memory layouts of the Gluon TMA tiles, {(rows, cols, dtype): NVMMASharedLayout}.
+_GLUON_LAYOUTS: dict = {}
+# Keys whose Gluon launch raised (e.g. a Triton release whose Gluon API moved): the tl kernel runs instead.
+_GLUON_FAILED: set = set()
+
 
 
 def _gluon_bias(bias: Optional[Tensor], q: Tensor) -> Optional[tuple[Tensor, int, int]]:
@@ -340,26 +341,27 @@ def _gluon_bias(bias: Optional[Tensor], q: Tensor) -> Optional[tuple[Tensor, int
     return view, muls[0], muls[1]
 
 
-def _gluon_ok(args, tensors, cap: tuple[int, int], bias_kind: int, block: int) -> bool:
+def _gluon_ok(args, tensors, cap: tuple[int, int], bias_kind: int, block: int, gb) -> bool:
     """The Gluon forward (kernels/gluon_fwd.py) takes the structural masks and a float bias tile that TMA can
-    read, on Hopper, for head-dim blocks 64..256 (smaller heads keep the tl kernel, tuned for them)."""
+    read (`gb`, from _gluon_bias), on Hopper, for head-dim blocks 64..256 (smaller heads keep the tl kernel,
+    tuned for them)."""
     if os.environ.get("FA_COMPILE_GLUON", "1") == "0" or cap[0] != 9 or interpreting() or block not in GLUON_CONFIGS:
         return False
     if float(args.softcap) != 0 or float(args.dropout_p) > 0 or float(args.scale) <= 0:
         return False
-    if bias_kind != 0 and (bias_kind != 1 or _gluon_bias(args.bias, tensors[0]) is None):
+    if bias_kind != 0 and gb is None:
         return False
     return gluon_available() and _tma_ok(tensors, cap)
 
 
-def _gluon_config(args, q: Tensor, block: int) -> tuple[str, BlockConfig]:
-    """(tuning kind, pinned or default tile) of the Gluon forward."""
-    if args.bias is None:
+def _gluon_config(gb, block: int) -> tuple[str, BlockConfig]:
+    """(tuning kind, pinned or default tile) of the Gluon forward, without or with a bias tile (`gb`)."""
+    if gb is None:
         return "fwd_gluon", CONFIG_OVERRIDE.get(("fwd_gluon", block)) or GLUON_CONFIGS[block]
     return "fwd_gluon_bias", CONFIG_OVERRIDE.get(("fwd_gluon_bias", block)) or GLUON_BIAS_CONFIGS[block]
 
 
-def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int, cfg: BlockConfig) -> None:
+def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int, cfg: BlockConfig, gb) -> None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -367,7 +369,6 @@ def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int, cfg: Bl
 
     b, hq, nq, _ = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    gb = _gluon_bias(args.bias, q) if args.bias is not None else None
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
 
     def desc(t: Tensor, rows: int, cols: int):
@@ -415,15 +416,16 @@ def attention_forward(args, out: Optional[Tensor] = None, lse: Optional[Tensor] 
     seed = args.dropout_seed.to(q.device).reshape(1) if consts["DROPOUT"] else q
     block_d, block_dv = _pow2(d), _pow2(dv)
     cap = _capability(q.device)
-    gkey = (max(block_d, block_dv), q.dtype, bool(args.causal))
-    if gkey not in _GLUON_FAILED and _gluon_ok(args, (q, k, v, out), cap, bias_kind, max(block_d, block_dv)):
+    block = max(block_d, block_dv)
+    gkey = (block, q.dtype, bool(args.causal))
+    gb = _gluon_bias(args.bias, q) if bias_kind == 1 and cap[0] == 9 else None
+    if gkey not in _GLUON_FAILED and _gluon_ok(args, (q, k, v, out), cap, bias_kind, block, gb):
         try:
             with _device_ctx(q):
-                block = max(block_d, block_dv)
-                kind, cfg = _gluon_config(args, q, block)
+                kind, cfg = _gluon_config(gb, block)
                 cfg = _tuned(kind, block, cfg, q, bool(args.causal), bias_kind, cap,
-                             lambda c: _forward_gluon(args, q, k, v, out, lse, block_d, block_dv, c))
-                _forward_gluon(args, q, k, v, out, lse, block_d, block_dv, cfg)
+                             lambda c: _forward_gluon(args, q, k, v, out, lse, block_d, block_dv, c, gb))
+                _forward_gluon(args, q, k, v, out, lse, block_d, block_dv, cfg, gb)
             return out, lse
         except Exception as e:  # compile-time failure only: nothing was written; the tl kernel takes over
             if os.environ.get("FA_COMPILE_GLUON") == "1":

@@ -128,9 +128,11 @@ def test_host_launch_arguments(monkeypatch):
         out = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16).transpose(1, 2)
         lse = torch.empty(2, 4, 300)
         calls.clear()
-        kind, cfg = tf._gluon_config(c, c.q, 128)
+        gb = tf._gluon_bias(c.bias, c.q) if c.bias is not None else None
+        assert (gb is None) == (bias_shape is None)
+        kind, cfg = tf._gluon_config(gb, 128)
         assert (kind, cfg) == ("fwd_gluon" if bias_shape is None else "fwd_gluon_bias", want_cfg)
-        tf._forward_gluon(c, c.q, c.k, c.v, out, lse, 128, 128, cfg)
+        tf._forward_gluon(c, c.q, c.k, c.v, out, lse, 128, 128, cfg, gb)
         (grid, a, kw), = calls
         assert grid == (3 * 8,)  # ceil(300 / 128) query blocks x (batch, head), one axis: no 65535 cap
         qd, kd, vd, od, lse_arg, kvl, bias_desc, bmul, hmul = a[:9]
