@@ -29,6 +29,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
+from .triton_common import kv_block_range, program_ids
+
 LN2 = gl.constexpr(0.6931471805599453)
 LOG2E = gl.constexpr(1.4426950408889634)
 # Triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global; later
@@ -37,34 +39,11 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
-@gluon.jit
-def _kv_range(m0, Nq, n_lim, diag_offset, window_left, window_right,
-              IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Key-block bounds (lo, full_lo, full_hi, hi) for rows [m0, m0 + BLOCK_M), as triton_common.kv_block_range:
-    blocks in [full_lo, full_hi) need no mask, blocks outside [lo, hi) are skipped."""
-    m_last = gl.minimum(m0 + BLOCK_M, Nq) - 1
-    hi = n_lim
-    lo = m0 * 0
-    full_lo_raw = m0 * 0
-    full_hi_raw = n_lim
-    if IS_CAUSAL:
-        hi = gl.minimum(hi, m_last + diag_offset + 1)
-        full_hi_raw = gl.minimum(full_hi_raw, m0 + diag_offset + 1)
-    if HAS_WR:
-        hi = gl.minimum(hi, m_last + diag_offset + window_right + 1)
-        full_hi_raw = gl.minimum(full_hi_raw, m0 + diag_offset + window_right + 1)
-    if HAS_WL:
-        lo = gl.maximum(lo, m0 + diag_offset - window_left)
-        full_lo_raw = gl.maximum(full_lo_raw, m0 + BLOCK_M - 1 + diag_offset - window_left)
-    hi = gl.maximum(hi, 0)
-    hi_blk = (hi + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    lo = gl.minimum(gl.maximum(lo, 0) // BLOCK_N * BLOCK_N, hi_blk)
-    full_lo = (gl.maximum(full_lo_raw, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    full_lo = gl.minimum(gl.maximum(full_lo, lo), hi_blk)
-    full_hi = gl.maximum(full_hi_raw, 0) // BLOCK_N * BLOCK_N
-    full_hi = gl.minimum(gl.maximum(full_hi, full_lo), hi_blk)
-    return lo, full_lo, full_hi, hi_blk
+# Helpers of the tl kernels, re-wrapped for Gluon (they use scalar tl builtins only): key-block bounds
+# (blocks in [full_lo, full_hi) need no mask, blocks outside [lo, hi) are skipped) and the one-axis
+# grid's (query block, batch x head) ids.
+_kv_range = gluon.jit(kv_block_range.fn)
+_program_ids = gluon.jit(program_ids.fn)
 
 
 @gluon.jit
@@ -94,6 +73,19 @@ def _softmax_update(s, m_i, l_i, qk_scale):
     return p, m_new, l_i, alpha
 
 
+@gluon.jit
+def _take_turn(my_turn, turn_phase, PINGPONG: gl.constexpr):
+    """Ping-pong: wait until the other warpgroup has issued its previous wgmma; returns the next phase."""
+    if PINGPONG:
+        mbarrier.wait(my_turn, turn_phase ^ 1)
+        turn_phase ^= 1
+    return turn_phase
+
+
+@gluon.jit
+def _pass_turn(their_turn, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(their_turn)
 
 
 @gluon.jit
@@ -176,12 +168,9 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
     if n_blocks > 0:
         mbarrier.wait(k_full.index(0), 0)
         k_t = k_smem.index(0).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
-        if PINGPONG:
-            mbarrier.wait(my_turn, turn_phase ^ 1)
-            turn_phase ^= 1
+        turn_phase = _take_turn(my_turn, turn_phase, PINGPONG)
         s_tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(their_turn)
+        _pass_turn(their_turn, PINGPONG)
         s = warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(0))
         s, scale = _add_bias(s, qk_scale, b_smem, b_full, b_empty, 0, 0, s_layout, WG_M, BLOCK_N, FIRST, HAS_BIAS)
@@ -198,13 +187,10 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
             mbarrier.wait(v_full.index(prev), ((j - 1) // STAGES) & 1)
             v_j = v_smem.index(prev).reshape([BLOCK_N, BLOCK_DV])
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-            if PINGPONG:
-                mbarrier.wait(my_turn, turn_phase ^ 1)
-                turn_phase ^= 1
+            turn_phase = _take_turn(my_turn, turn_phase, PINGPONG)
             s_tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
             o_tok = warpgroup_mma(p_op, v_j, acc, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(their_turn)
+            _pass_turn(their_turn, PINGPONG)
             s = warpgroup_mma_wait(1, deps=[s_tok])
             mbarrier.arrive(k_empty.index(slot))
             s, scale = _add_bias(s, qk_scale, b_smem, b_full, b_empty, slot, (j // STAGES) & 1, s_layout, WG_M,
@@ -220,12 +206,9 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
         mbarrier.wait(v_full.index(last % STAGES), (last // STAGES) & 1)
         v_j = v_smem.index(last % STAGES).reshape([BLOCK_N, BLOCK_DV])
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-        if PINGPONG:
-            mbarrier.wait(my_turn, turn_phase ^ 1)
-            turn_phase ^= 1
+        turn_phase = _take_turn(my_turn, turn_phase, PINGPONG)
         o_tok = warpgroup_mma(p_op, v_j, acc, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(their_turn)
+        _pass_turn(their_turn, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
 
     empty = l_i == 0.0
@@ -251,13 +234,7 @@ def attn_fwd_gluon_ws_kernel(
     """BLOCK_M = 128 query rows per program (two warpgroups of 64); launched with num_warps=4."""
     WG_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_desc.dtype
-    # A 1-D grid, query blocks fastest (triton_common.program_ids: no 65535 cap on batch x heads).
-    n_m = (Nq + BLOCK_M - 1) // BLOCK_M
-    pid = gl.program_id(0)
-    pid_m = pid % n_m
-    bh = pid // n_m
-    if REVERSE_M:
-        pid_m = n_m - 1 - pid_m
+    pid_m, bh = _program_ids((Nq + BLOCK_M - 1) // BLOCK_M, REVERSE_M)
     b = bh // Hq
     h = bh % Hq
     hk = h // G
