@@ -89,9 +89,15 @@ def run_ours(q, k, v, causal, bias=None, bwd=True):
     if bwd:
         out, lse = fwd()
         dout = torch.randn_like(out)
+        for name in ("attn_bwd_gluon_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):
+            tf.LAST_COMPILED.pop(name, None)
         t_b = bench(lambda: tf.attention_backward(a, dout, out, lse))
-        rep["dkdv"] = kernel_report("attn_bwd_dkdv_kernel")
-        rep["dq"] = kernel_report("attn_bwd_dq_kernel")
+        # The backward that ran: the Gluon kernel on Hopper for structural masks, else the tl pair.
+        if "attn_bwd_gluon_kernel" in tf.LAST_COMPILED:
+            rep["bwd"] = {"kernel": "attn_bwd_gluon_kernel", **kernel_report("attn_bwd_gluon_kernel")}
+        else:
+            rep["dkdv"] = kernel_report("attn_bwd_dkdv_kernel")
+            rep["dq"] = kernel_report("attn_bwd_dq_kernel")
     return t_f, t_b, rep
 
 
@@ -99,6 +105,17 @@ def correctness(q, k, v, causal) -> float:
     out, _ = tf.attention_forward(Args(q, k, v, causal=causal))
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
     return float((out.float() - ref).norm() / ref.norm())
+
+
+def bwd_correctness(q, k, v, causal) -> float:
+    """Largest relative (norm) error of dq, dk, dv against fp32 SDPA's gradients on the same dout."""
+    a = Args(q, k, v, causal=causal)
+    out, lse = tf.attention_forward(a)
+    dout = torch.randn_like(out)
+    got = tf.attention_backward(a, dout, out, lse)[:3]
+    qf, kf, vf = (t.float().requires_grad_(True) for t in (q, k, v))
+    ref = torch.autograd.grad(F.scaled_dot_product_attention(qf, kf, vf, is_causal=causal), (qf, kf, vf), dout.float())
+    return max(float((g.float() - r).norm() / r.norm()) for g, r in zip(got, ref))
 
 
 FWD_SWEEP = {
@@ -385,6 +402,79 @@ def run_gluon_compare(dims: list[int], fa3) -> list[dict]:
     return rows
 
 
+# Gluon backward tiles (query rows per step, Q/dO ring stages); keys per program are 128.
+GLUON_BWD_VARIANTS = {64: [(64, 2), (64, 3)], 128: [(64, 2)]}
+
+
+def run_bwd_compare(dims: list[int], n: int = 16384) -> list[dict]:
+    """The Gluon backward's tiles against the `tl` backward pair and cuDNN's backward at 16k tokens
+    (hidden 2048), one process, every variant timed twice (forward order, then reverse), best kept.
+    err: largest relative (norm) error of dq/dk/dv against fp32 SDPA's gradients."""
+    rows = []
+    for d in dims:
+        h, b = 2048 // d, 16384 // n
+        torch.manual_seed(0)
+        q, k, v = (bshd(b, h, n, d, requires_grad=True) for _ in range(3))
+        qd, kd, vd = q.detach(), k.detach(), v.detach()
+        for causal in (False, True):
+            fl = 2.5 * 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+            a = Args(qd, kd, vd, causal=causal)
+            out, lse = tf.attention_forward(a)
+            dout = torch.randn_like(out)
+            qf, kf, vf = (t.float().requires_grad_(True) for t in (qd, kd, vd))
+            ref = torch.autograd.grad(F.scaled_dot_product_attention(qf, kf, vf, is_causal=causal), (qf, kf, vf),
+                                      dout.float())
+            del qf, kf, vf
+            runs: list[tuple[str, object]] = [("tl", None)] + [(f"gluon {c}", c) for c in GLUON_BWD_VARIANTS[d]]
+            runs += [("cudnn", "cudnn")]
+            res: dict = {}
+
+            def once(name, c):
+                tf.CONFIG_OVERRIDE.clear()
+                os.environ["FA_COMPILE_GLUON"] = "0" if name == "tl" else "1"
+                if c == "cudnn":
+                    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                        return bench(lambda: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)), None, {}
+                if isinstance(c, tuple):
+                    tf.CONFIG_OVERRIDE[("bwd_gluon", d)] = tf.BlockConfig(c[0], 128, 8, c[1])
+                for kname in ("attn_bwd_gluon_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):
+                    tf.LAST_COMPILED.pop(kname, None)
+                got = tf.attention_backward(a, dout, out, lse)[:3]
+                err = max(float((g.float() - r).norm() / r.norm()) for g, r in zip(got, ref))
+                t = bench(lambda: tf.attention_backward(a, dout, out, lse))
+                if name == "tl":
+                    rep = {"dkdv": kernel_report("attn_bwd_dkdv_kernel"), "dq": kernel_report("attn_bwd_dq_kernel")}
+                else:
+                    if "attn_bwd_gluon_kernel" not in tf.LAST_COMPILED:
+                        raise RuntimeError("the Gluon backward did not run")
+                    rep = kernel_report("attn_bwd_gluon_kernel")
+                return t, err, rep
+
+            for order in (runs, runs[::-1]):
+                for name, c in order:
+                    try:
+                        t, err, rep = once(name, c)
+                        r = res.setdefault(name, {"tflops_runs": [], "err": err, "kern": rep})
+                        r["tflops_runs"].append(tflops(fl, t))
+                    except Exception as e:
+                        res.setdefault(name, {"tflops_runs": []})["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            tf.CONFIG_OVERRIDE.clear()
+            os.environ.pop("FA_COMPILE_GLUON", None)
+            peer = max(res.get("cudnn", {}).get("tflops_runs") or [float("nan")])
+            for name, r in res.items():
+                best = max(r["tflops_runs"]) if r["tflops_runs"] else None
+                row = {"d": d, "n": n, "causal": causal, "variant": name, "tflops": best, "runs": r["tflops_runs"],
+                       "vs_cudnn": round(best / peer, 3) if best else None, "err": r.get("err"),
+                       "kern": r.get("kern"), "error": r.get("error")}
+                rows.append(row)
+                kk = row["kern"] or {}
+                print(f"bwd-compare d{d:<4}{'causal' if causal else '':<7}{name:<16}{best!s:<8}{row['vs_cudnn']!s:<7}"
+                      f"{r['tflops_runs']!s:<16} err {row['err']} regs {kk.get('n_regs')} spills {kk.get('n_spills')}"
+                      + (f" ERROR {row['error']}" if row["error"] else ""), flush=True)
+    return rows
+
+
 def _cfg_label(c) -> str:
     c = tuple(c)
     if len(c) == 8 and all(isinstance(x, int) for x in c):
@@ -415,6 +505,8 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help="time the forward/backward variants first (tune_variants)")
     ap.add_argument("--tune-only", action="store_true", help="with --tune: stop after the variants")
     ap.add_argument("--warm", default=None, help="I/N: compile the I-th N-th of the variants and exit")
+    ap.add_argument("--bwd", default=None, help="head dims (e.g. 64,128): compare the Gluon backward's tiles "
+                    "with the tl backward and cuDNN")
     ap.add_argument("--gluon", default=None, help="head dims (e.g. 64,128,256): compare the Gluon forward's tiles "
                     "with the tl forward, cuDNN and FA3, then exit")
     opt = ap.parse_args()
@@ -439,6 +531,11 @@ def main() -> None:
         result["gluon"] = run_gluon_compare([int(x) for x in opt.gluon.split(",")], fa3)
         os.makedirs(opt.out, exist_ok=True)
         json.dump(result, open(os.path.join(opt.out, "kernels_gluon.json"), "w"), indent=1, default=str)
+        return
+    if opt.bwd:
+        result["bwd"] = run_bwd_compare([int(x) for x in opt.bwd.split(",")])
+        os.makedirs(opt.out, exist_ok=True)
+        json.dump(result, open(os.path.join(opt.out, "kernels_bwd.json"), "w"), indent=1, default=str)
         return
     if opt.tune:
         result["tune"] = run_tune()
@@ -468,6 +565,7 @@ def main() -> None:
                 qd, kd, vd = q.detach(), k.detach(), v.detach()
                 try:
                     row["err"] = round(correctness(qd, kd, vd, causal), 5)
+                    row["bwd_err"] = round(bwd_correctness(qd, kd, vd, causal), 5)
                     t_f, t_b, rep = run_ours(qd, kd, vd, causal)
                     row["ours"], row["ours_bwd"] = tflops(fl, t_f), tflops(2.5 * fl, t_b)
                     row["ours_kernels"] = rep

@@ -5,9 +5,10 @@ bool keep-mask broadcasting through strides, softcap, dropout (the counter hash 
 bit-identical to the reference), GQA, any strides with a unit last stride (others are copied),
 fp16 / bf16, and fp32 through TF32 when torch's matmul precision allows it.
 On Hopper the forward of the common cases (structural masks, a float bias tile TMA can read; head
-dims 33..256) runs the Gluon warp-specialized kernel of gluon_fwd.py; everything else, the backward,
-other GPUs and the interpreter run the Triton-language kernels (triton_fwd*.py, triton_bwd.py).
-The backward never uses atomics, so it is deterministic whether or not torch asks for it.
+dims 33..256) runs the Gluon warp-specialized kernel of gluon_fwd.py, and their backward (structural
+masks, head-dim blocks 64 and 128) the Gluon kernel of gluon_bwd.py, which sums dQ by TMA reductions;
+everything else, other GPUs, the interpreter and deterministic mode (torch.use_deterministic_algorithms)
+run the Triton-language kernels (triton_fwd*.py, triton_bwd.py), whose backward uses no atomics.
 
 Triton is imported lazily: without it this module still imports and reports "triton not installed".
 Arguments are duck-typed (q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
@@ -361,24 +362,26 @@ def _gluon_config(gb, block: int) -> tuple[str, BlockConfig]:
     return "fwd_gluon_bias", CONFIG_OVERRIDE.get(("fwd_gluon_bias", block)) or GLUON_BIAS_CONFIGS[block]
 
 
-def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int, cfg: BlockConfig, gb) -> None:
+def _gluon_desc(t: Tensor, rows: int, cols: int):
+    """A TMA descriptor of [rows, cols] tiles of a [B, H, N, D] view, with Gluon's default swizzle."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    block = [1, 1, rows, cols]
+    key = (rows, cols, t.dtype)
+    layout = _GLUON_LAYOUTS.get(key)
+    if layout is None:  # ~19 us to build each time: five per call
+        gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[t.dtype]
+        layout = _GLUON_LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(block, gdt)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int, cfg: BlockConfig, gb) -> None:
     from .gluon_fwd import attn_fwd_gluon_ws_kernel
 
     b, hq, nq, _ = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-
-    def desc(t: Tensor, rows: int, cols: int):
-        block = [1, 1, rows, cols]
-        key = (rows, cols, q.dtype)
-        layout = _GLUON_LAYOUTS.get(key)
-        if layout is None:  # ~19 us to build each time: five per call
-            layout = _GLUON_LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(block, gdt)
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
+    desc = _gluon_desc
     bias_args = (desc(gb[0], 64, cfg.block_n), gb[1], gb[2]) if gb is not None else (desc(k, cfg.block_n, block_d), 0, 0)
     kvl = args.kv_lens
     if cfg.block_m != 128 or cfg.num_warps != 4:
@@ -395,6 +398,58 @@ def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int, cfg: Bl
         PINGPONG=cfg.pingpong, HAS_BIAS=gb is not None, num_warps=4,
     )
     LAST_COMPILED["attn_fwd_gluon_kernel"] = (cfg, handle)
+
+
+# Gluon backward tiles on Hopper, {head-dim block: BlockConfig(query rows per step, keys per program = 128,
+# num_warps 8 = two consumer warpgroups, Q/dO ring stages)}. H200, bf16, 16k tokens, 2026-12-01: d128
+# s2 484 TFLOP/s (three stages do not fit beside the dQ tiles); d64 s3 381 vs s2 371 (causal 365 / 367);
+# 128 query rows at d64 spill (248).
+GLUON_BWD_CONFIGS: dict[int, BlockConfig] = {
+    64: BlockConfig(64, 128, 8, 3),
+    128: BlockConfig(64, 128, 8, 2),
+}
+
+
+def _gluon_bwd_ok(args, tensors, cap: tuple[int, int], bias_kind: int, block_d: int, block_dv: int) -> bool:
+    """The Gluon backward (kernels/gluon_bwd.py): structural masks only, head-dim blocks 64 / 128, on Hopper,
+    and not when torch asks for deterministic algorithms (its dQ sums arrive in varying order)."""
+    if os.environ.get("FA_COMPILE_GLUON", "1") == "0" or cap[0] != 9 or interpreting():
+        return False
+    if block_d not in GLUON_BWD_CONFIGS or block_dv not in GLUON_BWD_CONFIGS or bias_kind != 0:
+        return False
+    if float(args.softcap) != 0 or float(args.dropout_p) > 0 or float(args.scale) <= 0:
+        return False
+    if args.q.shape[-1] % 8 or args.v.shape[-1] % 8:  # rows of the fp32 dQ buffer must be 16-byte multiples (TMA)
+        return False
+    if torch.are_deterministic_algorithms_enabled():
+        return False
+    return gluon_available() and _tma_ok(tensors, cap)
+
+
+def _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d: int, block_dv: int,
+                    cfg: BlockConfig) -> None:
+    from .gluon_bwd import attn_bwd_gluon_kernel
+
+    b, hq, nq, d = q.shape
+    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
+    if cfg.block_n != 128 or cfg.num_warps != 8 or cfg.block_m not in (64, 128):
+        raise ValueError(f"Gluon backward config {cfg}: block_n must be 128, num_warps 8, block_m 64 or 128")
+    # scale·dQ summed in fp32 over the key blocks (TMA reductions), then cast into dq's own strides.
+    dqa = torch.zeros((1, b * hq, nq, d), device=q.device, dtype=torch.float32)
+    kvl = args.kv_lens
+    handle = attn_bwd_gluon_kernel[(triton_cdiv(nk, cfg.block_n) * b * hkv,)](
+        _gluon_desc(q, cfg.block_m, block_d), _gluon_desc(k, cfg.block_n, block_d),
+        _gluon_desc(v, cfg.block_n, block_dv), _gluon_desc(dout, cfg.block_m, block_dv),
+        lse, delta, _gluon_desc(dqa, cfg.block_m, block_d), dk, dvv, kvl if kvl is not None else lse,
+        dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
+        hq, hkv, hq // hkv, nq, nk, d, dv, float(args.scale) * LOG2E, float(args.scale), int(args.diag_offset),
+        int(args.window_left), int(args.window_right),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, STAGES=cfg.num_stages,
+        IS_CAUSAL=bool(args.causal), HAS_WL=int(args.window_left) >= 0, HAS_WR=int(args.window_right) >= 0,
+        HAS_KVLEN=kvl is not None, num_warps=8,
+    )
+    dq.copy_(dqa.view(b, hq, nq, d))
+    LAST_COMPILED["attn_bwd_gluon_kernel"] = (cfg, handle)
 
 
 def attention_forward(args, out: Optional[Tensor] = None, lse: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
@@ -522,6 +577,21 @@ def attention_backward(
             dout.stride(2), hq, nq, dv, BLOCK_M=pre_m, BLOCK_DV=block_dv,
         )
         block = max(block_d, block_dv)
+        gkey = ("bwd", block_d, block_dv, q.dtype, bool(args.causal))
+        if gkey not in _GLUON_FAILED and _gluon_bwd_ok(args, (q, k, v, dout), cap, bias_kind, block_d, block_dv):
+            try:
+                cfg = CONFIG_OVERRIDE.get(("bwd_gluon", block)) or GLUON_BWD_CONFIGS[block]
+                cfg = _tuned("bwd_gluon", block, cfg, q, bool(args.causal), bias_kind, cap,
+                             lambda c: _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d,
+                                                       block_dv, c))
+                _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d, block_dv, cfg)
+                return dq, dk, dvv, None
+            except Exception as e:  # compile-time failure: every output is rewritten by the tl kernels below
+                if os.environ.get("FA_COMPILE_GLUON") == "1":
+                    raise
+                _GLUON_FAILED.add(gkey)
+                warnings.warn(f"fa_compile: the Gluon backward failed to build ({type(e).__name__}: "
+                              f"{str(e)[:200]}); using the Triton backward instead", RuntimeWarning)
 
         def dkdv(c: BlockConfig) -> None:
             _launch(

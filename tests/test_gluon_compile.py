@@ -1,4 +1,4 @@
-"""The Gluon Hopper forward (kernels/gluon_fwd.py) compiled for sm_90 on a machine without a GPU.
+"""The Gluon Hopper kernels (kernels/gluon_fwd.py, gluon_bwd.py) compiled for sm_90 on a machine without a GPU.
 
 Gluon has no interpreter, so numerics are checked on the GPU (test_kernels_gpu.py); this test keeps
 the kernel building under the Triton installed here (CI's) and pins the properties its speed rests
@@ -148,3 +148,88 @@ def test_host_launch_arguments(monkeypatch):
             assert bias_desc.base.data_ptr() == c.bias.data_ptr() and (bmul, hmul) == (1, 1)
             assert bias_desc.block_shape == [1, 1, 64, want_cfg.block_n]
         assert tf.LAST_COMPILED["attn_fwd_gluon_kernel"] == (want_cfg, "handle")
+
+
+def _compile_bwd(d: int, cfg: tf.BlockConfig, causal: bool, masks: bool, group: int):
+    from fa_compile.kernels.gluon_bwd import attn_bwd_gluon_kernel
+
+    b, h, n = 1, 4, 256
+    q = torch.empty(b, n, h, d, dtype=torch.bfloat16).transpose(1, 2)  # BSHD storage
+    lse = torch.empty(b, h, n)
+    dqa = torch.empty(1, b * h, n, d)
+    return attn_bwd_gluon_kernel.warmup(
+        tf._gluon_desc(q, cfg.block_m, d), tf._gluon_desc(q, cfg.block_n, d), tf._gluon_desc(q, cfg.block_n, d),
+        tf._gluon_desc(q, cfg.block_m, d), lse, lse, tf._gluon_desc(dqa, cfg.block_m, d), q, q, lse,
+        *q.stride()[:3], *q.stride()[:3],
+        h, h // group, group, n, n, d, d, 0.1, 0.1, 0, 16, 16,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d, BLOCK_DV=d, STAGES=cfg.num_stages, IS_CAUSAL=causal,
+        HAS_WL=masks, HAS_WR=masks, HAS_KVLEN=masks, num_warps=cfg.num_warps, grid=(1,),
+    )
+
+
+@pytest.mark.parametrize("d,causal,masks,group", [(128, True, False, 1), (64, False, True, 2), (128, False, True, 4)])
+def test_backward_builds_for_sm90(sm90, d, causal, masks, group):
+    k = _compile_bwd(d, tf.GLUON_BWD_CONFIGS[d], causal, masks, group)
+    ptx = k.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx
+    assert "cp.async.bulk.tensor" in ptx  # TMA
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)  # consumer warpgroups raised to 240
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24\b", ptx)  # producer and writer at 24
+    # dQ goes to the fp32 buffer by TMA bulk reductions, never by per-element atomics.
+    assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add", ptx)
+    assert not re.search(r"\b(atom|red)\.global", ptx)
+    ir = k.asm["ttgir"]
+    # Five products per query block; Pᵀ and dSᵀ are register operands, and the only register-to-shared
+    # stores are dSᵀ (for dQ = dS·K, which needs both warpgroups' halves) and the dQ tile.
+    assert len(re.findall(r"ttng\.warp_group_dot ", ir)) == 5
+    assert len(re.findall(r"ttg\.local_store ", ir)) == 2
+    assert k.metadata.shared <= 232448
+
+
+def test_backward_host_launch_and_refusals(monkeypatch):
+    # What _backward_gluon hands the kernel, and the cases that must keep the tl backward.
+    import fa_compile.kernels.gluon_bwd as gb
+
+    calls = []
+
+    class _Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append((grid, a, kw)) or "handle"
+
+    monkeypatch.setattr(gb, "attn_bwd_gluon_kernel", _Recorder())
+    c = _case(causal=True, kv_lens=[904, 5])
+    dout = torch.randn(2, 300, 4, 128, dtype=torch.bfloat16).transpose(1, 2)
+    lse, delta = torch.zeros(2, 4, 300), torch.zeros(2, 4, 300)
+    dq = torch.full_like(c.q, float("nan"))
+    dk, dv = torch.empty_like(c.k), torch.empty_like(c.v)
+    cfg = tf.GLUON_BWD_CONFIGS[128]
+    tf._backward_gluon(c, c.q, c.k, c.v, dout, lse, delta, dq, dk, dv, 128, 128, cfg)
+    (grid, a, kw), = calls
+    assert grid == (8 * 2 * 2,)  # ceil(904 / 128) key blocks x (batch, K/V head)
+    qd, kd, vd, dod, lse_arg, delta_arg, dqa_desc, dk_arg, dv_arg, kvl = a[:10]
+    assert qd.block_shape == dod.block_shape == [1, 1, cfg.block_m, 128]
+    assert kd.block_shape == vd.block_shape == [1, 1, 128, 128]
+    assert qd.strides == list(c.q.stride()) and dod.base.data_ptr() == dout.data_ptr()  # BSHD, no copies
+    dqa = dqa_desc.base  # fp32 [1, B * Hq, Nq, D], zeroed; TMA reduces [BLOCK_M, D] tiles into it
+    assert dqa.dtype == torch.float32 and dqa.shape == (1, 8, 300, 128) and not dqa.any()
+    assert dqa_desc.block_shape == [1, 1, cfg.block_m, 128]
+    assert dk_arg is dk and dv_arg is dv and kvl is c.kv_lens and lse_arg is lse and delta_arg is delta
+    assert a[16:19] == (4, 2, 2)  # Hq, Hkv, group size
+    assert kw["IS_CAUSAL"] and kw["HAS_KVLEN"] and kw["num_warps"] == 8
+    assert torch.equal(dq, torch.zeros_like(dq))  # cast from the (here untouched) fp32 buffer
+    assert tf.LAST_COMPILED["attn_bwd_gluon_kernel"] == (cfg, "handle")
+
+    cap = (9, 0)
+    assert tf._gluon_bwd_ok(c, (c.q, c.k, c.v, dout), cap, 0, 128, 128)
+    assert not tf._gluon_bwd_ok(c, (c.q, c.k, c.v, dout), cap, 1, 128, 128)  # a bias
+    assert not tf._gluon_bwd_ok(c, (c.q, c.k, c.v, dout), cap, 0, 256, 256)  # dK, dV too large for registers
+    assert not tf._gluon_bwd_ok(c, (c.q, c.k, c.v, dout), (8, 0), 0, 128, 128)
+    assert not tf._gluon_bwd_ok(_case(softcap=20.0), (c.q, c.k, c.v, dout), cap, 0, 128, 128)
+    assert not tf._gluon_bwd_ok(_case(dropout_p=0.1), (c.q, c.k, c.v, dout), cap, 0, 128, 128)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not tf._gluon_bwd_ok(c, (c.q, c.k, c.v, dout), cap, 0, 128, 128)  # atomics
+    finally:
+        torch.use_deterministic_algorithms(False)
+    monkeypatch.setenv("FA_COMPILE_GLUON", "0")
+    assert not tf._gluon_bwd_ok(c, (c.q, c.k, c.v, dout), cap, 0, 128, 128)

@@ -33,12 +33,14 @@ def fwd_path(request, monkeypatch):
         monkeypatch.setenv("FA_COMPILE_GLUON", "0")
     elif not _hopper_gluon():
         pytest.skip("the Gluon forward runs on Hopper only")
-    tf.LAST_COMPILED.pop("attn_fwd_gluon_kernel", None)
-    tf.LAST_COMPILED.pop("attn_fwd_kernel", None)
+    for name in ("attn_fwd_gluon_kernel", "attn_fwd_kernel", "attn_bwd_gluon_kernel"):
+        tf.LAST_COMPILED.pop(name, None)
     yield request.param
     # The path asked for is the one that ran.
     ran_gluon = "attn_fwd_gluon_kernel" in tf.LAST_COMPILED
     assert ran_gluon == (request.param == "gluon")
+    if request.param == "tl":
+        assert "attn_bwd_gluon_kernel" not in tf.LAST_COMPILED
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
@@ -109,6 +111,7 @@ def test_deterministic_backward():
     case = make_case(device="cuda", b=2, hq=8, hkv=2, nq=512, nk=512, d=128, dtype=BF16, causal=True)
     out, lse = poisoned_forward(case)
     dout = torch.randn_like(out)
+    tf.LAST_COMPILED.pop("attn_bwd_gluon_kernel", None)
     torch.use_deterministic_algorithms(True)
     try:
         a = poisoned_backward(case, dout, out, lse)
@@ -117,6 +120,44 @@ def test_deterministic_backward():
         torch.use_deterministic_algorithms(False)
     for x, y in zip(a[:3], b[:3]):
         assert torch.equal(x, y)
+    assert "attn_bwd_gluon_kernel" not in tf.LAST_COMPILED  # its dQ atomics are order-dependent
+
+
+@pytest.mark.skipif(not _hopper_gluon(), reason="the Gluon backward runs on Hopper only")
+@pytest.mark.parametrize("d,cfg,kw", [
+    (128, (64, 2), dict(causal=True)),
+    (128, (64, 2), dict(causal=True, diag_offset=-37, kv_lens=[901, 130])),
+    (128, (64, 2), dict(window_left=300, window_right=40, layout="bhsd")),
+    (128, (64, 2), dict(window_left=100, window_right=0, kv_lens=[901, 0])),
+    (128, (64, 2), dict(hkv=1, causal=True, diag_offset=201)),
+    (64, (64, 2), dict(causal=True, dtype=torch.float16)),
+    (64, (64, 3), dict(kv_lens=[0, 640])),
+    (64, (128, 2), dict(causal=True, diag_offset=201)),
+    (96, (64, 2), dict()),
+    (128, (64, 2), dict(dv=64, causal=True)),
+], ids=["d128_causal", "d128_neg_offset_lens", "d128_window_bhsd", "d128_window_lens0", "d128_mqa_br",
+        "d64_causal_fp16", "d64_s3_lens0", "d64_m128_br", "d96", "d128_dv64"])
+def test_gluon_backward(d, cfg, kw, monkeypatch):
+    # Every element of dQ / dK / dV against the reference, on ragged GQA shapes whose masks leave some
+    # query rows and some key blocks empty, under each tile the tuning compares.
+    bm, st = cfg
+    want = tf.BlockConfig(bm, 128, 8, st)
+    key = max(64, 1 << (max(d, kw.get("dv", d)) - 1).bit_length())
+    monkeypatch.setitem(tf.CONFIG_OVERRIDE, ("bwd_gluon", key), want)
+    tf.LAST_COMPILED.pop("attn_bwd_gluon_kernel", None)
+    kw = dict(dict(b=2, hq=4, hkv=2, dtype=BF16, layout="bshd"), **kw)
+    _check(nq=700, nk=901, d=d, **kw)
+    assert tf.LAST_COMPILED["attn_bwd_gluon_kernel"][0] == want
+
+
+def test_gluon_backward_not_for_bias_or_softcap():
+    # A float bias with its gradient, and softcap: the tl backward (checked element by element).
+    if not _hopper_gluon():
+        pytest.skip("the Gluon backward runs on Hopper only")
+    for kw in (dict(bias_shape=(1, 4, 300, 411), bias_grad=True), dict(softcap=30.0)):
+        tf.LAST_COMPILED.pop("attn_bwd_gluon_kernel", None)
+        _check(b=2, hq=4, nq=300, nk=411, d=128, dtype=BF16, layout="bshd", **kw)
+        assert "attn_bwd_gluon_kernel" not in tf.LAST_COMPILED
 
 
 @pytest.mark.parametrize("causal", [False, True])
