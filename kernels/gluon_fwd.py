@@ -19,7 +19,9 @@ what pays (618, 640 with ping-pong).
 
 Scope: the structural masks (causal in any alignment, sliding window, key-padding lengths, ragged
 Nq / Nk), GQA, any [B, H, N, D] strides TMA accepts, fp16 / bf16, head-dim blocks 64..256 (zero-
-filled by TMA past D), positive scale. Bias, softcap and dropout run on the `tl` kernels.
+filled by TMA past D), positive scale; a float bias tile [B|1, H|1, Nq, Nk] by TMA (HAS_BIAS), or a
+bias constant along query rows (ROW_BIAS: an HF key-padding mask [B, 1, 1, Nk], float or bool) read
+as one [BLOCK_N] vector per key block. Other biases, softcap and dropout run on the `tl` kernels.
 Gluon has no interpreter: this kernel is tested on the GPU only, against the same reference.
 """
 from __future__ import annotations
@@ -102,6 +104,25 @@ def _add_bias(s, qk_scale, b_smem, b_full, b_empty, slot, phase, s_layout: gl.co
 
 
 @gluon.jit
+def _key_bias(rb_row, start_n, cols0, n_lim, rb_stride_n):
+    """The row bias of key block start_n, [BLOCK_N] in the score tile's column layout; 0 from n_lim on
+    (those columns are masked structurally, and 0 is "masked" for a bool mask as well)."""
+    cols = start_n + cols0
+    return gl.load(rb_row + cols.to(gl.int64) * rb_stride_n, mask=cols < n_lim, other=0)
+
+
+@gluon.jit
+def _add_row_bias(s, scale, kb, ROW_BIAS: gl.constexpr):
+    """Apply a key vector `kb` to (scores, scale still to apply). Float (1): the HAS_BIAS FMA form, with
+    log2(e) applied once per key; a finfo.min fill overflows to -inf there, as in the tl kernels'
+    score_tile. Bool (2, uint8): -inf where 0, the scale still folded into exp2's FMA."""
+    if ROW_BIAS == 1:
+        return s * scale + gl.expand_dims(kb.to(gl.float32) * LOG2E, 0), 1.0
+    else:
+        return gl.where(gl.expand_dims(kb != 0, 0), s, float("-inf")), scale
+
+
+@gluon.jit
 def _ws_producer(q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, k_empty,
                  v_empty, b_full, b_empty, b, h, hk, bb, bh_bias, m0, lo, n_blocks,
                  WG_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr):
@@ -129,10 +150,11 @@ def _ws_producer(q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, b_sm
 @gluon.jit
 def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, k_empty, v_empty, b_full, b_empty,
                  my_turn, their_turn, o_desc, LSE, b, h, bh, m0, Nq, n_lim, lo, n_blocks, qk_scale, diag_offset,
-                 window_left, window_right,
+                 window_left, window_right, row_bias, rb_stride_b, rb_stride_h, rb_stride_n,
                  WG_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
                  STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr,
-                 QREG: gl.constexpr, PINGPONG: gl.constexpr, FIRST: gl.constexpr, HAS_BIAS: gl.constexpr):
+                 QREG: gl.constexpr, PINGPONG: gl.constexpr, FIRST: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 ROW_BIAS: gl.constexpr):
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -160,6 +182,8 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
         q_op = q2.load(q_layout)
     else:
         q_op = q2
+    if ROW_BIAS != 0:
+        rb_row = row_bias + b.to(gl.int64) * rb_stride_b + h.to(gl.int64) * rb_stride_h
 
     # Ping-pong: the two warpgroups take turns issuing their wgmma (turn t of a warpgroup waits for the
     # other's turn t - 1), so one's softmax runs while the other's products occupy the tensor cores.
@@ -171,9 +195,16 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
         turn_phase = _take_turn(my_turn, turn_phase, PINGPONG)
         s_tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
         _pass_turn(their_turn, PINGPONG)
+        # The key vector is loaded after Q·Kᵀ is issued, before its wait: the latency hides behind the
+        # product, and the BLOCK_N / 4 registers it takes per thread are not held across P·V's issue too
+        # (loaded at the top of the iteration instead, the masked d128 / d256 builds spilled 100-460 B).
+        if ROW_BIAS != 0:
+            kb = _key_bias(rb_row, lo, cols0, n_lim, rb_stride_n)
         s = warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(0))
         s, scale = _add_bias(s, qk_scale, b_smem, b_full, b_empty, 0, 0, s_layout, WG_M, BLOCK_N, FIRST, HAS_BIAS)
+        if ROW_BIAS != 0:
+            s, scale = _add_row_bias(s, scale, kb, ROW_BIAS)
         if (lo < full_lo) | (lo >= full_hi):
             s = _masked_scores(s, rows, lo, cols0, n_lim, diag_offset, window_left, window_right,
                                IS_CAUSAL, HAS_WL, HAS_WR)
@@ -191,10 +222,14 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
             s_tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
             o_tok = warpgroup_mma(p_op, v_j, acc, is_async=True)
             _pass_turn(their_turn, PINGPONG)
+            if ROW_BIAS != 0:
+                kb = _key_bias(rb_row, start_n, cols0, n_lim, rb_stride_n)
             s = warpgroup_mma_wait(1, deps=[s_tok])
             mbarrier.arrive(k_empty.index(slot))
             s, scale = _add_bias(s, qk_scale, b_smem, b_full, b_empty, slot, (j // STAGES) & 1, s_layout, WG_M,
                                  BLOCK_N, FIRST, HAS_BIAS)
+            if ROW_BIAS != 0:
+                s, scale = _add_row_bias(s, scale, kb, ROW_BIAS)
             if (start_n < full_lo) | (start_n >= full_hi):
                 s = _masked_scores(s, rows, start_n, cols0, n_lim, diag_offset, window_left, window_right,
                                    IS_CAUSAL, HAS_WL, HAS_WR)
@@ -225,13 +260,18 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
 @gluon.jit
 def attn_fwd_gluon_ws_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE, KVLENS, bias_desc, bias_b_mul, bias_h_mul,
+    row_bias, rb_stride_b, rb_stride_h, rb_stride_n,
     Hq, G, Nq, Nk, qk_scale, diag_offset, window_left, window_right,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr,
     HAS_KVLEN: gl.constexpr, REVERSE_M: gl.constexpr, QREG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PINGPONG: gl.constexpr = False, HAS_BIAS: gl.constexpr = False,
+    PINGPONG: gl.constexpr = False, HAS_BIAS: gl.constexpr = False, ROW_BIAS: gl.constexpr = 0,
 ):
-    """BLOCK_M = 128 query rows per program (two warpgroups of 64); launched with num_warps=4."""
+    """BLOCK_M = 128 query rows per program (two warpgroups of 64); launched with num_warps=4.
+
+    ROW_BIAS: 0 none, 1 float, 2 bool (uint8) bias constant along query rows, at row_bias + b·rb_stride_b
+    + h·rb_stride_h + key·rb_stride_n (strides of its broadcast [B, Hq, 1, Nk] view, 0 on broadcast dims);
+    without it the four arguments are None (constexpr: the kernel's signature and code stay as they were)."""
     WG_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_desc.dtype
     pid_m, bh = _program_ids((Nq + BLOCK_M - 1) // BLOCK_M, REVERSE_M)
@@ -281,13 +321,14 @@ def attn_fwd_gluon_ws_kernel(
     gl.warp_specialize([
         (_ws_consumer, (q_smem.index(0), o_smem.index(0), k_smem, v_smem, b_smem, q_bar.index(0), k_full, v_full,
                         k_empty, v_empty, b_full, b_empty, turn.index(0), turn.index(1), o_desc, LSE, b, h, bh, m0,
-                        Nq, n_lim, lo, n_blocks, qk_scale, diag_offset, window_left, window_right, WG_M, BLOCK_N,
-                        BLOCK_D, BLOCK_DV, STAGES, IS_CAUSAL, HAS_WL, HAS_WR, QREG, PINGPONG, True, HAS_BIAS)),
+                        Nq, n_lim, lo, n_blocks, qk_scale, diag_offset, window_left, window_right, row_bias,
+                        rb_stride_b, rb_stride_h, rb_stride_n, WG_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, IS_CAUSAL,
+                        HAS_WL, HAS_WR, QREG, PINGPONG, True, HAS_BIAS, ROW_BIAS)),
         (_ws_consumer, (q_smem.index(1), o_smem.index(1), k_smem, v_smem, b_smem, q_bar.index(1), k_full, v_full,
                         k_empty, v_empty, b_full, b_empty, turn.index(1), turn.index(0), o_desc, LSE, b, h, bh,
-                        m0 + WG_M, Nq, n_lim, lo, n_blocks, qk_scale, diag_offset, window_left, window_right, WG_M,
-                        BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, IS_CAUSAL, HAS_WL, HAS_WR, QREG, PINGPONG, False,
-                        HAS_BIAS)),
+                        m0 + WG_M, Nq, n_lim, lo, n_blocks, qk_scale, diag_offset, window_left, window_right,
+                        row_bias, rb_stride_b, rb_stride_h, rb_stride_n, WG_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
+                        IS_CAUSAL, HAS_WL, HAS_WR, QREG, PINGPONG, False, HAS_BIAS, ROW_BIAS)),
         (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full,
                         k_empty, v_empty, b_full, b_empty, b, h, hk, b * bias_b_mul, h * bias_h_mul, m0, lo,
                         n_blocks, WG_M, BLOCK_N, STAGES, HAS_BIAS)),

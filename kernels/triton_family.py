@@ -4,11 +4,12 @@ Supports every feature of the op: causal (any diag_offset), sliding window, kv_l
 bool keep-mask broadcasting through strides, softcap, dropout (the counter hash of dropout_hash.py,
 bit-identical to the reference), GQA, any strides with a unit last stride (others are copied),
 fp16 / bf16, and fp32 through TF32 when torch's matmul precision allows it.
-On Hopper the forward of the common cases (structural masks, a float bias tile TMA can read; head
-dims 33..256) runs the Gluon warp-specialized kernel of gluon_fwd.py, and their backward (structural
-masks, head-dim blocks 64 and 128) the Gluon kernel of gluon_bwd.py, which sums dQ by TMA reductions;
-everything else, other GPUs, the interpreter and deterministic mode (torch.use_deterministic_algorithms)
-run the Triton-language kernels (triton_fwd*.py, triton_bwd.py), whose backward uses no atomics.
+On Hopper the forward of the common cases (structural masks, a float bias tile TMA can read, a float or
+bool bias constant along query rows such as a key-padding mask; head dims 33..256) runs the Gluon
+warp-specialized kernel of gluon_fwd.py, and the backward of the structural-mask cases (head-dim blocks
+64 and 128) the Gluon kernel of gluon_bwd.py, which sums dQ by TMA reductions; everything else, other
+GPUs, the interpreter and deterministic mode (torch.use_deterministic_algorithms) run the
+Triton-language kernels (triton_fwd*.py, triton_bwd.py), whose backward uses no atomics.
 
 Triton is imported lazily: without it this module still imports and reports "triton not installed".
 Arguments are duck-typed (q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
@@ -127,6 +128,11 @@ TUNE_CANDIDATES: dict[tuple[str, int], list[BlockConfig]] = {
     ("fwd_gluon", 128): [BlockConfig(128, 128, 4, 3), BlockConfig(128, 128, 4, 2)],
     ("fwd_gluon", 256): [BlockConfig(128, 64, 4, 2, pingpong=True)],
     ("fwd_gluon_bias", 128): [BlockConfig(128, 128, 4, 2), BlockConfig(128, 64, 4, 3)],
+    # A key vector per block adds no shared memory: the candidates of the plain Gluon forward (untimed with it).
+    ("fwd_gluon_rowbias", 64): [BlockConfig(128, 128, 4, 2, qreg=True, pingpong=True),
+                                BlockConfig(128, 128, 4, 3, qreg=True)],
+    ("fwd_gluon_rowbias", 128): [BlockConfig(128, 128, 4, 3), BlockConfig(128, 128, 4, 2)],
+    ("fwd_gluon_rowbias", 256): [BlockConfig(128, 64, 4, 2, pingpong=True)],
     ("fwd", 64): [BlockConfig(64, 128, 4, 3, qreg=True)],
     ("fwd", 128): [BlockConfig(128, 128, 8, 3, qreg=True)],
     ("fwd", 256): [BlockConfig(128, 32, 8, 3, qreg=True)],
@@ -312,6 +318,11 @@ GLUON_BIAS_CONFIGS: dict[int, BlockConfig] = {
     128: BlockConfig(128, 128, 4, 2, pingpong=True),
     256: BlockConfig(128, 64, 4, 2),
 }
+# With a bias constant along query rows (a key-padding mask) each consumer loads one [BLOCK_N] vector per key
+# block into registers: the same tiles. sm_90 under Triton 3.6, bool / bf16 / fp32 masks: no spill in the
+# key loop for d64..256 alone or with causal; window + kv_lens on top spill a few registers there (d256
+# float ~100 B), a rare combination. Not yet timed on the GPU.
+GLUON_ROWBIAS_CONFIGS: dict[int, BlockConfig] = dict(GLUON_CONFIGS)
 # Shared-memory layouts of the Gluon TMA tiles, {(rows, cols, dtype): NVMMASharedLayout}.
 _GLUON_LAYOUTS: dict = {}
 # Keys whose Gluon launch raised (e.g. a Triton release whose Gluon API moved): the tl kernel runs instead.
@@ -343,23 +354,28 @@ def _gluon_bias(bias: Optional[Tensor], q: Tensor) -> Optional[tuple[Tensor, int
 
 
 def _gluon_ok(args, tensors, cap: tuple[int, int], bias_kind: int, block: int, gb) -> bool:
-    """The Gluon forward (kernels/gluon_fwd.py) takes the structural masks and a float bias tile that TMA can
-    read (`gb`, from _gluon_bias), on Hopper, for head-dim blocks 64..256 (smaller heads keep the tl kernel,
+    """The Gluon forward (kernels/gluon_fwd.py) takes the structural masks, a float bias tile that TMA can
+    read (`gb`, from _gluon_bias) and a float or bool bias constant along query rows (_bias4 kinds 3, 4: read
+    by plain loads, any strides), on Hopper, for head-dim blocks 64..256 (smaller heads keep the tl kernel,
     tuned for them)."""
     if os.environ.get("FA_COMPILE_GLUON", "1") == "0" or cap[0] != 9 or interpreting() or block not in GLUON_CONFIGS:
         return False
     if float(args.softcap) != 0 or float(args.dropout_p) > 0 or float(args.scale) <= 0:
         return False
-    if bias_kind != 0 and gb is None:
+    if bias_kind not in (0, 3, 4) and gb is None:
         return False
     return gluon_available() and _tma_ok(tensors, cap)
 
 
-def _gluon_config(gb, block: int) -> tuple[str, BlockConfig]:
-    """(tuning kind, pinned or default tile) of the Gluon forward, without or with a bias tile (`gb`)."""
-    if gb is None:
-        return "fwd_gluon", CONFIG_OVERRIDE.get(("fwd_gluon", block)) or GLUON_CONFIGS[block]
-    return "fwd_gluon_bias", CONFIG_OVERRIDE.get(("fwd_gluon_bias", block)) or GLUON_BIAS_CONFIGS[block]
+def _gluon_config(gb, block: int, row_bias: bool = False) -> tuple[str, BlockConfig]:
+    """(tuning kind, pinned or default tile) of the Gluon forward: plain, with a bias tile (`gb`) or with a
+    bias constant along query rows (`row_bias`)."""
+    if gb is not None:
+        return "fwd_gluon_bias", CONFIG_OVERRIDE.get(("fwd_gluon_bias", block)) or GLUON_BIAS_CONFIGS[block]
+    if row_bias:
+        cfg = CONFIG_OVERRIDE.get(("fwd_gluon_rowbias", block)) or GLUON_ROWBIAS_CONFIGS[block]
+        return "fwd_gluon_rowbias", cfg
+    return "fwd_gluon", CONFIG_OVERRIDE.get(("fwd_gluon", block)) or GLUON_CONFIGS[block]
 
 
 def _gluon_desc(t: Tensor, rows: int, cols: int):
@@ -376,26 +392,31 @@ def _gluon_desc(t: Tensor, rows: int, cols: int):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int, cfg: BlockConfig, gb) -> None:
+def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int, cfg: BlockConfig, gb, rb=None) -> None:
+    """`gb`: a bias tile view for TMA (_gluon_bias); `rb`: (tensor, _bias4 kind 3 or 4, strides) of a bias
+    constant along query rows, read at batch, head and key strides (0 on broadcast dims)."""
     from .gluon_fwd import attn_fwd_gluon_ws_kernel
 
     b, hq, nq, _ = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     desc = _gluon_desc
     bias_args = (desc(gb[0], 64, cfg.block_n), gb[1], gb[2]) if gb is not None else (desc(k, cfg.block_n, block_d), 0, 0)
+    # None without one: constexpr, so the kernel compiles exactly as without these arguments.
+    rb_args = (rb[0], rb[2][0], rb[2][1], rb[2][3]) if rb is not None else (None, None, None, None)
+    row_bias = 0 if rb is None else (1 if rb[1] == 3 else 2)
     kvl = args.kv_lens
     if cfg.block_m != 128 or cfg.num_warps != 4:
         raise ValueError(f"Gluon forward config {cfg}: block_m must be 128 (two warpgroups of 64) and num_warps 4")
     wg_m = 64
     handle = attn_fwd_gluon_ws_kernel[(triton_cdiv(nq, cfg.block_m) * b * hq,)](
         desc(q, wg_m, block_d), desc(k, cfg.block_n, block_d), desc(v, cfg.block_n, block_dv),
-        desc(out, wg_m, block_dv), lse, kvl if kvl is not None else lse, *bias_args,
+        desc(out, wg_m, block_dv), lse, kvl if kvl is not None else lse, *bias_args, *rb_args,
         hq, hq // hkv, nq, nk, float(args.scale) * LOG2E, int(args.diag_offset), int(args.window_left),
         int(args.window_right),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, STAGES=cfg.num_stages,
         IS_CAUSAL=bool(args.causal), HAS_WL=int(args.window_left) >= 0, HAS_WR=int(args.window_right) >= 0,
         HAS_KVLEN=kvl is not None, REVERSE_M=bool(args.causal), QREG=cfg.qreg, CONSUMER_REGS=240,
-        PINGPONG=cfg.pingpong, HAS_BIAS=gb is not None, num_warps=4,
+        PINGPONG=cfg.pingpong, HAS_BIAS=gb is not None, ROW_BIAS=row_bias, num_warps=4,
     )
     LAST_COMPILED["attn_fwd_gluon_kernel"] = (cfg, handle)
 
@@ -472,15 +493,16 @@ def attention_forward(args, out: Optional[Tensor] = None, lse: Optional[Tensor] 
     block_d, block_dv = _pow2(d), _pow2(dv)
     cap = _capability(q.device)
     block = max(block_d, block_dv)
-    gkey = (block, q.dtype, bool(args.causal))
+    gkey = (block, q.dtype, bool(args.causal), bias_kind)  # a bias variant that fails keeps the plain one
     gb = _gluon_bias(args.bias, q) if bias_kind == 1 and cap[0] == 9 else None
+    rb = (bias, bias_kind, bstr) if bias_kind in (3, 4) else None
     if gkey not in _GLUON_FAILED and _gluon_ok(args, (q, k, v, out), cap, bias_kind, block, gb):
         try:
             with _device_ctx(q):
-                kind, cfg = _gluon_config(gb, block)
+                kind, cfg = _gluon_config(gb, block, rb is not None)
                 cfg = _tuned(kind, block, cfg, q, bool(args.causal), bias_kind, cap,
-                             lambda c: _forward_gluon(args, q, k, v, out, lse, block_d, block_dv, c, gb))
-                _forward_gluon(args, q, k, v, out, lse, block_d, block_dv, cfg, gb)
+                             lambda c: _forward_gluon(args, q, k, v, out, lse, block_d, block_dv, c, gb, rb))
+                _forward_gluon(args, q, k, v, out, lse, block_d, block_dv, cfg, gb, rb)
             return out, lse
         except Exception as e:  # compile-time failure only: nothing was written; the tl kernel takes over
             if os.environ.get("FA_COMPILE_GLUON") == "1":

@@ -47,7 +47,8 @@ def sm90():
         driver._active = prev
 
 
-def _compile(d: int, cfg: tf.BlockConfig, causal: bool, masks: bool, bias: bool = False):
+def _compile(d: int, cfg: tf.BlockConfig, causal: bool, masks: bool, bias: bool = False, row_bias=None):
+    """row_bias: None, or the dtype of a key vector [B, Nk] (torch.uint8 for a bool mask)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -63,21 +64,19 @@ def _compile(d: int, cfg: tf.BlockConfig, causal: bool, masks: bool, bias: bool 
                                 gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
     bias_desc = desc(64, torch.empty(1, h, n, n, dtype=torch.bfloat16), cfg.block_n) if bias else desc(cfg.block_n)
+    # A key-padding mask [B, 1, 1, Nk]: batch stride n, head stride 0, key stride 1 (as _bias4 gives them).
+    rb_args = (torch.empty(b, n, dtype=row_bias), n, 0, 1) if row_bias is not None else (None, None, None, None)
+    rb_kind = 0 if row_bias is None else (2 if row_bias == torch.uint8 else 1)
     return attn_fwd_gluon_ws_kernel.warmup(
-        desc(64), desc(cfg.block_n), desc(cfg.block_n), desc(64), lse, lse, bias_desc, 0, 1, h, 1, n, n, 0.1, 0, 16, 0,
+        desc(64), desc(cfg.block_n), desc(cfg.block_n), desc(64), lse, lse, bias_desc, 0, 1, *rb_args, h, 1, n, n, 0.1,
+        0, 16, 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d, BLOCK_DV=d, STAGES=cfg.num_stages, IS_CAUSAL=causal,
         HAS_WL=masks, HAS_WR=masks, HAS_KVLEN=masks, REVERSE_M=causal, QREG=cfg.qreg, CONSUMER_REGS=240,
-        PINGPONG=cfg.pingpong, HAS_BIAS=bias, num_warps=4, grid=(1,),
+        PINGPONG=cfg.pingpong, HAS_BIAS=bias, ROW_BIAS=rb_kind, num_warps=4, grid=(1,),
     )
 
 
-@pytest.mark.parametrize("d,causal,masks,bias", [
-    (128, True, False, False), (64, False, True, False), (256, True, True, False), (128, True, False, True),
-    (64, False, True, True), (256, False, False, True),
-])
-def test_default_configs_build_for_sm90(sm90, d, causal, masks, bias):
-    cfg = (tf.GLUON_BIAS_CONFIGS if bias else tf.GLUON_CONFIGS)[d]
-    k = _compile(d, cfg, causal, masks, bias)
+def _assert_fast_path(k) -> None:
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx
     assert "cp.async.bulk.tensor" in ptx  # TMA
@@ -89,6 +88,34 @@ def test_default_configs_build_for_sm90(sm90, d, causal, masks, bias):
     assert len(re.findall(r"ttg\.local_store ", ir)) == 2
     assert not re.search(r"ttg\.local_alloc %", ir)
     assert k.metadata.shared <= 232448  # fits the 227 KB an H100/H200 block may use
+
+
+@pytest.mark.parametrize("d,causal,masks,bias", [
+    (128, True, False, False), (64, False, True, False), (256, True, True, False), (128, True, False, True),
+    (64, False, True, True), (256, False, False, True),
+])
+def test_default_configs_build_for_sm90(sm90, d, causal, masks, bias):
+    cfg = (tf.GLUON_BIAS_CONFIGS if bias else tf.GLUON_CONFIGS)[d]
+    _assert_fast_path(_compile(d, cfg, causal, masks, bias))
+
+
+@pytest.mark.parametrize("d,dtype,causal,masks", [
+    (64, torch.uint8, True, False), (64, torch.bfloat16, False, True), (128, torch.uint8, False, False),
+    (128, torch.uint8, True, True), (128, torch.bfloat16, True, False), (128, torch.float32, False, False),
+    (256, torch.float32, True, True), (256, torch.uint8, False, False),
+], ids=["d64_bool_causal", "d64_bf16_masks", "d128_bool", "d128_bool_all_masks", "d128_bf16_causal", "d128_fp32",
+        "d256_fp32_all_masks", "d256_bool"])
+def test_row_bias_builds_for_sm90(sm90, d, dtype, causal, masks):
+    # A key-padding mask (bool as uint8, or float of any dtype) on the default row-bias tiles: the same
+    # fast path, plus one key-vector load per key block and consumer, in the score tile's column layout
+    # and issued between the Q·Kᵀ wgmma and its wait (so its latency hides behind the product).
+    k = _compile(d, tf.GLUON_ROWBIAS_CONFIGS[d], causal, masks, row_bias=dtype)
+    _assert_fast_path(k)
+    assert "ld.global" in k.asm["ptx"]
+    lines = [ln.strip() for ln in k.asm["ttgir"].splitlines()]
+    loads = [i for i, ln in enumerate(lines) if re.search(r"= tt\.load .*#ttg\.slice<\{dim = 0, parent = #mma", ln)]
+    assert len(loads) == 4  # two consumers x (first key block, loop)
+    assert all(lines[i + 1].startswith("%") and "ttng.warp_group_dot_wait" in lines[i + 1] for i in loads)
 
 
 def _case(**kw):
@@ -135,12 +162,13 @@ def test_host_launch_arguments(monkeypatch):
         tf._forward_gluon(c, c.q, c.k, c.v, out, lse, 128, 128, cfg, gb)
         (grid, a, kw), = calls
         assert grid == (3 * 8,)  # ceil(300 / 128) query blocks x (batch, head), one axis: no 65535 cap
-        qd, kd, vd, od, lse_arg, kvl, bias_desc, bmul, hmul = a[:9]
+        qd, kd, vd, od, lse_arg, kvl, bias_desc, bmul, hmul, *rb_args = a[:13]
         assert qd.block_shape == [1, 1, 64, 128] and od.block_shape == [1, 1, 64, 128]
         assert kd.block_shape == vd.block_shape == [1, 1, want_cfg.block_n, 128]
         assert qd.strides == list(c.q.stride()) and od.base.data_ptr() == out.data_ptr()  # BSHD, no copies
         assert lse_arg is lse and kvl is c.kv_lens
-        assert a[9:11] == (4, 2)  # Hq, group size
+        assert rb_args == [None] * 4 and kw["ROW_BIAS"] == 0  # constexpr None: compiled as before they existed
+        assert a[13:15] == (4, 2)  # Hq, group size
         assert kw["HAS_BIAS"] == (bias_shape is not None) and kw["IS_CAUSAL"] and kw["HAS_KVLEN"]
         assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["STAGES"], kw["PINGPONG"]) == (
             want_cfg.block_m, want_cfg.block_n, want_cfg.num_stages, want_cfg.pingpong)
@@ -233,3 +261,58 @@ def test_backward_host_launch_and_refusals(monkeypatch):
         torch.use_deterministic_algorithms(False)
     monkeypatch.setenv("FA_COMPILE_GLUON", "0")
     assert not tf._gluon_bwd_ok(c, (c.q, c.k, c.v, dout), cap, 0, 128, 128)
+
+
+@pytest.mark.parametrize("name", ["bool_b11n", "fp32_b11n_min", "bool_bn_expanded", "bf16_keys_1d", "bf16_heads_keys"])
+def test_row_bias_routing_and_launch_arguments(name, monkeypatch):
+    # attention_forward on a (pretended) Hopper: a bias constant along query rows goes to the Gluon forward
+    # as ROW_BIAS (1 float of any dtype, 2 bool as uint8) with the batch, head and key strides of its
+    # broadcast [B, Hq, 1, Nk] view, read in place; the tile is GLUON_ROWBIAS_CONFIGS'.
+    import fa_compile.kernels.gluon_fwd as gf
+
+    calls = []
+
+    class _Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append((grid, a, kw)) or "handle"
+
+    monkeypatch.setattr(gf, "attn_fwd_gluon_ws_kernel", _Recorder())
+    monkeypatch.setattr(tf, "_capability", lambda device: (9, 0))
+    monkeypatch.delenv("FA_COMPILE_TUNE", raising=False)
+    c = _case(causal=True, kv_lens=[904, 5])
+    keys = torch.rand(2, 904) > 0.3
+    if name == "bool_b11n":
+        c.bias, want = keys.view(2, 1, 1, 904), (2, torch.uint8, (904, 0, 1))
+    elif name == "fp32_b11n_min":
+        fill = torch.zeros(2, 1, 1, 904).masked_fill(~keys.view(2, 1, 1, 904), torch.finfo(torch.float32).min)
+        c.bias, want = fill, (1, torch.float32, (904, 0, 1))
+    elif name == "bool_bn_expanded":  # an HF-style [B, Nk] mask expanded to [B, H, Nq, Nk]
+        c.bias, want = keys[:, None, None, :].expand(2, 4, 300, 904), (2, torch.uint8, (904, 0, 1))
+    elif name == "bf16_keys_1d":
+        c.bias, want = torch.randn(904, dtype=torch.bfloat16), (1, torch.bfloat16, (0, 0, 1))
+    else:
+        c.bias, want = torch.randn(1, 4, 1, 904, dtype=torch.bfloat16), (1, torch.bfloat16, (0, 904, 1))
+    assert tf._bias4(c.bias, 2, 4, 300, 904)[1] == 2 + want[0]  # kinds 3 / 4: constant along query rows
+    out = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16).transpose(1, 2)
+    lse = torch.empty(2, 4, 300)
+    assert tf.attention_forward(c, out=out, lse=lse) == (out, lse)
+    (grid, a, kw), = calls
+    cfg = tf.GLUON_ROWBIAS_CONFIGS[128]
+    assert tf._gluon_config(None, 128, row_bias=True) == ("fwd_gluon_rowbias", cfg)
+    assert grid == (3 * 8,) and a[4] is lse and a[5] is c.kv_lens
+    rb, *strides = a[9:13]
+    assert kw["ROW_BIAS"] == want[0] and not kw["HAS_BIAS"] and kw["IS_CAUSAL"] and kw["HAS_KVLEN"]
+    assert rb.dtype == want[1] and rb.data_ptr() == c.bias.data_ptr() and tuple(strides) == want[2]
+    assert (kw["BLOCK_N"], kw["STAGES"], kw["QREG"], kw["PINGPONG"]) == (
+        cfg.block_n, cfg.num_stages, cfg.qreg, cfg.pingpong)
+    assert a[13:15] == (4, 2)
+    assert tf.LAST_COMPILED["attn_fwd_gluon_kernel"] == (cfg, "handle")
+
+
+def test_gluon_takes_row_bias_not_other_untileable_biases():
+    c = _case()
+    ok = lambda kind, gb=None: tf._gluon_ok(c, (c.q, c.k, c.v), (9, 0), kind, 128, gb)  # noqa: E731
+    assert ok(0) and ok(3) and ok(4)  # none; float / bool constant along query rows
+    assert not ok(1) and not ok(2)  # a float tile TMA cannot read; a bool tile
+    c.softcap = 20.0
+    assert not ok(3) and not ok(4)

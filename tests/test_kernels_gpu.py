@@ -244,3 +244,87 @@ def test_gluon_bias_broadcast_view_and_fallbacks():
         tf.LAST_COMPILED.pop("attn_fwd_gluon_kernel", None)
         check_case(case)
         assert "attn_fwd_gluon_kernel" not in tf.LAST_COMPILED
+
+
+def _key_mask(b: int, nk: int, kind: str, dtype=None, seed: int = 3) -> torch.Tensor:
+    """A [B, 1, 1, Nk] key-padding mask on the GPU; bool (keep), or float of `dtype` with finfo.min on the
+    masked keys. kind "random": batch 0 drops ~30% of keys at random, batch 1 keys past 200 (right padding),
+    batch 2 the first 150 (left padding); "empty": batch 1 masks every key."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    keep = torch.rand(b, nk, generator=g) > 0.3
+    keep[1:] = True
+    if kind == "empty":
+        keep[1] = False
+    else:
+        keep[1, 200:] = False
+    if b > 2:
+        keep[2, :150] = False
+    keep = keep.view(b, 1, 1, nk).cuda()
+    if dtype is None:
+        return keep
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+@pytest.mark.skipif(not _hopper_gluon(), reason="the Gluon forward runs on Hopper only")
+@pytest.mark.parametrize("name", ["bool_gqa_empty_batch", "bool_causal_left_pad_d64", "bf16_min_causal_br",
+                                  "fp32_min_window_lens_d256", "bool_bn_expanded", "bf16_heads_grad",
+                                  "fp16_keys_1d"])
+def test_gluon_key_padding_mask(name):
+    # A bias constant along query rows (an HF key-padding mask and its broadcast forms) in the Gluon
+    # forward (ROW_BIAS), against the reference with poisoned outputs; backward on the tl kernels.
+    # Float masks keep at least one finite key per row: a row of finfo.min alone is uniform in the
+    # reference, but empty in the kernels (test_gluon_float_key_mask_empty_batch_as_tl).
+    from fa_compile.kernels.triton_testing import check_case, make_case
+
+    base = dict(b=3, hq=4, hkv=2, nq=300, nk=411, d=128, dtype=BF16, layout="bshd")
+    empty = None  # (batch, rows) expected empty: lse -inf, out 0
+    if name == "bool_gqa_empty_batch":
+        case = make_case(device="cuda", **base)
+        case.bias, empty = _key_mask(3, 411, "empty"), (1, slice(None))
+    elif name == "bool_causal_left_pad_d64":  # top-left causal: rows < 150 of batch 2 see padding only
+        case = make_case(device="cuda", **dict(base, hq=8, nq=333, nk=333, d=64), causal=True)
+        case.bias, empty = _key_mask(3, 333, "random"), (2, slice(0, 150))
+    elif name == "bf16_min_causal_br":  # bottom-right causal: every row admits >= 112 keys, some kept
+        case = make_case(device="cuda", **dict(base, b=2), causal=True, diag_offset=111)
+        case.bias = _key_mask(2, 411, "random", BF16)
+    elif name == "fp32_min_window_lens_d256":
+        case = make_case(device="cuda", **dict(base, b=2, d=256), window_left=150, window_right=20, kv_lens=[411, 250])
+        case.bias = _key_mask(2, 411, "random", torch.float32)
+    elif name == "bool_bn_expanded":  # [B, Nk] -> [:, None, None, :].expand(B, H, Nq, Nk): stride 0 on H, Nq
+        case = make_case(device="cuda", **dict(base, nq=200, nk=200))
+        case.bias = _key_mask(3, 200, "random").view(3, 200)[:, None, None, :].expand(3, 4, 200, 200)
+    elif name == "bf16_heads_grad":  # [1, H, 1, Nk], with its gradient from the tl backward
+        case = make_case(device="cuda", **dict(base, b=2), bias_shape=(1, 4, 1, 411), bias_grad=True, causal=True)
+    else:  # a 1-D [Nk] bias (batch and head strides 0), fp16
+        case = make_case(device="cuda", **dict(base, b=2, dtype=F16), bias_shape=(411,))
+    b, hq, nq, _ = case.q.shape
+    assert tf._bias4(case.bias, b, hq, nq, case.k.shape[2])[1] in (3, 4)  # constant along query rows
+    tf.LAST_COMPILED.pop("attn_fwd_gluon_kernel", None)
+    res = check_case(case)
+    block = max(64, 1 << (case.q.shape[-1] - 1).bit_length())
+    assert tf.LAST_COMPILED["attn_fwd_gluon_kernel"][0] == tf.GLUON_ROWBIAS_CONFIGS[block]
+    if empty is not None:
+        bi, rows = empty
+        assert torch.isneginf(res["lse"][bi, :, rows]).all() and (res["out"][bi, :, rows] == 0).all()
+
+
+@pytest.mark.skipif(not _hopper_gluon(), reason="the Gluon forward runs on Hopper only")
+def test_gluon_float_key_mask_empty_batch_as_tl(monkeypatch):
+    # A batch whose keys all carry finfo(fp32).min: its scores times log2(e) overflow to -inf, so its rows
+    # are empty (lse -inf, out 0) in the Gluon forward exactly as in the tl kernels' score_tile (the
+    # reference averages V there; fa_compile's patterns route such masks to the "mean_v_add" handling).
+    from fa_compile.kernels.triton_testing import make_case, poisoned_forward
+
+    case = make_case(device="cuda", b=2, hq=4, hkv=2, nq=300, nk=411, d=128, dtype=BF16, layout="bshd", causal=True,
+                     diag_offset=111)
+    case.bias = _key_mask(2, 411, "empty", torch.float32)
+    tf.LAST_COMPILED.pop("attn_fwd_gluon_kernel", None)
+    out, lse = poisoned_forward(case)
+    assert "attn_fwd_gluon_kernel" in tf.LAST_COMPILED
+    assert torch.isneginf(lse[1]).all() and (out[1] == 0).all()
+    monkeypatch.setenv("FA_COMPILE_GLUON", "0")
+    tf.LAST_COMPILED.pop("attn_fwd_gluon_kernel", None)
+    out_tl, lse_tl = poisoned_forward(case)
+    assert "attn_fwd_gluon_kernel" not in tf.LAST_COMPILED
+    torch.testing.assert_close(out, out_tl, atol=1.6e-2, rtol=1.6e-2)
+    torch.testing.assert_close(lse, lse_tl, atol=1e-4, rtol=1e-4)  # -inf where the other is -inf
