@@ -693,3 +693,32 @@ def test_gpu_forward_only_fa3_then_cudnn_backward_through_the_op():
     torch.testing.assert_close(out.float(), exp, atol=2e-2, rtol=2e-2)
     for got, want in ((dq, eq), (dk, ek), (dv, ev)):
         torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+
+
+def test_backward_order_puts_gluon_backward_ahead_of_fa2(hopper, monkeypatch):
+    # On Hopper our backward runs the Gluon kernel for structural masks at head dims 33..128 and then
+    # leads FA2 (dispatch probe 2026-12-01); elsewhere FA2 keeps its place ahead of our `tl` pair.
+    names = [c.name for c in dispatch.candidates("backward")]
+    if "triton" not in names or "flash" not in names:
+        pytest.skip("needs the triton and FA2 candidates registered")
+
+    def order(**kw):
+        got = [c.name for c in dispatch.ordered(fake_args(needs_backward=True, **kw), "backward")]
+        return got.index("triton") < got.index("flash")
+
+    assert order(d=128, causal=True) and order(d=64, hkv=2) and order(d=96)
+    assert dispatch.ordered(fake_args(d=128, needs_backward=True), "backward")[0].name == "cudnn"
+    assert not order(d=256)  # the tl backward
+    assert not order(d=128, bias=((2, 1, 64, 64), BF16))
+    assert not order(d=128, softcap=30.0)
+    assert not order(d=36)  # not a multiple of 8
+    monkeypatch.setenv("FA_COMPILE_GLUON", "0")
+    assert not order(d=128)
+    monkeypatch.delenv("FA_COMPILE_GLUON")
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not order(d=128)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    monkeypatch.setattr(common, "device_capability", lambda device: (8, 0))
+    assert not order(d=128)

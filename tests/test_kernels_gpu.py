@@ -226,7 +226,7 @@ def test_gluon_float_bias(shape, kw, monkeypatch):
 
 def test_gluon_bias_broadcast_view_and_fallbacks():
     # An expanded [B, H, N, N] view (stride 0 over batch) is read without copies; a bias TMA cannot
-    # read (rows of 600 bytes) or one constant along rows takes the tl forward. Results checked each time.
+    # read (rows of 600 bytes) takes the tl forward, one constant along rows the Gluon key vector.
     if not _hopper_gluon():
         pytest.skip("the Gluon forward runs on Hopper only")
     from fa_compile.kernels.triton_testing import check_case, make_case
@@ -238,12 +238,13 @@ def test_gluon_bias_broadcast_view_and_fallbacks():
     tf.LAST_COMPILED.pop("attn_fwd_gluon_kernel", None)
     check_case(case)
     assert "attn_fwd_gluon_kernel" in tf.LAST_COMPILED
-    for shape, nk in (((1, 4, 300, 300), 300), ((2, 1, 1, 904), 904)):
+    for shape, nk, gluon in (((1, 4, 300, 300), 300, False), ((2, 1, 1, 904), 904, True)):
         case = make_case(device="cuda", b=2, hq=4, nq=300, nk=nk, d=128, dtype=BF16, bias_shape=shape)
-        assert tf._gluon_bias(case.bias, case.q) is None
+        assert tf._gluon_bias(case.bias, case.q) is None  # no bias tile for TMA ...
         tf.LAST_COMPILED.pop("attn_fwd_gluon_kernel", None)
         check_case(case)
-        assert "attn_fwd_gluon_kernel" not in tf.LAST_COMPILED
+        # ... so the tl forward, except a bias constant along rows: the Gluon forward's key vector.
+        assert ("attn_fwd_gluon_kernel" in tf.LAST_COMPILED) == gluon
 
 
 def _key_mask(b: int, nk: int, kind: str, dtype=None, seed: int = 3) -> torch.Tensor:

@@ -25,14 +25,26 @@ bf16, medians of triton.testing.do_bench:
   1k 0.250 vs 0.283 ms) but behind it for decode (0.587 vs 0.206 ms: no split-KV), hence the
   `flash` promotion below `DECODE_MAX_Q`; behind FA2 for the backward (GPT-2 0.547 vs 0.446 ms,
   a tie at the other two shapes).
+* 2026-12-01 re-run of [P] with the Gluon forward and backward (ms, forward / backward):
+  | Llama B2 N4096 Hq16/Hkv8 D128      | 0.254 / 0.798 | 0.208 | 0.274 / 1.002 | 0.513 / 1.439 |
+  | GPT-2 B4 N2048 H16 D64             | 0.103 / 0.313 | 0.093 | 0.132 / 0.382 | 0.160 / 0.446 |
+  | B16 N1024 H16 D128                 | 0.155 / 0.557 | 0.141 | 0.525 / 0.689 | 0.279 / 0.846 |
+  | decode B32 Hq32/Hkv8 Nk4096 D128   | 0.133         | 0.138 | 0.416         | 0.205         |
+  Our backward now leads FA2 at all three shapes when its Gluon kernel applies (the promotion below;
+  cuDNN stays first); on other GPUs the `tl` pair keeps its place behind FA2. Our forward at B16 N1024
+  fell behind FA2 (0.525 vs 0.279 ms; 0.250 with the `tl` forward on 11-29), not yet explained, so the
+  forward order is unchanged (ours still leads FA2 at the other two prefill shapes).
 * mem-efficient last before the reference (slowest everywhere; forward only, see sdpa.py).
 * FA4: not installed on the lent H200, no measurement; after FA3 and opt-in only.
 * The reference path is last and takes everything.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 from . import common
 from .fa3 import FA3
@@ -72,6 +84,19 @@ def _key_lengths(args) -> bool:
     return args.kv_lens is not None
 
 
+def _gluon_backward(args) -> bool:
+    """Our Triton family's backward runs its Gluon kernel (kernels/gluon_bwd.py): Hopper, structural masks,
+    head dims 33..128 in multiples of 8, not in deterministic mode (see triton_family._gluon_bwd_ok)."""
+    cap = common.device_capability(args.q.device)
+    if cap is None or cap[0] != 9 or os.environ.get("FA_COMPILE_GLUON", "1") == "0":
+        return False
+    d, dv = args.q.shape[-1], args.v.shape[-1]
+    if not all(isinstance(x, int) and 32 < x <= 128 and x % 8 == 0 for x in (d, dv)):
+        return False
+    return (args.bias is None and float(args.softcap) == 0 and float(args.dropout_p) == 0
+            and not torch.are_deterministic_algorithms_enabled())
+
+
 PROMOTIONS = (
     Promotion("fa3", "cudnn", _long_prefill,
               "FA3 forward led cuDNN from N = 2048: [A] 12/12 configurations at N >= 4096, [P] +24% Llama, +11% GPT-2"),
@@ -80,6 +105,10 @@ PROMOTIONS = (
               "decode (B2, 16/8 heads, 320 keys, d128): cuDNN 337 us of host time per call [O]"),
     Promotion("flash", "triton", _decode,
               "decode (Nq = 1, 4096 keys, GQA 32/8): FA2 0.206 ms vs our Triton 0.587 ms [P]"),
+    Promotion("triton", "flash", _gluon_backward,
+              "backward with our Gluon kernel on Hopper [P 2026-12-01]: Llama 1.002 vs FA2 1.439 ms, GPT-2 0.382 vs "
+              "0.446, B16 N1024 0.689 vs 0.846 (cuDNN first at all three: 0.798, 0.313, 0.557)",
+              direction="backward"),
 )
 
 
