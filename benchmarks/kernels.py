@@ -107,15 +107,23 @@ def correctness(q, k, v, causal) -> float:
     return float((out.float() - ref).norm() / ref.norm())
 
 
+def sdpa_grads_fp32(q, k, v, causal, dout) -> tuple:
+    """dq, dk, dv of fp32 SDPA on the same dout: the reference for our backward's error."""
+    qf, kf, vf = (t.detach().float().requires_grad_(True) for t in (q, k, v))
+    return torch.autograd.grad(F.scaled_dot_product_attention(qf, kf, vf, is_causal=causal), (qf, kf, vf), dout.float())
+
+
+def grad_error(got, ref) -> float:
+    """Largest relative (norm) error of dq, dk, dv."""
+    return max(float((g.float() - r).norm() / r.norm()) for g, r in zip(got, ref))
+
+
 def bwd_correctness(q, k, v, causal) -> float:
-    """Largest relative (norm) error of dq, dk, dv against fp32 SDPA's gradients on the same dout."""
+    """Our backward's grad_error against fp32 SDPA's gradients on the same dout."""
     a = Args(q, k, v, causal=causal)
     out, lse = tf.attention_forward(a)
     dout = torch.randn_like(out)
-    got = tf.attention_backward(a, dout, out, lse)[:3]
-    qf, kf, vf = (t.float().requires_grad_(True) for t in (q, k, v))
-    ref = torch.autograd.grad(F.scaled_dot_product_attention(qf, kf, vf, is_causal=causal), (qf, kf, vf), dout.float())
-    return max(float((g.float() - r).norm() / r.norm()) for g, r in zip(got, ref))
+    return grad_error(tf.attention_backward(a, dout, out, lse)[:3], sdpa_grads_fp32(q, k, v, causal, dout))
 
 
 FWD_SWEEP = {
@@ -345,6 +353,35 @@ GLUON_VARIANTS = {
 }
 
 
+def _compare(label: str, key: dict, runs: list, once, fl: float) -> list[dict]:
+    """Time every (name, config) of `runs` twice (in order, then reversed) with `once(name, c) -> (ms, err,
+    kernel report)`, keep the best, and rank against cuDNN's best: one row per variant, printed."""
+    res: dict = {}
+    for order in (runs, runs[::-1]):
+        for name, c in order:
+            try:
+                t, err, rep = once(name, c)
+                r = res.setdefault(name, {"tflops_runs": [], "err": err, "kern": rep})
+                r["tflops_runs"].append(tflops(fl, t))
+            except Exception as e:
+                res.setdefault(name, {"tflops_runs": []})["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    tf.CONFIG_OVERRIDE.clear()
+    os.environ.pop("FA_COMPILE_GLUON", None)
+    peer = max(res.get("cudnn", {}).get("tflops_runs") or [float("nan")])
+    rows = []
+    for name, r in res.items():
+        best = max(r["tflops_runs"]) if r["tflops_runs"] else None
+        row = {**key, "variant": name, "tflops": best, "runs": r["tflops_runs"],
+               "vs_cudnn": round(best / peer, 3) if best else None, "err": r.get("err"),
+               "kern": r.get("kern"), "error": r.get("error")}
+        rows.append(row)
+        kk = row["kern"] or {}
+        print(f"{label} d{key['d']:<4}{'causal' if key['causal'] else '':<7}{name:<32}{best!s:<8}{row['vs_cudnn']!s:<7}"
+              f"{r['tflops_runs']!s:<18} err {row['err']} regs {kk.get('n_regs')} spills {kk.get('n_spills')}"
+              + (f" ERROR {row['error']}" if row["error"] else ""), flush=True)
+    return rows
+
+
 def run_gluon_compare(dims: list[int], fa3) -> list[dict]:
     """The Gluon forward's tiles against the `tl` forward, cuDNN and FA3 at 16k tokens, in one process:
     every variant timed twice (forward order, then reverse), best kept."""
@@ -359,7 +396,6 @@ def run_gluon_compare(dims: list[int], fa3) -> list[dict]:
             ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
             runs: list[tuple[str, object]] = [("tl", None)] + [(f"gluon {c}", c) for c in GLUON_VARIANTS[d]]
             runs += [("cudnn", "cudnn")] + ([("fa3", "fa3")] if fa3 is not None else [])
-            res: dict = {}
 
             def once(name, c):
                 tf.CONFIG_OVERRIDE.clear()
@@ -378,27 +414,7 @@ def run_gluon_compare(dims: list[int], fa3) -> list[dict]:
                 t = bench(lambda: tf.attention_forward(a))
                 return t, err, kernel_report("attn_fwd_kernel" if name == "tl" else "attn_fwd_gluon_kernel")
 
-            for order in (runs, runs[::-1]):
-                for name, c in order:
-                    try:
-                        t, err, rep = once(name, c)
-                        r = res.setdefault(name, {"tflops_runs": [], "err": err, "kern": rep})
-                        r["tflops_runs"].append(tflops(fl, t))
-                    except Exception as e:
-                        res.setdefault(name, {"tflops_runs": []})["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            tf.CONFIG_OVERRIDE.clear()
-            os.environ.pop("FA_COMPILE_GLUON", None)
-            peer = max(res.get("cudnn", {}).get("tflops_runs") or [float("nan")])
-            for name, r in res.items():
-                best = max(r["tflops_runs"]) if r["tflops_runs"] else None
-                row = {"d": d, "causal": causal, "variant": name, "tflops": best, "runs": r["tflops_runs"],
-                       "vs_cudnn": round(best / peer, 3) if best else None, "err": r.get("err"),
-                       "kern": r.get("kern"), "error": r.get("error")}
-                rows.append(row)
-                kk = row["kern"] or {}
-                print(f"gluon-compare d{d:<4}{'causal' if causal else '':<7}{name:<32}{best!s:<8}{row['vs_cudnn']!s:<7}"
-                      f"{r['tflops_runs']!s:<18} err {row['err']} regs {kk.get('n_regs')} spills {kk.get('n_spills')}"
-                      f" {row['error'] or ''}", flush=True)
+            rows += _compare("gluon-compare", {"d": d, "causal": causal}, runs, once, fl)
     return rows
 
 
@@ -421,13 +437,9 @@ def run_bwd_compare(dims: list[int], n: int = 16384) -> list[dict]:
             a = Args(qd, kd, vd, causal=causal)
             out, lse = tf.attention_forward(a)
             dout = torch.randn_like(out)
-            qf, kf, vf = (t.float().requires_grad_(True) for t in (qd, kd, vd))
-            ref = torch.autograd.grad(F.scaled_dot_product_attention(qf, kf, vf, is_causal=causal), (qf, kf, vf),
-                                      dout.float())
-            del qf, kf, vf
+            ref = sdpa_grads_fp32(qd, kd, vd, causal, dout)
             runs: list[tuple[str, object]] = [("tl", None)] + [(f"gluon {c}", c) for c in GLUON_BWD_VARIANTS[d]]
             runs += [("cudnn", "cudnn")]
-            res: dict = {}
 
             def once(name, c):
                 tf.CONFIG_OVERRIDE.clear()
@@ -441,7 +453,7 @@ def run_bwd_compare(dims: list[int], n: int = 16384) -> list[dict]:
                 for kname in ("attn_bwd_gluon_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):
                     tf.LAST_COMPILED.pop(kname, None)
                 got = tf.attention_backward(a, dout, out, lse)[:3]
-                err = max(float((g.float() - r).norm() / r.norm()) for g, r in zip(got, ref))
+                err = grad_error(got, ref)
                 t = bench(lambda: tf.attention_backward(a, dout, out, lse))
                 if name == "tl":
                     rep = {"dkdv": kernel_report("attn_bwd_dkdv_kernel"), "dq": kernel_report("attn_bwd_dq_kernel")}
@@ -451,27 +463,7 @@ def run_bwd_compare(dims: list[int], n: int = 16384) -> list[dict]:
                     rep = kernel_report("attn_bwd_gluon_kernel")
                 return t, err, rep
 
-            for order in (runs, runs[::-1]):
-                for name, c in order:
-                    try:
-                        t, err, rep = once(name, c)
-                        r = res.setdefault(name, {"tflops_runs": [], "err": err, "kern": rep})
-                        r["tflops_runs"].append(tflops(fl, t))
-                    except Exception as e:
-                        res.setdefault(name, {"tflops_runs": []})["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            tf.CONFIG_OVERRIDE.clear()
-            os.environ.pop("FA_COMPILE_GLUON", None)
-            peer = max(res.get("cudnn", {}).get("tflops_runs") or [float("nan")])
-            for name, r in res.items():
-                best = max(r["tflops_runs"]) if r["tflops_runs"] else None
-                row = {"d": d, "n": n, "causal": causal, "variant": name, "tflops": best, "runs": r["tflops_runs"],
-                       "vs_cudnn": round(best / peer, 3) if best else None, "err": r.get("err"),
-                       "kern": r.get("kern"), "error": r.get("error")}
-                rows.append(row)
-                kk = row["kern"] or {}
-                print(f"bwd-compare d{d:<4}{'causal' if causal else '':<7}{name:<16}{best!s:<8}{row['vs_cudnn']!s:<7}"
-                      f"{r['tflops_runs']!s:<16} err {row['err']} regs {kk.get('n_regs')} spills {kk.get('n_spills')}"
-                      + (f" ERROR {row['error']}" if row["error"] else ""), flush=True)
+            rows += _compare("bwd-compare", {"d": d, "n": n, "causal": causal}, runs, once, fl)
     return rows
 
 

@@ -50,13 +50,17 @@ _program_ids = gluon.jit(program_ids.fn)
 
 
 @_gl_builtin
-def _tma_reduce_add(desc, coord, src, _semantic=None):
-    """desc[coord] += src (a shared-memory tile) by one TMA bulk reduction, cp.reduce.async.bulk.tensor.
-    Triton 3.6's Gluon has the op but no call for it (later releases name it tma.async_atomic_add)."""
+def _tma_reduce_add_36(desc, coord, src, _semantic=None):
+    """desc[coord] += src (a shared-memory tile) by one TMA bulk reduction, cp.reduce.async.bulk.tensor:
+    Triton 3.6's Gluon has the op but no call for it."""
     from triton._C.libtriton import ir
 
     offsets = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, offsets, src.handle)
+
+
+# Later releases have the call: tma.async_atomic_add(desc, coord, src).
+_tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
 
 
 @gluon.jit

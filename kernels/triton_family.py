@@ -431,20 +431,20 @@ GLUON_BWD_CONFIGS: dict[int, BlockConfig] = {
 }
 
 
-def _gluon_bwd_ok(args, tensors, cap: tuple[int, int], bias_kind: int, block_d: int, block_dv: int) -> bool:
-    """The Gluon backward (kernels/gluon_bwd.py): structural masks only, head-dim blocks 64 / 128, on Hopper,
-    and not when torch asks for deterministic algorithms (its dQ sums arrive in varying order)."""
-    if os.environ.get("FA_COMPILE_GLUON", "1") == "0" or cap[0] != 9 or interpreting():
+def gluon_backward_applies(args, cap: tuple[int, int]) -> bool:
+    """Whether the backward of these inputs runs the Gluon kernel (kernels/gluon_bwd.py), from shapes and
+    settings alone (dispatch asks this of fake tensors): Hopper, structural masks only, head dims 33..128
+    in multiples of 8 (rows of the fp32 dQ buffer must be 16-byte multiples for TMA), and not when torch
+    asks for deterministic algorithms (its dQ sums arrive in varying order). The launcher also needs
+    strides TMA accepts (_tma_ok)."""
+    if os.environ.get("FA_COMPILE_GLUON", "1") == "0" or cap[0] != 9 or interpreting() or not gluon_available():
         return False
-    if block_d not in GLUON_BWD_CONFIGS or block_dv not in GLUON_BWD_CONFIGS or bias_kind != 0:
+    d, dv = args.q.shape[-1], args.v.shape[-1]
+    if not all(isinstance(x, int) and x % 8 == 0 and _pow2(x) in GLUON_BWD_CONFIGS for x in (d, dv)):
         return False
-    if float(args.softcap) != 0 or float(args.dropout_p) > 0 or float(args.scale) <= 0:
+    if args.bias is not None or float(args.softcap) != 0 or float(args.dropout_p) > 0 or float(args.scale) <= 0:
         return False
-    if args.q.shape[-1] % 8 or args.v.shape[-1] % 8:  # rows of the fp32 dQ buffer must be 16-byte multiples (TMA)
-        return False
-    if torch.are_deterministic_algorithms_enabled():
-        return False
-    return gluon_available() and _tma_ok(tensors, cap)
+    return not torch.are_deterministic_algorithms_enabled()
 
 
 def _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d: int, block_dv: int,
@@ -600,7 +600,7 @@ def attention_backward(
         )
         block = max(block_d, block_dv)
         gkey = ("bwd", block_d, block_dv, q.dtype, bool(args.causal))
-        if gkey not in _GLUON_FAILED and _gluon_bwd_ok(args, (q, k, v, dout), cap, bias_kind, block_d, block_dv):
+        if gkey not in _GLUON_FAILED and gluon_backward_applies(args, cap) and _tma_ok((q, k, v, dout), cap):
             try:
                 cfg = CONFIG_OVERRIDE.get(("bwd_gluon", block)) or GLUON_BWD_CONFIGS[block]
                 cfg = _tuned("bwd_gluon", block, cfg, q, bool(args.causal), bias_kind, cap,

@@ -118,6 +118,18 @@ def test_row_bias_builds_for_sm90(sm90, d, dtype, causal, masks):
     assert all(lines[i + 1].startswith("%") and "ttng.warp_group_dot_wait" in lines[i + 1] for i in loads)
 
 
+def _record_launches(monkeypatch, module, name: str) -> list:
+    """Replace module.name (a kernel) by a recorder of its launches: [(grid, args, kwargs)]; returns "handle"."""
+    calls: list = []
+
+    class _Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append((grid, a, kw)) or "handle"
+
+    monkeypatch.setattr(module, name, _Recorder())
+    return calls
+
+
 def _case(**kw):
     from fa_compile.kernels.triton_testing import make_case
 
@@ -143,13 +155,7 @@ def test_host_launch_arguments(monkeypatch):
     # What _forward_gluon hands the kernel: grid, tiles, the bias view and its coordinates, the config.
     import fa_compile.kernels.gluon_fwd as gf
 
-    calls = []
-
-    class _Recorder:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: calls.append((grid, a, kw)) or "handle"
-
-    monkeypatch.setattr(gf, "attn_fwd_gluon_ws_kernel", _Recorder())
+    calls = _record_launches(monkeypatch, gf, "attn_fwd_gluon_ws_kernel")
     for bias_shape, want_cfg in ((None, tf.GLUON_CONFIGS[128]), ((2, 4, 300, 904), tf.GLUON_BIAS_CONFIGS[128])):
         c = _case(bias_shape=bias_shape, causal=True, kv_lens=[904, 5])
         out = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16).transpose(1, 2)
@@ -218,13 +224,7 @@ def test_backward_host_launch_and_refusals(monkeypatch):
     # What _backward_gluon hands the kernel, and the cases that must keep the tl backward.
     import fa_compile.kernels.gluon_bwd as gb
 
-    calls = []
-
-    class _Recorder:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: calls.append((grid, a, kw)) or "handle"
-
-    monkeypatch.setattr(gb, "attn_bwd_gluon_kernel", _Recorder())
+    calls = _record_launches(monkeypatch, gb, "attn_bwd_gluon_kernel")
     c = _case(causal=True, kv_lens=[904, 5])
     dout = torch.randn(2, 300, 4, 128, dtype=torch.bfloat16).transpose(1, 2)
     lse, delta = torch.zeros(2, 4, 300), torch.zeros(2, 4, 300)
@@ -247,20 +247,25 @@ def test_backward_host_launch_and_refusals(monkeypatch):
     assert torch.equal(dq, torch.zeros_like(dq))  # cast from the (here untouched) fp32 buffer
     assert tf.LAST_COMPILED["attn_bwd_gluon_kernel"] == (cfg, "handle")
 
+    from fa_compile.kernels.triton_testing import make_case
+
     cap = (9, 0)
-    assert tf._gluon_bwd_ok(c, (c.q, c.k, c.v, dout), cap, 0, 128, 128)
-    assert not tf._gluon_bwd_ok(c, (c.q, c.k, c.v, dout), cap, 1, 128, 128)  # a bias
-    assert not tf._gluon_bwd_ok(c, (c.q, c.k, c.v, dout), cap, 0, 256, 256)  # dK, dV too large for registers
-    assert not tf._gluon_bwd_ok(c, (c.q, c.k, c.v, dout), (8, 0), 0, 128, 128)
-    assert not tf._gluon_bwd_ok(_case(softcap=20.0), (c.q, c.k, c.v, dout), cap, 0, 128, 128)
-    assert not tf._gluon_bwd_ok(_case(dropout_p=0.1), (c.q, c.k, c.v, dout), cap, 0, 128, 128)
+    applies = tf.gluon_backward_applies
+    assert applies(c, cap)
+    assert not applies(_case(bias_shape=(1, 4, 300, 904)), cap)  # a bias
+    big = make_case(b=1, hq=2, nq=64, nk=64, d=256, dtype=torch.bfloat16)
+    assert not applies(big, cap)  # dK, dV of d256 too large for registers
+    assert not applies(make_case(b=1, hq=2, nq=64, nk=64, d=36, dtype=torch.bfloat16), cap)  # not a multiple of 8
+    assert not applies(c, (8, 0))
+    assert not applies(_case(softcap=20.0), cap)
+    assert not applies(_case(dropout_p=0.1), cap)
     torch.use_deterministic_algorithms(True)
     try:
-        assert not tf._gluon_bwd_ok(c, (c.q, c.k, c.v, dout), cap, 0, 128, 128)  # atomics
+        assert not applies(c, cap)  # reduction order varies
     finally:
         torch.use_deterministic_algorithms(False)
     monkeypatch.setenv("FA_COMPILE_GLUON", "0")
-    assert not tf._gluon_bwd_ok(c, (c.q, c.k, c.v, dout), cap, 0, 128, 128)
+    assert not applies(c, cap)
 
 
 @pytest.mark.parametrize("name", ["bool_b11n", "fp32_b11n_min", "bool_bn_expanded", "bf16_keys_1d", "bf16_heads_keys"])
@@ -270,13 +275,7 @@ def test_row_bias_routing_and_launch_arguments(name, monkeypatch):
     # broadcast [B, Hq, 1, Nk] view, read in place; the tile is GLUON_ROWBIAS_CONFIGS'.
     import fa_compile.kernels.gluon_fwd as gf
 
-    calls = []
-
-    class _Recorder:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: calls.append((grid, a, kw)) or "handle"
-
-    monkeypatch.setattr(gf, "attn_fwd_gluon_ws_kernel", _Recorder())
+    calls = _record_launches(monkeypatch, gf, "attn_fwd_gluon_ws_kernel")
     monkeypatch.setattr(tf, "_capability", lambda device: (9, 0))
     monkeypatch.delenv("FA_COMPILE_TUNE", raising=False)
     c = _case(causal=True, kv_lens=[904, 5])

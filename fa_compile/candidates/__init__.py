@@ -40,11 +40,8 @@ bf16, medians of triton.testing.do_bench:
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
-
-import torch
 
 from . import common
 from .fa3 import FA3
@@ -85,16 +82,13 @@ def _key_lengths(args) -> bool:
 
 
 def _gluon_backward(args) -> bool:
-    """Our Triton family's backward runs its Gluon kernel (kernels/gluon_bwd.py): Hopper, structural masks,
-    head dims 33..128 in multiples of 8, not in deterministic mode (see triton_family._gluon_bwd_ok)."""
+    """Our Triton family's backward runs its Gluon kernel (kernels/gluon_bwd.py) for these inputs."""
     cap = common.device_capability(args.q.device)
-    if cap is None or cap[0] != 9 or os.environ.get("FA_COMPILE_GLUON", "1") == "0":
+    if cap is None:
         return False
-    d, dv = args.q.shape[-1], args.v.shape[-1]
-    if not all(isinstance(x, int) and 32 < x <= 128 and x % 8 == 0 for x in (d, dv)):
-        return False
-    return (args.bias is None and float(args.softcap) == 0 and float(args.dropout_p) == 0
-            and not torch.are_deterministic_algorithms_enabled())
+    from ..kernels.triton_family import gluon_backward_applies  # noqa: PLC0415
+
+    return gluon_backward_applies(args, cap)
 
 
 PROMOTIONS = (
