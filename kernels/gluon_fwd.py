@@ -49,6 +49,20 @@ _program_ids = gluon.jit(program_ids.fn)
 
 
 @gluon.jit
+def _batch_inner_ids(n_m, Hq, REVERSE: gl.constexpr):
+    """(query block, b·Hq + h) with the batch index fastest: the programs that read the same rows of a bias
+    shared across the batch run in the same wave, so those rows cross DRAM about once instead of once per
+    batch element; the query blocks of one (b, h) still run together and share its K/V in L2."""
+    n_b = gl.num_programs(0) // (n_m * Hq)
+    pid = gl.program_id(0)
+    rest = pid // n_b
+    m = rest % n_m
+    if REVERSE:
+        m = n_m - 1 - m
+    return m, (pid % n_b) * Hq + rest // n_m
+
+
+@gluon.jit
 def _masked_scores(s, rows, start_n, cols0, n_lim, diag_offset, window_left, window_right,
                    IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr):
     cols = start_n + cols0
@@ -91,14 +105,22 @@ def _pass_turn(their_turn, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _add_bias(s, qk_scale, b_smem, b_full, b_empty, slot, phase, s_layout: gl.constexpr, WG_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, FIRST: gl.constexpr, HAS_BIAS: gl.constexpr):
-    """(scores, scale still to apply): with a bias, s·scale·log2(e) + bias·log2(e) in one FMA per score."""
+def _load_bias(b_smem, b_full, b_empty, slot, phase, s_layout: gl.constexpr, WG_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, FIRST: gl.constexpr):
+    """This warpgroup's [WG_M, BLOCK_N] bias tile of the slot, in the score layout (ldmatrix), slot released.
+    Called between the Q·Kᵀ issue and its wait, so the shared-memory latency hides behind the product."""
+    mbarrier.wait(b_full.index(slot), phase)
+    bt = b_smem.index(slot * 2 + (0 if FIRST else 1)).reshape([WG_M, BLOCK_N]).load(s_layout)
+    mbarrier.arrive(b_empty.index(slot))
+    return bt
+
+
+@gluon.jit
+def _add_bias(s, qk_scale, bt, HAS_BIAS: gl.constexpr):
+    """(scores, scale still to apply). With a bias: s·scale + bias in natural units (one FMA per score), and
+    log2(e) left to exp2's FMA in _softmax_update: one multiply per score fewer than scaling both by log2(e)."""
     if HAS_BIAS:
-        mbarrier.wait(b_full.index(slot), phase)
-        bt = b_smem.index(slot * 2 + (0 if FIRST else 1)).reshape([WG_M, BLOCK_N]).load(s_layout)
-        mbarrier.arrive(b_empty.index(slot))
-        return s * qk_scale + bt.to(gl.float32) * LOG2E, 1.0
+        return s * (qk_scale * LN2) + bt.to(gl.float32), LOG2E
     else:
         return s, qk_scale
 
@@ -200,9 +222,12 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
         # (loaded at the top of the iteration instead, the masked d128 / d256 builds spilled 100-460 B).
         if ROW_BIAS != 0:
             kb = _key_bias(rb_row, lo, cols0, n_lim, rb_stride_n)
+        bt0 = None  # (named apart from the loop's `bt`, which would otherwise be carried across iterations)
+        if HAS_BIAS:
+            bt0 = _load_bias(b_smem, b_full, b_empty, 0, 0, s_layout, WG_M, BLOCK_N, FIRST)
         s = warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(0))
-        s, scale = _add_bias(s, qk_scale, b_smem, b_full, b_empty, 0, 0, s_layout, WG_M, BLOCK_N, FIRST, HAS_BIAS)
+        s, scale = _add_bias(s, qk_scale, bt0, HAS_BIAS)
         if ROW_BIAS != 0:
             s, scale = _add_row_bias(s, scale, kb, ROW_BIAS)
         if (lo < full_lo) | (lo >= full_hi):
@@ -224,10 +249,12 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
             _pass_turn(their_turn, PINGPONG)
             if ROW_BIAS != 0:
                 kb = _key_bias(rb_row, start_n, cols0, n_lim, rb_stride_n)
+            bt = None
+            if HAS_BIAS:
+                bt = _load_bias(b_smem, b_full, b_empty, slot, (j // STAGES) & 1, s_layout, WG_M, BLOCK_N, FIRST)
             s = warpgroup_mma_wait(1, deps=[s_tok])
             mbarrier.arrive(k_empty.index(slot))
-            s, scale = _add_bias(s, qk_scale, b_smem, b_full, b_empty, slot, (j // STAGES) & 1, s_layout, WG_M,
-                                 BLOCK_N, FIRST, HAS_BIAS)
+            s, scale = _add_bias(s, qk_scale, bt, HAS_BIAS)
             if ROW_BIAS != 0:
                 s, scale = _add_row_bias(s, scale, kb, ROW_BIAS)
             if (start_n < full_lo) | (start_n >= full_hi):
@@ -266,15 +293,20 @@ def attn_fwd_gluon_ws_kernel(
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr,
     HAS_KVLEN: gl.constexpr, REVERSE_M: gl.constexpr, QREG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PINGPONG: gl.constexpr = False, HAS_BIAS: gl.constexpr = False, ROW_BIAS: gl.constexpr = 0,
+    BATCH_INNER: gl.constexpr = False,
 ):
     """BLOCK_M = 128 query rows per program (two warpgroups of 64); launched with num_warps=4.
 
     ROW_BIAS: 0 none, 1 float, 2 bool (uint8) bias constant along query rows, at row_bias + b·rb_stride_b
     + h·rb_stride_h + key·rb_stride_n (strides of its broadcast [B, Hq, 1, Nk] view, 0 on broadcast dims);
-    without it the four arguments are None (constexpr: the kernel's signature and code stay as they were)."""
+    without it the four arguments are None (constexpr: the kernel's signature and code stay as they were).
+    BATCH_INNER: launch order with the batch fastest (_batch_inner_ids), for a bias tile shared by the batch."""
     WG_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_desc.dtype
-    pid_m, bh = _program_ids((Nq + BLOCK_M - 1) // BLOCK_M, REVERSE_M)
+    if BATCH_INNER:
+        pid_m, bh = _batch_inner_ids((Nq + BLOCK_M - 1) // BLOCK_M, Hq, REVERSE_M)
+    else:
+        pid_m, bh = _program_ids((Nq + BLOCK_M - 1) // BLOCK_M, REVERSE_M)
     b = bh // Hq
     h = bh % Hq
     hk = h // G

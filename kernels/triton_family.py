@@ -127,7 +127,7 @@ TUNE_CANDIDATES: dict[tuple[str, int], list[BlockConfig]] = {
     ("fwd_gluon", 64): [BlockConfig(128, 128, 4, 2, qreg=True, pingpong=True), BlockConfig(128, 128, 4, 3, qreg=True)],
     ("fwd_gluon", 128): [BlockConfig(128, 128, 4, 3), BlockConfig(128, 128, 4, 2)],
     ("fwd_gluon", 256): [BlockConfig(128, 64, 4, 2, pingpong=True)],
-    ("fwd_gluon_bias", 128): [BlockConfig(128, 128, 4, 2), BlockConfig(128, 64, 4, 3)],
+    ("fwd_gluon_bias", 128): [BlockConfig(128, 128, 4, 2, pingpong=True), BlockConfig(128, 64, 4, 3, pingpong=True)],
     # A key vector per block adds no shared memory: the candidates of the plain Gluon forward (untimed with it).
     ("fwd_gluon_rowbias", 64): [BlockConfig(128, 128, 4, 2, qreg=True, pingpong=True),
                                 BlockConfig(128, 128, 4, 3, qreg=True)],
@@ -313,16 +313,35 @@ GLUON_CONFIGS: dict[int, BlockConfig] = {
     256: BlockConfig(128, 64, 4, 2),
 }
 # With a float bias tile the ring holds two bias tiles per slot as well: two stages fit in shared memory.
+# H200, bf16, d128, N 4096, B 4, H 16, [1, H, N, N] bias, 2026-12-01, four timings per variant in three
+# runs: 128x128 s2 without ping-pong best 472-485 TFLOP/s (medians 449-464), with it 458-505 (450-456),
+# 128x64 s3 420-427; our no-bias forward there 576-590 at s2 or s3 alike, so the ring's depth is not what
+# the bias costs (benchmarks/results/kernels.md, run I).
 GLUON_BIAS_CONFIGS: dict[int, BlockConfig] = {
     64: BlockConfig(128, 128, 4, 2, qreg=True),
-    128: BlockConfig(128, 128, 4, 2, pingpong=True),
+    128: BlockConfig(128, 128, 4, 2),
     256: BlockConfig(128, 64, 4, 2),
 }
 # With a bias constant along query rows (a key-padding mask) each consumer loads one [BLOCK_N] vector per key
 # block into registers: the same tiles. sm_90 under Triton 3.6, bool / bf16 / fp32 masks: no spill in the
 # key loop for d64..256 alone or with causal; window + kv_lens on top spill a few registers there (d256
-# float ~100 B), a rare combination. Not yet timed on the GPU.
+# float ~100 B), a rare combination. H200, run I: a [4, 1, 1, 4096] bool mask at d128 ran at 0.84x our no-bias
+# forward.
 GLUON_ROWBIAS_CONFIGS: dict[int, BlockConfig] = dict(GLUON_CONFIGS)
+# A bias tile shared by the batch but not the heads ([1, H, N, N]): launch the batch elements of one (query
+# block, head) together so they read its rows from L2 (gluon_fwd._batch_inner_ids). Same runs as above,
+# medians: 449-464 TFLOP/s against 432-444 in the usual order (450-456 against 424-433 with ping-pong); a
+# [1, 1, N, N] bias (32 MB, read by every head) showed no gain and keeps the usual order. A switch for
+# benchmarks/kernels.py --bias.
+GLUON_BIAS_BATCH_INNER = True
+
+
+def _bias_batch_inner(gb, batch: int) -> bool:
+    """Whether the Gluon forward launches the batch fastest: a bias tile (`gb`, from _gluon_bias) shared by a
+    batch of more than one but not by the heads."""
+    return GLUON_BIAS_BATCH_INNER and gb is not None and gb[1] == 0 and gb[2] == 1 and batch > 1
+
+
 # Shared-memory layouts of the Gluon TMA tiles, {(rows, cols, dtype): NVMMASharedLayout}.
 _GLUON_LAYOUTS: dict = {}
 # Keys whose Gluon launch raised (e.g. a Triton release whose Gluon API moved): the tl kernel runs instead.
@@ -416,7 +435,8 @@ def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int, cfg: Bl
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, STAGES=cfg.num_stages,
         IS_CAUSAL=bool(args.causal), HAS_WL=int(args.window_left) >= 0, HAS_WR=int(args.window_right) >= 0,
         HAS_KVLEN=kvl is not None, REVERSE_M=bool(args.causal), QREG=cfg.qreg, CONSUMER_REGS=240,
-        PINGPONG=cfg.pingpong, HAS_BIAS=gb is not None, ROW_BIAS=row_bias, num_warps=4,
+        PINGPONG=cfg.pingpong, HAS_BIAS=gb is not None, ROW_BIAS=row_bias,
+        BATCH_INNER=_bias_batch_inner(gb, b), num_warps=4,
     )
     LAST_COMPILED["attn_fwd_gluon_kernel"] = (cfg, handle)
 

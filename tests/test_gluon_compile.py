@@ -47,7 +47,8 @@ def sm90():
         driver._active = prev
 
 
-def _compile(d: int, cfg: tf.BlockConfig, causal: bool, masks: bool, bias: bool = False, row_bias=None):
+def _compile(d: int, cfg: tf.BlockConfig, causal: bool, masks: bool, bias: bool = False, row_bias=None,
+             batch_inner: bool = False):
     """row_bias: None, or the dtype of a key vector [B, Nk] (torch.uint8 for a bool mask)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -72,7 +73,7 @@ def _compile(d: int, cfg: tf.BlockConfig, causal: bool, masks: bool, bias: bool 
         0, 16, 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d, BLOCK_DV=d, STAGES=cfg.num_stages, IS_CAUSAL=causal,
         HAS_WL=masks, HAS_WR=masks, HAS_KVLEN=masks, REVERSE_M=causal, QREG=cfg.qreg, CONSUMER_REGS=240,
-        PINGPONG=cfg.pingpong, HAS_BIAS=bias, ROW_BIAS=rb_kind, num_warps=4, grid=(1,),
+        PINGPONG=cfg.pingpong, HAS_BIAS=bias, ROW_BIAS=rb_kind, BATCH_INNER=batch_inner, num_warps=4, grid=(1,),
     )
 
 
@@ -97,6 +98,8 @@ def _assert_fast_path(k) -> None:
 def test_default_configs_build_for_sm90(sm90, d, causal, masks, bias):
     cfg = (tf.GLUON_BIAS_CONFIGS if bias else tf.GLUON_CONFIGS)[d]
     _assert_fast_path(_compile(d, cfg, causal, masks, bias))
+    if bias:  # the launch order of a bias shared by the batch: program ids only, the same fast path
+        _assert_fast_path(_compile(d, cfg, causal, masks, bias, batch_inner=True))
 
 
 @pytest.mark.parametrize("d,dtype,causal,masks", [
@@ -133,7 +136,7 @@ def _record_launches(monkeypatch, module, name: str) -> list:
 def _case(**kw):
     from fa_compile.kernels.triton_testing import make_case
 
-    return make_case(b=2, hq=4, hkv=2, nq=300, nk=904, d=128, dtype=torch.bfloat16, layout="bshd", **kw)
+    return make_case(**{**dict(b=2, hq=4, hkv=2, nq=300, nk=904, d=128, dtype=torch.bfloat16, layout="bshd"), **kw})
 
 
 def test_bias_views_for_tma():
@@ -176,12 +179,34 @@ def test_host_launch_arguments(monkeypatch):
         assert rb_args == [None] * 4 and kw["ROW_BIAS"] == 0  # constexpr None: compiled as before they existed
         assert a[13:15] == (4, 2)  # Hq, group size
         assert kw["HAS_BIAS"] == (bias_shape is not None) and kw["IS_CAUSAL"] and kw["HAS_KVLEN"]
+        assert kw["BATCH_INNER"] is False  # no bias, or one per batch element: the usual order
         assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["STAGES"], kw["PINGPONG"]) == (
             want_cfg.block_m, want_cfg.block_n, want_cfg.num_stages, want_cfg.pingpong)
         if bias_shape is not None:
             assert bias_desc.base.data_ptr() == c.bias.data_ptr() and (bmul, hmul) == (1, 1)
             assert bias_desc.block_shape == [1, 1, 64, want_cfg.block_n]
         assert tf.LAST_COMPILED["attn_fwd_gluon_kernel"] == (want_cfg, "handle")
+
+
+@pytest.mark.parametrize("bias_shape,batch,want", [
+    ((1, 4, 300, 904), 2, True), ((1, 4, 300, 904), 1, False), ((2, 4, 300, 904), 2, False),
+    ((1, 1, 300, 904), 2, False), ((300, 904), 2, False), ((4, 300, 904), 3, True),
+], ids=["1h_b2", "1h_b1", "bh", "11", "2d", "3d_b3"])
+def test_batch_inner_order_for_batch_shared_bias(bias_shape, batch, want, monkeypatch):
+    # The batch runs fastest exactly when a bias tile is shared by a batch of several but not by the heads
+    # (a [1, 1, N, N] bias is read by every head anyway); the switch turns it off.
+    import fa_compile.kernels.gluon_fwd as gf
+
+    calls = _record_launches(monkeypatch, gf, "attn_fwd_gluon_ws_kernel")
+    c = _case(b=batch, bias_shape=bias_shape, causal=True)
+    gb = tf._gluon_bias(c.bias, c.q)
+    assert tf._bias_batch_inner(gb, batch) is want
+    out = torch.empty(batch, 300, 4, 128, dtype=torch.bfloat16).transpose(1, 2)
+    tf._forward_gluon(c, c.q, c.k, c.v, out, torch.empty(batch, 4, 300), 128, 128, tf.GLUON_BIAS_CONFIGS[128], gb)
+    (grid, _a, kw), = calls
+    assert kw["BATCH_INNER"] is want and grid == (3 * batch * 4,)
+    monkeypatch.setattr(tf, "GLUON_BIAS_BATCH_INNER", False)
+    assert tf._bias_batch_inner(gb, batch) is False
 
 
 def _compile_bwd(d: int, cfg: tf.BlockConfig, causal: bool, masks: bool, group: int):

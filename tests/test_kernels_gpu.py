@@ -224,6 +224,18 @@ def test_gluon_float_bias(shape, kw, monkeypatch):
     assert "attn_fwd_gluon_kernel" in tf.LAST_COMPILED
 
 
+@pytest.mark.skipif(not _hopper_gluon(), reason="the Gluon forward runs on Hopper only")
+@pytest.mark.parametrize("batch_inner", [True, False], ids=["batch_fastest", "query_blocks_fastest"])
+def test_gluon_bias_launch_orders(batch_inner, monkeypatch):
+    # A bias shared by a batch of three but not by the heads, causal (query blocks reversed): both launch
+    # orders of the Gluon forward (tf._bias_batch_inner) against the reference.
+    monkeypatch.setattr(tf, "GLUON_BIAS_BATCH_INNER", batch_inner)
+    tf.LAST_COMPILED.pop("attn_fwd_gluon_kernel", None)
+    _check(b=3, hq=4, hkv=2, nq=700, nk=904, d=128, dtype=BF16, layout="bshd", bias_shape=(1, 4, 700, 904),
+           causal=True)
+    assert "attn_fwd_gluon_kernel" in tf.LAST_COMPILED
+
+
 def test_gluon_bias_broadcast_view_and_fallbacks():
     # An expanded [B, H, N, N] view (stride 0 over batch) is read without copies; a bias TMA cannot
     # read (rows of 600 bytes) takes the tl forward, one constant along rows the Gluon key vector.
