@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
 from .gluon_fwd import LOG2E, _tma_load
-from .triton_common import program_ids, q_block_range, structural_ok
+from .triton_common import key_limit, program_ids, q_block_range, structural_ok
 
 # A barrier over the calling partition's warps: Triton 3.6 names it thread_barrier, later releases barrier.
 _partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -45,6 +45,7 @@ _partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # Helpers of the tl kernels, re-wrapped for Gluon: query-block bounds of a key block (blocks in
 # [full_lo, full_hi) need no mask), the admissible (row, key) pairs, the one-axis grid's ids.
 _q_range = gluon.jit(q_block_range.fn)
+_key_limit = gluon.jit(key_limit.fn)
 _structural_ok = gluon.jit(structural_ok.fn)
 _program_ids = gluon.jit(program_ids.fn)
 
@@ -231,9 +232,7 @@ def attn_bwd_gluon_kernel(
         mbarrier.init(dq_full.index(i), count=1)
         mbarrier.init(dq_empty.index(i), count=1)
 
-    n_lim = Nk
-    if HAS_KVLEN:
-        n_lim = gl.maximum(gl.minimum(gl.load(KVLENS + b).to(gl.int32), Nk), 0)
+    n_lim = _key_limit(KVLENS, b, Nk, HAS_KVLEN)
     lo, full_lo, full_hi, hi = _q_range(n0, Nq, n_lim, diag_offset, window_left, window_right,
                                         IS_CAUSAL, HAS_WL, HAS_WR, BLOCK_M, BLOCK_N)
     n_mblk = (hi - lo) // BLOCK_M

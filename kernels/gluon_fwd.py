@@ -31,7 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
-from .triton_common import kv_block_range, program_ids
+from .triton_common import key_limit, kv_block_range, program_ids
 
 LN2 = gl.constexpr(0.6931471805599453)
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -42,9 +42,10 @@ _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_globa
 
 
 # Helpers of the tl kernels, re-wrapped for Gluon (they use scalar tl builtins only): key-block bounds
-# (blocks in [full_lo, full_hi) need no mask, blocks outside [lo, hi) are skipped) and the one-axis
-# grid's (query block, batch x head) ids.
+# (blocks in [full_lo, full_hi) need no mask, blocks outside [lo, hi) are skipped), a batch's key count
+# (kv_lens) and the one-axis grid's (query block, batch x head) ids.
 _kv_range = gluon.jit(kv_block_range.fn)
+_key_limit = gluon.jit(key_limit.fn)
 _program_ids = gluon.jit(program_ids.fn)
 
 
@@ -76,6 +77,21 @@ def _masked_scores(s, rows, start_n, cols0, n_lim, diag_offset, window_left, win
     if HAS_WL:
         keep = keep & (c >= r + diag_offset - window_left)
     return gl.where(keep, s, float("-inf"))
+
+
+@gluon.jit
+def _finish_scores(s, qk_scale, bt, kb, rows, start_n, cols0, n_lim, full_lo, full_hi, diag_offset, window_left,
+                   window_right, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, ROW_BIAS: gl.constexpr):
+    """(scores, scale still to apply) of key block start_n, out of its Q·Kᵀ: the bias tile `bt` or key vector
+    `kb` added, and the structural mask where the block is not admissible for every row of this warpgroup."""
+    s, scale = _add_bias(s, qk_scale, bt, HAS_BIAS)
+    if ROW_BIAS != 0:
+        s, scale = _add_row_bias(s, scale, kb, ROW_BIAS)
+    if (start_n < full_lo) | (start_n >= full_hi):
+        s = _masked_scores(s, rows, start_n, cols0, n_lim, diag_offset, window_left, window_right,
+                           IS_CAUSAL, HAS_WL, HAS_WR)
+    return s, scale
 
 
 @gluon.jit
@@ -204,6 +220,7 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
         q_op = q2.load(q_layout)
     else:
         q_op = q2
+    kb = None  # the key vector of the current block (ROW_BIAS), loaded between Q·Kᵀ's issue and its wait
     if ROW_BIAS != 0:
         rb_row = row_bias + b.to(gl.int64) * rb_stride_b + h.to(gl.int64) * rb_stride_h
 
@@ -227,12 +244,8 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
             bt0 = _load_bias(b_smem, b_full, b_empty, 0, 0, s_layout, WG_M, BLOCK_N, FIRST)
         s = warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(0))
-        s, scale = _add_bias(s, qk_scale, bt0, HAS_BIAS)
-        if ROW_BIAS != 0:
-            s, scale = _add_row_bias(s, scale, kb, ROW_BIAS)
-        if (lo < full_lo) | (lo >= full_hi):
-            s = _masked_scores(s, rows, lo, cols0, n_lim, diag_offset, window_left, window_right,
-                               IS_CAUSAL, HAS_WL, HAS_WR)
+        s, scale = _finish_scores(s, qk_scale, bt0, kb, rows, lo, cols0, n_lim, full_lo, full_hi, diag_offset,
+                                  window_left, window_right, IS_CAUSAL, HAS_WL, HAS_WR, HAS_BIAS, ROW_BIAS)
         p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, scale)
         for j in range(1, n_blocks):
             slot = j % STAGES
@@ -254,12 +267,8 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
                 bt = _load_bias(b_smem, b_full, b_empty, slot, (j // STAGES) & 1, s_layout, WG_M, BLOCK_N, FIRST)
             s = warpgroup_mma_wait(1, deps=[s_tok])
             mbarrier.arrive(k_empty.index(slot))
-            s, scale = _add_bias(s, qk_scale, bt, HAS_BIAS)
-            if ROW_BIAS != 0:
-                s, scale = _add_row_bias(s, scale, kb, ROW_BIAS)
-            if (start_n < full_lo) | (start_n >= full_hi):
-                s = _masked_scores(s, rows, start_n, cols0, n_lim, diag_offset, window_left, window_right,
-                                   IS_CAUSAL, HAS_WL, HAS_WR)
+            s, scale = _finish_scores(s, qk_scale, bt, kb, rows, start_n, cols0, n_lim, full_lo, full_hi, diag_offset,
+                                      window_left, window_right, IS_CAUSAL, HAS_WL, HAS_WR, HAS_BIAS, ROW_BIAS)
             p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, scale)
             acc = warpgroup_mma_wait(0, deps=[o_tok])
             mbarrier.arrive(v_empty.index(prev))
@@ -343,9 +352,7 @@ def attn_fwd_gluon_ws_kernel(
         mbarrier.init(b_full.index(i), count=1)
         mbarrier.init(b_empty.index(i), count=2)
 
-    n_lim = Nk
-    if HAS_KVLEN:
-        n_lim = gl.maximum(gl.minimum(gl.load(KVLENS + b).to(gl.int32), Nk), 0)
+    n_lim = _key_limit(KVLENS, b, Nk, HAS_KVLEN)
     lo, _full_lo, _full_hi, hi = _kv_range(m0, Nq, n_lim, diag_offset, window_left, window_right,
                                            IS_CAUSAL, HAS_WL, HAS_WR, BLOCK_M, BLOCK_N)
     n_blocks = (hi - lo) // BLOCK_N

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .triton_common import (
-    dropout_keep, dropout_row_hash, kv_block_range, program_ids, q_block_range, score_tile, structural_ok,
+    dropout_keep, dropout_row_hash, key_limit, kv_block_range, program_ids, q_block_range, score_tile, structural_ok,
 )
 
 
@@ -136,9 +136,7 @@ def attn_bwd_dkdv_kernel(
             V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :],
             mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
         )
-    n_lim = Nk
-    if HAS_KVLEN:
-        n_lim = tl.maximum(tl.minimum(tl.load(KVLENS + b).to(tl.int32), Nk), 0)
+    n_lim = key_limit(KVLENS, b, Nk, HAS_KVLEN)
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED).to(tl.uint32)
@@ -295,9 +293,7 @@ def attn_bwd_dq_kernel(
     ds_base = DS
     if WRITE_DS:
         ds_base = DS + bh.to(tl.int64) * Nq * Nk
-    n_lim = Nk
-    if HAS_KVLEN:
-        n_lim = tl.maximum(tl.minimum(tl.load(KVLENS + b).to(tl.int32), Nk), 0)
+    n_lim = key_limit(KVLENS, b, Nk, HAS_KVLEN)
     row_hash = offs_m[:, None]
     if DROPOUT:
         seed = tl.load(SEED).to(tl.uint32)

@@ -174,6 +174,15 @@ def structural_ok(
 
 
 @triton.jit
+def key_limit(KVLENS, b, Nk, HAS_KVLEN: tl.constexpr):
+    """Keys of batch b that exist: Nk, or its key-padding length clamped to [0, Nk]."""
+    n_lim = Nk
+    if HAS_KVLEN:
+        n_lim = tl.maximum(tl.minimum(tl.load(KVLENS + b).to(tl.int32), Nk), 0)
+    return n_lim
+
+
+@triton.jit
 def kv_block_range(
     m0, Nq, n_lim, diag_offset, window_left, window_right,
     IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import dropout_keep, dropout_row_hash, kv_block_range, program_ids, softmax_step
+from .triton_common import dropout_keep, dropout_row_hash, key_limit, kv_block_range, program_ids, softmax_step
 
 
 @triton.jit
@@ -66,9 +66,7 @@ def attn_fwd_tma_kernel(
     bias_base = BIAS
     if BIAS_KIND != 0:
         bias_base = BIAS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
-    n_lim = Nk
-    if HAS_KVLEN:
-        n_lim = tl.maximum(tl.minimum(tl.load(KVLENS + b).to(tl.int32), Nk), 0)
+    n_lim = key_limit(KVLENS, b, Nk, HAS_KVLEN)
     row_hash = offs_m[:, None]
     if DROPOUT:
         seed = tl.load(SEED).to(tl.uint32)
