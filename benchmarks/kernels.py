@@ -3,7 +3,9 @@
 Peers: SDPA with cuDNN, SDPA with FA2 (torch's flash backend), FlexAttention (compiled), and FA3's
 forward (`flash_attn_interface`, from the `tokenspeed-fa3` wheel) when importable.
 Grid: the FA3 paper's (16k tokens per batch, hidden 2048, head dims 64/128/256, N 1k..16k, causal
-and not), plus GQA and additive-bias shapes. bf16, BSHD storage, medians of triton.testing.do_bench.
+and not), plus GQA and additive-bias shapes. bf16, BSHD storage. Every implementation of a row is timed
+three times (five for the bias rows) in alternating order (`in_turn`), each time the median of
+triton.testing.do_bench; the row reports the median of those and keeps all of them (`*_runs`).
 FLOPs: forward 4*B*H*N*N*D (halved when causal), backward 2.5x forward.
 
 Run on a GPU machine:  python benchmarks/kernels.py [--quick] [--sweep] [--out DIR]
@@ -541,6 +543,50 @@ def tune_table(rows) -> None:
     sys.stdout.flush()
 
 
+def ours_fns(q, k, v, causal, bias=None):
+    """(forward, backward) callables of our kernel family on these inputs; the backward reuses one forward's
+    output and log-sum-exp."""
+    a = Args(q, k, v, causal=causal, bias=bias)
+    out, lse = tf.attention_forward(a)
+    dout = torch.randn_like(out)
+    return (lambda: tf.attention_forward(a)), (lambda: tf.attention_backward(a, dout, out, lse))
+
+
+def grad_fn(fwd, inputs: tuple, dout):
+    """A backward callable: the graph of one forward call, differentiated again on every call."""
+    o = fwd()
+    return lambda: torch.autograd.grad(o, inputs, dout, retain_graph=True)
+
+
+def in_turn(fns: dict, rounds: int = 3) -> dict:
+    """ms per callable: each timed `rounds` times, the callables in order then reversed, alternating. The
+    H200's clock drifts by up to ~10% over a run (the first timing in a process is the fastest); peers
+    timed in one block each would carry that drift into their ratios. A callable that raises maps to
+    its error text and is not timed again (as does an error text given in place of a callable)."""
+    names = list(fns)
+    runs: dict = {n_: fns[n_] if isinstance(fns[n_], str) else [] for n_ in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            if isinstance(runs[name], str):
+                continue
+            try:
+                runs[name].append(bench(fns[name]))
+            except Exception as e:
+                runs[name] = f"err {type(e).__name__}: {str(e)[:80]}"
+    return runs
+
+
+def fill(row: dict, fl: float, runs: dict, suffix: str = "") -> None:
+    """row[name + suffix] = the median TFLOP/s of the rounds, row[... + '_runs'] all of them, sorted."""
+    for name, ms in runs.items():
+        if isinstance(ms, str):
+            row[name + suffix] = ms
+        elif ms:
+            rates = sorted(tflops(fl, t) for t in ms)
+            row[name + suffix] = rates[len(rates) // 2]
+            row[name + suffix + "_runs"] = rates
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="only N=16k and the extra shapes")
@@ -605,8 +651,32 @@ def main() -> None:
 
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    # One compiled FlexAttention per shape and mask (dynamic=False): raise Dynamo's recompile limit so the
+    # grid's 10+ variants are all compiled rather than the later ones falling back to eager.
+    for knob in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 64)
     flex_c = torch.compile(flex_attention, dynamic=False)
     rows = result["rows"]
+    os.makedirs(opt.out, exist_ok=True)
+
+    def save() -> None:  # after every row, so a run cut short by its time limit still leaves its figures
+        json.dump(result, open(os.path.join(opt.out, "kernels.json"), "w"), indent=1, default=str)
+
+    def sdpa(be, q, k, v, **kw):
+        def fn():
+            with sdpa_kernel([be]):
+                return F.scaled_dot_product_attention(q, k, v, **kw)
+        return fn
+
+    def causal_mask(n: int, causal: bool):
+        return create_block_mask(lambda b_, h_, qi, ki: qi >= ki, None, None, n, n, device="cuda") if causal else None
+
+    def finish(row: dict) -> None:
+        rows.append(row)
+        save()
+        print({k_: v_ for k_, v_ in row.items() if k_ != "ours_kernels" and not k_.endswith("_runs")}, flush=True)
+
     ns = (16384,) if opt.quick else (1024, 4096, 16384)
     for d in (64, 128, 256):
         h = 2048 // d
@@ -617,42 +687,33 @@ def main() -> None:
                 fl = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
                 row = {"shape": f"d{d} n{n} b{b} h{h}" + (" causal" if causal else ""), "D": d, "N": n, "causal": causal}
                 qd, kd, vd = q.detach(), k.detach(), v.detach()
+                fwd, bwd = {}, {}
                 try:
                     row["err"] = round(correctness(qd, kd, vd, causal), 5)
                     row["bwd_err"] = round(bwd_correctness(qd, kd, vd, causal), 5)
-                    t_f, t_b, rep = run_ours(qd, kd, vd, causal)
-                    row["ours"], row["ours_bwd"] = tflops(fl, t_f), tflops(2.5 * fl, t_b)
-                    row["ours_kernels"] = rep
+                    row["ours_kernels"] = run_ours(qd, kd, vd, causal)[2]
+                    fwd["ours"], bwd["ours"] = ours_fns(qd, kd, vd, causal)
                 except Exception as e:
                     row["ours"] = f"err {type(e).__name__}: {str(e)[:120]}"
-                dout = torch.randn_like(q)
                 for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
-                    try:
-                        with sdpa_kernel([be]):
-                            fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
-                            row[name] = tflops(fl, bench(fn))
-                            o = fn()
-                            row[name + "_bwd"] = tflops(2.5 * fl, bench(lambda: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)))
-                    except Exception as e:
-                        row[name] = f"err {type(e).__name__}"
+                    fwd[name] = sdpa(be, q, k, v, is_causal=causal)
                 if fa3 is not None:
-                    try:
-                        qs, ks, vs = (t.detach().transpose(1, 2) for t in (q, k, v))  # BSHD contiguous
-                        row["fa3"] = tflops(fl, bench(lambda: fa3.flash_attn_func(qs, ks, vs, causal=causal)))
-                    except Exception as e:
-                        row["fa3"] = f"err {type(e).__name__}: {str(e)[:80]}"
-                if not opt.no_flex and d == 128 and n in (1024, 16384):
-                    try:
-                        bm = create_block_mask(lambda b_, h_, qi, ki: qi >= ki, None, None, n, n, device="cuda") if causal else None
-                        fn = lambda: flex_c(q, k, v, block_mask=bm)  # noqa: E731
-                        row["flex"] = tflops(fl, bench(fn))
-                        o = fn()
-                        row["flex_bwd"] = tflops(2.5 * fl, bench(lambda: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)))
-                    except Exception as e:
-                        row["flex"] = f"err {type(e).__name__}: {str(e)[:80]}"
-                rows.append(row)
-                print({k_: v_ for k_, v_ in row.items() if k_ != "ours_kernels"}, flush=True)
-                del q, k, v, dout
+                    qs, ks, vs = (t.transpose(1, 2) for t in (qd, kd, vd))  # BSHD contiguous
+                    fwd["fa3"] = lambda: fa3.flash_attn_func(qs, ks, vs, causal=causal)  # noqa: E731
+                if not opt.no_flex:
+                    bm = causal_mask(n, causal)
+                    fwd["flex"] = lambda: flex_c(q, k, v, block_mask=bm)  # noqa: E731
+                dout = torch.randn_like(q)
+                for name in ("cudnn", "fa2", "flex"):
+                    if name in fwd:
+                        try:
+                            bwd[name] = grad_fn(fwd[name], (q, k, v), dout)
+                        except Exception as e:
+                            bwd[name] = f"err {type(e).__name__}: {str(e)[:80]}"
+                fill(row, fl, in_turn(fwd))
+                fill(row, 2.5 * fl, in_turn(bwd), "_bwd")
+                finish(row)
+                del q, k, v, dout, fwd, bwd
 
     # GQA: 16k tokens, Hq 32 / Hkv 8, d128 (a Llama-style layer).
     for causal in (False, True):
@@ -660,50 +721,47 @@ def main() -> None:
         q, k, v = bshd(b, hq, n, d), bshd(b, hkv, n, d), bshd(b, hkv, n, d)
         fl = 4 * b * hq * n * n * d * (0.5 if causal else 1.0)
         row = {"shape": f"GQA d{d} n{n} b{b} hq{hq} hkv{hkv}" + (" causal" if causal else ""), "D": d, "N": n, "causal": causal}
-        t_f, t_b, _ = run_ours(q, k, v, causal)
-        row["ours"], row["ours_bwd"] = tflops(fl, t_f), tflops(2.5 * fl, t_b)
+        fwd, bwd = {}, {}
+        fwd["ours"], bwd["ours"] = ours_fns(q, k, v, causal)
         for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
-            try:
-                with sdpa_kernel([be]):
-                    row[name] = tflops(fl, bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)))
-            except Exception as e:
-                row[name] = f"err {type(e).__name__}"
+            fwd[name] = sdpa(be, q, k, v, is_causal=causal, enable_gqa=True)
         if fa3 is not None:
             qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
-            row["fa3"] = tflops(fl, bench(lambda: fa3.flash_attn_func(qs, ks, vs, causal=causal)))
-        rows.append(row)
-        print(row, flush=True)
+            fwd["fa3"] = lambda: fa3.flash_attn_func(qs, ks, vs, causal=causal)  # noqa: E731
+        if not opt.no_flex:
+            bm = causal_mask(n, causal)
+            fwd["flex"] = lambda: flex_c(q, k, v, block_mask=bm, enable_gqa=True)  # noqa: E731
+        fill(row, fl, in_turn(fwd))
+        fill(row, 2.5 * fl, in_turn(bwd), "_bwd")
+        finish(row)
 
-    # Additive bias: [1, H, N, N] bf16 (ALiBi-/relative-position-like) and a bool key mask [B, 1, 1, N].
+    # Additive bias: [1, H, N, N] bf16 (ALiBi-/relative-position-like) and a bool key mask [B, 1, 1, N], with
+    # our no-bias forward timed in the same turns: the ratio the issue sets (>= 0.8x).
     b, n, h, d = 4, 4096, 16, 128
     q, k, v = bshd(b, h, n, d), bshd(b, h, n, d), bshd(b, h, n, d)
     fl = 4 * b * h * n * n * d
     for label, bias in (("float bias [1,H,N,N]", torch.randn(1, h, n, n, device="cuda", dtype=torch.bfloat16)),
                         ("bool mask [B,1,1,N]", torch.rand(b, 1, 1, n, device="cuda") > 0.1)):
-        row = {"shape": f"{label} d{d} n{n} b{b} h{h}", "D": d, "N": n, "causal": False}
-        t_f, t_b, rep = run_ours(q, k, v, False, bias=bias)
-        # The ratio to our no-bias forward from timings taken in turn (three each, best kept): the H200's
-        # clock drifts by up to ~10% over a run, more than the difference being measured.
-        base_fs, bias_fs = [], []
-        for _ in range(3):
-            base_fs.append(run_ours(q, k, v, False, bwd=False)[0])
-            bias_fs.append(run_ours(q, k, v, False, bias=bias, bwd=False)[0])
-        t_f = min(bias_fs)
-        row["ours"], row["ours_bwd"] = tflops(fl, t_f), tflops(2.5 * fl, t_b)
-        row["ours_nobias"] = tflops(fl, min(base_fs))
-        row["vs_ours_nobias"] = round(min(base_fs) / t_f, 3)
-        row["ours_kernels"] = rep
+        row = {"shape": f"{label} d{d} n{n} b{b} h{h}", "D": d, "N": n, "causal": False,
+               "ours_kernels": run_ours(q, k, v, False, bias=bias)[2]}
+        fwd, bwd = {}, {}
+        fwd["ours"], bwd["ours"] = ours_fns(q, k, v, False, bias=bias)
+        fwd["ours_nobias"] = ours_fns(q, k, v, False)[0]
         for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
-            try:
-                with sdpa_kernel([be]):
-                    row[name] = tflops(fl, bench(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias)))
-            except Exception as e:
-                row[name] = f"err {type(e).__name__}"
-        rows.append(row)
-        print({k_: v_ for k_, v_ in row.items() if k_ != "ours_kernels"}, flush=True)
+            fwd[name] = sdpa(be, q, k, v, attn_mask=bias)
+        # FlexAttention with the same tensor: the bias through score_mod, the key mask through a block mask.
+        if not opt.no_flex and bias.dtype == torch.bool:
+            bm = create_block_mask(lambda b_, h_, qi, ki: bias[b_, 0, 0, ki], b, None, n, n, device="cuda")
+            fwd["flex"] = lambda: flex_c(q, k, v, block_mask=bm)  # noqa: E731
+        elif not opt.no_flex:
+            fwd["flex"] = lambda: flex_c(q, k, v, score_mod=lambda s, b_, h_, qi, ki: s + bias[0, h_, qi, ki])  # noqa: E731
+        fill(row, fl, in_turn(fwd, rounds=5))
+        fill(row, 2.5 * fl, in_turn(bwd), "_bwd")
+        if isinstance(row.get("ours"), float) and isinstance(row.get("ours_nobias"), float):
+            row["vs_ours_nobias"] = round(row["ours"] / row["ours_nobias"], 3)
+        finish(row)
 
-    os.makedirs(opt.out, exist_ok=True)
-    json.dump(result, open(os.path.join(opt.out, "kernels.json"), "w"), indent=1, default=str)
+    save()
     chart(rows, os.path.join(opt.out, "kernels.png"))
     table(rows)
 
@@ -740,11 +798,11 @@ def table(rows) -> None:
     def ratio(a, b):
         return f"{a / b:.2f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "-"
 
-    print("\nTFLOP/s (bf16). fwd: ours cudnn fa2 fa3 flex | bwd: ours cudnn fa2 flex | ours/cudnn fwd bwd, ours/fa3")
+    print("\nTFLOP/s (bf16). fwd: ours cudnn fa2 fa3 flex | bwd: ours cudnn fa2 flex | ours/cudnn fwd bwd, ours/fa3, ours/flex fwd")
     for r in rows:
         print(f"{r['shape']:<40} {f(r.get('ours'))} {f(r.get('cudnn'))} {f(r.get('fa2'))} {f(r.get('fa3'))} {f(r.get('flex'))}"
               f" | {f(r.get('ours_bwd'))} {f(r.get('cudnn_bwd'))} {f(r.get('fa2_bwd'))} {f(r.get('flex_bwd'))}"
-              f" | {ratio(r.get('ours'), r.get('cudnn'))} {ratio(r.get('ours_bwd'), r.get('cudnn_bwd'))} {ratio(r.get('ours'), r.get('fa3'))}"
+              f" | {ratio(r.get('ours'), r.get('cudnn'))} {ratio(r.get('ours_bwd'), r.get('cudnn_bwd'))} {ratio(r.get('ours'), r.get('fa3'))} {ratio(r.get('ours'), r.get('flex'))}"
               + (f" bias/nobias {r['vs_ours_nobias']}" if "vs_ours_nobias" in r else ""))
     sys.stdout.flush()
 

@@ -136,9 +136,20 @@ def _add_bias(s, qk_scale, bt, HAS_BIAS: gl.constexpr):
     """(scores, scale still to apply). With a bias: s·scale + bias in natural units (one FMA per score), and
     log2(e) left to exp2's FMA in _softmax_update: one multiply per score fewer than scaling both by log2(e)."""
     if HAS_BIAS:
-        return s * (qk_scale * LN2) + bt.to(gl.float32), LOG2E
+        return s * (qk_scale * LN2) + _widen(bt), LOG2E
     else:
         return s, qk_scale
+
+
+@gluon.jit
+def _widen(x):
+    """x as fp32. bf16 pairs are widened one instruction per value (shift / mask of the packed register): the
+    compiler's own conversion spends a PRMT and a shift on the high half, half an instruction per score more."""
+    if x.dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }", "=r,=r,r", [x],
+                                         dtype=gl.float32, is_pure=True, pack=2)
+    else:
+        return x.to(gl.float32)
 
 
 @gluon.jit

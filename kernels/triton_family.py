@@ -316,7 +316,8 @@ GLUON_CONFIGS: dict[int, BlockConfig] = {
 # H200, bf16, d128, N 4096, B 4, H 16, [1, H, N, N] bias, 2026-12-01, four timings per variant in three
 # runs: 128x128 s2 without ping-pong best 472-485 TFLOP/s (medians 449-464), with it 458-505 (450-456),
 # 128x64 s3 420-427; our no-bias forward there 576-590 at s2 or s3 alike, so the ring's depth is not what
-# the bias costs (benchmarks/results/kernels.md, run I).
+# the bias costs (benchmarks/results/kernels.md, run I). With bf16 pairs widened by gluon_fwd._widen: medians
+# 472 against our no-bias ~578 (0.82x); run L 0.815x.
 GLUON_BIAS_CONFIGS: dict[int, BlockConfig] = {
     64: BlockConfig(128, 128, 4, 2, qreg=True),
     128: BlockConfig(128, 128, 4, 2),

@@ -214,13 +214,14 @@ def test_backward_configs(d, dkdv, dq, monkeypatch):
     ((700, 904), dict(window_left=200, window_right=30)),
     ((2, 1, 700, 904), dict(d=64)),
     ((1, 4, 700, 904), dict(d=256, causal=True, diag_offset=204)),
-], ids=["heads_causal", "full_lens", "2d_window", "batch_d64", "heads_d256_br"])
+    ((2, 4, 700, 904), dict(dtype=F16)),
+], ids=["heads_causal", "full_lens", "2d_window", "batch_d64", "heads_d256_br", "full_fp16"])
 def test_gluon_float_bias(shape, kw, monkeypatch):
     # A float bias read by TMA in the Gluon forward (broadcast dims at coordinate 0); its gradient and
     # the backward come from the tl kernels, on the Gluon forward's LSE.
     tf.LAST_COMPILED.pop("attn_fwd_gluon_kernel", None)
-    d = kw.pop("d", 128)
-    _check(b=2, hq=4, hkv=2, nq=700, nk=904, d=d, dtype=BF16, layout="bshd", bias_shape=shape, bias_grad=True, **kw)
+    d, dtype = kw.pop("d", 128), kw.pop("dtype", BF16)  # bf16 biases are widened by _widen's shift / mask
+    _check(b=2, hq=4, hkv=2, nq=700, nk=904, d=d, dtype=dtype, layout="bshd", bias_shape=shape, bias_grad=True, **kw)
     assert "attn_fwd_gluon_kernel" in tf.LAST_COMPILED
 
 
