@@ -78,29 +78,31 @@ def kernel_report(name: str) -> dict:
     return rep
 
 
-def run_ours(q, k, v, causal, bias=None, bwd=True):
+def ours_fns(q, k, v, causal, bias=None, bwd=True):
+    """(forward, backward or None, kernel report) of our kernel family on these inputs. Each is run once here,
+    which compiles it and names the kernel that ran; the backward reuses that forward's output and LSE."""
     a = Args(q, k, v, causal=causal, bias=bias)
     fwd = lambda: tf.attention_forward(a)  # noqa: E731
     tf.LAST_COMPILED.pop("attn_fwd_gluon_kernel", None)
     tf.LAST_COMPILED.pop("attn_fwd_kernel", None)
-    t_f = bench(fwd)
+    out, lse = fwd()
     # The forward that ran: the Gluon kernel on Hopper for most shapes, else the tl kernel.
     ran = "attn_fwd_gluon_kernel" if "attn_fwd_gluon_kernel" in tf.LAST_COMPILED else "attn_fwd_kernel"
     rep = {"fwd": {"kernel": ran, **kernel_report(ran)}}
-    t_b = None
-    if bwd:
-        out, lse = fwd()
-        dout = torch.randn_like(out)
-        for name in ("attn_bwd_gluon_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):
-            tf.LAST_COMPILED.pop(name, None)
-        t_b = bench(lambda: tf.attention_backward(a, dout, out, lse))
-        # The backward that ran: the Gluon kernel on Hopper for structural masks, else the tl pair.
-        if "attn_bwd_gluon_kernel" in tf.LAST_COMPILED:
-            rep["bwd"] = {"kernel": "attn_bwd_gluon_kernel", **kernel_report("attn_bwd_gluon_kernel")}
-        else:
-            rep["dkdv"] = kernel_report("attn_bwd_dkdv_kernel")
-            rep["dq"] = kernel_report("attn_bwd_dq_kernel")
-    return t_f, t_b, rep
+    if not bwd:
+        return fwd, None, rep
+    dout = torch.randn_like(out)
+    for name in ("attn_bwd_gluon_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):
+        tf.LAST_COMPILED.pop(name, None)
+    back = lambda: tf.attention_backward(a, dout, out, lse)  # noqa: E731
+    back()
+    # The backward that ran: the Gluon kernel on Hopper for structural masks, else the tl pair.
+    if "attn_bwd_gluon_kernel" in tf.LAST_COMPILED:
+        rep["bwd"] = {"kernel": "attn_bwd_gluon_kernel", **kernel_report("attn_bwd_gluon_kernel")}
+    else:
+        rep["dkdv"] = kernel_report("attn_bwd_dkdv_kernel")
+        rep["dq"] = kernel_report("attn_bwd_dq_kernel")
+    return fwd, back, rep
 
 
 def correctness(q, k, v, causal) -> float:
@@ -355,19 +357,51 @@ GLUON_VARIANTS = {
 }
 
 
+def grad_fn(fwd, inputs: tuple, dout):
+    """A backward callable: the graph of one forward call, differentiated again on every call."""
+    o = fwd()
+    return lambda: torch.autograd.grad(o, inputs, dout, retain_graph=True)
+
+
+def in_turn(fns: dict, rounds: int = 3, measure=bench) -> dict:
+    """`measure(fn)` (by default ms) for every entry, `rounds` times, in order then reversed, alternating. The
+    H200's clock drifts by up to ~10% over a run (the first timing in a process is the fastest); peers
+    timed in one block each would carry that drift into their ratios. An entry whose measure raises maps to
+    its error text and is not measured again (as does an error text given in place of an entry)."""
+    names = list(fns)
+    runs: dict = {n_: fns[n_] if isinstance(fns[n_], str) else [] for n_ in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            if isinstance(runs[name], str):
+                continue
+            try:
+                runs[name].append(measure(fns[name]))
+            except Exception as e:
+                runs[name] = f"err {type(e).__name__}: {str(e)[:300]}"
+    return runs
+
+
+def fill(row: dict, fl: float, runs: dict, suffix: str = "") -> None:
+    """row[name + suffix] = the median TFLOP/s of the rounds, row[... + '_runs'] all of them, sorted."""
+    for name, ms in runs.items():
+        if isinstance(ms, str):
+            row[name + suffix] = ms
+        elif ms:
+            rates = sorted(tflops(fl, t) for t in ms)
+            row[name + suffix] = rates[len(rates) // 2]
+            row[name + suffix + "_runs"] = rates
+
+
 def _compare(label: str, key: dict, runs: list, once, fl: float, rounds: int = 2) -> list[dict]:
     """Time every (name, config) of `runs` `rounds` times (in order, then reversed, alternating) with
     `once(name, c) -> (ms, err, kernel report)`, keep the best, and rank against cuDNN's best: one row per
     variant, printed."""
     res: dict = {}
-    for order in [runs, runs[::-1]] * (rounds // 2) + [runs] * (rounds % 2):
-        for name, c in order:
-            try:
-                t, err, rep = once(name, c)
-                r = res.setdefault(name, {"tflops_runs": [], "err": err, "kern": rep})
-                r["tflops_runs"].append(tflops(fl, t))
-            except Exception as e:
-                res.setdefault(name, {"tflops_runs": []})["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    for name, got in in_turn({name: (name, c) for name, c in runs}, rounds, lambda nc: once(*nc)).items():
+        if isinstance(got, str):
+            res[name] = {"tflops_runs": [], "error": got}
+        else:
+            res[name] = {"tflops_runs": [tflops(fl, t) for t, _, _ in got], "err": got[0][1], "kern": got[0][2]}
     tf.CONFIG_OVERRIDE.clear()
     os.environ.pop("FA_COMPILE_GLUON", None)
     peer = max(res.get("cudnn", {}).get("tflops_runs") or [float("nan")])
@@ -543,50 +577,6 @@ def tune_table(rows) -> None:
     sys.stdout.flush()
 
 
-def ours_fns(q, k, v, causal, bias=None):
-    """(forward, backward) callables of our kernel family on these inputs; the backward reuses one forward's
-    output and log-sum-exp."""
-    a = Args(q, k, v, causal=causal, bias=bias)
-    out, lse = tf.attention_forward(a)
-    dout = torch.randn_like(out)
-    return (lambda: tf.attention_forward(a)), (lambda: tf.attention_backward(a, dout, out, lse))
-
-
-def grad_fn(fwd, inputs: tuple, dout):
-    """A backward callable: the graph of one forward call, differentiated again on every call."""
-    o = fwd()
-    return lambda: torch.autograd.grad(o, inputs, dout, retain_graph=True)
-
-
-def in_turn(fns: dict, rounds: int = 3) -> dict:
-    """ms per callable: each timed `rounds` times, the callables in order then reversed, alternating. The
-    H200's clock drifts by up to ~10% over a run (the first timing in a process is the fastest); peers
-    timed in one block each would carry that drift into their ratios. A callable that raises maps to
-    its error text and is not timed again (as does an error text given in place of a callable)."""
-    names = list(fns)
-    runs: dict = {n_: fns[n_] if isinstance(fns[n_], str) else [] for n_ in names}
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            if isinstance(runs[name], str):
-                continue
-            try:
-                runs[name].append(bench(fns[name]))
-            except Exception as e:
-                runs[name] = f"err {type(e).__name__}: {str(e)[:80]}"
-    return runs
-
-
-def fill(row: dict, fl: float, runs: dict, suffix: str = "") -> None:
-    """row[name + suffix] = the median TFLOP/s of the rounds, row[... + '_runs'] all of them, sorted."""
-    for name, ms in runs.items():
-        if isinstance(ms, str):
-            row[name + suffix] = ms
-        elif ms:
-            rates = sorted(tflops(fl, t) for t in ms)
-            row[name + suffix] = rates[len(rates) // 2]
-            row[name + suffix + "_runs"] = rates
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="only N=16k and the extra shapes")
@@ -691,8 +681,7 @@ def main() -> None:
                 try:
                     row["err"] = round(correctness(qd, kd, vd, causal), 5)
                     row["bwd_err"] = round(bwd_correctness(qd, kd, vd, causal), 5)
-                    row["ours_kernels"] = run_ours(qd, kd, vd, causal)[2]
-                    fwd["ours"], bwd["ours"] = ours_fns(qd, kd, vd, causal)
+                    fwd["ours"], bwd["ours"], row["ours_kernels"] = ours_fns(qd, kd, vd, causal)
                 except Exception as e:
                     row["ours"] = f"err {type(e).__name__}: {str(e)[:120]}"
                 for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
@@ -722,7 +711,7 @@ def main() -> None:
         fl = 4 * b * hq * n * n * d * (0.5 if causal else 1.0)
         row = {"shape": f"GQA d{d} n{n} b{b} hq{hq} hkv{hkv}" + (" causal" if causal else ""), "D": d, "N": n, "causal": causal}
         fwd, bwd = {}, {}
-        fwd["ours"], bwd["ours"] = ours_fns(q, k, v, causal)
+        fwd["ours"], bwd["ours"], row["ours_kernels"] = ours_fns(q, k, v, causal)
         for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
             fwd[name] = sdpa(be, q, k, v, is_causal=causal, enable_gqa=True)
         if fa3 is not None:
@@ -742,11 +731,10 @@ def main() -> None:
     fl = 4 * b * h * n * n * d
     for label, bias in (("float bias [1,H,N,N]", torch.randn(1, h, n, n, device="cuda", dtype=torch.bfloat16)),
                         ("bool mask [B,1,1,N]", torch.rand(b, 1, 1, n, device="cuda") > 0.1)):
-        row = {"shape": f"{label} d{d} n{n} b{b} h{h}", "D": d, "N": n, "causal": False,
-               "ours_kernels": run_ours(q, k, v, False, bias=bias)[2]}
+        row = {"shape": f"{label} d{d} n{n} b{b} h{h}", "D": d, "N": n, "causal": False}
         fwd, bwd = {}, {}
-        fwd["ours"], bwd["ours"] = ours_fns(q, k, v, False, bias=bias)
-        fwd["ours_nobias"] = ours_fns(q, k, v, False)[0]
+        fwd["ours"], bwd["ours"], row["ours_kernels"] = ours_fns(q, k, v, False, bias=bias)
+        fwd["ours_nobias"] = ours_fns(q, k, v, False, bwd=False)[0]
         for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
             fwd[name] = sdpa(be, q, k, v, attn_mask=bias)
         # FlexAttention with the same tensor: the bias through score_mod, the key mask through a block mask.
