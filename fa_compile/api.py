@@ -2,14 +2,38 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+import numbers
+from typing import Literal, Optional, Union
 
 import torch
 from torch import Tensor
 
+from . import dispatch
 from . import ops  # noqa: F401  (registers torch.ops.fa3)
 
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def _check_number(name: str, x) -> None:
+    if type(x) is float or type(x) is int:  # the common case, without the ABC checks (host time per call)
+        return
+    if isinstance(x, bool) or not isinstance(x, (numbers.Real, torch.SymFloat, torch.SymInt)):
+        raise TypeError(f"{name}: expected a real number, got {type(x).__name__} {x!r}")
+
+
+def _check_window(window) -> tuple[int, int]:
+    if type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int \
+            and window[0] >= -1 and window[1] >= -1:
+        return window  # the common case, without the ABC checks
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window: expected a pair (left, right) of ints, got {window!r}")
+    for x in window:
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            raise TypeError(f"window: expected a pair (left, right) of ints, got {window!r} "
+                            f"(a {type(x).__name__} is not truncated silently)")
+        if x < -1:
+            raise ValueError(f"window: each bound must be >= 0, or -1 for unbounded; got {tuple(window)}")
+    return int(window[0]), int(window[1])
 
 
 def attention(
@@ -18,7 +42,7 @@ def attention(
     v: Tensor,
     *,
     scale: Optional[float] = None,
-    causal: Union[bool, str] = False,
+    causal: Union[bool, Literal["top_left", "bottom_right"]] = False,
     window: tuple[int, int] = (-1, -1),
     bias: Optional[Tensor] = None,
     kv_lens: Optional[Tensor] = None,
@@ -30,31 +54,58 @@ def attention(
 ):
     """Fused attention. q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] ("bhsd") or [B, N, H, D] ("bshd").
 
+    scale: default 1 / sqrt(D); a head dim of 0 has no default (give one: the scores are then 0,
+    and each row the mean of its admissible values, as in eager).
     causal: False, True / "top_left" (SDPA's alignment) or "bottom_right" (a KV cache's: the last
     query sees every key). window: (left, right) keys around the aligned diagonal, -1 = unbounded.
+    bias: additive float or bool (True = attend), broadcasting to [B, Hq, Nq, Nk] in either layout.
+    kv_lens: int32/int64 [B], the valid keys of each batch entry: keys j >= kv_lens[b] are masked.
+    Values are clamped to [0, Nk] (beyond Nk: every key; 0 or below: none, out 0). They are not
+    checked, since reading them would cost a device sync on every call.
+    Zero-size inputs (any of B, H, Nq, Nk, D, Dv = 0) give eager's result and zero gradients.
     The result has q's layout; with return_lse also the fp32 log-sum-exp [B, Hq, Nq].
+    Bad arguments raise a TypeError or ValueError that names the argument.
     """
-    if layout not in ("bhsd", "bshd"):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a Tensor, got {type(t).__name__}")
+    for name, t in (("bias", bias), ("kv_lens", kv_lens)):
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a Tensor or None, got {type(t).__name__}")
+    if not isinstance(layout, str) or layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout: must be 'bhsd' or 'bshd', got {layout!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dims ({layout}), got shape {tuple(t.shape)}")
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if causal is True:
         causal = "top_left"
-    if causal not in (False, *CAUSAL_ALIGNMENTS):
+    if not (causal is False or (isinstance(causal, str) and causal in CAUSAL_ALIGNMENTS)):
         raise ValueError(f"causal: must be False, True, 'top_left' or 'bottom_right', got {causal!r}")
-    if len(window) != 2:
-        raise ValueError(f"window: expected (left, right), got {window!r}")
+    wl, wr = _check_window(window)
+    for name, x in (("softcap", softcap), ("dropout_p", dropout_p)):
+        _check_number(name, x)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
+    if kernel is not None:
+        dispatch.check_kernel_name(kernel, "kernel")
     offset = 0
-    if causal == "bottom_right" or (not causal and tuple(window) != (-1, -1)):
+    if causal == "bottom_right" or (not causal and (wl, wr) != (-1, -1)):
         # A window alone is aligned bottom-right, as in FlashAttention.
         offset = k.shape[2] - q.shape[2]
     if scale is None:
+        if q.shape[-1] == 0:
+            raise ValueError("scale: q has head dim 0, so the default 1 / sqrt(head_dim) is undefined; "
+                             "pass scale= explicitly")
         scale = 1.0 / math.sqrt(q.shape[-1])
+    else:
+        _check_number("scale", scale)
     seed = None
     if dropout_p > 0:
         seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=q.device)
     out, lse = torch.ops.fa3.attention(
-        q, k, v, float(scale), bool(causal), offset, int(window[0]), int(window[1]), bias, kv_lens, float(softcap),
+        q, k, v, float(scale), bool(causal), offset, wl, wr, bias, kv_lens, float(softcap),
         float(dropout_p), seed, kernel,
     )
     if layout == "bshd":

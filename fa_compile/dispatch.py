@@ -89,7 +89,7 @@ class ReferenceCandidate:
 
     def backward(self, args, dout, out, lse):
         return _ref.attention_backward_reference(
-            dout, args.q, args.k, args.v, bias_requires_grad=args.bias_requires_grad, **args.mask_kwargs()
+            dout, args.q, args.k, args.v, bias_requires_grad=args.bias_requires_grad, out=out, **args.mask_kwargs()
         )
 
 
@@ -101,7 +101,8 @@ class Registry:
     backward: list = field(default_factory=list)
 
 
-_REGISTRY = Registry(forward=[ReferenceCandidate()], backward=[ReferenceCandidate()])
+_REFERENCE = ReferenceCandidate()
+_REGISTRY = Registry(forward=[_REFERENCE], backward=[_REFERENCE])
 _VERSION = [0]  # bumped by register / unregister (part of the memo key of `_choose`)
 
 
@@ -196,26 +197,69 @@ def _is_fake(t: Tensor) -> bool:
     return t.device.type == "meta" or is_fake(t)
 
 
+_KNOWN: dict = {}  # registry version -> the names (checked on every call that names a kernel)
+
+
+def known_kernels() -> list[str]:
+    """Every kernel name a caller may force (either direction)."""
+    key = (_VERSION[0], id(_REGISTRY))
+    names = _KNOWN.get(key)
+    if names is None:
+        _KNOWN.clear()
+        names = _KNOWN[key] = sorted({c.name for c in candidates("forward") + candidates("backward")})
+    return names
+
+
+def check_kernel_name(forced: str, source: str, what: str = "kernel") -> None:
+    """A ValueError naming `source` (the argument the caller used) unless `forced` names a kernel."""
+    if not isinstance(forced, str):
+        raise TypeError(f"{source}: expected a kernel name (str) or None, got {type(forced).__name__}")
+    known = known_kernels()
+    if forced in known:
+        return
+    if forced == "triton" and _cands.TRITON_IMPORT_ERROR:
+        raise ValueError(f"{source}: kernel 'triton' is not available here (kernels/triton_family.py: "
+                         f"{_cands.TRITON_IMPORT_ERROR[0]}); known: {', '.join(known)}")
+    via = " (fa_compile.backend(kernel=...) passes its kernel as every call's force_kernel)" if source == _FORCE_SOURCE else ""
+    raise ValueError(f"{source}: unknown {what} {forced!r}; known: {', '.join(known)}{via}")
+
+
 def _forced_candidate(cands: list, args: AttentionArgs, forced: str, source: str, direction: str):
     """The forced candidate, or None for a backward whose forced kernel is forward-only."""
     match = [c for c in cands if c.name == forced]
     if not match:
-        other = candidates("forward" if direction == "backward" else "backward")
-        if direction == "backward" and any(c.name == forced for c in other):
-            return None  # forward-only kernel: the backward is chosen from the saved lse as usual
-        known = sorted({c.name for c in candidates("forward") + candidates("backward")})
-        if forced == "triton" and _cands.TRITON_IMPORT_ERROR:
-            raise ValueError(f"{source}: kernel 'triton' is not available here (kernels/triton_family.py: "
-                             f"{_cands.TRITON_IMPORT_ERROR[0]}); known: {', '.join(known)}")
-        raise ValueError(f"{source}: unknown {direction} kernel {forced!r}; known: {', '.join(known)}")
+        check_kernel_name(forced, source, f"{direction} kernel")
+        return None  # a kernel of the other direction only (forward-only): chosen from the saved lse as usual
     reasons = _reasons(match[0], args, forced=True)
     if reasons:
         raise NoKernelError(f"{source}: the forced {direction} kernel {forced!r} cannot take these inputs: " + "; ".join(reasons))
     return match[0]
 
 
+# The op's argument; fa_compile.attention(kernel=) checks the name itself, fa_compile.backend(kernel=)
+# bakes it into each call's force_kernel.
+_FORCE_SOURCE = "force_kernel"
+
+
+def zero_size(args: AttentionArgs) -> Optional[str]:
+    """The zero-size dimension of these inputs, or None. Such inputs never reach a fused kernel: the
+    reference computes them exactly, as eager does (no keys: out 0, lse -inf; head dim 0: scores 0,
+    so out is the mean of V over the admissible keys; anything else empty: an empty result), and
+    its cost is that of the output."""
+    q, k, v = args.q, args.k, args.v
+    dims = (("batch", q.shape[0]), ("heads", q.shape[1]), ("queries", q.shape[2]), ("keys", k.shape[2]),
+            ("head dim", q.shape[3]), ("V head dim", v.shape[3]))
+    for name, n in dims:
+        if isinstance(n, int):
+            if n == 0:
+                return f"{name} = 0"
+        elif _cands.common.static_int(n) == 0:
+            return f"{name} = 0"
+    return None
+
+
 def _select(cands: list, args: AttentionArgs, forced: Optional[str], direction: str, *, allow_tune: bool = True):
-    source = "kernel" if forced else "FA_COMPILE_KERNEL"
+    source = _FORCE_SOURCE if forced else "FA_COMPILE_KERNEL"
     forced = forced_kernel(forced)
     if forced is not None:
         chosen = _forced_candidate(cands, args, forced, source, direction)
@@ -355,11 +399,17 @@ def _choose(args: AttentionArgs, forced: Optional[str], direction: str, validate
     if hit is None:
         if validate is not None:
             validate(args)
-        cands = ordered(args, direction)
-        cand = _select(cands, args, forced, direction)
-        is_forced = forced_kernel(forced) is not None and cand.name == forced_kernel(forced)
-        rest = cands[cands.index(cand) + 1:] if cand in cands else []
-        hit = _Chosen(cand, rest, is_forced, direction)
+        if zero_size(args) is not None:
+            # The trivial exact path, whichever kernel was asked for (a misspelt name still errors).
+            if forced_kernel(forced) is not None:
+                check_kernel_name(forced_kernel(forced), _FORCE_SOURCE if forced else "FA_COMPILE_KERNEL")
+            hit = _Chosen(_REFERENCE, [], True, direction)
+        else:
+            cands = ordered(args, direction)
+            cand = _select(cands, args, forced, direction)
+            is_forced = forced_kernel(forced) is not None and cand.name == forced_kernel(forced)
+            rest = cands[cands.index(cand) + 1:] if cand in cands else []
+            hit = _Chosen(cand, rest, is_forced, direction)
         if key is not None:
             if len(_MEMO) >= _MEMO_MAX:
                 _MEMO.clear()
@@ -382,6 +432,9 @@ def explain_choice(args: AttentionArgs, forced: Optional[str] = None, direction:
     Never measures (explain() runs at compile time on fake tensors); a cached tuning winner counts.
     """
     args = _for_direction(args, direction)
+    empty = zero_size(args)
+    if empty is not None:
+        return "reference", [("every kernel", [f"{empty}: the exact trivial path (the reference) runs instead"])]
     cands = ordered(args, direction)
     try:
         chosen = _select(cands, args, forced, direction, allow_tune=False).name

@@ -9,7 +9,10 @@ softcap, dropout_p, dropout_seed, force_kernel) -> (out, lse)`
   top-left alignment, Nk - Nq the bottom-right one of a KV cache; the window bounds are measured
   from the same diagonal (-1: unbounded).
 - bias: an additive float tensor or a boolean mask (True = attend) that broadcasts to [B, Hq, Nq, Nk];
-  kv_lens: int [B], keys at j >= kv_lens[b] are masked (key padding).
+  kv_lens: int [B], keys at j >= kv_lens[b] are masked (key padding), so values are in effect
+  clamped to [0, Nk]; not checked against those bounds (reading them costs a device sync per call).
+- zero-size dimensions (B, H, Nq, Nk, D or Dv = 0) are exact, as in eager (no keys: out 0, lse -inf;
+  head dim 0: scores 0 + bias); dispatch sends them to the reference before any kernel is asked.
 - softcap > 0: s = softcap * tanh(s / softcap) before bias and masks.
 - dropout_p with dropout_seed (an int64 scalar tensor on q's device, drawn from torch's generator).
 - force_kernel: run this kernel by name (None: dispatch chooses). Not `kernel`: Inductor's
@@ -52,7 +55,7 @@ def check_args(
     window_right: int = -1,
 ) -> None:
     """Raise a ValueError naming the offending argument; works on fake and symbolic shapes."""
-    check_tensors(q, k, v, bias, kv_lens)
+    check_tensors(q, k, v, bias, kv_lens, dropout_seed)
     check_scalars(scale, softcap, dropout_p, dropout_seed, window_left, window_right)
 
 
@@ -73,7 +76,10 @@ def check_scalars(
         raise ValueError(f"window_left, window_right: must be >= 0, or -1 for unbounded; got {window_left}, {window_right}")
 
 
-def check_tensors(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], kv_lens: Optional[Tensor]) -> None:
+def check_tensors(
+    q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], kv_lens: Optional[Tensor],
+    dropout_seed: Optional[Tensor] = None,
+) -> None:
     """The tensor arguments' checks: they read metadata only, so dispatch memoises them with the
     kernel choice (a memo hit means equal metadata passed them before)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -95,7 +101,7 @@ def check_tensors(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], kv_le
         raise ValueError(f"v: sequence length {v.shape[2]} differs from k's {k.shape[2]}")
     if k.shape[3] != q.shape[3]:
         raise ValueError(f"k: head dim {k.shape[3]} differs from q's {q.shape[3]}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+    if (q.shape[1] % k.shape[1] != 0) if k.shape[1] != 0 else q.shape[1] != 0:
         raise ValueError(f"k: q's {q.shape[1]} heads are not a multiple of k's {k.shape[1]} (GQA needs Hq % Hkv == 0)")
     if bias is not None:
         if bias.dtype != torch.bool and bias.dtype not in _FLOAT_DTYPES:
@@ -116,6 +122,14 @@ def check_tensors(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], kv_le
             raise ValueError(f"kv_lens: dtype must be int32 or int64, got {kv_lens.dtype}")
         if kv_lens.device != q.device:
             raise ValueError(f"kv_lens: must be on q's device {q.device}, got {kv_lens.device}")
+    if dropout_seed is not None:
+        if not isinstance(dropout_seed, Tensor):
+            raise TypeError(f"dropout_seed: expected an int64 scalar Tensor, got {type(dropout_seed).__name__}")
+        if dropout_seed.dtype != torch.int64 or dropout_seed.numel() != 1:
+            raise ValueError(f"dropout_seed: expected an int64 tensor of one element, got {dropout_seed.dtype} "
+                             f"of shape {tuple(dropout_seed.shape)}")
+        if dropout_seed.device != q.device:
+            raise ValueError(f"dropout_seed: must be on q's device {q.device}, got {dropout_seed.device}")
 
 
 def _bshd_strides(q: Tensor, v: Tensor) -> tuple[int, ...]:
@@ -149,7 +163,7 @@ _LIB.define(
 
 
 def _validate(a: dispatch.AttentionArgs) -> None:
-    check_tensors(a.q, a.k, a.v, a.bias, a.kv_lens)
+    check_tensors(a.q, a.k, a.v, a.bias, a.kv_lens, a.dropout_seed)
 
 
 def attention(
@@ -278,7 +292,11 @@ def _runs_directly(tensors: Sequence[Optional[Tensor]]) -> bool:
 
 class _AttentionFunction(torch.autograd.Function):
     """Autograd of fa3::attention: the forward saves (q, k, v, out, lse, ...); the backward is the
-    fa3::attention_backward op, so AOTAutograd traces it into the compiled backward graph."""
+    fa3::attention_backward op, so AOTAutograd traces it into the compiled backward graph.
+
+    lse is differentiable too (d lse_i / d s_ij = P_ij), through a second attention_backward call that
+    runs only when lse's gradient is not None. It relies on what every backward kernel does (the
+    reference included): delta = rowsum(dO * out) is read from the `out` it is given, not recomputed."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens, softcap,
@@ -291,24 +309,50 @@ class _AttentionFunction(torch.autograd.Function):
                 out, lse = _ATTENTION(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
                                       softcap, dropout_p, dropout_seed, force_kernel)
         ctx.save_for_backward(q, k, v, out, lse, bias, kv_lens, dropout_seed)
-        # lse is state for kernels, not a differentiable result: autograd refuses to backprop through it.
-        ctx.mark_non_differentiable(lse)
+        # lse is differentiable (a finite masked_fill's exact fix-up reads it, patterns/emit.py); grads
+        # are not materialized, so a graph that never differentiates lse gets dlse=None and the
+        # backward is exactly the one attention_backward call.
+        ctx.set_materialize_grads(False)
         ctx.scalars = dict(zip(_SCALARS, (scale, causal, diag_offset, window_left, window_right, softcap, dropout_p,
                                           force_kernel)))
         ctx.bias_requires_grad = bias is not None and bias.requires_grad and bias.dtype != torch.bool
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout: Tensor, dlse: Optional[Tensor]):
+    def backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
         q, k, v, out, lse, bias, kv_lens, dropout_seed = ctx.saved_tensors
         s = ctx.scalars
-        dq, dk, dv, db = _ATTENTION_BACKWARD(
-            dout, q, k, v, out, lse, s["scale"], s["causal"], s["diag_offset"], s["window_left"],
-            s["window_right"], bias, kv_lens, s["softcap"], s["dropout_p"], dropout_seed, ctx.bias_requires_grad,
-            s["kernel"],
-        )
+
+        def grads(d: Tensor, o: Tensor, vv: Tensor) -> tuple:
+            return _ATTENTION_BACKWARD(
+                d, q, k, vv, o, lse, s["scale"], s["causal"], s["diag_offset"], s["window_left"],
+                s["window_right"], bias, kv_lens, s["softcap"], s["dropout_p"], dropout_seed, ctx.bias_requires_grad,
+                s["kernel"],
+            )
+
+        dq = dk = dv = db = None
+        if dout is not None:
+            dq, dk, dv, db = grads(dout, out, v)
+        if dlse is not None and v.shape[3] > 0:  # (no value dims: out is empty and so is its gradient)
+            # d lse_i / d s_ij = P_ij, so dS gains dlse_i * P_ij. Every backward kernel computes
+            # dS = P * (dO V^T - rowsum(dO * O)): with V' = 0, O' = e_0 and dO' = -dlse * e_0 that is
+            # exactly dlse * P (dropout and softcap included), so any kernel's backward serves.
+            d_out, o = _AttentionFunction._lse_grad_operands(q, v, dlse)
+            gq, gk, _, gb = grads(d_out, o, torch.zeros_like(v))
+            dq = gq if dq is None else dq + gq
+            dk = gk if dk is None else dk + gk
+            db = gb if db is None else db + gb
         db = db if ctx.bias_requires_grad else None
         return dq, dk, dv, None, None, None, None, None, db, None, None, None, None, None
+
+    @staticmethod
+    def _lse_grad_operands(q: Tensor, v: Tensor, dlse: Tensor) -> tuple[Tensor, Tensor]:
+        """(dO', O') in out's BSHD layout: dO'[..., 0] = -dlse and O'[..., 0] = 1, zero elsewhere, so that
+        rowsum(dO' * O') = -dlse."""
+        d_out, o = _out_like(q, v).zero_(), _out_like(q, v).zero_()
+        d_out[..., 0] = -dlse.to(d_out.dtype)
+        o[..., 0] = 1
+        return d_out, o
 
 
 def _attention_autograd(
@@ -404,7 +448,7 @@ class _UniformRowGradFunction(torch.autograd.Function):
         dgf = dg.to(f32)
         dq = dk = None
         if ctx.needs_input_grad[0]:
-            c = torch.matmul(k.to(f32).transpose(-1, -2), vc) / nk  # [B, Hkv, D, Dv]
+            c = torch.matmul(k.to(f32).transpose(-1, -2), vc) / torch.sym_max(nk, 1)  # [B, Hkv, D, Dv]; no keys: 0
             if hq != hkv:
                 c = c.repeat_interleave(hq // hkv, dim=1)
             dq = (torch.matmul(dgf, c.transpose(-1, -2)) * ctx.scale).to(q.dtype)
@@ -412,7 +456,7 @@ class _UniformRowGradFunction(torch.autograd.Function):
             dc = torch.matmul(q.to(f32).transpose(-1, -2), dgf) * ctx.scale  # [B, Hq, D, Dv]
             if hq != hkv:
                 dc = dc.reshape(b, hkv, hq // hkv, d, dv).sum(dim=2)
-            dk = (torch.matmul(vc, dc.transpose(-1, -2)) / nk).to(k.dtype)
+            dk = (torch.matmul(vc, dc.transpose(-1, -2)) / torch.sym_max(nk, 1)).to(k.dtype)
         return dq, dk, None, None
 
 

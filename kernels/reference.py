@@ -14,6 +14,9 @@ Semantics, for query row i and key column j of one (batch, head):
     p      = exp(s - lse_i), dropped with probability dropout_p and rescaled by 1 / (1 - dropout_p)
     out_i  = sum_j p_ij v_j                                     (0 for an empty row, as FlashAttention)
 GQA: q has Hq heads, k and v Hkv heads, Hq % Hkv == 0; q head h reads kv head h // (Hq // Hkv).
+Zero-size dimensions follow from the same formulas, as in eager: no keys (Nk = 0) gives out 0 and
+lse -inf; head dim 0 gives s = 0 (+ bias), so out is the mean of V over the admissible keys; an
+empty batch, head, query or V head dim an empty out. Gradients are zeros of the inputs' shapes.
 """
 from __future__ import annotations
 
@@ -65,7 +68,7 @@ def scores_reference(
     b, hq, nq, _ = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     acc = _acc_dtype(q.dtype)
-    g = hq // hkv
+    g = hq // hkv if hkv else 1  # no heads at all (Hq = Hkv = 0): an empty result
     qg = q.to(acc).reshape(b, hkv, g, nq, q.shape[-1])
     s = torch.matmul(qg, k.to(acc).unsqueeze(2).transpose(-2, -1)).reshape(b, hq, nq, nk) * scale
     if softcap > 0:
@@ -94,6 +97,8 @@ def _probabilities(s: Tensor) -> tuple[Tensor, Tensor]:
     finfo(fp32).min (an additive finfo.min mask over every key) lse = max + log(n) rounds back to
     max, and exp(s - lse) would not sum to 1.
     """
+    if s.shape[-1] == 0:  # no keys at all: every row is empty (amax has no identity to reduce to)
+        return s, torch.full(s.shape[:-1], float("-inf"), dtype=s.dtype, device=s.device)
     m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)  # empty row: exp(-inf - 0) = 0
     e = torch.exp(s - m)
@@ -133,7 +138,7 @@ def attention_reference(
             raise ValueError("dropout_seed: required when dropout_p > 0")
         keep = dropout_keep_mask(dropout_seed, b, hq, nq, nk, dropout_p, device=q.device)
         p = p * keep.to(acc) / (1.0 - dropout_p)
-    g = hq // hkv
+    g = hq // hkv if hkv else 1  # no heads at all (Hq = Hkv = 0): an empty result
     out = torch.matmul(p.reshape(b, hkv, g, nq, nk), v.to(acc).unsqueeze(2)).reshape(b, hq, nq, dv)
     return out.to(q.dtype), lse.to(torch.float32 if acc == torch.float32 else acc)
 
@@ -155,17 +160,19 @@ def attention_backward_reference(
     softcap: float = 0.0,
     dropout_p: float = 0.0,
     dropout_seed: Optional[Tensor] = None,
+    out: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """(dq, dk, dv, dbias) by the explicit formulas the fused kernels implement (fp32 accumulation).
 
-    P = softmax(S), Pd = P * keep / (1 - p), O = Pd V, delta = rowsum(dO * O),
+    P = softmax(S), Pd = P * keep / (1 - p), O = Pd V (`out` when given: delta is read from the
+    forward's output, as every fused kernel does), delta = rowsum(dO * O),
     dV = Pd^T dO, dP = (dO V^T) * keep / (1 - p), dS = P * (dP - delta),
     dX = dS * (1 - (S_capped / softcap)^2) with softcap, dQ = scale dX K, dK = scale dX^T Q.
     Runs below autograd (inside the custom op), so it cannot lean on torch.autograd.
     """
     b, hq, nq, d = q.shape
     hkv, nk, dv_ = v.shape[1], v.shape[2], v.shape[3]
-    g = hq // hkv
+    g = hq // hkv if hkv else 1  # no heads at all (Hq = Hkv = 0): an empty result
     acc = _acc_dtype(q.dtype)
     qa, ka, va, doa = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
     # The capped scores before any mask: masked entries must stay finite for the tanh derivative.
@@ -182,7 +189,7 @@ def attention_backward_reference(
     pd = p * keep if keep is not None else p
     vg = va.unsqueeze(2)  # [B, Hkv, 1, Nk, Dv]
     o = torch.matmul(pd.reshape(b, hkv, g, nq, nk), vg).reshape(b, hq, nq, dv_)
-    delta = (doa * o).sum(-1, keepdim=True)
+    delta = (doa * (o if out is None else out.to(acc))).sum(-1, keepdim=True)
     dvv = torch.matmul(pd.reshape(b, hkv, g, nq, nk).transpose(-2, -1), doa.reshape(b, hkv, g, nq, dv_)).sum(2)
     dp = torch.matmul(doa.reshape(b, hkv, g, nq, dv_), vg.transpose(-2, -1)).reshape(b, hq, nq, nk)
     if keep is not None:

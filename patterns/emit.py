@@ -6,6 +6,7 @@ package and registers the op before any pass runs).
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Optional, Union
 
@@ -65,6 +66,8 @@ def call(graph: fx.Graph, target: Any, *args: Any, method: bool = False, **kwarg
 
 # The MaskSpec.empty_rows values emit_attention reproduces exactly (everything but "unknown").
 EMPTY_ROWS_KEPT = ("impossible", "zero", "nan", "mean_v", "mean_v_add")
+# "fill" is kept too, but only by callers that pass MaskSpec.fill along: it is not in the tuple above,
+# so a caller that forwards empty_rows alone falls back to its exact bias instead.
 
 
 def emit_attention(
@@ -84,6 +87,7 @@ def emit_attention(
     dropout_p: float = 0.0,
     kernel: Optional[str] = None,
     empty_rows: str = "impossible",
+    fill: Optional[float] = None,
 ) -> tuple[fx.Node, fx.Node]:
     """Insert fa3.attention on q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D]; return (out node, op call node).
 
@@ -93,6 +97,11 @@ def emit_attention(
     "mean_v_add" also keeps eager's gradient of q and k on those rows (see `_uniform_row_grad`); it
     cannot with a softcap (tanh' of every score of the row), so the caller refuses that when q or k
     needs a gradient.
+    "fill" (with `fill` = c, finite) keeps eager's value where every masked score was replaced by c,
+    on every row; the masked keys are those the structure, kv_lens and a bool bias exclude. A mask
+    constant along queries (key padding) becomes eager's own arithmetic (`_fill_masked_keys`); a band
+    or query-dependent mask gets the masked keys' share from the op's lse (`_finite_fill`). Dropout is
+    refused with a ValueError (the second form cannot keep eager's dropout of the masked weights).
 
     Call inside `graph.inserting_before(...)` at a point where q, k, v, bias, kv_lens are defined.
     A scale held in a tensor node (learned temperature, 0-d tensor) is folded into q so the op's
@@ -109,13 +118,27 @@ def emit_attention(
         if mode is not None:
             with mode:
                 seed.meta["example_value"] = torch.randint(0, DROPOUT_SEED_HIGH, (), dtype=torch.int64, device=dev)
+    if empty_rows == "fill":
+        if fill is None or not math.isfinite(fill):
+            raise ValueError(f"fill: empty_rows 'fill' needs the finite fill value, got {fill!r}")
+        if dropout_p > 0:
+            raise ValueError("empty_rows: 'fill' cannot keep eager's dropout of the masked keys' weights")
+        if _key_shaped(causal, window_left, window_right, bias, kv_lens):
+            k, bias = _fill_masked_keys(graph, q, k, bias, kv_lens, fill)
+            kv_lens, empty_rows = None, "impossible"  # the op now computes eager's own softmax
     node = call(
         graph, fa3_attention_op(), q, k, v, float(scale), bool(causal), diag_offset, int(window_left),
         int(window_right), bias, kv_lens, float(softcap), float(dropout_p), seed, kernel,
     )
     out = call(graph, operator.getitem, node, 0)
-    if empty_rows in ("impossible", "zero"):
-        return out, node
+    nk = example_value(k).shape[2]
+    if empty_rows in ("impossible", "zero") or (isinstance(nk, int) and nk == 0):
+        return out, node  # no keys at all: eager's softmax row is empty and P.V is 0, the op's value
+    if empty_rows == "fill":
+        lse = call(graph, operator.getitem, node, 1)
+        res = _finite_fill(graph, q, v, out, lse, fill, causal=causal, diag_offset=diag_offset,
+                           window_left=window_left, window_right=window_right, bias=bias, kv_lens=kv_lens)
+        return res, node
     if empty_rows not in EMPTY_ROWS_KEPT:
         raise ValueError(f"empty_rows: cannot keep eager's value on fully masked rows for {empty_rows!r}")
     lse = call(graph, operator.getitem, node, 1)
@@ -149,3 +172,174 @@ def _uniform_row_grad(graph: fx.Graph, q: fx.Node, k: fx.Node, v: fx.Node, scale
     from q, k, v alone, which fa3::attention saves anyway: spelled out in the graph, the partitioner
     kept its fp32 intermediates (q and k sized) alive per layer for backward."""
     return call(graph, torch.ops.fa3.uniform_row_grad.default, q, k, v, float(scale))
+
+
+def _size(graph: fx.Graph, t: fx.Node, dim: int) -> Any:
+    s = example_value(t).shape[dim]
+    return s if isinstance(s, int) else call(graph, "size", t, dim, method=True)
+
+
+def _arange(graph: fx.Graph, t: fx.Node, dim: int) -> fx.Node:
+    """arange(t.shape[dim]) on t's device; no tensor input to take the fake mode from: t's (see _fake_mode)."""
+    tv = example_value(t)
+    n = graph.call_function(torch.arange, (_size(graph, t, dim),), dict(device=tv.device))
+    mode = _fake_mode([tv])
+    if mode is not None:
+        with mode:
+            n.meta["example_value"] = torch.arange(tv.shape[dim], device=tv.device)
+    return n
+
+
+def _keep_mask(graph: fx.Graph, q: fx.Node, v: fx.Node, *, causal: bool, diag_offset: Union[int, fx.Node],
+               window_left: int, window_right: int, bias: Optional[fx.Node], kv_lens: Optional[fx.Node]
+               ) -> Optional[fx.Node]:
+    """The op's admissible keys as a 4-d bool broadcasting to [B, Hq, Nq, Nk] (None: every key)."""
+    keep: Optional[fx.Node] = None
+    if causal or window_left >= 0 or window_right >= 0:
+        i, j = _arange(graph, q, 2), _arange(graph, v, 2)
+        d = call(graph, operator.sub, call(graph, torch.unsqueeze, j, 0), call(graph, torch.unsqueeze, i, 1))
+        if not (isinstance(diag_offset, int) and diag_offset == 0):
+            d = call(graph, operator.sub, d, diag_offset)  # d = j - i - diag_offset, as the op measures it
+        parts = []
+        if causal:
+            parts.append(call(graph, operator.le, d, 0))
+        if window_left >= 0:
+            parts.append(call(graph, operator.ge, d, -window_left))
+        if window_right >= 0:
+            parts.append(call(graph, operator.le, d, window_right))
+        keep = parts[0]
+        for x in parts[1:]:
+            keep = call(graph, torch.logical_and, keep, x)
+    if kv_lens is not None:
+        j = _arange(graph, v, 2)
+        kl = call(graph, operator.lt, call(graph, torch.unsqueeze, j, 0), call(graph, torch.unsqueeze, kv_lens, 1))
+        kl = call(graph, torch.unsqueeze, call(graph, torch.unsqueeze, kl, 1), 1)  # [B, 1, 1, Nk]
+        keep = kl if keep is None else call(graph, torch.logical_and, keep, kl)
+    if bias is not None and example_value(bias).dtype == torch.bool:
+        keep = bias if keep is None else call(graph, torch.logical_and, keep, bias)
+    if keep is not None:
+        while example_value(keep).dim() < 4:
+            keep = call(graph, torch.unsqueeze, keep, 0)
+    return keep
+
+
+def _key_shaped(causal: bool, window_left: int, window_right: int, bias: Optional[fx.Node],
+                kv_lens: Optional[fx.Node]) -> bool:
+    """The masked keys are the same for every query and head: key lengths and/or a bool [.., 1, 1, Nk] mask."""
+    if causal or window_left >= 0 or window_right >= 0:
+        return False
+    if bias is None:
+        return kv_lens is not None
+    bv = example_value(bias)
+    if bv.dtype != torch.bool:
+        return kv_lens is not None  # a float bias with key lengths: the lengths are the mask
+    shape = (1,) * (4 - bv.dim()) + tuple(bv.shape)
+    return shape[1] == 1 and shape[2] == 1
+
+
+def _fill_masked_keys(graph: fx.Graph, q: fx.Node, k: fx.Node, bias: Optional[fx.Node],
+                      kv_lens: Optional[fx.Node], c: float) -> tuple[fx.Node, fx.Node]:
+    """(k', bias') such that the op's scores are eager's: a masked key's row of K zeroed (its score is
+    scale * 0, softcap(0) = 0) plus the float bias c there, the other keys' bias unchanged. The softmax
+    is then eager's own, exact on every row; the gradient of K and of a float bias at masked keys is 0
+    (where), as eager's masked constants get none. Costs one [B, Hkv, Nk, D] where and a key bias."""
+    float_bias = bias if bias is not None and example_value(bias).dtype != torch.bool else None
+    keep = _keep_mask(graph, q, k, causal=False, diag_offset=0, window_left=-1, window_right=-1,
+                      bias=None if float_bias is not None else bias, kv_lens=kv_lens)  # [Bm, 1, 1, Nk]
+    k2 = call(graph, torch.where, call(graph, torch.transpose, keep, -2, -1), k, 0.0)
+    dt = example_value(q).dtype  # c is a value of the scores' dtype (the analysis cast it)
+    if float_bias is not None:
+        b2 = call(graph, torch.where, keep, float_bias, float(c))
+    else:
+        b2 = call(graph, "to", call(graph, torch.where, keep, 0.0, float(c)), dt, method=True)
+    return k2, b2
+
+
+def _band_masked_sums(graph: fx.Graph, q: fx.Node, v: fx.Node, *, causal: bool, diag_offset: Union[int, fx.Node],
+                      window_left: int, window_right: int, kv_lens: Optional[fx.Node]) -> tuple[fx.Node, fx.Node]:
+    """(n [Bm, 1, Nq, 1], masked sum of V [B, Hkv, Nq, Dv]), both in V's accumulation dtype, when row i
+    admits the keys lo_i <= j < hi_i (causal / window around diag_offset, j < kv_lens[b]): from a
+    prefix sum of V in fp64, so that total - (prefix[hi] - prefix[lo]) loses nothing to cancellation."""
+    vv = example_value(v)
+    acc = torch.promote_types(vv.dtype, torch.float32)
+    nk = _size(graph, v, 2)
+    i = _arange(graph, q, 2)
+    base = i if isinstance(diag_offset, int) and diag_offset == 0 else call(graph, operator.add, i, diag_offset)
+    lo: Any = call(graph, torch.zeros_like, i)
+    hi: Any = call(graph, torch.full_like, i, nk)
+    if causal:
+        hi = call(graph, torch.minimum, hi, call(graph, operator.add, base, 1))
+    if window_right >= 0:
+        hi = call(graph, torch.minimum, hi, call(graph, operator.add, base, window_right + 1))
+    if window_left >= 0:
+        lo = call(graph, torch.maximum, lo, call(graph, operator.sub, base, window_left))
+    hi = call(graph, torch.unsqueeze, hi, 0)  # [1, Nq]
+    lo = call(graph, torch.unsqueeze, lo, 0)
+    if kv_lens is not None:
+        lens = call(graph, torch.unsqueeze, call(graph, "to", kv_lens, torch.int64, method=True), 1)  # [B, 1]
+        hi = call(graph, torch.minimum, hi, lens)
+    lo = call(graph, torch.clamp, lo, 0, nk)
+    hi = call(graph, torch.maximum, call(graph, torch.clamp, hi, 0, nk), lo)  # an empty interval: hi = lo
+    lo4 = call(graph, torch.unsqueeze, call(graph, torch.unsqueeze, lo, 1), -1)  # [Bm, 1, Nq, 1]
+    hi4 = call(graph, torch.unsqueeze, call(graph, torch.unsqueeze, hi, 1), -1)
+    v64 = call(graph, "to", v, torch.float64, method=True)
+    prefix = call(graph, torch.cumsum, v64, 2)
+    zero = call(graph, torch.zeros_like, call(graph, torch.narrow, prefix, 2, 0, 1))
+    prefix = call(graph, torch.cat, [zero, prefix], 2)  # prefix[j] = sum of v[:j] (F.pad specializes sizes)
+    total = call(graph, torch.sum, v64, 2, keepdim=True)
+    sizes = (_size(graph, v, 0), _size(graph, v, 1), _size(graph, q, 2), _size(graph, v, 3))
+
+    def at(idx: fx.Node) -> fx.Node:  # prefix[..., idx, :] (take_along_dim's broadcast specializes sizes)
+        return call(graph, torch.gather, prefix, 2, call(graph, "expand", idx, *sizes, method=True))
+
+    inside = call(graph, operator.sub, at(hi4), at(lo4))
+    vsum = call(graph, "to", call(graph, operator.sub, total, inside), acc, method=True)
+    n = call(graph, "to", call(graph, operator.sub, nk, call(graph, operator.sub, hi4, lo4)), acc, method=True)
+    return n, vsum
+
+
+def _finite_fill(graph: fx.Graph, q: fx.Node, v: fx.Node, out: fx.Node, lse: fx.Node, c: float, *, causal: bool,
+                 diag_offset: Union[int, fx.Node], window_left: int, window_right: int, bias: Optional[fx.Node],
+                 kv_lens: Optional[fx.Node]) -> fx.Node:
+    """Eager's result when every masked score was replaced by the finite c, from the op's (out, lse) over
+    the admissible keys. With n masked keys in a row and Vm their mean value, eager's softmax gives
+    them the weight n e^c against e^lse, so exactly
+        O = sig * out + (1 - sig) * Vm,   sig = sigmoid(lse - c - log n)
+    (a fully masked row: lse = -inf, O = mean of V; n = 0: sig = 1). In fp32 sig is exactly 1 wherever
+    the fill is negligible, so those rows keep the op's out bit for bit. Gradients are eager's: masked
+    scores get none (they are constants), V at masked keys gets its share through Vm, and q, k get the
+    admissible scores' share through out and lse (fa3.attention differentiates its lse).
+
+    Precision: lse is fp32, rounded to half an ulp of |lse| (about |c| on the rows where the fill
+    matters), so the masked keys' share there has a relative error up to ulp(|c|) / 2: 2.4e-4 at
+    c = -1e4 (below fp16 / bf16 output rounding), 32 (e^32) at c = -1e9, where eager's own fp32
+    scores are rounded to 64. Rows where the fill is negligible are exact.
+
+    n and the masked sum of V: for a band (with key lengths or not) the admissible keys of a row are
+    one interval, so both come from prefix sums of V (fp64, no cancellation), O(Nk Dv) per batch and
+    head; a query-dependent bool mask takes one [.., Nq, Nk] x [Nk, Dv] product, O(Nq Nk Dv)."""
+    qv, vv = example_value(q), example_value(v)
+    hq, hkv = qv.shape[1], vv.shape[1]
+    acc = torch.promote_types(qv.dtype, torch.float32)
+    hm = 1
+    if bias is None or example_value(bias).dtype != torch.bool:
+        n, vsum = _band_masked_sums(graph, q, v, causal=causal, diag_offset=diag_offset, window_left=window_left,
+                                    window_right=window_right, kv_lens=kv_lens)
+    else:
+        keep = _keep_mask(graph, q, v, causal=causal, diag_offset=diag_offset, window_left=window_left,
+                          window_right=window_right, bias=bias, kv_lens=kv_lens)
+        masked = call(graph, "to", call(graph, torch.logical_not, keep), acc, method=True)
+        n = call(graph, torch.sum, masked, -1, keepdim=True)  # [Bm, Hm, Qm, 1]
+        vf = call(graph, "to", v, acc, method=True)
+        hm = example_value(masked).shape[1]
+        if hq != hkv and hm != 1:  # a per-head mask: each q head reads its kv head
+            vf = call(graph, torch.repeat_interleave, vf, hq // hkv, dim=1)
+        vsum = call(graph, torch.matmul, masked, vf)  # [B, Hm or Hkv, Qm, Dv]
+    if hq != hkv and hm == 1:
+        vsum = call(graph, torch.repeat_interleave, vsum, hq // hkv, dim=1)
+    vm = call(graph, torch.div, vsum, call(graph, torch.clamp, n, min=1.0))
+    x = call(graph, operator.sub, call(graph, torch.unsqueeze, lse, -1), call(graph, torch.log, n))
+    sig = call(graph, torch.sigmoid, call(graph, operator.sub, x, float(c)))
+    admitted = call(graph, torch.mul, sig, call(graph, "to", out, acc, method=True))
+    res = call(graph, torch.add, admitted, call(graph, torch.mul, call(graph, torch.rsub, sig, 1.0), vm))
+    return call(graph, "to", res, example_value(out).dtype, method=True)

@@ -11,7 +11,11 @@ For every softmax node (any spelling, see canonicalize.py):
   rewrite  q, k, v as the op's [B, H, N, D] views (transposes folded, repeat_kv / repeat_interleave /
            expand removed for native GQA, lossless upcasts dropped), one fa3.attention call, glue so
            every consumer of the P·V result sees the same shape and dtype; dead nodes go.
-Everything is decided before the graph is touched; a refusal leaves the graph as it was.
+  effects  writes into caller tensors are kept (`out=` of the P·V product: the result is copied into
+           it) or refused; a site spanning grad-mode regions gets eager's gradient flow (the op's
+           inputs that entered before a no_grad node are detached); see effects.py and regions.py.
+Everything is decided before the graph is touched; a refusal, or any failure while rewriting,
+leaves the graph as it was.
 """
 from __future__ import annotations
 
@@ -27,9 +31,11 @@ from . import emit
 from .canonicalize import (
     arg, constant_value, dropout_args, is_finite_number, is_inplace, is_symbolic_scalar, kind, softmax_args, tensor_of,
 )
+from .effects import GradFlow, chain_write, grad_flow, mutated_downstream, out_target, path_to, read_path
 from .emit import example_value
 from .gqa import unrepeat
 from .layout import Contraction, View, contraction, fold, identity
+from .regions import Regions
 from .shapes import known_eq, known_one
 from .site import MaskSpec, MaskTerm, PassOptions, SiteReport
 
@@ -383,6 +389,8 @@ def walk_probs(sm: fx.Node, options: PassOptions) -> Probs:
             _, p, training = dropout_args(u)
             if not isinstance(training, bool) or not is_finite_number(p):
                 raise Miss("dropout with a non-constant p or training flag")
+            if not 0 <= p <= 1:
+                raise Miss(f"dropout with p={p} outside [0, 1] (eager raises)")
             if training and p > 0:
                 if dropout_p:
                     raise Miss("two dropouts on the probabilities")
@@ -628,27 +636,104 @@ def _needs_contiguous(old: fx.Node, new_val: torch.Tensor, depth: int = 3) -> bo
 
 
 def _where(node: fx.Node) -> str:
-    trace = node.meta.get("stack_trace") or ""
-    loc = ""
-    for line in trace.strip().splitlines():
-        line = line.strip()
-        if line.startswith("File "):
-            parts = line.split('"')
-            if len(parts) >= 3:
-                f = parts[1].replace("\\", "/").rsplit("/", 1)[-1]
-                ln = parts[2].split("line")[-1].split(",")[0].strip()
-                loc = f"{f}:{ln}"
-    return f"{node.name} at {loc}" if loc else node.name
+    from .source_location import location
+
+    return location(node)
 
 
 def _shape(t: Any) -> Optional[tuple]:
     return tuple(t.shape) if isinstance(t, torch.Tensor) else None
 
 
+def _effects(ctx: "_Ctx", scores: Scores, probs: Probs, q: View, k: View, v: View, own: set) -> GradFlow:
+    """The site's writes and grad-mode regions (see effects.py): Miss when they cannot be kept,
+    else which of the op's inputs eager's gradient does not reach."""
+    qk, pv = scores.contraction, probs.pv
+    o_node = pv.node
+    regions = ctx.regions
+    paths = [path_to(qk.lhs.node, q.node), path_to(qk.rhs.node, k.node), path_to(pv.rhs.node, v.node)]
+    if any(p is None for p in paths):
+        if regions.markers:
+            raise Miss("cannot tell which nodes q, k, v are read through, and the graph changes global state")
+        paths = [[], [], []]
+    q_path, k_path, v_path = paths
+    read = set(q_path) | set(k_path) | set(v_path)
+    first = min((n for n in read | {qk.node} if n in ctx.pos), key=ctx.pos.get, default=qk.node)
+    if ctx.mutation_between(first, o_node, own | read):
+        raise Miss("a tensor is modified in place between the scores and the P·V product")
+    chain = [qk.node] + list(reversed(scores.nodes)) + probs.nodes  # Q·Kᵀ .. P·V, in program order
+    why = chain_write(q_path + k_path + v_path + chain, own, keep_out=o_node)
+    if why:
+        raise Miss(why)
+    o_out = out_target(o_node)
+    if o_out is not None:
+        ov, o_val = tensor_of(o_out), tensor_of(o_node)
+        if ov is None or o_val is None or ov.dtype != o_val.dtype or not _same(list(ov.shape), list(o_val.shape)):
+            raise Miss("the P·V product writes into an out= tensor of another shape or dtype")
+        if any(tensor_of(t.node) is not None and tensor_of(t.node).requires_grad for t in (q, k, v)):
+            raise Miss("the P·V product writes into out= while its inputs require grad (eager raises)")
+    # no early return without grad-mode markers: a term read through `.detach()` is a cut too
+    why = regions.grad_cut(q_path + k_path + v_path + chain)
+    if why:
+        raise Miss(why)
+    entries = [(t.tensor, _entry(t.tensor, chain)) for t in scores.terms]
+    entries += [(f, _entry(f, chain)) for f, _, _ in scores.factors]
+    try:
+        return grad_flow(regions, chain, read_path(q_path, q.node), read_path(k_path, k.node),
+                         read_path(v_path, v.node), entries)
+    except ValueError as e:
+        raise Miss(str(e)) from None
+
+
+def _entry(t: Any, chain: list) -> fx.Node:
+    """The chain node where a mask term or scale factor enters the scores."""
+    if not isinstance(t, fx.Node):
+        return chain[0]
+    for n in chain:
+        if t in n.all_input_nodes:
+            return n
+    raise Miss(f"cannot tell where {t.name} enters the scores")
+
+
+def _grad_source_below(node: Any, depth: int = 16) -> bool:
+    """Is `node` computed, along its chain of one-tensor ops, from a tensor that needs a gradient?"""
+    n = node
+    for _ in range(depth):
+        ins = [a for a in n.all_input_nodes if tensor_of(a) is not None] if isinstance(n, fx.Node) else []
+        if len(ins) != 1:
+            return False
+        n = ins[0]
+        if tensor_of(n).requires_grad:
+            return True
+    return False
+
+
+def _bias_cut(scores: Scores, flow: GradFlow) -> bool:
+    """Whether the op's bias is detached: when eager's gradient reaches none of the mask terms (the
+    mask analysis may read a term through its views down to a tensor that needs one, e.g.
+    `bias.reshape(B*H, N, N)` made under no_grad read as `bias`). Miss when it reaches some terms and
+    is cut before others that lead to a tensor needing one (they are one bias in the op)."""
+    tensors = [t.tensor for t in scores.terms if tensor_of(t.tensor) is not None]
+    live = [t for t in tensors if tensor_of(t).requires_grad and t not in flow.detach_entries]
+    if not live:
+        return True
+    if any(t in flow.detach_entries and (tensor_of(t).requires_grad or _grad_source_below(t)) for t in tensors):
+        raise Miss("mask terms that need a gradient are combined with one whose gradient is cut "
+                   "(a grad-mode change or detach) before a tensor that needs one: they are one bias in the op")
+    return False
+
+
+def _detached(o: "_Out", node: Any) -> Any:
+    """node.detach() where it carries a gradient: eager computed with it under no_grad."""
+    t = tensor_of(node)
+    return o.call("detach", node, method=True) if t is not None and t.requires_grad else node
+
+
 class _Ctx:
-    """Per-graph facts computed once: node order and in-place mutations."""
+    """Per-graph facts computed once: node order, in-place mutations, global-state regions."""
 
     def __init__(self, gm: fx.GraphModule):
+        self.regions = Regions(gm)
         self.pos: dict = {}
         self.mutations: list[int] = []
         for i, n in enumerate(gm.graph.nodes):
@@ -691,8 +776,6 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
         raise Miss("the P·V contraction broadcasts the probabilities to more batch dims")
     qk_regroup, v_regroup = not _same(inner_bd, bd), not _same(p_bd, bd)
     own = set(scores.nodes) | set(probs.nodes) | {qk.node}
-    if ctx.mutation_between(qk.node, o_node, own):
-        raise Miss("a tensor is modified in place between the scores and the P·V product")
 
     q = fold(qk.lhs)
     k = fold(qk.rhs.swap_last())
@@ -727,6 +810,9 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
     for i in range(nb):
         if not (known_one(qb[i]) or known_eq(qb[i], bd[i])):
             raise Miss(f"q's batch dim {i} does not match the scores'")
+    if not math.isfinite(scale):
+        raise Miss(f"the scores' scale is not finite ({scale})")
+    flow = _effects(ctx, scores, probs, q, k, v, own)
 
     # dtypes: drop lossless upcasts when all three agree; otherwise compute in their common dtype
     base = [tensor_of(t.node).dtype for t in (q, k, v)]
@@ -737,6 +823,13 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
         dtype = logical[0]
     else:
         dtype = torch.promote_types(torch.promote_types(logical[0], logical[1]), logical[2])
+    qk_dt = tensor_of(qk.node).dtype
+    if qk_dt != qk.lhs.dtype or qk_dt != qk.rhs.dtype or o_val.dtype != pv.lhs.dtype or o_val.dtype != pv.rhs.dtype:
+        # autocast: eager's products computed in their output dtype, whatever their operands' dtype
+        if qk_dt != o_val.dtype:
+            raise Miss(f"the Q·Kᵀ and P·V products compute in different dtypes ({qk_dt}, {o_val.dtype}: autocast)")
+        dtype = qk_dt
+    o_out = out_target(o_node)
 
     graph = gm.graph
     o = _Out(graph, o_node)
@@ -753,12 +846,20 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
             spec.empty_rows = "mean_v"  # -inf became finfo.min: a fully masked row is uniform
         if spec.empty_rows == "unknown":
             raise Miss("cannot keep eager's value on fully masked rows for this mask")
+        if spec.empty_rows == "fill" and probs.dropout_p:
+            raise Miss(f"a finite fill {spec.fill} with dropout: eager drops the masked keys' weights too, "
+                       "which the rewrite cannot keep")
         with graph.inserting_before(o_node):
             qn, kn, vn = _materialize(o, q, dtype), _materialize(o, k, dtype), _materialize(o, v, dtype)
+            qn = _detached(o, qn) if flow.detach_q else qn
+            kn = _detached(o, kn) if flow.detach_k else kn
+            vn = _detached(o, vn) if flow.detach_v else vn
+            # a regroup may read x for x.reshape(B*H, N, D): not where the gradient is cut at the reshape
             if qk_regroup:
-                qn, kn = _regroup(o, qn, inner_bd, bd, full=True), _regroup(o, kn, inner_bd, bd, full=True)
+                qn = _regroup(o, qn, inner_bd, bd, full=True, see_through=not flow.detach_q)
+                kn = _regroup(o, kn, inner_bd, bd, full=True, see_through=not flow.detach_k)
             if v_regroup:
-                vn = _regroup(o, vn, p_bd, bd, full=True)
+                vn = _regroup(o, vn, p_bd, bd, full=True, see_through=not flow.detach_v)
             while tensor_of(qn).dim() < nb + 2:
                 qn = o.call(torch.unsqueeze, qn, 0)
             while tensor_of(kn).dim() < nb + 2:
@@ -783,7 +884,7 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
                 if not known_eq(tensor_of(vo).shape[0], Bq):
                     vo = o.call("expand", vo, o.size(qo, 0), -1, -1, -1, method=True)
             for node, how, fb in scores.factors:
-                f = node
+                f = _detached(o, node) if node in flow.detach_entries else node
                 ft = tensor_of(f)
                 if isinstance(ft, torch.Tensor):
                     if ft.dim() > 0:
@@ -795,7 +896,7 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
                 qo = o.call(operator.mul if how == "mul" else operator.truediv, qo, f)
             bias = spec.bias
             if bias is not None:
-                bias = b.bias_to_op(bias)
+                bias = b.bias_to_op(_detached(o, bias) if _bias_cut(scores, flow) else bias)
             kv_lens = spec.kv_lens
             if kv_lens is not None:
                 kl = tensor_of(kv_lens)
@@ -813,6 +914,7 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
                 graph, qo, ko, vo, scale=scale, causal=spec.causal, diag_offset=spec.diag_offset,
                 window_left=spec.window_left, window_right=spec.window_right, bias=bias, kv_lens=kv_lens,
                 softcap=scores.softcap, dropout_p=probs.dropout_p, kernel=options.kernel, empty_rows=spec.empty_rows,
+                fill=spec.fill,
             )
             o.made.append(out)
             res = b.out_from_op(out, q_padded)
@@ -822,30 +924,35 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
                 res = o.call(torch.permute, res, pv.out_perm)
             if tensor_of(res).dtype != o_val.dtype:
                 res = o.call("to", res, o_val.dtype, method=True)
+            if o_out is None and mutated_downstream(o_node):
+                res = o.call("clone", res, method=True)  # `o += x` must not write into the op's saved output
             if _needs_contiguous(o_node, tensor_of(res)):
                 res = o.call("contiguous", res, method=True)
+            if o_out is not None:
+                res = o.call("copy_", o_out, res, method=True)  # `out=`: the caller's tensor gets the result
+
+        qv, kv_, vv = tensor_of(qo), tensor_of(ko), tensor_of(vo)
+        rep.q_shape, rep.k_shape, rep.v_shape = _shape(qv), _shape(kv_), _shape(vv)
+        rep.dtype = str(dtype)
+        rep.mask = spec.kind if scores.terms else "none"
+        hq, hkv = qv.shape[1], kv_.shape[1]
+        if not known_eq(hq, hkv):
+            how = "repeat removed" if group > 1 else "broadcast"
+            rep.gqa = f"Hq={hq}/Hkv={hkv} ({how})"
+        rep.softcap = scores.softcap
+        rep.dropout_p = probs.dropout_p
+        rep.scale = scale if not scores.factors else f"{scale:g} * tensor factors"
     except Miss:
         o.rollback()
         raise
-    except Exception as e:  # a fake run rejected the glue: leave the site alone
+    except Exception as e:  # a fake run rejected the glue, or an unforeseen failure: leave the site alone
         o.rollback()
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise Miss(f"rewrite failed on this site's tensors: {msg}") from e
+        raise Miss(f"rewrite failed: {type(e).__name__}: {msg}") from e
+    # the commit: nothing below raises (_erase_dead skips what it cannot erase)
     o_node.replace_all_uses_with(res)
     _erase_dead(graph, [o_node] + list(reversed(probs.nodes)) + scores.nodes + [qk.node])
-
-    qv, kv_, vv = tensor_of(qo), tensor_of(ko), tensor_of(vo)
     rep.rewritten = True
-    rep.q_shape, rep.k_shape, rep.v_shape = _shape(qv), _shape(kv_), _shape(vv)
-    rep.dtype = str(dtype)
-    rep.mask = spec.kind if scores.terms else "none"
-    hq, hkv = qv.shape[1], kv_.shape[1]
-    if not known_eq(hq, hkv):
-        how = "repeat removed" if group > 1 else "broadcast"
-        rep.gqa = f"Hq={hq}/Hkv={hkv} ({how})"
-    rep.softcap = scores.softcap
-    rep.dropout_p = probs.dropout_p
-    rep.scale = scale if not scores.factors else f"{scale:g} * tensor factors"
     rep.call = call
     return rep
 
@@ -862,9 +969,11 @@ def _target_sizes(sizes: list) -> list:
     return [-1 if i in sym else s for i, s in enumerate(sizes)]
 
 
-def _regroup(o: "_Out", node: Any, from_bd: list, to_bd: list, full: bool = False) -> Any:
+def _regroup(o: "_Out", node: Any, from_bd: list, to_bd: list, full: bool = False, see_through: bool = True) -> Any:
     """A tensor broadcasting to [*from_bd, X, Y] -> the same values broadcasting to [*to_bd, X, Y]
-    (the batch dims regrouped as a view/reshape of the scores does). full: node has from_bd exactly."""
+    (the batch dims regrouped as a view/reshape of the scores does). full: node has from_bd exactly.
+    see_through: `x.reshape(B*H, N, D)` may be regrouped by reading x (False where eager's gradient
+    stops at the reshape, e.g. one made under no_grad: reading x would give x a gradient)."""
     t = tensor_of(node)
     if t is None:
         return node  # a Python scalar broadcasts anywhere
@@ -883,7 +992,7 @@ def _regroup(o: "_Out", node: Any, from_bd: list, to_bd: list, full: bool = Fals
             raise Miss("a broadcast mask must be expanded along a symbolic batch dim")
         node = o.call("expand", node, *need, -1, -1, method=True)
     want = list(to_bd) + list(tensor_of(node).shape[-2:])
-    src = node.args[0] if kind(node) == "reshape" and node.args else None
+    src = node.args[0] if see_through and kind(node) == "reshape" and node.args else None
     if tensor_of(src) is not None and _same(list(tensor_of(src).shape), want):
         return src  # x.reshape(B*H, N, D) regrouped back to [B, H, N, D] is x itself
     last = [o.size(node, -2), o.size(node, -1)]
@@ -903,8 +1012,8 @@ def _absorb_scale(v: View, scale: float) -> tuple[View, float]:
     for _ in range(4):
         n = v.node
         k = kind(n)
-        if k not in ("mul", "div") or len(n.users) != 1:
-            break
+        if k not in ("mul", "div") or len(n.users) != 1 or is_inplace(n):
+            break  # `q *= c` writes into q itself: the op must read the scaled tensor
         a, b = n.args[0], arg(n, 1, "other")
         if k == "mul" and is_finite_number(a) and isinstance(b, fx.Node):
             a, b = b, a

@@ -1,8 +1,10 @@
 """Shared plumbing of the fused-call rewrites (SDPA, MultiheadAttention, encoder layer).
 
 A rewrite inserts many glue nodes before it knows it can finish (a view that turns out to need a
-copy, a value with no FakeTensor); `Builder` records what it inserted so a refusal can take it all
-back and leave the graph exactly as it was.
+copy, a value with no FakeTensor); `Builder` records what it inserted, which users it pointed at
+the new result, and which nodes are to go, so a refusal -- or any exception inside the rewrite --
+takes it all back and leaves the graph exactly as it was. Nodes are erased only once the rewrite
+has finished.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ class Builder:
         self.nodes: list[fx.Node] = []
         self._before = set(graph.nodes)  # rollback also removes what emit.* inserted on our behalf
         self.pending_cache: dict = {}  # results worth sharing with later sites, kept only on success
+        self.repointed: list[tuple[fx.Node, Any]] = []  # (user, its example value before) of replaced nodes
+        self.doomed: list[fx.Node] = []  # erased when the rewrite succeeds
 
     def _add(self, node: fx.Node, what: str) -> fx.Node:
         self.nodes.append(node)  # tracked before the fake run, so rollback removes it on failure
@@ -55,11 +59,36 @@ class Builder:
         s = example_value(t).shape[dim]
         return s if isinstance(s, int) else self.m("size", t, dim)
 
+    def replace(self, old: fx.Node, new: fx.Node) -> None:
+        """Point old's users at new (see `replace_output`) and erase old once the rewrite succeeds."""
+        for user in old.users:
+            self.repointed.append((user, old, user.meta.get("example_value")))
+        replace_output(self.graph, old, new)
+        self.doomed.append(old)
+
+    def erase(self, node: fx.Node) -> None:
+        self.doomed.append(node)
+
+    def commit(self) -> None:
+        for n in self.doomed:
+            if not n.users:
+                self.graph.erase_node(n)
+        self.doomed.clear()
+
     def rollback(self) -> None:
+        # a repointed user had only original inputs: whatever new node it reads now stands for `old`
+        for user, old, val in reversed(self.repointed):
+            for a in list(user.all_input_nodes):
+                if a not in self._before:
+                    user.replace_input_with(a, old)
+            if val is not None:
+                user.meta["example_value"] = val
         for n in reversed(list(self.graph.nodes)):
             if n not in self._before:
                 self.graph.erase_node(n)
         self.nodes.clear()
+        self.repointed.clear()
+        self.doomed.clear()
 
 
 def tensor_value(node: Any, name: str) -> torch.Tensor:
@@ -105,15 +134,10 @@ def shape_of(val: Any) -> Optional[tuple]:
 
 
 def where(node: fx.Node) -> str:
-    """The node name and the user's source line, when Dynamo recorded it."""
-    trace = node.meta.get("stack_trace") or ""
-    lines = [l.strip() for l in trace.strip().splitlines() if l.strip()]
-    files = [l for l in lines if l.startswith("File ")]
-    if files:
-        loc = files[-1].split(", in ")[0].replace("File ", "")
-        code = lines[-1] if not lines[-1].startswith("File ") else ""
-        return f"{node.name} ({loc}: {code})" if code else f"{node.name} ({loc})"
-    return node.name
+    """The node's module path (or name) and the user's source line, when Dynamo recorded it."""
+    from .source_location import location
+
+    return location(node)
 
 
 def report(form: str, node: fx.Node, **fields: Any) -> SiteReport:
@@ -121,15 +145,22 @@ def report(form: str, node: fx.Node, **fields: Any) -> SiteReport:
 
 
 def guarded_rewrite(form: str, graph: fx.Graph, node: fx.Node, body: Callable[[Builder, SiteReport], None]) -> SiteReport:
-    """Run `body(builder, report)` before `node`; a Refuse rolls back every inserted node and says why."""
+    """Run `body(builder, report)` before `node`, then erase what it replaced. A Refuse -- or any
+    other exception: a refusal never fails the compile -- rolls back every edit and says why."""
     rep = report(form, node)
     b = Builder(graph)
     try:
         with graph.inserting_before(node):
             body(b, rep)
-    except Refuse as e:
+        b.commit()
+    except Exception as e:
         b.rollback()
-        rep.rewritten, rep.reason, rep.call = False, str(e), None
+        if isinstance(e, Refuse):
+            why = str(e)
+        else:
+            first = str(e).splitlines()[0] if str(e) else ""
+            why = f"rewrite failed: {type(e).__name__}: {first}"
+        rep.rewritten, rep.reason, rep.call = False, why, None
     return rep
 
 
@@ -138,7 +169,14 @@ def replace_output(graph: fx.Graph, old: fx.Node, new: fx.Node) -> None:
 
     The op's output is stored BSHD (free for the usual transpose + reshape); a few models call
     `.view` directly on SDPA's (contiguous) result, which those strides may not allow.
+    A result of another shape or dtype than eager's (an autocast region, say) is refused.
     """
+    ov, nv = example_value(old), example_value(new)
+    if isinstance(ov, torch.Tensor) and isinstance(nv, torch.Tensor):
+        if ov.dtype != nv.dtype:
+            raise Refuse(f"the rewrite computes a {nv.dtype} result where eager's is {ov.dtype} (autocast?)")
+        if ov.dim() != nv.dim() or not all(same_size(a, b) for a, b in zip(ov.shape, nv.shape)):
+            raise Refuse(f"the rewrite's result has shape {tuple(nv.shape)}, eager's {tuple(ov.shape)}")
     old.replace_all_uses_with(new)
     for user in list(new.users):
         if not ((user.op == "call_method" and user.target == "view") or user.target is torch.Tensor.view):
@@ -156,7 +194,8 @@ def default_scale(b: "Builder", t: fx.Node, head_dim: Any) -> Any:
     """1/sqrt(head dim): a float, or (head dim symbolic under dynamic=True) a SymFloat node that
     emit_attention folds into q."""
     if isinstance(head_dim, int):
-        return 1.0 / math.sqrt(head_dim)
+        # Head dim 0: the scores are an empty sum, 0 at any scale (eager gives the mean of V).
+        return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
     d = b.size(t, -1)
     node = b.graph.call_function(operator.pow, (d, -0.5))
     b.nodes.append(node)
@@ -174,6 +213,15 @@ def runtime_scale(node: fx.Node) -> Any:
     if isinstance(ev, torch.Tensor) and ev.dim() == 0 and ev.dtype.is_floating_point:
         return node
     raise Refuse(f"scale {node.name} is neither a number nor a 0-d float tensor")
+
+
+def check_scalars(dropout_p: float, scale: Any = None) -> None:
+    """Refuse scalar arguments the op rejects, where eager computes something (zeros for p = 1, NaN
+    for a NaN scale): the call stays as written and eager's semantics with it."""
+    if not (0.0 <= dropout_p < 1.0):
+        raise Refuse(f"dropout_p={dropout_p} is outside [0, 1)")
+    if isinstance(scale, float) and not math.isfinite(scale):
+        raise Refuse(f"scale={scale} is not finite")
 
 
 def options_allow_dropout(options: PassOptions, dropout_p: float) -> None:

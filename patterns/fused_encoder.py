@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .fused_common import Builder, Refuse, const, guarded_rewrite, replace_output, static_int, tensor_value
+from .fused_common import Builder, Refuse, const, guarded_rewrite, static_int, tensor_value
 from .fused_mha import native_attention
 from .site import PassOptions, SiteReport
 
@@ -85,7 +85,6 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, c
     x = b.f(torch.add, b.m("view_as", h, residual), residual)
     if not norm_first:
         x = norm(x, 2)
-    replace_output(b.graph, node, x)
-    b.graph.erase_node(node)
+    b.replace(node, x)
     rep.rewritten, rep.call = True, call
     cache.update(b.pending_cache)

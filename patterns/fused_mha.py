@@ -26,7 +26,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .fused_common import (
-    Builder, Refuse, const, emit_attention, guarded_rewrite, options_allow_dropout, replace_output, shape_of, static_int,
+    Builder, Refuse, check_scalars, const, emit_attention, guarded_rewrite, options_allow_dropout, shape_of, static_int,
     structured_mask, tensor_value,
 )
 from .site import PassOptions, SiteReport
@@ -63,13 +63,12 @@ def _split_outputs(node: fx.Node, weights_needed: bool) -> tuple[list, list]:
     return outs, weights
 
 
-def _finish(graph: fx.Graph, node: fx.Node, outs: list, weights: list, new_out: fx.Node) -> None:
+def _finish(b: Builder, node: fx.Node, outs: list, weights: list, new_out: fx.Node) -> None:
     for o in outs:
-        replace_output(graph, o, new_out)
-        graph.erase_node(o)
+        b.replace(o, new_out)
     for w in weights:
-        graph.erase_node(w)
-    graph.erase_node(node)
+        b.erase(w)
+    b.erase(node)
 
 
 def _linear(b: Builder, x: fx.Node, w: fx.Node, bias: Any) -> fx.Node:
@@ -135,6 +134,7 @@ def _rewrite_mha(b: Builder, node: fx.Node, options: PassOptions, rep: SiteRepor
             raise Refuse(f"{name} is given (precomputed keys/values replace the projection)")
     training = bool(const(a["training"], "training"))
     dropout_p = float(const(a["dropout_p"], "dropout_p")) if training else 0.0
+    check_scalars(dropout_p)
     options_allow_dropout(options, dropout_p)
     is_causal = bool(const(a["is_causal"], "is_causal"))
     add_zero_attn = bool(const(a["add_zero_attn"], "add_zero_attn"))
@@ -244,7 +244,7 @@ def _rewrite_mha(b: Builder, node: fx.Node, options: PassOptions, rep: SiteRepor
     out = _linear(b, out, a["out_proj_weight"], a["out_proj_bias"])
     if unbatched:
         out = b.m("squeeze", out, 1)
-    _finish(b.graph, node, outs, weights, out)
+    _finish(b, node, outs, weights, out)
     rep.rewritten, rep.call = True, call
     cache.update(b.pending_cache)
 
@@ -316,7 +316,7 @@ def _rewrite_native(b: Builder, graph: fx.Graph, node: fx.Node, options: PassOpt
         a["proj_weight"], a["proj_bias"], a["mask"], a["mask_type"], options, rep, node,
         {} if cache is None else cache,
     )
-    _finish(graph, node, outs, weights, out)
+    _finish(b, node, outs, weights, out)
     rep.rewritten, rep.call = True, call
     if cache is not None:
         cache.update(b.pending_cache)

@@ -22,8 +22,9 @@ import torch
 import torch.fx as fx
 
 from . import emit
+from .effects import mutated_downstream
 from .fused_common import (
-    Builder, Refuse, const, default_scale, emit_attention, guarded_rewrite, options_allow_dropout, replace_output,
+    Builder, Refuse, check_scalars, const, default_scale, emit_attention, guarded_rewrite, options_allow_dropout,
     runtime_scale, same_size, shape_of, structured_mask, tensor_value,
 )
 from .site import PassOptions, SiteReport
@@ -167,6 +168,7 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, c
     else:
         scale = float(scale)
     rep.scale = scale if isinstance(scale, float) else f"{scale.name} (run time)"
+    check_scalars(dropout_p, scale)
 
     q4, k4, v4 = (_to_4d(b, t, nd, n) for t, n in ((q, "query"), (k, "key"), (v, "value")))
     q4v = tensor_value(q4, "query")
@@ -180,6 +182,13 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, c
         rep.gqa = _gqa(hq, hkv, enable_gqa, repeat_removed)
     k4 = _expand_batch(b, k4, batch, "key")
     v4 = _expand_batch(b, v4, batch, "value")
+    out_dtype = tensor_value(node, "output").dtype
+    if out_dtype != qv.dtype:
+        # autocast: SDPA ran on its floating inputs cast to the region's dtype, the mask included
+        q4, k4, v4 = (b.m("to", t, out_dtype) for t in (q4, k4, v4))
+        rep.dtype = str(out_dtype).replace("torch.", "")
+        if isinstance(mask, fx.Node) and tensor_value(mask, "attn_mask").dtype.is_floating_point:
+            mask = b.m("to", mask, out_dtype)
 
     mask_args: dict = dict(causal=is_causal, diag_offset=0, bias=None, empty_rows="impossible")
     if mask is not None:
@@ -207,8 +216,9 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, c
     elif nd > 4:
         lead = [b.size(q, i) for i in range(nd - 3)]
         out = b.m("unflatten", out4, 0, tuple(lead))
-    replace_output(b.graph, node, out)
-    b.graph.erase_node(node)
+    if mutated_downstream(node):
+        out = b.m("clone", out)  # `o += x` must not write into the op's output, which autograd saved
+    b.replace(node, out)
     rep.rewritten, rep.call = True, call
     cache.update(b.pending_cache)
 

@@ -1,7 +1,13 @@
-"""The graph pass: canonicalize -> find sites -> rewrite, on a Dynamo GraphModule, in place."""
+"""The graph pass: canonicalize -> find sites -> rewrite, on a Dynamo GraphModule, in place.
+
+A refusal never fails the compile: every site is rewritten in a transaction of its own (a failure
+inside it rolls its edits back and becomes that site's Miss), and should anything escape a step,
+the graph is restored to what it was before the pass and every site reports why it was left as
+the user wrote it.
+"""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.fx as fx
 
@@ -11,15 +17,78 @@ from .find_sites import rewrite_softmax_sites
 from .site import PassOptions, SiteReport
 
 
-def rewrite_attention(gm: fx.GraphModule, options: Optional[PassOptions] = None) -> list[SiteReport]:
-    """Rewrite every provable attention site of `gm` to fa3.attention; report every site seen."""
-    options = options or PassOptions()
+class GraphRecord:
+    """The graph as the pass found it, to put back in place should a step fail: every node with the
+    inputs and example value it had (references only, so taking it costs one walk over the nodes).
+    Restoring keeps the original node objects (Dynamo keeps state on placeholders), re-creates the
+    ones the pass erased and removes every node it added."""
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        self.nodes = [(n, n.args, n.kwargs, n.meta.get("example_value")) for n in graph.nodes]
+
+    def restore(self) -> None:
+        graph = self.graph
+        env: dict = {}
+        look = lambda a: env.get(a, a)  # noqa: E731
+        cursor = None
+        for n, args, kwargs, val in self.nodes:
+            args, kwargs = fx.node.map_arg(args, look), fx.node.map_arg(kwargs, look)
+            if getattr(n, "_erased", False):
+                with graph.inserting_after(cursor) if cursor is not None else graph.inserting_before(None):
+                    m = graph.create_node(n.op, n.target, args, kwargs, name=n.name, type_expr=n.type)
+                m.meta = n.meta
+                env[n] = m
+                cursor = m
+                continue
+            n.args, n.kwargs = args, kwargs
+            if val is not None:
+                n.meta["example_value"] = val
+            cursor = n
+        kept = {env.get(n, n) for n, *_ in self.nodes}
+        for n in reversed(list(graph.nodes)):
+            if n not in kept:
+                graph.erase_node(n)
+
+
+def _canonicalize(gm: fx.GraphModule, options: PassOptions) -> list[SiteReport]:
     canonicalize(gm)
-    reports = rewrite_fused_calls(gm, options)
-    reports += rewrite_softmax_sites(gm, options)
+    return []
+
+
+def _finish(gm: fx.GraphModule, reports: list[SiteReport]) -> None:
     if any(r.rewritten for r in reports):
         # fx's default purity test treats call_method in-place ops (`y.add_(1)`, no users) as dead
         gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or is_inplace(n))
         gm.graph.lint()
         gm.recompile()
+
+
+STEPS: tuple[tuple[str, Callable[[fx.GraphModule, PassOptions], list[SiteReport]]], ...] = (
+    ("canonicalize", _canonicalize),
+    ("fused calls", rewrite_fused_calls),
+    ("softmax sites", rewrite_softmax_sites),
+)
+
+
+def rewrite_attention(gm: fx.GraphModule, options: Optional[PassOptions] = None) -> list[SiteReport]:
+    """Rewrite every provable attention site of `gm` to fa3.attention; report every site seen."""
+    options = options or PassOptions()
+    record = GraphRecord(gm.graph)
+    reports: list[SiteReport] = []
+    step = "finish"
+    try:
+        for step, run in STEPS:
+            reports += run(gm, options)
+        step = "finish"
+        _finish(gm, reports)
+    except Exception as e:  # a failure no site's own guard caught: give the user back their graph
+        record.restore()
+        gm.recompile()
+        msg = str(e).splitlines()[0] if str(e) else ""
+        why = f"the pass failed in its {step} step ({type(e).__name__}: {msg}); the graph is left as traced"
+        for r in reports:
+            r.rewritten, r.call = False, None
+            r.reason = why if r.reason is None else r.reason
+        reports.append(SiteReport(form="pass", rewritten=False, reason=why))
     return reports

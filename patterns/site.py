@@ -69,7 +69,9 @@ class MaskSpec:
     every score of the row equal, with no gradient to those scores: masked_fill / where), "mean_v_add"
     (the same value, from one additive mask that absorbed every score of the row, s + c == c: the
     addition passes the gradient, so eager's q and k get softmax's gradient at uniform probabilities
-    from that row), "zero" (eager gives 0, e.g. SDPA), or "unknown" (refuse if
+    from that row), "zero" (eager gives 0, e.g. SDPA), "fill" (masked scores are replaced by the finite
+    `fill`, which admissible scores below it do not outweigh: emit adds the masked keys' exact
+    share on every row, fully masked ones included), or "unknown" (refuse if
     structure was extracted; passing the untouched mask as bias keeps eager's own arithmetic).
     """
 
@@ -81,3 +83,4 @@ class MaskSpec:
     kv_lens: Any = None  # fx.Node producing int [B]
     bias: Any = None  # fx.Node producing the residual float/bool mask
     empty_rows: str = "impossible"
+    fill: Optional[float] = None  # empty_rows "fill": the finite value eager writes over every masked score

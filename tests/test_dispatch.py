@@ -46,7 +46,7 @@ def fake_args(b=2, hq=4, hkv=4, nq=64, nk=64, d=64, dv=None, dtype=BF16, device=
     with mode:
         q = torch.empty(b, nq, hq, d, device=device, dtype=dtype).transpose(1, 2)  # BSHD storage, as models have
         k = torch.empty(b, nk, hkv, d, device=device, dtype=dtype).transpose(1, 2)
-        v = torch.empty(b, nk, hkv, dv or d, device=device, dtype=dtype).transpose(1, 2)
+        v = torch.empty(b, nk, hkv, d if dv is None else dv, device=device, dtype=dtype).transpose(1, 2)
         if isinstance(kw.get("bias"), tuple):
             shape, bdt = kw["bias"]
             kw["bias"] = torch.empty(shape, device=device, dtype=bdt)
@@ -54,7 +54,7 @@ def fake_args(b=2, hq=4, hkv=4, nq=64, nk=64, d=64, dv=None, dtype=BF16, device=
             kw["kv_lens"] = torch.empty(b, device=device, dtype=torch.int32)
         if kw.get("dropout_p"):
             kw["dropout_seed"] = torch.empty((), device=device, dtype=torch.int64)
-    kw.setdefault("scale", 1 / math.sqrt(d))
+    kw.setdefault("scale", 1 / math.sqrt(d) if d else 1.0)
     return AttentionArgs(q=q, k=k, v=v, **kw)
 
 
@@ -185,6 +185,8 @@ def _fa3_semantics_forward(q, k, v, seqused_k=None, softmax_scale=None, causal=F
     """FA3's documented semantics, written independently: BSHD, bounds around i + Nk - Nq."""
     b, nq, hq, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
+    # FA3 reads seqused_k keys of each batch entry: out-of-range lengths must have been clamped
+    assert seqused_k is None or (seqused_k.dtype == torch.int32 and 0 <= seqused_k.min() and seqused_k.max() <= nk)
     qh, kh, vh = (t.transpose(1, 2).double() for t in (q, k, v))
     kh, vh = kh.repeat_interleave(hq // hkv, 1), vh.repeat_interleave(hq // hkv, 1)
     s = qh @ kh.transpose(-2, -1) * softmax_scale
@@ -214,14 +216,56 @@ FA3_PLUMBING = [
     (40, 16, dict(causal=True, diag_offset=-24)),                      # Nq > Nk: empty rows
     (1, 40, dict(causal=True, diag_offset=39)),                        # decode: the bound is vacuous
     (16, 40, dict(kv_lens=[40, 7, 0])),                                # key padding, one empty batch
+    (16, 40, dict(kv_lens=[55, -3, 7])),                               # out of [0, Nk]: clamped
 ]
 
 
+# A CPU stand-in for FA3's C++ forward `flash_attn_3::fwd`, with its schema (hopper/flash_api.cpp,
+# FA3 3.0; alias annotations left out), so the direct path's filling of arguments by name is tested on
+# every machine, with or without the FA3 wheel.
+_FAKE_FA3_LIB = torch.library.Library("fa_compile_test_fa3", "DEF")
+_FAKE_FA3_LIB.define(
+    "fwd(Tensor q, Tensor k, Tensor v, Tensor? k_new=None, Tensor? v_new=None, Tensor? q_v=None, Tensor? out=None, "
+    "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, Tensor? cu_seqlens_k_new=None, Tensor? seqused_q=None, "
+    "Tensor? seqused_k=None, int? max_seqlen_q=None, int? max_seqlen_k=None, Tensor? page_table=None, "
+    "Tensor? kv_batch_idx=None, Tensor? leftpad_k=None, Tensor? rotary_cos=None, Tensor? rotary_sin=None, "
+    "Tensor? seqlens_rotary=None, Tensor? q_descale=None, Tensor? k_descale=None, Tensor? v_descale=None, "
+    "float? softmax_scale=None, bool is_causal=False, int window_size_left=-1, int window_size_right=-1, "
+    "int attention_chunk=0, float softcap=0.0, bool is_rotary_interleaved=False, Tensor? scheduler_metadata=None, "
+    "int num_splits=0, bool? pack_gqa=None, int sm_margin=0) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+_FAKE_FA3_ARGS = torch.ops.fa_compile_test_fa3.fwd.default._schema.arguments
+_FA3_WE_FILL = ("q", "k", "v", "seqused_k", "softmax_scale", "is_causal", "window_size_left", "window_size_right",
+                "softcap", "num_splits")
+
+
+def _fake_fa3_fwd(*args, **kwargs):
+    # the dispatcher drops trailing arguments equal to their defaults
+    a = {x.name: args[i] if i < len(args) else kwargs.get(x.name, x.default_value) for i, x in enumerate(_FAKE_FA3_ARGS)}
+    for x in _FAKE_FA3_ARGS:  # everything the adapter does not fill keeps its default
+        if x.name not in _FA3_WE_FILL:
+            assert a[x.name] == x.default_value, (x.name, a[x.name])
+    out, lse, _, _ = _fa3_semantics_forward(
+        a["q"], a["k"], a["v"], seqused_k=a["seqused_k"], softmax_scale=a["softmax_scale"], causal=a["is_causal"],
+        window_size_left=a["window_size_left"], window_size_right=a["window_size_right"], softcap=a["softcap"],
+        num_splits=a["num_splits"])
+    return out, lse, lse.new_empty(0), lse.new_empty(0)
+
+
+_FAKE_FA3_LIB.impl("fwd", _fake_fa3_fwd, "CPU")
+
+
+@pytest.mark.parametrize("path", ["wrapper", "direct"])
 @pytest.mark.parametrize("nq,nk,kw", FA3_PLUMBING)
-def test_fa3_translation_of_diagonal_window_and_kv_lens(monkeypatch, nq, nk, kw):
-    """The FA3 candidate's argument translation against FA3's documented semantics (no GPU needed)."""
+def test_fa3_translation_of_diagonal_window_and_kv_lens(monkeypatch, nq, nk, kw, path):
+    """The FA3 candidate's argument translation against FA3's documented semantics (no GPU needed),
+    through each of its two call paths, the Python wrapper and the C++ op called directly: both are
+    replaced here, so the test means the same with or without FA3 installed."""
     fake = types.SimpleNamespace(_flash_attn_forward=_fa3_semantics_forward)
     monkeypatch.setattr(fa3, "_module", lambda: (fake, {}, ""))
+    direct = fa3.direct_plan(torch.ops.fa_compile_test_fa3.fwd.default) if path == "direct" else None
+    assert path == "wrapper" or direct is not None
+    monkeypatch.setattr(fa3, "_direct_forward", lambda: direct)
     torch.manual_seed(3)
     b, hq, hkv, d = 3, 4, 2, 8
     q = torch.randn(b, nq, hq, d).transpose(1, 2)
@@ -264,6 +308,23 @@ def test_fa4_is_opt_in(hopper, monkeypatch):
     assert fa4.FA4.opt_in_reason() is None
     assert reasons(fa4.FA4, fake_args()) == ""
     assert not fa4.FA4.has_backward()
+
+
+@pytest.mark.parametrize("dims", [dict(b=0), dict(hq=0, hkv=0), dict(nq=0), dict(nk=0), dict(d=0, dv=64), dict(dv=0)],
+                         ids=["batch", "heads", "queries", "keys", "head_dim", "v_head_dim"])
+def test_zero_size_cuda_inputs_take_the_trivial_path_before_any_kernel(hopper, fake_fa3, dims, monkeypatch):
+    """On a (fake) sm90 device, with every peer 'importable': no kernel is asked, whatever is forced."""
+    asked = []
+    for cand in dispatch.candidates("forward") + dispatch.candidates("backward"):
+        if cand.name != "reference":
+            monkeypatch.setattr(cand, "not_supported_reasons", lambda a, n=cand.name: asked.append(n) or [], raising=False)
+    args = fake_args(causal=True, needs_backward=True, **dims)
+    assert dispatch.select_forward(args).name == "reference"
+    assert dispatch.select_backward(args, "cudnn").name == "reference"
+    for direction in ("forward", "backward"):
+        chosen, refused = dispatch.explain_choice(args, None, direction)
+        assert chosen == "reference" and "= 0" in refused[0][1][0]
+    assert asked == []
 
 
 def test_reference_takes_everything(hopper):
@@ -382,8 +443,7 @@ def test_explain_shows_forward_and_backward_kernels_and_faster_refusals(hopper, 
     assert row.kernel_fwd in ("triton", "reference") and row.kernel_bwd in ("triton", "reference")
     assert [n for n, _ in row.refused][:3] == ["fa3", "cudnn", "fa4"]  # long prefill: FA3 is tried first
     text = str(ExplainReport.from_reports([site]))
-    assert "forward kernel cudnn refused: cuDNN (SDPA) has no softcap" in text
-    assert "backward kernel cudnn refused" in text
+    assert "cudnn (fwd, bwd): cuDNN (SDPA) has no softcap" in text  # refused in both passes, one line
     # without softcap: FA3 forward, cuDNN backward from FA3's lse
     site = _site_with_call(AttentionArgs(q=q, k=k, v=k, scale=0.125, causal=True))
     row = ExplainReport.from_reports([site]).rows[0]

@@ -109,7 +109,8 @@ class Rewriter:
             with g.inserting_before(pv):
                 out, _ = emit_attention(g, q, k, v, scale=scale, causal=spec.causal, diag_offset=spec.diag_offset,
                                         window_left=spec.window_left, window_right=spec.window_right, bias=spec.bias,
-                                        kv_lens=spec.kv_lens, empty_rows=spec.empty_rows)
+                                        kv_lens=spec.kv_lens, empty_rows=spec.empty_rows,
+                                        fill=spec.fill)
             pv.replace_all_uses_with(out)
         g.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or masks._is_inplace(n))
         g.lint()
@@ -538,7 +539,10 @@ def test_finfo_min_fill_empty_rows_are_uniform():
     torch.testing.assert_close(got[1, :, 3], qkv()[2][1].mean(dim=-2))
 
 
-def test_finfo_min_causal_offset_empty_row_uniform():
+def test_minus_1e9_causal_offset_keeps_its_share():
+    """where(keep, s, -1e9): a finite fill keeps its exact share on every row (row 0, fully masked, is
+    the mean of V), not a -inf mask."""
+
     def fn(q, k, v):
         t = q.shape[-2]
         s = q @ k.transpose(-2, -1)
@@ -546,7 +550,7 @@ def test_finfo_min_causal_offset_empty_row_uniform():
         return torch.where(keep, s, -1e9).softmax(-1) @ v
 
     rw = compile_and_check(fn, *qkv(), dtypes=(torch.float32,))
-    assert_spec(rw.spec, "causal-offset", "mean_v", diag_offset=-1)
+    assert_spec(rw.spec, "causal-offset", "fill", diag_offset=-1, fill=-1e9)
 
 
 def test_sdpa_bool_mask_empty_rows_are_zero():
@@ -590,20 +594,16 @@ def _analyze(fn, *args, sdpa=False):
                               scores_dtype=example_value(base).dtype, insert_before=x, sdpa=sdpa)
 
 
-def test_refuse_small_fill_value():
+@pytest.mark.parametrize("fill", [-10.0, 1e9])
+def test_small_and_positive_fill_values_are_exact(fill):
+    """Fills that are far from negligible (-10 against scores of a few units, or +1e9) keep their share."""
+
     def fn(q, k, v, m):
-        return (q @ k.transpose(-2, -1)).masked_fill(m, -10.0).softmax(-1) @ v
+        return (q @ k.transpose(-2, -1)).masked_fill(m, fill).softmax(-1) @ v
 
-    reason = _analyze(fn, *qkv(), torch.zeros(6, 6, dtype=torch.bool))
-    assert isinstance(reason, str) and "not negligible" in reason
-
-
-def test_refuse_positive_fill_value():
-    def fn(q, k, v, m):
-        return (q @ k.transpose(-2, -1)).masked_fill(m, 1e9).softmax(-1) @ v
-
-    reason = _analyze(fn, *qkv(), torch.zeros(6, 6, dtype=torch.bool))
-    assert isinstance(reason, str) and "not negligible" in reason
+    m = torch.rand(6, 6, generator=torch.Generator().manual_seed(4)) > 0.6
+    rw = compile_and_check(fn, *qkv(), m, dtypes=(torch.float32, torch.float16) if fill < 0 else (torch.float32,))
+    assert_spec(rw.spec, "bool-mask", "fill", fill=fill)
 
 
 def test_refuse_mixed_finite_fills():
@@ -613,11 +613,11 @@ def test_refuse_mixed_finite_fills():
 
     m = torch.zeros(6, 6, dtype=torch.bool)
     reason = _analyze(fn, *qkv(), m, m)
-    assert isinstance(reason, str) and "mixes the fill values" in reason
+    assert isinstance(reason, str) and "fill values" in reason
 
 
 def test_refuse_finite_fill_then_additive_float():
-    """-1e9 fill then an additive float mask: eager's fully masked rows hold -1e9 + bias, which the op
+    """-1e9 fill then an additive float mask: eager's masked scores hold -1e9 + bias, which the op
     can neither reproduce with -inf masking nor as an additive -1e9 (fp32 s - 1e9 keeps s)."""
 
     def fn(q, k, v, m, bias):
@@ -625,7 +625,7 @@ def test_refuse_finite_fill_then_additive_float():
         return (s + bias).softmax(-1) @ v
 
     reason = _analyze(fn, *qkv(), torch.zeros(6, 6, dtype=torch.bool), torch.zeros(2, 1, 1, 6))
-    assert isinstance(reason, str) and "finite fill with other float masks" in reason
+    assert isinstance(reason, str) and "finite fill -1000000000.0 followed by an additive mask" in reason
 
 
 def test_additive_float_then_finite_fill_is_mean_v():
@@ -941,7 +941,8 @@ def test_learned_bias_in_additive_mask_with_empty_rows_is_passed_untouched():
 
 
 def test_data_mask_minus_1e9_fill_uniform_rows():
-    """The Annotated Transformer: masked_fill(mask == 0, -1e9) with a data mask; an all-zero row is uniform."""
+    """The Annotated Transformer: masked_fill(mask == 0, -1e9) with a data mask; an all-zero row is uniform
+    (the finite fill's exact share, empty_rows "fill", covers it)."""
 
     def fn(q, k, v, mask):
         s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
@@ -950,7 +951,7 @@ def test_data_mask_minus_1e9_fill_uniform_rows():
     mask = torch.ones(2, 1, 1, 6, dtype=torch.long)
     mask[1, ..., 3:] = 0
     rw = compile_and_check(fn, *qkv(), mask, dtypes=(torch.float32,))
-    assert_spec(rw.spec, "bool-mask", "mean_v")
+    assert_spec(rw.spec, "bool-mask", "fill", fill=-1e9)
     mask[1] = 0  # every key of batch 1 masked: eager averages V uniformly
     rw = compile_and_check(fn, *qkv(), mask, dtypes=(torch.float32,))
 
@@ -1074,10 +1075,24 @@ def test_old_tutorial_square_subsequent_mask(dynamic):
     assert nxn_nodes(rw.graphs[-1], 6, 6) == []
 
 
-def test_triu_times_large_negative():
+def test_triu_times_large_negative_passes_untouched():
+    """s + triu(1) * -1e9 keeps s in s - 1e9 (fp32): exact only as the op's float bias, never as causal."""
+
     def fn(q, k, v):
         t = q.shape[-2]
         return (q @ k.transpose(-2, -1) + torch.triu(torch.ones(t, t), diagonal=1) * -1e9).softmax(-1) @ v
+
+    rw = compile_and_check(fn, *qkv(), dtypes=(torch.float32,), dynamic_dim=2, more=(qkv(nq=8, nk=8, seed=1),))
+    assert_spec(rw.spec, "bias", "nan")
+
+
+def test_triu_times_finfo_min_is_causal():
+    """The same with finfo.min: s + c == c for every plausible score, so causal structure is exact."""
+
+    def fn(q, k, v):
+        t = q.shape[-2]
+        c = torch.finfo(torch.float32).min
+        return (q @ k.transpose(-2, -1) + torch.triu(torch.ones(t, t), diagonal=1) * c).softmax(-1) @ v
 
     rw = compile_and_check(fn, *qkv(), dtypes=(torch.float32,), dynamic_dim=2, more=(qkv(nq=8, nk=8, seed=1),))
     assert_spec(rw.spec, "causal", "impossible", diag_offset=0)
@@ -1201,8 +1216,9 @@ def test_additive_minus_1e9_mask_with_empty_rows_passes_untouched():
     assert_spec(rw.spec, "bias", "nan")
 
 
-def test_additive_minus_1e9_causal_is_structural():
-    """The same -1e9 mask with the diagonal admitted has no empty row: causal is exact there."""
+def test_additive_minus_1e9_causal_passes_untouched():
+    """The same -1e9 mask with the diagonal admitted: no row is empty, but a masked s - 1e9 still outweighs
+    admissible scores below it, so only the untouched bias is exact."""
 
     def fn(q, k, v):
         t = q.shape[-2]
@@ -1210,7 +1226,7 @@ def test_additive_minus_1e9_causal_is_structural():
         return (q @ k.transpose(-2, -1) + torch.where(keep, 0.0, -1e9)).softmax(-1) @ v
 
     rw = compile_and_check(fn, *qkv(), dtypes=(torch.float32,))
-    assert_spec(rw.spec, "causal", "impossible")
+    assert_spec(rw.spec, "bias", "nan")  # (the op's own value on an empty row, were there one)
 
 
 def test_unexpected_failure_is_a_reason_not_a_crash(monkeypatch):
@@ -1221,7 +1237,7 @@ def test_unexpected_failure_is_a_reason_not_a_crash(monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(masks, "_emit_spec", boom)
+    monkeypatch.setattr(masks.analyze, "_emit_spec", boom)
     reason = masks.analyze_mask(gm, [MaskTerm("fill", x.args[1], NEG_INF)], batch=2, q_heads=2, q_len=6, k_len=6,
                                 scores_dtype=torch.float32, insert_before=x)
     assert reason == "mask analysis failed: RuntimeError: boom"
@@ -1324,7 +1340,7 @@ def test_random_mask_stacks_rewritten_only_when_equal(seed):
     rw = compile_and_check(fn, *qkv(nq=5, nk=7, seed=seed), am, lens, bias, dtypes=(torch.float32,))
     assert len(rw.specs) == 1
     if isinstance(rw.spec, str):  # refused: must say why
-        assert "fully masked rows" in rw.spec or "not negligible" in rw.spec, (stack, rw.spec)
+        assert "fully masked rows" in rw.spec or "finite fill" in rw.spec, (stack, rw.spec)
 
 
 def test_parameter_bias_is_never_folded():

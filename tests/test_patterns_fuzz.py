@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from adversarial_programs import repeat_kv as _repeat
 from conftest import TOL, Compiled
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -27,15 +28,6 @@ SOFTMAXES = ["F.softmax", "torch.softmax", "Tensor.softmax", "dtype_f32_to", "fl
 LAYOUTS = ["bhsd", "bshd", "bmm3d", "einsum"]
 GQAS = ["none", "repeat_kv", "repeat_interleave", "mqa_broadcast"]
 TWISTS = ["none", "none", "none", "softmax_dim_-2", "returns_probs"]  # mostly attention
-
-
-def _repeat(x, how, g):
-    if how == "repeat_kv":
-        b, h, n, d = x.shape
-        return x[:, :, None].expand(b, h, g, n, d).reshape(b, h * g, n, d)
-    if how == "repeat_interleave":
-        return x.repeat_interleave(g, dim=1)
-    return x  # mqa_broadcast / none: the matmul broadcasts
 
 
 def build(scale, mask, softmax, layout, gqa, twist):

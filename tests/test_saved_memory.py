@@ -73,7 +73,7 @@ def large_mask_emulated(monkeypatch):
     """A mask [B, 1, N, N] beyond concrete evaluation, as at N=4096; the [B, 1, N, 1] index tensors stay below."""
     from fa_compile.patterns import masks
 
-    monkeypatch.setattr(masks, "CONCRETE_MAX_NUMEL", 4 * B * N)
+    monkeypatch.setattr(masks.concrete, "CONCRETE_MAX_NUMEL", 4 * B * N)
 
 
 def test_llama_causal_mask_proven_beyond_concrete_evaluation(large_mask_emulated):

@@ -56,6 +56,15 @@ def _direct_forward() -> Optional[tuple[Any, tuple, dict]]:
         return None
     try:
         op = torch.ops.flash_attn_3.fwd.default
+    except Exception:
+        return None
+    return direct_plan(op)
+
+
+def direct_plan(op) -> Optional[tuple[Any, tuple, dict]]:
+    """(op, argument template, name -> position) for an op with FA3's forward schema, or None when
+    its schema has a required argument this adapter does not fill."""
+    try:
         schema = op._schema.arguments
     except Exception:
         return None
@@ -91,6 +100,13 @@ def _forward_call(q, k, v, **kw):
         args[index[name]] = value
     res = op(*args)
     return res[0], res[1]
+
+
+def _seqused(args) -> Optional[Tensor]:
+    """kv_lens as FA3's seqused_k: clamped to [0, Nk] as the op defines it (FA3 would read past the keys)."""
+    if args.kv_lens is None:
+        return None
+    return args.kv_lens.clamp(0, args.k.shape[2]).to(torch.int32).contiguous()
 
 
 def _head_dims(flags: dict) -> tuple[int, ...]:
@@ -161,7 +177,7 @@ class FA3Candidate:
     def forward(self, args) -> tuple[Tensor, Tensor]:
         q, k, v = (c.last_dim_contiguous(t.transpose(1, 2)) for t in (args.q, args.k, args.v))
         causal, wl, wr = self._window(args)
-        seqused = args.kv_lens.to(torch.int32).contiguous() if args.kv_lens is not None else None
+        seqused = _seqused(args)
         nq = q.shape[1]
         out, lse = _forward_call(
             q, k, v, seqused_k=seqused, softmax_scale=args.scale, causal=causal,
@@ -176,7 +192,7 @@ class FA3Candidate:
             raise RuntimeError("FA3: this build is forward-only")
         q, k, v, o, do = (c.last_dim_contiguous(t.transpose(1, 2)) for t in (args.q, args.k, args.v, out, dout))
         causal, wl, wr = self._window(args)
-        seqused = args.kv_lens.to(torch.int32).contiguous() if args.kv_lens is not None else None
+        seqused = _seqused(args)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         fai._flash_attn_backward(do, q, k, v, o, c.lse_for_backward(lse).contiguous(), None, None, None, seqused, None, None,
                                  dq, dk, dv, args.scale, causal, wl, wr, float(args.softcap), True, 0)

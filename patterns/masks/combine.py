@@ -1,0 +1,215 @@
+"""Mask terms to a plan: each term's masked value and keep-mask, combined into one structure with
+eager's semantics on fully masked rows (or a refusal reason)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.fx as fx
+
+from ..emit import example_value
+from ..site import MaskTerm
+from .symbolic import Size, _dtype, _same, _shape, _sym_true
+from .values import _Fail, _Keep, _Konst, _TRUE, _Two, _and, _not
+from .concrete import _scalar
+from .analyzer import _Analyzer
+
+
+ABSORB_LIMIT = -1e30  # fp32 s + c == c for |s| < 1e22 when c <= this: a fill then acts as an additive c
+
+
+# ----------------------------------------------------------------------------- assembling a MaskSpec
+
+@dataclass
+class _TermInfo:
+    op: str
+    c: float  # masked value (-inf or finite) for converted terms
+    keep: Optional[_Keep] = None  # None: untouched float term
+    extra: tuple = ()  # float nodes added (untouched terms: the term node itself)
+    converted: bool = True
+    absorbs: bool = True  # additive 0-or-c: eager's s + c rounds to c, so a fully masked row is uniform
+    finite: bool = False  # a fill whose c is not negligible next to admissible scores (see _negligible)
+
+
+def _absorbs(c: float, dtype: torch.dtype) -> bool:
+    """s + c == c in `dtype` for every plausible score s: c <= ABSORB_LIMIT (|s| < 1e22 in fp32/bf16), or
+    fp16's finfo.min, which absorbs |s| <= 16 only (eager's own fp16 result is rounding noise beyond)."""
+    if c == -math.inf:
+        return True
+    return c <= ABSORB_LIMIT or (dtype == torch.float16 and c <= float(torch.finfo(torch.float16).min))
+
+
+def _negligible(c: float, dtype: torch.dtype) -> bool:
+    """A fill c that gets weight exactly 0 next to any plausible admissible score: -inf, c <= ABSORB_LIMIT
+    (e^(c - m) == 0 for every score m > -1e22), or fp16's finfo.min on fp16 scores (eager's fp16 scores
+    lie above it; a row whose admissible scores are all within ~100 of it, near fp16 overflow, is the
+    known limit). Other finite fills keep their exact share (empty_rows "fill")."""
+    return _absorbs(c, dtype)
+
+
+def _term_info(an: _Analyzer, t: MaskTerm, scores_dtype: torch.dtype, q_len: Size,
+               k_len: Size) -> Union[_TermInfo, str]:
+    if t.op == "add":
+        if not isinstance(t.tensor, fx.Node):
+            s = _scalar(t.tensor)
+            if s is None or not math.isfinite(s):
+                return f"additive mask constant {t.tensor!r} is not a finite number"
+            return _TermInfo("add", 0.0, keep=_TRUE)  # a constant shift does not change softmax
+        dt = _dtype(t.tensor)
+        if dt == torch.bool:  # scores + bool adds 1.0 where True (HF GPT-Neo with a bool mask): a 0/1 bias
+            item = ("to", an.smallest(t.tensor), torch.promote_types(scores_dtype, torch.float32))
+            return _TermInfo("add", 0.0, keep=None, extra=(item,), converted=False)
+        if dt is None or not dt.is_floating_point:
+            return f"additive mask {t.tensor.name} has dtype {dt}, not a float dtype"
+        v = an.value(t.tensor)
+        if isinstance(v, _Konst):
+            if v.value == 0 or (isinstance(v.value, float) and math.isfinite(v.value)):
+                return _TermInfo("add", 0.0, keep=_TRUE)
+            return f"additive mask {t.tensor.name} is the constant {v.value}"
+        eager_dt = torch.promote_types(scores_dtype, dt)
+        # s + c for a finite c that does not absorb s (fp32 -1e9, -1e4) keeps s: only the untouched bias
+        # is exact, whatever the scores (a row whose admissible scores lie below c + s_masked)
+        if isinstance(v, _Two) and v.on == 0 and _absorbs(v.c, eager_dt) and _band_fits(
+                v.keep, t.tensor, q_len, k_len):
+            return _TermInfo("add", v.c, keep=v.keep, extra=v.extra, absorbs=True)
+        return _TermInfo("add", 0.0, keep=None, extra=(an.smallest(t.tensor),), converted=False)
+    if t.op not in ("fill", "where", "bool"):
+        return f"unknown mask term op {t.op!r}"
+    node = t.tensor
+    if not isinstance(node, fx.Node) or _dtype(node) != torch.bool:
+        return f"{t.op} mask {getattr(node, 'name', node)} is not a bool tensor"
+    if t.op == "bool":
+        c = -math.inf
+    else:
+        c = _scalar(t.fill) if not isinstance(t.fill, fx.Node) else None
+        if isinstance(t.fill, fx.Node):  # a 0-d tensor fill (torch.full([], finfo.min), GPT-2 legacy)
+            fv = an.value(t.fill)
+            c = fv.value if isinstance(fv, _Konst) and isinstance(fv.value, float) else None
+        if c is None:
+            return f"{t.op} mask fill value {t.fill!r} is not a number"
+        try:
+            c = float(torch.tensor(c, dtype=torch.float64).to(scores_dtype))
+        except Exception:
+            return f"{t.op} mask fill value {t.fill!r} does not fit {scores_dtype}"
+        if math.isnan(c) or c == math.inf:
+            return f"{t.op} mask fill value {c} is not a finite number or -inf"
+    small = an.smallest(node)
+    try:
+        k = an.keep(node)
+    except _Fail:
+        k = _Keep(data=((small, False),))
+    if t.op == "fill":
+        nk = _not(k)
+        k = nk if nk is not None else _Keep(data=((small, True),))
+    if not _band_fits(k, node, q_len, k_len):
+        k = _Keep(data=((small, t.op == "fill"),))
+    return _TermInfo(t.op, c, keep=k, finite=not _negligible(c, scores_dtype))
+
+
+def _band_fits(k: _Keep, node: fx.Node, q_len: Size, k_len: Size) -> bool:
+    """A band is on the scores' own (query, key) axes: the mask's last two dims are exactly Nq, Nk."""
+    shape = _shape(node)
+    if shape is None or len(shape) > 4 or k.inverted:
+        return False
+    if k.lo is None and k.hi is None and k.lens is None:
+        return True
+    if k.lo is not None or k.hi is not None:
+        if len(shape) < 2 or not _same(shape[-2], q_len) or not _same(shape[-1], k_len):
+            return False
+    if k.lens is not None:
+        _, bdim, _ = k.lens
+        if not _same(shape[-1], k_len) or (bdim is not None and bdim != -4):
+            return False
+    return True
+
+
+def _never_empty(lo: Optional[Size], hi: Optional[Size], q_len: Size, k_len: Size) -> bool:
+    """Every query row 0..Nq-1 admits some key 0..Nk-1 under lo <= j - i <= hi."""
+    if hi is not None and not _sym_true(hi >= 0):
+        return False
+    if lo is not None and not _sym_true(lo <= k_len - q_len):
+        return False
+    if lo is not None and hi is not None and not _sym_true(lo <= hi):
+        return False
+    return _sym_true(k_len >= 1)
+
+
+def _combine(infos: list, an: _Analyzer, q_len, k_len, sdpa: bool) -> Union[str, dict]:
+    """The structure and empty-row semantics of converted / untouched terms, or a refusal reason."""
+    conv = [t for t in infos if t.converted]
+    untouched = [t for t in infos if not t.converted]
+    lo = hi = lens = None
+    data: list = []
+    extras: list = []
+    for t in infos:
+        extras.extend(t.extra)
+    for t in conv:
+        k = t.keep
+        if k is None:
+            continue
+        acc = _and(_Keep(lo, hi, lens), _Keep(k.lo, k.hi, k.lens))
+        if acc is None:
+            return "mask terms combine two key-length bounds or bands not comparable for every size"
+        lo, hi, lens = acc.lo, acc.hi, acc.lens
+        data.extend(k.data)
+    masking = [t for t in conv if t.keep is not None and (t.keep.structural or t.keep.data)]
+    cs = {t.c for t in masking}
+    if any(t.finite for t in masking):
+        return _finite_plan(infos, masking, lo, hi, lens, data, extras)
+    no_empty = not data and lens is None and not untouched and not any(
+        t.extra for t in infos) and _never_empty(lo, hi, q_len, k_len)
+    if not masking:
+        empty = "zero" if sdpa else "nan"
+    elif cs == {-math.inf}:
+        empty = "zero" if sdpa else "nan"
+    elif len(cs) == 1:
+        fills_only = all(t.op in ("fill", "where") for t in masking)
+        # fills applied after every other term overwrite it: a fully masked row is all c, uniform, and
+        # gets no gradient (MPT: s + alibi, then masked_fill(padding & causal, finfo.min))
+        first = next(i for i, t in enumerate(infos) if any(t is m for m in masking))
+        fills_last = fills_only and all(any(t is m for m in masking) for t in infos[first:])
+        if fills_last and all(t.absorbs for t in masking) and (untouched or extras):
+            empty = "mean_v"
+        elif untouched or not (len(masking) == 1 or fills_only) or not all(t.absorbs for t in masking):
+            if no_empty:
+                empty = "impossible"
+            else:
+                return ("fully masked rows: eager mixes a finite fill with other float masks there, "
+                        "which the op cannot reproduce")
+        elif not fills_only and any(isinstance(x, fx.Node) and getattr(example_value(x), "requires_grad", False)
+                                    for x in extras):
+            # eager's gradient of that bias on a fully masked row is softmax's at uniform P, which the
+            # op (0 there) and emit's fix-up (q and k only) do not give: pass the mask untouched instead
+            return ("fully masked rows: an additive mask absorbed a bias that needs a gradient there, "
+                    "which the op cannot reproduce with the structure extracted")
+        else:
+            # an added mask passes the gradient to the absorbed scores, a fill does not (emit keeps both)
+            empty = "mean_v" if fills_only else "mean_v_add"
+    else:
+        if not no_empty:
+            return f"fully masked rows: eager mixes the fill values {sorted(cs)} there, which the op cannot reproduce"
+        empty = "impossible"
+    if no_empty and masking:
+        empty = "impossible"
+    return dict(lo=lo, hi=hi, lens=lens, data=data, extras=extras, empty=empty)
+
+
+def _finite_plan(infos: list, masking: list, lo, hi, lens, data: list, extras: list) -> Union[str, dict]:
+    """A finite fill c that is not negligible: eager gives each masked key the weight e^c on every row,
+    which emit adds exactly (empty_rows "fill") when every masked score is c: one fill value, only
+    fills and wheres mask, and they come after every other term (which they then overwrite)."""
+    cs = sorted({t.c for t in masking})
+    if len(cs) != 1:
+        return (f"finite fill mixed with the fill values {cs}: eager weighs those keys differently, which the op "
+                "cannot reproduce")
+    first = next(i for i, t in enumerate(infos) if any(t is m for m in masking))
+    if not all(t.op in ("fill", "where") for t in masking) or not all(
+            any(t is m for m in masking) for t in infos[first:]):
+        return (f"finite fill {cs[0]} followed by an additive mask or mixed with another masking term: "
+                f"masked scores are not all {cs[0]}, which the op cannot reproduce")
+    if data and extras:
+        return (f"finite fill {cs[0]} with both a data mask and a float bias: the masked keys are not "
+                f"known apart from the bias, which the op cannot reproduce")
+    return dict(lo=lo, hi=hi, lens=lens, data=data, extras=extras, empty="fill", fill=cs[0])

@@ -1,0 +1,144 @@
+"""Emitting a plan as a MaskSpec: structure arguments, key lengths and the residual bias as graph nodes."""
+from __future__ import annotations
+
+import operator
+from typing import Any, Union
+
+import torch
+import torch.fx as fx
+
+from ..emit import call, example_value
+from ..site import MaskSpec
+from .symbolic import Size, _as_int, _dtype, _same, _shape
+from .values import _Fail
+
+
+class _Emitter:
+    def __init__(self, gm: fx.GraphModule, insert_before: fx.Node):
+        self.gm, self.at = gm, insert_before
+        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self.made: list = []
+
+    def call(self, target, *args, **kwargs) -> fx.Node:
+        with self.gm.graph.inserting_before(self.at):
+            n = call(self.gm.graph, target, *args, **kwargs)
+        self.made.append(n)
+        return n
+
+    def rollback(self) -> None:
+        for n in reversed(self.made):
+            if not n.users:
+                self.gm.graph.erase_node(n)
+        self.made.clear()
+
+    def before(self, n: fx.Node) -> bool:
+        return self.order.get(n, 1 << 60) < self.order.get(self.at, -1)
+
+    def sym(self, v: Size) -> Union[int, fx.Node]:
+        """An int, or a node computing the SymInt v from nodes already in the graph."""
+        iv = _as_int(v)
+        if iv is not None:
+            return iv
+        expr = v.node.expr
+        by_expr = {}
+        for n in self.gm.graph.nodes:
+            ev = example_value(n)
+            if isinstance(ev, torch.SymInt) and self.before(n):
+                by_expr.setdefault(ev.node.expr, n)
+        if expr in by_expr:
+            return by_expr[expr]
+        import sympy
+
+        out: Any = None
+        for term, coef in expr.as_coefficients_dict().items():
+            if term == 1:
+                piece: Any = int(coef)
+            else:
+                if term not in by_expr or not float(coef).is_integer():
+                    raise _Fail(f"no node computes {term}")
+                piece = by_expr[term] if coef == 1 else self.call(operator.mul, by_expr[term], int(coef))
+            out = piece if out is None else self.call(operator.add, out, piece)
+        if out is None or isinstance(sympy.sympify(expr), sympy.Integer):
+            raise _Fail(f"cannot build {expr}")
+        return out
+
+
+def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len) -> MaskSpec:
+    lo, hi, lens = plan["lo"], plan["hi"], plan["lens"]
+    kinds = []
+    spec = MaskSpec(empty_rows=plan["empty"], fill=plan.get("fill"))
+    # band lo <= j - i <= hi  ->  op: d = j - i - diag_offset; causal d <= 0; window_left: d >= -wl
+    if hi is not None:
+        spec.causal = True
+        if lo is not None:
+            width = _as_int(hi - lo)
+            if width is None:
+                raise _Fail("window width is symbolic")
+            if width < 0:
+                raise _Fail("band admits no key")
+            spec.window_left = width
+        spec.diag_offset = em.sym(hi)
+        if lo is not None:
+            kinds.append("window")
+        elif _as_int(hi) == 0:
+            kinds.append("causal")
+        elif _same(hi, k_len - q_len):
+            kinds.append("causal-bottom-right")
+        else:
+            kinds.append("causal-offset")
+    elif lo is not None:
+        spec.diag_offset = em.sym(lo)
+        spec.window_left = 0
+        kinds.append("window")
+    if lens is not None:
+        node, _, add = lens
+        if not em.before(node):
+            raise _Fail("key lengths are computed after the site")
+        kv = em.call(torch.reshape, node, (-1,))
+        if add:
+            kv = em.call(operator.add, kv, add)
+        if _dtype(kv) != torch.int32:
+            # int32 is what FA3 (seqused_k) takes; converting here lets Inductor fuse it into the
+            # lengths' own arithmetic instead of a kernel launch per call (decode is host-bound).
+            # Clamped first so that no length wraps: every value keeps its meaning (<= 0: no keys,
+            # >= Nk: every key).
+            kv = em.call("clamp", kv, 0, 2**31 - 1, method=True)
+            kv = em.call("to", kv, torch.int32, method=True)
+        spec.kv_lens = kv
+        kinds.append("key-padding")
+    bool_bias = None
+    for node, neg in dict.fromkeys(plan["data"]):
+        if not em.before(node):
+            raise _Fail(f"mask {node.name} is computed after the site")
+        f = em.call(torch.logical_not, node) if neg else node
+        bool_bias = f if bool_bias is None else em.call(torch.logical_and, bool_bias, f)
+    float_bias = None
+    for node in plan["extras"]:
+        if isinstance(node, tuple) and node[0] == "to":  # ("to", bool node, dtype): a bool added as 0/1
+            _, m, dt = node
+            if not em.before(m):
+                raise _Fail(f"mask {m.name} is computed after the site")
+            node = em.call("to", m, dt, method=True)
+        elif isinstance(node, tuple):  # ("where", bool node, c, masked_when_true): a fill as an additive float
+            _, m, c, masked_when_true = node
+            if not em.before(m):
+                raise _Fail(f"mask {m.name} is computed after the site")
+            node = em.call(torch.where, m, c, 0.0) if masked_when_true else em.call(torch.where, m, 0.0, c)
+        elif not em.before(node):
+            raise _Fail(f"mask {node.name} is computed after the site")
+        float_bias = node if float_bias is None else em.call(operator.add, float_bias, node)
+    if bool_bias is not None and float_bias is not None:
+        spec.bias = em.call(torch.where, bool_bias, float_bias, float("-inf"))
+        kinds += ["bool-mask", "bias"]
+    elif bool_bias is not None:
+        spec.bias = bool_bias
+        kinds.append("bool-mask")
+    elif float_bias is not None:
+        spec.bias = float_bias
+        kinds.append("bias")
+    if spec.bias is not None and len(_shape(spec.bias) or ()) > 4:
+        raise _Fail("residual mask has more than 4 dims")
+    spec.kind = "+".join(kinds) if kinds else "none"
+    if spec.kind == "none":
+        spec.empty_rows, spec.fill = "impossible", None
+    return spec

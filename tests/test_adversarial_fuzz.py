@@ -1,0 +1,107 @@
+"""Differential fuzzing of whole hand-written attention programs against eager.
+
+Where tests/test_patterns_fuzz.py draws spellings the recognizer must rewrite, this draws programs a
+rewrite must not get wrong: every axis of tests/adversarial_programs.py at once (Q·Kᵀ / scale /
+softmax / P·V spellings, masks with -inf, finfo.min and finite fills crossed by large logits, writes
+into caller tensors, grad-mode and autocast regions, zero-size dimensions, NaN/inf inputs, fp16
+overflow, GQA, dropout 0, fp32 / fp16 / bf16). Each program is compiled with the fa3 backend (mostly
+aot_eager inside, some Inductor) and compared with eager on fresh inputs: output, caller buffers,
+aliasing, gradients of q, k, v (None exactly where eager's is None), every element. A site the pass
+refuses is fine; a refusal without a reason, a failed compile or a different number is not. A program
+that torch.compile gets wrong without the pass too is not held against the pass (it is rejected).
+
+CI runs a fixed, derandomized sample; `FA_COMPILE_FUZZ_EXAMPLES=N pytest -m slow -k many` runs N more.
+A failure prints the Program; `check_program(Program(...), seed)` replays it.
+"""
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+
+from adversarial_programs import Program, check_program, programs
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, Phase, example, given, reject, settings  # noqa: E402
+
+CI_EXAMPLES = 40
+MANY_EXAMPLES = int(os.environ.get("FA_COMPILE_FUZZ_EXAMPLES", "0") or 0)
+# Fixed draws, no database, no shrinking (each step is a compile): the same programs on every run.
+_SETTINGS = dict(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck),
+                 phases=[Phase.explicit, Phase.generate])
+
+F16, BF16 = torch.float16, torch.bfloat16
+
+
+def _seed(prog: Program) -> int:
+    return zlib.crc32(repr(prog).encode()) % 1000
+
+
+# One pinned program per adversarial axis, so each is exercised whatever the sample draws.
+PINNED = [
+    Program(write="out_kw", mask="causal"),
+    Program(write="copy_", qk="bmm", pv="bmm"),
+    Program(write="add_", mask="causal"),
+    Program(write="slice_assign", qk="einsum", pv="einsum"),
+    Program(write="scores_copy"),
+    Program(grad_mode="scores_no_grad", mask="causal"),
+    Program(grad_mode="scores_set_grad_false", softmax="F.softmax"),
+    Program(grad_mode="probs_no_grad"),
+    Program(grad_mode="enable_grad_in_no_grad", gqa="repeat_kv"),
+    Program(grad_mode="scores_no_grad", gqa="repeat_kv", qk="bmm"),  # a region after a GQA repeat
+    Program(grad_mode="call_no_grad", mask="window"),
+    Program(grad_mode="autocast", mask="causal", mask_form="additive"),
+    Program(mask="causal", fill="-1e4", values="crossing"),
+    Program(mask="padding", fill="-1e9", mask_form="masked_fill_", values="crossing", dtype=BF16),
+    Program(mask="causal", fill="-10000.0", mask_form="additive_bert", values="crossing", dtype=F16),
+    Program(shape=(2, 2, 5, 0, 8), mask="causal"),
+    Program(shape=(2, 2, 0, 6, 8), gqa="repeat_interleave"),
+    Program(shape=(2, 2, 5, 6, 0)),
+    Program(mask="causal", mask_form="additive", values="nan_key"),
+    Program(mask="causal", mask_form="additive_input", values="nan_key"),  # a -inf mask passed as a tensor
+    Program(mask="window", shape=(1, 2, 8, 4, 8)),  # rows with no key: NaN as in eager, no NaN gradients
+    Program(mask="padding", fill="finfo.min", values="inf_value", dtype=F16),
+    Program(values="inf_q", mask="window"),
+    Program(values="fp16_overflow", dtype=F16, mask="causal"),
+    Program(qk="baddbmm", softmax="exp_sum", dropout="p0", inner="inductor", mask="causal"),
+]
+
+
+def _pinned(test):
+    for prog in PINNED:
+        test = example(prog=prog)(test)
+    return test
+
+
+@settings(max_examples=CI_EXAMPLES + len(PINNED), **_SETTINGS)
+@_pinned
+@given(prog=programs())
+def test_fuzz_programs_match_eager(prog: Program) -> None:
+    check(prog)
+
+
+def check(prog: Program) -> None:
+    """check_program, where torch.compile without the pass agrees with eager: a program Dynamo itself
+    gets wrong (e.g. an in-place masked_fill_ under no_grad on a tensor that needs grad) tells nothing
+    about the pass."""
+    try:
+        check_program(prog, _seed(prog))
+    except Exception:
+        try:
+            check_program(prog, _seed(prog), use_pass=False)
+        except Exception:
+            reject()
+        raise
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not MANY_EXAMPLES, reason="set FA_COMPILE_FUZZ_EXAMPLES=N to draw N programs")
+def test_fuzz_programs_match_eager_many() -> None:
+    @settings(max_examples=MANY_EXAMPLES, **_SETTINGS)
+    @given(prog=programs())
+    def many(prog: Program) -> None:
+        check(prog)
+
+    many()

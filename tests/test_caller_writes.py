@@ -1,0 +1,226 @@
+"""Attention whose products or intermediates write into tensors the caller sees (`out=`, `copy_`,
+in-place updates, slice assignment): the rewrite keeps every write eager makes, or leaves the site
+alone and says why. Each case runs eagerly and compiled on clones of the same inputs and compares
+the output, every input afterwards, and (where eager allows it) the gradients."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eager_diff import check, rand
+
+B, H, N, D = 2, 2, 8, 16
+
+
+def qkv(requires_grad: bool = False, dtype: torch.dtype = torch.float32, seed: int = 0) -> list:
+    return [rand(B, H, N, D, dtype=dtype, seed=seed + i, requires_grad=requires_grad) for i in range(3)]
+
+
+def probs(q, k):
+    return (q @ k.mT * 0.25).softmax(-1)
+
+
+# ------------------------------------------------------------------------------- the P·V result kept
+
+
+def matmul_out(q, k, v, buf):
+    torch.matmul(probs(q, k), v, out=buf)
+    return buf
+
+
+def matmul_out_result_used(q, k, v, buf):
+    r = torch.matmul(probs(q, k), v, out=buf)
+    return r * 2
+
+
+def bmm_out_3d(q, k, v, buf):
+    q3, k3, v3 = (t.flatten(0, 1) for t in (q, k, v))
+    torch.bmm(torch.softmax(torch.bmm(q3, k3.transpose(1, 2)) / 4.0, -1), v3, out=buf)
+    return buf
+
+
+def bmm_out_view_of_buffer(q, k, v, buf):
+    q3, k3, v3 = (t.flatten(0, 1) for t in (q, k, v))
+    torch.bmm(torch.softmax(torch.bmm(q3, k3.transpose(1, 2)) / 4.0, -1), v3, out=buf.view(B * H, N, D))
+    return buf
+
+
+def copy_into(q, k, v, buf):
+    buf.copy_(probs(q, k) @ v)
+    return buf
+
+
+def slice_assign(q, k, v, buf):
+    buf[:] = probs(q, k) @ v
+    return buf
+
+
+def slice_assign_part(q, k, v, buf):
+    buf[:, 1:] = (probs(q, k) @ v)[:, 1:]
+    return buf
+
+
+OUT_WRITES = {
+    "matmul_out": (matmul_out, (B, H, N, D)),
+    "matmul_out_result_used": (matmul_out_result_used, (B, H, N, D)),
+    "bmm_out_3d": (bmm_out_3d, (B * H, N, D)),
+    "bmm_out_view_of_buffer": (bmm_out_view_of_buffer, (B, H, N, D)),
+    "copy_into": (copy_into, (B, H, N, D)),
+    "slice_assign": (slice_assign, (B, H, N, D)),
+    "slice_assign_part": (slice_assign_part, (B, H, N, D)),
+}
+
+
+@pytest.mark.parametrize("form", list(OUT_WRITES))
+def test_pv_result_written_into_a_caller_tensor(form):
+    fn, shape = OUT_WRITES[form]
+    buf = torch.full(shape, 7.0)  # not zeros: an unwritten buffer must show
+    check(fn, qkv() + [buf], rewritten=1)
+
+
+def test_out_write_kept_in_fp16():
+    res = check(matmul_out, qkv(dtype=torch.float16) + [torch.full((B, H, N, D), 7.0, dtype=torch.float16)],
+                dtype=torch.float16)
+    assert len(res.rewritten) == 1, res.reasons
+
+
+def test_out_write_kept_with_inductor():
+    check(matmul_out, qkv() + [torch.full((B, H, N, D), 7.0)], inner="inductor", rewritten=1)
+
+
+@pytest.mark.parametrize("form", ["copy_into", "slice_assign"])
+def test_written_copy_keeps_gradients(form):
+    fn, shape = OUT_WRITES[form]
+    check(fn, qkv(requires_grad=True) + [torch.zeros(shape)], rewritten=1)
+
+
+# ---------------------------------------------------------------------- in-place updates of the result
+
+
+def result_iadd(q, k, v):
+    o = probs(q, k) @ v
+    o += 1
+    return o
+
+
+def result_mul_(q, k, v):
+    o = probs(q, k) @ v
+    o.mul_(2)
+    return o
+
+
+def result_setitem(q, k, v):
+    o = probs(q, k) @ v
+    o[..., 0] = 0
+    return o
+
+
+def result_view_mul_(q, k, v):
+    o = probs(q, k) @ v
+    o.transpose(1, 2).mul_(3)
+    return o
+
+
+def sdpa_result_iadd(q, k, v):
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    o += 1
+    return o
+
+
+def sdpa_3d_result_mul_(q, k, v):
+    o = torch.nn.functional.scaled_dot_product_attention(q[0], k[0], v[0])
+    o.mul_(2)
+    return o
+
+
+INPLACE_RESULT = {"iadd": result_iadd, "mul_": result_mul_, "setitem": result_setitem, "view_mul_": result_view_mul_,
+                  "sdpa_3d_mul_": sdpa_3d_result_mul_}
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+@pytest.mark.parametrize("form", list(INPLACE_RESULT))
+def test_result_updated_in_place_trains(form, inner):
+    check(INPLACE_RESULT[form], qkv(requires_grad=True), inner=inner, rewritten=1)
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+def test_sdpa_result_updated_in_place(inner):
+    # eager's CPU flash kernel saves its output for backward, so eager itself refuses this in training
+    check(sdpa_result_iadd, qkv(), inner=inner, rewritten=1)
+
+
+# ------------------------------------------------------------ in-place updates of the inputs and scores
+
+
+def q_imul(q, k, v):
+    q *= 0.5
+    return (q @ k.mT).softmax(-1) @ v
+
+
+def q_mul_(q, k, v):
+    q.mul_(0.5)
+    return (q @ k.mT).softmax(-1) @ v
+
+
+def q_scaled_copy_then_q_mutated(q, k, v):
+    q2 = q * 0.5
+    q.add_(1.0)
+    return (q2 @ k.mT).softmax(-1) @ v
+
+
+def scores_scaled_in_place(q, k, v):
+    s = q @ k.mT
+    s *= 0.25
+    return s.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("fn", [q_imul, q_mul_, q_scaled_copy_then_q_mutated, scores_scaled_in_place])
+def test_inputs_and_scores_updated_in_place(fn):
+    res = check(fn, qkv())
+    if fn is scores_scaled_in_place:
+        assert len(res.rewritten) == 1, res.reasons
+
+
+# ---------------------------------------------------------------------------- writes that are refused
+
+
+def bias_updated_by_scores(q, k, v, bias):
+    bias += q @ k.mT * 0.25
+    return bias.softmax(-1) @ v
+
+
+def scores_into_out(q, k, v, sbuf):
+    torch.matmul(q, k.mT, out=sbuf)
+    return (sbuf * 0.25).softmax(-1) @ v
+
+
+def scaled_scores_into_out(q, k, v, sbuf):
+    torch.mul(q @ k.mT, 0.25, out=sbuf)
+    return sbuf.softmax(-1) @ v
+
+
+def probs_into_out(q, k, v, sbuf):
+    torch.softmax(q @ k.mT * 0.25, -1, out=sbuf)
+    return sbuf @ v
+
+
+def scores_copied_out(q, k, v, sbuf):
+    s = q @ k.mT * 0.25
+    sbuf.copy_(s)
+    return s.softmax(-1) @ v
+
+
+REFUSED = {
+    bias_updated_by_scores: "writes in place into",
+    scores_into_out: "not a Q·Kᵀ contraction",
+    scaled_scores_into_out: "not a Q·Kᵀ contraction",
+    probs_into_out: "only a P·V contraction may read them",
+    scores_copied_out: "also used outside the attention",
+}
+
+
+@pytest.mark.parametrize("fn", list(REFUSED), ids=lambda f: f.__name__)
+def test_writes_of_the_scores_are_kept_by_leaving_the_site(fn):
+    res = check(fn, qkv() + [rand(B, H, N, N, seed=5)], rewritten=0)
+    assert any(REFUSED[fn] in r for r in res.reasons), res.reasons
+

@@ -1,0 +1,417 @@
+"""Attention whose parts run under different grad modes (`no_grad`, `set_grad_enabled`, `enable_grad`
+inside `no_grad`), inference mode or autocast: the rewrite gives exactly eager's gradient flow --
+`.grad is None` where eager's is -- and eager's dtypes, or leaves the site alone and says why."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eager_diff import check, rand
+
+B, H, N, D = 2, 2, 8, 16
+
+
+def qkv(requires_grad: bool = True, dtype: torch.dtype = torch.float32, seed: int = 0) -> list:
+    return [rand(B, H, N, D, dtype=dtype, seed=seed + i, requires_grad=requires_grad) for i in range(3)]
+
+
+def scores_no_grad(q, k, v):
+    with torch.no_grad():
+        s = q @ k.mT * 0.25
+    return s.softmax(-1) @ v
+
+
+def scores_set_grad_enabled_false(q, k, v):
+    torch.set_grad_enabled(False)
+    s = torch.matmul(q, k.transpose(-2, -1)) / 4.0
+    torch.set_grad_enabled(True)
+    return torch.softmax(s, dim=-1) @ v
+
+
+@torch.no_grad()
+def _scores(q, k):
+    return torch.einsum("bhqd,bhkd->bhqk", q, k) * 0.25
+
+
+def scores_in_a_no_grad_function(q, k, v):
+    return F.softmax(_scores(q, k), dim=-1) @ v
+
+
+def probs_no_grad(q, k, v):
+    s = q @ k.mT * 0.25
+    with torch.no_grad():
+        p = s.softmax(-1)
+    return p @ v
+
+
+def pv_no_grad(q, k, v):
+    p = (q @ k.mT * 0.25).softmax(-1)
+    with torch.no_grad():
+        return p @ v
+
+
+def enable_grad_inside_no_grad(q, k, v):
+    with torch.no_grad():
+        s = q @ k.mT * 0.25
+        with torch.enable_grad():
+            return s.softmax(-1) @ v
+
+
+def all_inside_enable_grad_in_no_grad(q, k, v):
+    with torch.no_grad():
+        with torch.enable_grad():
+            return (q @ k.mT * 0.25).softmax(-1) @ v
+
+
+def key_cast_no_grad(q, k, v):
+    with torch.no_grad():
+        kt = k.float().transpose(-2, -1)
+    return (q @ kt * 0.25).softmax(-1) @ v
+
+
+def key_view_no_grad(q, k, v):
+    with torch.no_grad():
+        kt = k.transpose(-2, -1)
+    return (q @ kt * 0.25).softmax(-1) @ v
+
+
+def query_scaled_no_grad(q, k, v):
+    with torch.no_grad():
+        qs = q * 0.25
+    return (qs @ k.mT).softmax(-1) @ v
+
+
+def value_view_no_grad(q, k, v):
+    with torch.no_grad():
+        vt = v.transpose(1, 2)
+    return (q @ k.mT * 0.25).softmax(-1) @ vt.transpose(1, 2)
+
+
+def whole_site_no_grad(q, k, v):
+    with torch.no_grad():
+        return (q @ k.mT * 0.25).softmax(-1) @ v
+
+
+def stacked_second_scores_no_grad(q, k, v):
+    o = (q @ k.mT * 0.25).softmax(-1) @ v
+    with torch.no_grad():
+        s = o @ k.mT * 0.25
+    return s.softmax(-1) @ v
+
+
+def stacked_first_pv_no_grad(q, k, v):
+    p = (q @ k.mT * 0.25).softmax(-1)
+    with torch.no_grad():
+        o = p @ v
+    return (o @ k.mT * 0.25).softmax(-1) @ v + o
+
+
+GRAD_FORMS = [scores_no_grad, scores_set_grad_enabled_false, scores_in_a_no_grad_function, probs_no_grad, pv_no_grad,
+              enable_grad_inside_no_grad, all_inside_enable_grad_in_no_grad, key_cast_no_grad, key_view_no_grad,
+              query_scaled_no_grad, value_view_no_grad, whole_site_no_grad]
+
+
+@pytest.mark.parametrize("fn", GRAD_FORMS, ids=lambda f: f.__name__)
+def test_grad_mode_regions_keep_eager_gradient_flow(fn):
+    check(fn, qkv(), rewritten=1)
+
+
+@pytest.mark.parametrize("fn", [stacked_second_scores_no_grad, stacked_first_pv_no_grad], ids=lambda f: f.__name__)
+def test_stacked_sites_across_grad_mode_regions(fn):
+    check(fn, qkv(), rewritten=2)
+
+
+def test_grad_mode_regions_with_inductor():
+    check(scores_no_grad, qkv(), inner="inductor", rewritten=1)
+
+
+def test_grad_mode_regions_in_fp16():
+    check(scores_no_grad, qkv(dtype=torch.float16), dtype=torch.float16, rewritten=1)
+
+
+# --------------------------------------------------------------------------- regrouped batch dims, GQA
+# The rewrite reads q, k, v (and mask terms) from before a batch regroup `x.reshape(B*H, N, D)` or a
+# GQA repeat; a no_grad region over those nodes must still cut the gradient of what lies before them.
+
+
+def _rows(x):
+    return x.reshape(-1, x.shape[-2], x.shape[-1])
+
+
+def repeat_kv(x, g=H):
+    b, h, n, d = x.shape
+    return x[:, :, None].expand(b, h, g, n, d).reshape(b, h * g, n, d)
+
+
+def qkv_gqa(dtype: torch.dtype = torch.float32) -> list:
+    return [rand(B, H, N, D, dtype=dtype, seed=0, requires_grad=True),
+            rand(B, 1, N, D, dtype=dtype, seed=1, requires_grad=True),
+            rand(B, 1, N, D, dtype=dtype, seed=2, requires_grad=True)]
+
+
+def bmm_scores_no_grad_after_repeat(q, k, v):
+    k, v = repeat_kv(k), repeat_kv(v)
+    with torch.no_grad():
+        s = torch.bmm(_rows(q), _rows(k).transpose(1, 2)).view(B, H, N, N) * 0.25
+    return s.softmax(-1) @ v
+
+
+def baddbmm_scores_no_grad_after_repeat(q, k, v):
+    k, v = repeat_kv(k), repeat_kv(v)
+    with torch.no_grad():
+        s = torch.baddbmm(torch.zeros(B * H, N, N), _rows(q), _rows(k).mT, alpha=0.25).view(B, H, N, N)
+    return s.softmax(-1) @ v
+
+
+def einsum_scores_no_grad_after_repeat(q, k, v):
+    k, v = repeat_kv(k), repeat_kv(v)
+    with torch.no_grad():
+        s = torch.einsum("bnd,bmd->bnm", _rows(q), _rows(k)).view(B, H, N, N) * 0.25
+    return s.softmax(-1) @ v
+
+
+def key_regroup_no_grad(q, k, v):
+    with torch.no_grad():
+        k3 = _rows(k)
+    s = torch.bmm(_rows(q), k3.transpose(1, 2)).view(B, H, N, N) * 0.25
+    return s.softmax(-1) @ v
+
+
+def query_regroup_no_grad(q, k, v):
+    with torch.no_grad():
+        q3 = _rows(q)
+    s = torch.bmm(q3, _rows(k).mT).view(B, H, N, N) * 0.25
+    return s.softmax(-1) @ v
+
+
+def key_regroup_set_grad_enabled_false(q, k, v):
+    torch.set_grad_enabled(False)
+    k3 = _rows(k)
+    torch.set_grad_enabled(True)
+    return (torch.bmm(_rows(q), k3.mT).view(B, H, N, N) * 0.25).softmax(-1) @ v
+
+
+def value_regroup_no_grad(q, k, v):
+    with torch.no_grad():
+        v3 = _rows(v)
+    p = (q @ k.mT * 0.25).softmax(-1)
+    return torch.bmm(_rows(p), v3).view(B, H, N, D)
+
+
+def value_regroup_no_grad_after_repeat(q, k, v):
+    k, v = repeat_kv(k), repeat_kv(v)
+    with torch.no_grad():
+        v3 = _rows(v)
+    p = (q @ k.mT * 0.25).softmax(-1)
+    return torch.bmm(_rows(p), v3).view(B, H, N, D)
+
+
+def regroup_no_grad_scores_in_enable_grad(q, k, v):
+    with torch.no_grad():
+        k3 = _rows(k)
+        with torch.enable_grad():
+            s = torch.bmm(_rows(q), k3.mT).view(B, H, N, N) * 0.25
+    return s.softmax(-1) @ v
+
+
+def repeat_no_grad_scores_in_enable_grad(q, k, v):
+    with torch.no_grad():
+        k = repeat_kv(k)
+        with torch.enable_grad():
+            s = q @ k.mT * 0.25
+    return s.softmax(-1) @ repeat_kv(v)
+
+
+REGROUP_FORMS = [bmm_scores_no_grad_after_repeat, baddbmm_scores_no_grad_after_repeat,
+                 einsum_scores_no_grad_after_repeat, value_regroup_no_grad_after_repeat,
+                 repeat_no_grad_scores_in_enable_grad]
+REGROUP_FORMS_MHA = [key_regroup_no_grad, query_regroup_no_grad, key_regroup_set_grad_enabled_false,
+                     value_regroup_no_grad, regroup_no_grad_scores_in_enable_grad]
+
+
+@pytest.mark.parametrize("fn", REGROUP_FORMS, ids=lambda f: f.__name__)
+def test_no_grad_over_a_gqa_repeat_or_regroup_cuts_the_gradient(fn):
+    check(fn, qkv_gqa(), rewritten=1)
+
+
+@pytest.mark.parametrize("fn", REGROUP_FORMS_MHA, ids=lambda f: f.__name__)
+def test_no_grad_over_a_batch_regroup_cuts_the_gradient(fn):
+    check(fn, qkv(), rewritten=1)
+
+
+class BiasRegroupNoGrad(nn.Module):
+    """A learned bias read through a batch regroup made under no_grad: eager gives it no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.linspace(-1, 1, B * H * N * N).view(B, H, N, N))
+
+    def forward(self, q, k, v):
+        with torch.no_grad():
+            b3 = _rows(self.bias)
+        s = torch.bmm(_rows(q), _rows(k).mT) * 0.25 + b3
+        return s.view(B, H, N, N).softmax(-1) @ v
+
+
+class BiasDetached(nn.Module):
+    """A learned bias added detached (read through views by the mask analysis): no gradient either."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.linspace(-1, 1, N * N).view(1, 1, N, N))
+
+    def forward(self, q, k, v):
+        return (q @ k.mT * 0.25 + self.bias.detach().expand(B, H, N, N)).softmax(-1) @ v
+
+
+class BiasRegroupNoGradAndLearned(nn.Module):
+    """One bias cut by no_grad (through a regroup), another learned: one op bias cannot keep both."""
+
+    def __init__(self):
+        super().__init__()
+        self.cut = nn.Parameter(torch.linspace(-1, 1, B * H * N * N).view(B, H, N, N))
+        self.live = nn.Parameter(torch.linspace(1, -1, N * N).view(N, N))
+
+    def forward(self, q, k, v):
+        with torch.no_grad():
+            b3 = _rows(self.cut)
+        s = torch.bmm(_rows(q), _rows(k).mT) * 0.25 + b3 + self.live
+        return s.view(B, H, N, N).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("fn", [BiasRegroupNoGrad, BiasDetached], ids=["regroup_no_grad", "detached"])
+def test_bias_read_through_a_gradient_cut_gets_no_gradient(fn):
+    check(fn(), qkv(), rewritten=1)
+
+
+class BiasDetachedAndLearned(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cut = nn.Parameter(torch.linspace(-1, 1, N * N).view(1, 1, N, N))
+        self.live = nn.Parameter(torch.linspace(1, -1, N * N).view(N, N))
+
+    def forward(self, q, k, v):
+        return (q @ k.mT * 0.25 + self.cut.detach() + self.live).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("fn", [BiasRegroupNoGradAndLearned, BiasDetachedAndLearned], ids=["no_grad", "detach"])
+def test_bias_cut_and_learned_bias_together_are_left_alone(fn):
+    res = check(fn(), qkv(), rewritten=0)
+    assert any("gradient is cut" in r for r in res.reasons), res.reasons
+
+
+class BiasAfterNoGrad(nn.Module):
+    """A learned bias added after scores computed without grad: the bias gets a gradient, q and k do not."""
+
+    def __init__(self, inside: bool):
+        super().__init__()
+        self.inside = inside
+        self.bias = nn.Parameter(torch.linspace(-1, 1, N * N).view(1, 1, N, N))
+
+    def forward(self, q, k, v):
+        with torch.no_grad():
+            s = q @ k.mT * 0.25
+            if self.inside:
+                s = s + self.bias
+        if not self.inside:
+            s = s + self.bias
+        return s.softmax(-1) @ v
+
+
+class TemperatureNoGrad(nn.Module):
+    """A per-head temperature (folded into q by the rewrite) applied under no_grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.t = nn.Parameter(torch.linspace(0.5, 2.0, H).view(H, 1, 1))
+
+    def forward(self, q, k, v):
+        with torch.no_grad():
+            s = (q @ k.mT) * self.t
+        return s.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("fn", [BiasAfterNoGrad(False), BiasAfterNoGrad(True), TemperatureNoGrad()],
+                         ids=["bias_after", "bias_inside", "temperature"])
+def test_bias_and_scale_parameters_keep_eager_gradient_flow(fn):
+    check(fn, qkv(), rewritten=1)
+
+
+def test_compiled_under_ambient_no_grad():
+    with torch.no_grad():
+        check(scores_no_grad, qkv(), rewritten=1)
+
+
+# --------------------------------------------------------------------------- inference mode, autocast
+
+
+def scores_inference_mode(q, k, v):
+    with torch.inference_mode():
+        s = q @ k.mT * 0.25
+    return s.clone().softmax(-1) @ v
+
+
+def whole_site_inference_mode(q, k, v):
+    with torch.inference_mode():
+        return (q @ k.mT * 0.25).softmax(-1) @ v
+
+
+def scores_autocast(q, k, v):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        s = q @ k.mT * 0.25
+    return s.float().softmax(-1) @ v
+
+
+def whole_site_autocast(q, k, v):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return (q @ k.mT * 0.25).softmax(-1) @ v
+
+
+def sdpa_autocast(q, k, v):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_scores_in_inference_mode_are_left_alone():
+    res = check(scores_inference_mode, qkv(), rewritten=0)
+    assert any("inference_mode" in r for r in res.reasons), res.reasons
+
+
+def test_whole_site_in_inference_mode():
+    check(whole_site_inference_mode, qkv(requires_grad=False), rewritten=1)
+
+
+def test_scores_partly_in_autocast_are_left_alone():
+    res = check(scores_autocast, qkv(), rewritten=0)
+    assert any("autocast" in r for r in res.reasons), res.reasons
+
+
+@pytest.mark.parametrize("fn", [whole_site_autocast, sdpa_autocast], ids=lambda f: f.__name__)
+def test_whole_site_in_autocast_computes_in_its_dtype(fn):
+    res = check(fn, qkv(), dtype=torch.bfloat16, rewritten=1)
+    assert res.out.dtype == res.ref.dtype == torch.bfloat16
+    assert res.rewritten[0].dtype in ("torch.bfloat16", "bfloat16")
+
+
+class MHAAutocast(nn.Module):
+    def __init__(self, encoder: bool):
+        super().__init__()
+        self.encoder = encoder
+        self.mha = nn.MultiheadAttention(D, H, batch_first=True)
+        self.layer = nn.TransformerEncoderLayer(D, H, 2 * D, dropout=0.0, batch_first=True)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.layer(x) if self.encoder else self.mha(x, x, x, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("encoder", [False, True], ids=["mha", "encoder_layer"])
+def test_fused_modules_under_autocast_are_left_alone(encoder):
+    m = MHAAutocast(encoder).eval()
+    with torch.no_grad():
+        # inner "eager": AOTAutograd itself traces the fused encoder layer under autocast as float32
+        res = check(m, [rand(B, N, D, seed=7)], dtype=torch.bfloat16, rewritten=0, inner="eager")
+    assert res.out.dtype == torch.bfloat16
+    assert any("autocast" in r for r in res.reasons), res.reasons
