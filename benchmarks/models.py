@@ -9,7 +9,7 @@ of the training step, compile time (first forward, first training step), generat
 a static KV cache (greedy, the model's forward compiled with the variant's backend), the number of
 attention sites rewritten / missed (fa_compile counters) and the kernels dispatch chose.
 
-    python benchmarks/models.py                 # the device run: bf16, the shapes
+    python benchmarks/models.py                 # the device run: bf16, the shapes in BENCHMARKS.md
     python benchmarks/models.py --smoke         # tiny models on CPU, aot_eager, checks the script
 Prints a table with ratios to sdpa+inductor; writes models.json and models.png to $OUT (or .).
 Every variant runs in its own try/except; a time budget skips what would not fit (reported).

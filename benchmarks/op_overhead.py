@@ -4,7 +4,14 @@ For each shape: microseconds per call to enqueue (CPU clock, GPU work queued, no
 for the op, the chosen kernel's adapter called directly, and SDPA; then where the op's host time
 goes (cProfile, top functions). Decode shapes are all host: their GPU work is a few microseconds.
 
-    python benchmarks/op_overhead.py
+    python benchmarks/op_overhead.py              # both parts
+    python benchmarks/op_overhead.py --compiled   # only host time inside Inductor's generated code
+
+--compiled: a compiled one-layer model (attention alone, the layout glue of a model around it) per
+kernel family, prefill and decode shapes: microseconds per call of the compiled function (enqueue),
+for eager code under backend="fa3" with the kernel forced (lowered at compile time, and with
+lower=False: the op and its run-time dispatch), next to F.scaled_dot_product_attention under
+Inductor in the same run.
 """
 from __future__ import annotations
 
@@ -45,7 +52,71 @@ def gpu_us(fn) -> float:
     return do_bench_cudagraph(fn, rep=50) * 1e3
 
 
+COMPILED_SHAPES = {
+    # name: (B, Hq, Hkv, Nq, Nk, D, causal)
+    "prefill B2 N256 H16 d64 causal": (2, 16, 16, 256, 256, 64, True),
+    "decode B2 Nq1 Nk320 H16/8 d128": (2, 16, 8, 1, 320, 128, False),
+}
+
+
+def compiled_rows() -> None:
+    import fa_compile
+    from fa_compile.lowering import records
+
+    print(f"\n== host time per call of a compiled one-layer attention (torch {torch.__version__}, "
+          f"{torch.cuda.get_device_name()})")
+    for name, (b, hq, hkv, nq, nk, d, causal) in COMPILED_SHAPES.items():
+        x = torch.randn(b, nq, hq * d, device="cuda", dtype=torch.bfloat16)
+        kv = torch.randn(b, nk, 2 * hkv * d, device="cuda", dtype=torch.bfloat16)
+
+        def split(x, kv):
+            q = x.view(b, nq, hq, d).transpose(1, 2)
+            k, v = (t.view(b, nk, hkv, d).transpose(1, 2) for t in kv.split(hkv * d, dim=-1))
+            return q, k, v
+
+        def ours(kernel):
+            def layer(x, kv):
+                q, k, v = split(x, kv)
+                o = fa_compile.attention(q, k, v, causal=causal, kernel=kernel)
+                return o.transpose(1, 2).reshape(b, nq, hq * d)
+            return layer
+
+        def sdpa_layer(x, kv):
+            q, k, v = split(x, kv)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)
+            return o.transpose(1, 2).reshape(b, nq, hq * d)
+
+        rows = {"SDPA under inductor": torch.compile(sdpa_layer)}
+        for kernel in ("cudnn", "flash", "efficient", "fa3", "triton"):
+            rows[f"fa3 {kernel} lowered"] = (kernel, True)
+            rows[f"fa3 {kernel} op (lower=False)"] = (kernel, False)
+        print(f"\n   {name}")
+        for label, what in rows.items():
+            try:
+                torch._dynamo.reset()
+                if isinstance(what, tuple):
+                    kernel, lower = what
+                    n = len(records())
+                    fn = torch.compile(ours(kernel), backend=fa_compile.backend(lower=lower))
+                    fn(x, kv)
+                    got = [str(r.decision) for r in records()[n:]]
+                else:
+                    fn, got = what, []
+                    fn(x, kv)
+                host = per_call_us(lambda: fn(x, kv))
+                gpu = gpu_us(lambda: fn(x, kv))
+                note = f"   [{'; '.join(got)}]" if got else ""
+                print(f"   {label:34s} host {host:8.1f} us   GPU {gpu:8.1f} us{note}")
+            except Exception as e:
+                print(f"   {label:34s} failed: {type(e).__name__}: {str(e)[:160]}")
+
+
 def main() -> None:
+    import sys
+
+    if "--compiled" in sys.argv:
+        compiled_rows()
+        return
     from fa_compile.candidates import fa3
 
     print("FA3 forward through", "the C++ op directly" if fa3._direct_forward() else "the wrapper (schema not usable)")
@@ -89,6 +160,7 @@ def main() -> None:
         s = io.StringIO()
         pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(8)
         print("\n".join(line for line in s.getvalue().splitlines() if line.strip())[:3000])
+    compiled_rows()
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 """The torch.compile backend: rewrite attention in the Dynamo graph, then hand it to an inner compiler."""
 from __future__ import annotations
 
+import hashlib
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from . import config
 
@@ -15,10 +18,14 @@ _DONE = "fa_compile_rewritten"
 
 @dataclass(frozen=True)
 class BackendConfig:
+    """What `backend(...)` was asked for; the returned backend carries it as `.fa_compile_config`."""
+
     inner: str = "inductor"
     kernel: Optional[str] = None  # force one kernel for every site (also FA_COMPILE_KERNEL)
     mode: Optional[str] = None  # Inductor mode: "default", "reduce-overhead", "max-autotune", ...
     options: dict = field(default_factory=dict)  # Inductor config patches
+    tune: bool = False  # time the eligible kernels at compile time (this backend's graphs only)
+    lower: bool = True  # lower each fa3 node to its kernel's own call in the post-grad graph (inductor only)
 
     def __post_init__(self) -> None:
         if self.inner not in INNER_COMPILERS:
@@ -27,8 +34,9 @@ class BackendConfig:
             raise ValueError(f"mode, options: only apply to inner='inductor', not {self.inner!r}")
 
 
-def run_pass(gm: fx.GraphModule, kernel: Optional[str] = None) -> list:
-    """Rewrite `gm` in place (once) and return the site reports; logs them when FA_COMPILE_LOG=1."""
+def run_pass(gm: fx.GraphModule, kernel: Optional[str] = None, record: bool = True) -> list:
+    """Rewrite `gm` in place (once) and return the site reports; with `record`, counts them and logs
+    them when FA_COMPILE_LOG=1 (the backend records only once its inner compile kept the graph)."""
     from . import ops  # noqa: F401  (registers torch.ops.fa3 before the pass emits it)
     from .patterns.pipeline import rewrite_attention
     from .patterns.site import PassOptions
@@ -37,19 +45,74 @@ def run_pass(gm: fx.GraphModule, kernel: Optional[str] = None) -> list:
         return []
     reports = rewrite_attention(gm, PassOptions(kernel=kernel))
     gm.meta[_DONE] = True
+    if record:
+        record_reports(reports)
+    return reports
+
+
+_ATTEMPTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Dynamo CompileContext -> (attempt, graphs, rewritten, missed)
+
+
+def record_reports(reports: list) -> None:
+    """Count the reports in torch._dynamo.utils.counters["fa_compile"] and log them (FA_COMPILE_LOG=1).
+
+    Dynamo may restart a compile and throw its graph away (e.g. when AOTAutograd specializes a float
+    that dynamic=True made an input); the counts of an earlier attempt of the same compile are then
+    taken back, so the counters describe the graphs that run."""
+    import torch._guards
     from torch._dynamo.utils import counters
 
-    counters["fa_compile"]["graphs"] += 1
-    counters["fa_compile"]["sites_rewritten"] += sum(r.rewritten for r in reports)
-    counters["fa_compile"]["sites_missed"] += sum(not r.rewritten for r in reports)
+    c = counters["fa_compile"]
+    ctx = torch._guards.CompileContext.try_get()
+    now = (1, sum(r.rewritten for r in reports), sum(not r.rewritten for r in reports))
+    if ctx is not None:  # one context per frame compile; its attempt counts the restarts
+        cid = ctx.compile_id
+        attempt, *before = _ATTEMPTS.get(ctx, (ctx.attempt, 0, 0, 0))
+        if attempt != ctx.attempt:  # a restart: the earlier attempt's graphs never run
+            c["graphs"], c["sites_rewritten"], c["sites_missed"] = (
+                c["graphs"] - before[0], c["sites_rewritten"] - before[1], c["sites_missed"] - before[2])
+            before = [0, 0, 0]
+            if config.log_enabled():
+                print(f"fa-compile: Dynamo restarted compile {cid}: the graph of the table above is discarded",
+                      file=sys.stderr)
+        _ATTEMPTS[ctx] = (ctx.attempt, *(b + n for b, n in zip(before, now)))
+    c["graphs"] += now[0]
+    c["sites_rewritten"] += now[1]
+    c["sites_missed"] += now[2]
     if config.log_enabled() and reports:
         from .report import ExplainReport
 
         print(ExplainReport.from_reports(reports, with_kernels=True), file=sys.stderr)
-    return reports
+
+
+def _lowering_pass(current: Any, tune: Optional[bool] = None) -> Any:
+    """Our post-grad lowering pass chained ahead of `current` (the user's), never twice."""
+    from .lowering import LoweringPass
+
+    if isinstance(current, LoweringPass):
+        current = current.chained
+    return LoweringPass(chained=current, tune=tune)
+
+
+_FALLBACK_WARNED: set = set()
+
+
+def _warn_compile_fallback(err: Exception) -> None:
+    import warnings
+
+    key = (type(err).__name__, str(err)[:80])
+    if key not in _FALLBACK_WARNED:
+        _FALLBACK_WARNED.add(key)
+        warnings.warn(f"fa_compile: compiling the lowered attention kernels failed ({type(err).__name__}: "
+                      f"{str(err)[:200]}); compiled again with torch.ops.fa3 kept (run-time dispatch)",
+                      RuntimeWarning, stacklevel=3)
 
 
 def _inner_compile(cfg: BackendConfig, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str], options: Optional[dict]):
+    if cfg.inner != "inductor" and ((mode and mode != "default") or options):
+        # torch.compile(..., mode=/options=) reach the backend as these arguments: never drop them.
+        raise ValueError(f"mode, options: torch.compile's mode={mode!r} / options={options!r} only apply to "
+                         f"fa_compile.backend(inner='inductor'), this backend's inner compiler is {cfg.inner!r}")
     if cfg.inner == "eager":
         return gm.forward
     if cfg.inner == "aot_eager":
@@ -65,7 +128,23 @@ def _inner_compile(cfg: BackendConfig, gm: fx.GraphModule, example_inputs: Seque
         patches.update(torch._inductor.list_mode_options(chosen_mode))
     patches.update(cfg.options)
     patches.update(options or {})
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    if not cfg.lower or config.killed():
+        return compile_fx(gm, example_inputs, config_patches=patches)
+    import torch._inductor.config as inductor_config
+
+    current = patches.get("post_grad_custom_pre_pass", inductor_config.post_grad_custom_pre_pass)
+    lowering = _lowering_pass(current, cfg.tune or None)
+    try:
+        return compile_fx(gm, example_inputs, config_patches=dict(patches, post_grad_custom_pre_pass=lowering))
+    except Exception as e:
+        # A lowered kernel call that Inductor cannot compile: the graph again with the fa3 op kept
+        # (its run-time dispatch), so a lowering never fails a compile. AOTAutograd traced copies of
+        # gm, so gm itself is as the rewrite left it. (A backward compiled lazily, at its first run,
+        # is not covered here; the splice-time checks of fa_compile/lowering are its guard.)
+        if not lowering.lowered:
+            raise  # nothing of ours in the graphs: not a lowering's failure
+        _warn_compile_fallback(e)
+        return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 def backend(
@@ -75,25 +154,31 @@ def backend(
     mode: Optional[str] = None,
     options: Optional[dict] = None,
     tune: bool = False,
+    lower: bool = True,
 ) -> Callable:
     """A configured backend for `torch.compile(model, backend=fa_compile.backend(...))`.
 
     inner: the compiler that gets the rewritten graph ("inductor", "aot_eager", "eager").
     kernel: force one kernel by name for every site (an error at run time names the refusal).
     mode / options: passed to Inductor, as torch.compile's own `mode=` / `options=` are.
-    tune: time the eligible kernels once per shape bucket on this GPU and cache the winner on disk
-    (as FA_COMPILE_TUNE=1 does).
+    tune: at compile time, time the eligible kernels of each site on this GPU once per shape bucket
+    and cache the winner on disk (FA_COMPILE_TUNE=1 does the same for every compile and at run time);
+    for this backend's graphs only.
+    lower: under inner="inductor", replace each fa3 op in the post-grad graphs by the call of the kernel
+    chosen for it at compile time (fa_compile/lowering/); False keeps the op and its run-time dispatch.
     """
-    if tune:
-        from . import tuning
-
-        tuning.enable(True)
-    cfg = BackendConfig(inner=inner, kernel=kernel, mode=mode, options=dict(options or {}))
+    cfg = BackendConfig(inner=inner, kernel=kernel, mode=mode, options=dict(options or {}), tune=bool(tune),
+                        lower=bool(lower))
 
     def fa3_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str] = None, options: Optional[dict] = None):
-        if not config.killed():
-            run_pass(gm, cfg.kernel)
-        return _inner_compile(cfg, gm, example_inputs, mode, options)
+        """The torch.compile backend: rewrite attention in `gm`, then compile it with the inner compiler."""
+        from . import tuning
+
+        with tuning.scoped(cfg.tune or None):
+            reports = [] if config.killed() else run_pass(gm, cfg.kernel, record=False)
+            compiled = _inner_compile(cfg, gm, example_inputs, mode, options)
+        record_reports(reports)  # not reached for a graph the inner compile made Dynamo discard
+        return compiled
 
     fa3_backend.fa_compile_config = cfg  # type: ignore[attr-defined]
     return fa3_backend
@@ -103,26 +188,50 @@ def backend(
 fa3 = backend()
 
 
-def _inductor_pre_grad_pass(graph: fx.Graph) -> None:
-    gm = graph.owning_module
-    if gm is None or config.killed():
-        return
-    run_pass(gm)
+class PreGradRewritePass(CustomGraphPass):
+    """The attention rewrite as Inductor's pre-grad custom pass (FA_COMPILE=1), then `chained` (the
+    pass the user had installed), if any. A CustomGraphPass, so the FX graph cache keys on it."""
+
+    def __init__(self, chained: Any = None):
+        self.chained = chained
+
+    def __call__(self, graph: fx.Graph) -> None:
+        gm = graph.owning_module
+        if gm is not None and not config.killed():
+            run_pass(gm)
+        if self.chained is not None:
+            self.chained(graph)
+
+    def uuid(self) -> Optional[Any]:
+        import os
+
+        from .lowering.graph_pass import _source_hash
+
+        chained = None
+        if self.chained is not None:
+            uuid = getattr(self.chained, "uuid", None)
+            chained = uuid() if callable(uuid) else None
+            if chained is None:
+                return None  # the user's pass cannot be keyed: no caching, as Inductor does for it
+        from . import patterns as _patterns
+
+        patterns = os.path.dirname(os.path.abspath(_patterns.__file__))
+        files = [__file__] + sorted(os.path.join(root, f) for root, _dirs, fs in os.walk(patterns) for f in fs
+                                    if f.endswith(".py"))
+        key = repr((get_hash_for_files(tuple(files)).hex(), _source_hash(), config.killed(), chained))
+        return hashlib.sha256(key.encode()).hexdigest()
 
 
 def install_inductor_pass() -> None:
-    """Chain the rewrite into Inductor's pre-grad custom pass (for FA_COMPILE=1 and default torch.compile)."""
+    """Chain the rewrite into Inductor's pre-grad custom pass and the lowering into its post-grad
+    pre-pass (for FA_COMPILE=1 and default torch.compile), each ahead of what the user had there."""
     import torch._inductor.config as inductor_config
 
     current = inductor_config.pre_grad_custom_pass
-    if current is _inductor_pre_grad_pass:
-        return
-    if current is None:
-        inductor_config.pre_grad_custom_pass = _inductor_pre_grad_pass
-        return
+    if not isinstance(current, PreGradRewritePass):
+        inductor_config.pre_grad_custom_pass = PreGradRewritePass(current)
+    post = inductor_config.post_grad_custom_pre_pass
+    from .lowering import LoweringPass
 
-    def chained(graph: fx.Graph) -> None:
-        _inductor_pre_grad_pass(graph)
-        current(graph)
-
-    inductor_config.pre_grad_custom_pass = chained
+    if not isinstance(post, LoweringPass):
+        inductor_config.post_grad_custom_pre_pass = _lowering_pass(post)

@@ -32,14 +32,31 @@ def flag_on(name: str) -> bool:
     return _flag(name) in _TRUE
 
 
+_WARNED_VALUES: set = set()
+
+
+def fa_compile_flag() -> str:
+    """FA_COMPILE, lower-cased; an unrecognised value is treated as unset, with one warning naming
+    the valid ones (a typo such as FA_COMPILE=2 must not be silently ignored)."""
+    value = _flag("FA_COMPILE")
+    if value and value not in _TRUE and value not in _FALSE and value not in _WARNED_VALUES:
+        _WARNED_VALUES.add(value)
+        import warnings
+
+        warnings.warn(f"FA_COMPILE={env('FA_COMPILE')!r} is not recognised and is ignored: use 1 (also true, yes, on) "
+                      f"to rewrite attention under a plain torch.compile, 0 (also false, no, off) to turn fa-compile "
+                      f"off everywhere, or leave it unset", RuntimeWarning, stacklevel=3)
+    return value
+
+
 def opt_in() -> bool:
     """FA_COMPILE=1: apply the rewrite to torch.compile's default (Inductor) backend too."""
-    return _flag("FA_COMPILE") in _TRUE
+    return fa_compile_flag() in _TRUE
 
 
 def killed() -> bool:
     """FA_COMPILE=0: no rewrite anywhere, backend="fa3" included (a kill switch)."""
-    return _flag("FA_COMPILE") in _FALSE
+    return fa_compile_flag() in _FALSE
 
 
 def log_enabled() -> bool:

@@ -12,6 +12,7 @@ powers of two above Nq and Nk (and B*Hq, coarsely), so a model's few shapes cost
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
@@ -37,7 +38,26 @@ def enable(on: Optional[bool] = True) -> None:
     tile_tuning.ENABLED = on
 
 
+_SCOPED = threading.local()  # `scoped(on)`: a setting for one compile (one backend), innermost wins
+
+
+@contextlib.contextmanager
+def scoped(on: Optional[bool]):
+    """Tuning on / off inside the block only (None: no change); `fa_compile.backend(tune=True)` wraps
+    its compile-time choices in it, so one backend's setting does not leak into the process."""
+    prev = getattr(_SCOPED, "on", None)
+    if on is not None:
+        _SCOPED.on = on
+    try:
+        yield
+    finally:
+        _SCOPED.on = prev
+
+
 def enabled() -> bool:
+    on = getattr(_SCOPED, "on", None)
+    if on is not None:
+        return on
     if _ENABLED is not None:
         return _ENABLED
     return config.flag_on("FA_COMPILE_TUNE")

@@ -44,7 +44,10 @@ def qkv(seed=0, shape=(2, 4, 16, 8)):
 
 
 def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter; Inductor's caches off unless `env` turns them on (a cache hit
+    skips the passes, and so the counters that the scripts print)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("FA_COMPILE")}
+    full_env.update(TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0")
     full_env.update(env)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           env=full_env, timeout=600)

@@ -1,0 +1,137 @@
+"""CPU model benchmark: small Hugging Face GPT-2 and BERT, eager attention code under fa3 against
+the same models' SDPA code under Inductor, forward (no grad) and one training step.
+
+Variants, measured in one run and in turn (each timing round runs every variant once, so drift on
+a shared machine touches all alike):
+  eager+fa3           attn_implementation="eager" under torch.compile(backend="fa3")
+  eager+fa3-nolower   the same with fa_compile.backend(lower=False): the fa3 op and its run-time dispatch
+  sdpa+inductor       attn_implementation="sdpa" under torch.compile(backend="inductor")
+Models (random weights, fp32, base models without a language-model head):
+  gpt2  4 layers, hidden 256, 4 heads, B4 x 256 tokens (causal)
+  bert  4 layers, hidden 256, 4 heads, B8 x 128 tokens, the last 64 tokens of half the batch padded
+
+    python benchmarks/cpu_models.py [--rounds 5] [--reps 5] [--models gpt2,bert] [--json out.json]
+Prints median ms per variant and the ratio to sdpa+inductor (lower is better).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+SPECS = {
+    "gpt2": dict(B=4, N=256, cfg=dict(n_embd=256, n_layer=4, n_head=4, vocab_size=1024, n_positions=512)),
+    "bert": dict(B=8, N=128, cfg=dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
+                                      vocab_size=1024, max_position_embeddings=512)),
+}
+VARIANTS = ("eager+fa3", "eager+fa3-nolower", "sdpa+inductor")
+
+
+def build(kind: str, attn: str):
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2Model
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        return GPT2Model(GPT2Config(**SPECS[kind]["cfg"], attn_implementation=attn))
+    return BertModel(BertConfig(**SPECS[kind]["cfg"], attn_implementation=attn), add_pooling_layer=False)
+
+
+def inputs(kind: str) -> dict:
+    spec = SPECS[kind]
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 1024, (spec["B"], spec["N"]), generator=g)
+    if kind == "gpt2":
+        return dict(input_ids=ids)
+    mask = torch.ones_like(ids)
+    mask[: spec["B"] // 2, spec["N"] // 2:] = 0
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+def backend(variant: str):
+    import fa_compile
+
+    if variant == "eager+fa3":
+        return fa_compile.backend()
+    if variant == "eager+fa3-nolower":
+        return fa_compile.backend(lower=False)
+    return "inductor"
+
+
+def step_fns(kind: str, variant: str) -> tuple[Callable, Callable]:
+    attn = "sdpa" if variant.startswith("sdpa") else "eager"
+    model = build(kind, attn).eval()  # inference: no dropout
+    fwd_model = torch.compile(model, backend=backend(variant))
+    kw = inputs(kind)
+
+    def forward():
+        with torch.no_grad():
+            return fwd_model(**kw).last_hidden_state
+
+    train_model = build(kind, attn).train()
+    for m in train_model.modules():  # dropout off: a deterministic step, same work for every variant
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    compiled_train = torch.compile(train_model, backend=backend(variant))
+
+    def train():
+        out = compiled_train(**kw).last_hidden_state
+        out.float().pow(2).mean().backward()
+        return out
+
+    return forward, train
+
+
+def timed(fn: Callable, reps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / reps
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="gpt2,bert")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--rounds", type=int, default=5, help="timing rounds (each times every variant in turn)")
+    ap.add_argument("--reps", type=int, default=5, help="calls per timing")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    from fa_compile.lowering import records
+
+    results = {}
+    for kind in args.models.split(","):
+        fns = {}
+        for v in variants:
+            torch._dynamo.reset()
+            fwd, train = step_fns(kind, v)
+            fwd(), fwd(), train(), train()  # compile and warm up
+            fns[v] = (fwd, train)
+        times = {v: {"forward": [], "train": []} for v in variants}
+        for _ in range(args.rounds):
+            for v in variants:
+                times[v]["forward"].append(timed(fns[v][0], args.reps))
+                times[v]["train"].append(timed(fns[v][1], max(1, args.reps // 2)))
+        med = {v: {p: statistics.median(ts) for p, ts in d.items()} for v, d in times.items()}
+        results[kind] = dict(median_ms=med, all_ms=times)
+        lowered = [str(r.decision) for r in records()]
+        print(f"  lowering decisions so far: {sorted(set(lowered))}")
+        base = med.get("sdpa+inductor")
+        print(f"{kind}: {SPECS[kind]['B']} x {SPECS[kind]['N']}, {args.rounds} rounds x {args.reps} calls, median ms")
+        for v in variants:
+            ratios = "" if base is None else "  ratio to sdpa+inductor: " + " / ".join(
+                f"{med[v][p] / base[p]:.2f}x" for p in ("forward", "train"))
+            print(f"  {v:18s} forward {med[v]['forward']:8.2f}  train step {med[v]['train']:8.2f}{ratios}")
+    if args.json:
+        meta = dict(torch=torch.__version__, threads=torch.get_num_threads(), date=time.strftime("%Y-%m-%d"))
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, results=results), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,19 @@
+"""Compile-time lowering of `torch.ops.fa3.*` in the post-AOTAutograd graphs.
+
+Each `fa3.attention` / `fa3.attention_backward` node is replaced by the call of the kernel that the
+run-time dispatch (fa_compile/dispatch.py) would choose for the node's FakeTensors, with the op's
+output conventions (BSHD-strided out, fp32 lse [B, H, Nq], -inf lse and zero out on empty rows)
+written as ordinary graph ops, so Inductor's generated code launches the kernel without a Python
+dispatch per call. A node whose kernel has no lowering, whose choice depends on a dynamic dimension,
+or whose lowering fails keeps the op (run-time dispatch); each decision is recorded (`records()`).
+
+Modules: `site_args` (node -> AttentionArgs), `choice` (which kernel, which lowering, or why none),
+`cpu_flash` / `sdpa` (the replacements), `splice` (tracing a replacement into the graph),
+`graph_pass` (the Inductor CustomGraphPass).
+"""
+from __future__ import annotations
+
+from .choice import Decision, describe, explain_lines
+from .graph_pass import LoweringPass, capture_graphs, lower_graph, records
+
+__all__ = ["Decision", "explain_lines", "LoweringPass", "capture_graphs", "describe", "lower_graph", "records"]

@@ -1,0 +1,165 @@
+"""Which kernel an fa3 node runs, and whether that kernel can be lowered into the graph.
+
+The kernel is dispatch's own choice (`dispatch.explain_choice`: the same candidates, order, shape
+promotions, forced kernel, user settings and cached tuning winner the run-time path reads), made on
+the node's FakeTensors. Lowering it is a second question answered by the kernel's lowering
+(`LOWERINGS`), whose reasons say what its graph form cannot express exactly.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+import torch
+
+from .. import dispatch, tuning
+
+
+class Lowering(Protocol):
+    # True when the lowered call runs the very kernel dispatch chose (so a forced kernel is honoured);
+    # False for a different exact kernel (the reference math lowered to a fused one).
+    same_kernel: bool
+
+    def target(self, direction: str) -> str: ...
+
+    def reasons(self, args: dispatch.AttentionArgs, direction: str) -> list[str]: ...
+
+
+@dataclass
+class Decision:
+    """direction: "forward" / "backward"; kernel: dispatch's choice; target: the op the node became,
+    or None when the node keeps `torch.ops.fa3.*` (run-time dispatch), with `reason`."""
+
+    direction: str
+    kernel: str
+    target: Optional[str] = None
+    reason: str = ""
+    refused: list = field(default_factory=list)
+
+    @property
+    def lowered(self) -> bool:
+        return self.target is not None
+
+    def __str__(self) -> str:
+        if self.lowered:
+            return f"{self.kernel} -> {self.target}"
+        return f"{self.kernel} (fa3 op, run-time dispatch: {self.reason})"
+
+
+LOWERINGS: dict[tuple[str, str], Lowering] = {}
+
+
+def register(device_type: str, kernel: str, lowering: Lowering) -> None:
+    LOWERINGS[(device_type, kernel)] = lowering
+
+
+def _symbolic(x) -> bool:
+    return isinstance(x, torch.SymInt) and x.node.maybe_as_int() is None
+
+
+def dynamic_dims(args: dispatch.AttentionArgs) -> list[str]:
+    names = []
+    for tname, t in (("q", args.q), ("k", args.k), ("v", args.v)):
+        names += [f"{tname}.shape[{i}]" for i, s in enumerate(t.shape) if _symbolic(s)]
+    if _symbolic(args.diag_offset):
+        names.append("diag_offset")
+    return names
+
+
+def _real_like(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if t is None:
+        return None
+    real = torch.empty_strided(tuple(int(s) for s in t.shape), tuple(int(s) for s in t.stride()), dtype=t.dtype,
+                               device=t.device)
+    if t.dtype.is_floating_point:
+        real.normal_()
+    elif t.dtype == torch.bool:
+        real.fill_(True)
+    else:
+        real.fill_(int(t.shape[0]) if t.dim() else 0)
+    return real
+
+
+def _tuned_kernel(args: dispatch.AttentionArgs, forced: Optional[str], direction: str) -> Optional[str]:
+    """With tuning on, static shapes and a CUDA device: time the eligible candidates on real
+    tensors of the node's shapes and strides once (dispatch caches the winner per bucket)."""
+    if not tuning.enabled() or args.q.device.type != "cuda" or not torch.cuda.is_available() or dynamic_dims(args):
+        return None
+    if dispatch.forced_kernel(forced) is not None:
+        return None
+    import dataclasses
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        real = dataclasses.replace(args, **{n: _real_like(getattr(args, n)) for n in ("q", "k", "v", "bias", "kv_lens",
+                                                                                        "dropout_seed")})
+        real = dispatch._for_direction(real, direction)
+        return dispatch._select(dispatch.ordered(real, direction), real, forced, direction).name
+
+
+def decide(args: dispatch.AttentionArgs, forced: Optional[str], direction: str, measure: bool = True) -> Decision:
+    """The kernel for these (fake) arguments and the lowering that takes it, or why the op stays.
+    With tuning on, `measure` times the candidates on real tensors of these shapes (explain() never does)."""
+    try:
+        tuned = _tuned_kernel(args, forced, direction) if measure else None
+    except Exception:  # a measurement that fails leaves the static order
+        tuned = None
+    name, refused = dispatch.explain_choice(args, forced, direction)
+    if tuned is not None and not name.startswith("none"):
+        name = tuned
+    if name.startswith("none"):
+        return Decision(direction, "none", reason=name, refused=refused)
+    dyn = dynamic_dims(args)
+    if dyn and args.q.device.type != "cpu":
+        # On CUDA the order reads sizes (FA3 from 2048 tokens, FA2 for decode, head-dim limits): a
+        # choice made on one size would be wrong for another, so the run-time dispatch keeps it.
+        return Decision(direction, name, reason=f"the choice reads sizes that are dynamic here ({', '.join(dyn)})",
+                        refused=refused)
+    lowering = LOWERINGS.get((args.q.device.type, name))
+    if lowering is None:
+        return Decision(direction, name, reason=f"no compile-time lowering of kernel {name!r} on "
+                        f"{args.q.device.type}", refused=refused)
+    if not lowering.same_kernel and dispatch.forced_kernel(forced) == name:
+        return Decision(direction, name, reason=f"kernel {name!r} is forced: it runs as it is", refused=refused)
+    why = lowering.reasons(args, direction)
+    if why:
+        return Decision(direction, name, reason="; ".join(why), refused=refused)
+    return Decision(direction, name, target=lowering.target(direction), refused=refused)
+
+
+def describe(args: dispatch.AttentionArgs, forced: Optional[str] = None) -> str:
+    """What the lowering makes of a site, forward (and backward when `args.needs_backward`), e.g.
+    "forward reference -> aten._scaled_dot_product_flash_attention_for_cpu"; for explain()."""
+    from . import cpu_flash, sdpa  # noqa: F401  (register the lowerings)
+
+    parts = []
+    with contextlib.suppress(Exception):
+        parts.append("forward " + str(decide(dispatch._for_direction(args, "forward"), forced, "forward", False)))
+    if args.needs_backward:
+        with contextlib.suppress(Exception):
+            parts.append("backward " + str(decide(args, forced, "backward", False)))
+    return "; ".join(parts)
+
+
+def explain_lines(rows: list) -> str:
+    """For explain(): one line per group of sites with the same lowering, e.g.
+    "lowered at sites 0, 1: forward reference -> aten._scaled_dot_product_flash_attention_for_cpu; ..."."""
+    from ..report import _args_of_call
+
+    groups: dict = {}
+    for i, row in enumerate(rows):
+        site = row.site
+        if not site.rewritten or site.call is None:
+            continue
+        args = _args_of_call(site.call)
+        if args is None:
+            continue
+        forced = site.call.args[13] if len(site.call.args) > 13 else None
+        groups.setdefault(describe(args, forced), []).append(i)
+    out = []
+    for text, sites in groups.items():
+        if text:
+            out.append(f"lowered at site{'s' if len(sites) > 1 else ''} {', '.join(map(str, sites))}: {text}")
+    return "\n".join(out)

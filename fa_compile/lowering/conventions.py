@@ -1,0 +1,81 @@
+"""The op's output conventions as graph ops (traced into the replacement, fused by Inductor)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch._prims_common import compute_elementwise_output_strides, make_contiguous_strides_for
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+NEG_INF = float("-inf")
+
+
+def with_strides(t: Tensor, stride: tuple) -> Tensor:
+    """`t` stored with `stride` (a copy only where it is not already: decided at trace time)."""
+    same = all(statically_known_true(size <= 1) or statically_known_true(a == b)
+               for size, a, b in zip(t.shape, t.stride(), stride))
+    return t if same else torch.ops.prims.copy_strided.default(t, list(stride))
+
+
+def bshd_strides(b, h, n, d) -> tuple:
+    return (n * h * d, d, h * d, 1)
+
+
+def as_bshd(out: Tensor) -> Tensor:
+    """out [B, H, N, D] stored as a `.transpose(1, 2)` of a contiguous [B, N, H, D]."""
+    b, h, n, d = out.shape
+    return with_strides(out, bshd_strides(b, h, n, d))
+
+
+def dense_like(t: Tensor, like: Tensor) -> Tensor:
+    """`t` with the strides `torch.empty_like(like)` has (like's dimension order, dense)."""
+    return with_strides(t, tuple(compute_elementwise_output_strides(like)))
+
+
+def additive_mask(q: Tensor, k: Tensor, bias: Optional[Tensor], kv_lens: Optional[Tensor]) -> Optional[Tensor]:
+    """bias (bool: True = attend, or float) and kv_lens as one additive mask in q's dtype that
+    broadcasts to [B, Hq, Nq, Nk] (its own broadcast shape kept: nothing is expanded)."""
+    mask = None
+    if bias is not None:
+        mask = bias if bias.dtype != torch.bool else torch.zeros_like(bias, dtype=q.dtype).masked_fill(~bias, NEG_INF)
+    if kv_lens is not None:
+        b, nk = q.shape[0], k.shape[2]
+        j = torch.arange(nk, device=q.device)
+        pad = torch.zeros((b, 1, 1, nk), dtype=q.dtype, device=q.device)
+        pad = pad.masked_fill(j.view(1, 1, 1, nk) >= kv_lens.view(b, 1, 1, 1), NEG_INF)
+        mask = pad if mask is None else mask + pad
+    if mask is not None:
+        while mask.dim() < 4:
+            mask = mask.unsqueeze(0)
+    return mask
+
+
+def empty_rows(q: Tensor, k: Tensor, mask: Optional[Tensor], kv_lens: Optional[Tensor], causal: bool,
+               bias: Optional[Tensor]) -> Optional[Tensor]:
+    """[B, Hq, Nq] bool: rows with no admissible key, or None where there can be none.
+
+    Only masks empty rows (causal here is top-left, where key 0 is always admissible): from kv_lens
+    alone a row is empty iff its batch has no key; otherwise a reduction over the mask's own
+    broadcast shape (causal bounds added by index comparison, never materialised)."""
+    b, hq, nq = q.shape[0], q.shape[1], q.shape[2]
+    if mask is None:
+        return None
+    if bias is None:
+        return (kv_lens <= 0).view(b, 1, 1).expand(b, hq, nq)
+    keep = ~torch.isneginf(mask)
+    if causal:
+        nk = k.shape[2]
+        i = torch.arange(nq, device=q.device).view(nq, 1)
+        j = torch.arange(nk, device=q.device).view(1, nk)
+        keep = keep & (j <= i)
+    return (~keep.any(dim=-1)).expand(b, hq, nq)
+
+
+def finish(out: Tensor, lse: Tensor, empty: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """fp32 lse, -inf and out 0 on empty rows, out BSHD-strided, lse contiguous."""
+    lse = lse.to(torch.float32)
+    if empty is not None:
+        lse = lse.masked_fill(empty, NEG_INF)
+        out = out.masked_fill(empty.unsqueeze(-1), 0)
+    return as_bshd(out), with_strides(lse, tuple(make_contiguous_strides_for(lse.shape)))

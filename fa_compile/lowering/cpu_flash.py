@@ -1,0 +1,121 @@
+"""CPU: the reference math lowered to aten's CPU flash kernel where it computes the same function.
+
+`aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, *, attn_mask,
+scale) -> (out, logsumexp)` (torch 2.11 and 2.13): fp16 / bf16 / fp32 inputs (fp64 too, but the op's fp32 lse would round its backward) with one head
+dim for Q, K and V; is_causal aligned top-left; attn_mask additive in q's dtype, broadcasting to
+[B, H, Nq, Nk]; logsumexp [B, H, Nq], natural log, fp32 (fp64 for fp64 inputs), stored [B, Nq, H];
+out with q's dimension order. A row whose keys are all masked gets out 0 and lse 0, so the op's
+-inf is put back from the mask (`conventions.empty_rows`). Its backward takes the same lse.
+
+What it cannot express exactly keeps the op, as do a forced kernel="reference" and an enclosing
+sdpa_kernel() without SDPBackend.FLASH_ATTENTION (SDPA's CPU flash path honours it too): softcap, sliding windows, dropout (ours is a counter
+hash), a causal diagonal other than top-left, V head dim != QK head dim, a float bias in another
+dtype than q (rounding it would change the scores), a bias gradient, no keys.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import dispatch
+from ..candidates import common as c
+from . import choice, conventions
+
+_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _repeat_kv(t: Tensor, groups: int) -> Tensor:
+    """[B, Hkv, N, D] -> [B, Hkv * groups, N, D], head h reading kv head h // groups (the op's GQA)."""
+    if groups == 1:
+        return t
+    b, h, n, d = t.shape
+    return t.unsqueeze(2).expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
+
+
+class CpuFlash:
+    same_kernel = False  # the reference math, computed by another (exact) kernel
+
+    def target(self, direction: str) -> str:
+        return "aten._scaled_dot_product_flash_attention_for_cpu" + ("_backward" if direction == "backward" else "")
+
+    def reasons(self, args: dispatch.AttentionArgs, direction: str) -> list[str]:
+        what = "aten's CPU flash kernel"
+        r = []
+        if args.q.device.type != "cpu":
+            return [f"{what} runs on CPU only"]
+        if not torch.backends.cuda.flash_sdp_enabled():
+            r.append("an enclosing sdpa_kernel() disables SDPBackend.FLASH_ATTENTION, which SDPA honours on CPU too")
+        d, dv = c.static_int(args.q.shape[3]), c.static_int(args.v.shape[3])
+        if d is None or dv is None or d != dv:
+            r.append(f"{what} needs the V head dim equal to the QK head dim (static), got {args.q.shape[3]} / {args.v.shape[3]}")
+        if args.softcap > 0:
+            r.append(f"{what} has no softcap")
+        if args.dropout_p > 0:
+            r.append(f"{what} cannot draw the op's dropout mask (the counter hash of kernels/dropout_hash.py)")
+        if c.has_window(args):
+            r.append(f"{what} has no sliding window")
+        if args.causal and not c.causal_vacuous(args):
+            off = args.diag_offset
+            if not isinstance(off, int) or off != 0:
+                r.append(f"{what}: is_causal is aligned top-left (diag_offset 0), this site's diagonal is at {off}")
+        nk = c.static_int(args.k.shape[2]) if not choice._symbolic(args.k.shape[2]) else -1
+        if nk == 0:
+            r.append(f"{what}: no keys (Nk = 0)")
+        hq, hkv = args.q.shape[1], args.k.shape[1]
+        if hq != hkv and (choice._symbolic(hq) or choice._symbolic(hkv)):
+            r.append(f"{what}: GQA with symbolic head counts")
+        if args.q.dtype == torch.float64:
+            r.append(f"{what}: fp64 (the op keeps an fp32 lse, which its fp64 backward would read back rounded)")
+        b = args.bias
+        if b is not None and b.dtype != torch.bool and b.dtype != args.q.dtype:
+            r.append(f"{what} adds the mask in q's dtype {args.q.dtype}; bias is {b.dtype} and rounding it would change scores")
+        if args.bias_requires_grad:
+            r.append(f"{what} backward computes no bias gradient")
+        return r
+
+    @staticmethod
+    def _causal(args) -> bool:
+        return bool(args.causal) and not c.causal_vacuous(args)
+
+    def forward_fn(self, args: dispatch.AttentionArgs):
+        """fn(q, k, v[, bias][, kv_lens]) -> (out, lse) in the op's conventions."""
+        scale, causal = float(args.scale), self._causal(args)
+        has_bias, has_lens = args.bias is not None, args.kv_lens is not None
+        groups = int(args.q.shape[1]) // int(args.k.shape[1])
+
+        def fn(q, k, v, *rest):
+            bias = rest[0] if has_bias else None
+            kv_lens = rest[-1] if has_lens else None
+            mask = conventions.additive_mask(q, k, bias, kv_lens)
+            out, lse = _FWD(q, _repeat_kv(k, groups), _repeat_kv(v, groups), 0.0, causal, attn_mask=mask, scale=scale)
+            return conventions.finish(out, lse, conventions.empty_rows(q, k, mask, kv_lens, causal, bias))
+
+        return fn
+
+    def backward_fn(self, args: dispatch.AttentionArgs):
+        """fn(dout, q, k, v, out, lse[, bias][, kv_lens]) -> (dq, dk, dv, empty dbias)."""
+        scale, causal = float(args.scale), self._causal(args)
+        has_bias, has_lens = args.bias is not None, args.kv_lens is not None
+        groups = int(args.q.shape[1]) // int(args.k.shape[1])
+
+        def fn(dout, q, k, v, out, lse, *rest):
+            bias = rest[0] if has_bias else None
+            kv_lens = rest[-1] if has_lens else None
+            mask = conventions.additive_mask(q, k, bias, kv_lens)
+            # An empty row's lse is -inf; its scores are all -inf, so any finite lse gives P = 0 there.
+            lse_b = lse.masked_fill(torch.isneginf(lse), 0.0) if mask is not None else lse
+            kk, vv = _repeat_kv(k, groups), _repeat_kv(v, groups)
+            dq, dk, dv = _BWD(dout, q, kk, vv, out, lse_b, 0.0, causal, attn_mask=mask, scale=scale)
+            if groups > 1:
+                b, hkv, nk, d = k.shape
+                dk = dk.view(b, hkv, groups, nk, d).sum(dim=2)
+                dv = dv.view(b, hkv, groups, nk, v.shape[3]).sum(dim=2)
+            return (conventions.dense_like(dq, q), conventions.dense_like(dk, k), conventions.dense_like(dv, v),
+                    q.new_empty((0,)))
+
+        return fn
+
+
+CPU_FLASH = CpuFlash()
+choice.register("cpu", "reference", CPU_FLASH)

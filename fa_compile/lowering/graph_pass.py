@@ -1,0 +1,156 @@
+"""The lowering as an Inductor post-grad pass (a CustomGraphPass, so the FX graph cache keys on it)."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from .. import dispatch
+from . import choice, site_args, splice
+
+_RECORDS: list = []
+_CAPTURE: list = []  # lists that `capture_graphs()` fills with the lowered graphs' code
+_WARNED: set = set()
+
+
+@dataclass
+class Record:
+    node: str
+    decision: choice.Decision
+
+
+def records() -> list:
+    """Every lowering decision of this process, oldest first (Record(node, decision))."""
+    return list(_RECORDS)
+
+
+@contextlib.contextmanager
+def capture_graphs() -> Iterator[list]:
+    """Collect the code of every graph the pass lowers (after lowering) while active."""
+    got: list = []
+    _CAPTURE.append(got)
+    try:
+        yield got
+    finally:
+        _CAPTURE.remove(got)
+
+
+def _load_lowerings() -> None:
+    from . import cpu_flash, sdpa  # noqa: F401  (each registers itself)
+
+
+def _warn_once(node: fx.Node, decision: choice.Decision, err: Exception) -> None:
+    key = (decision.direction, decision.kernel, type(err).__name__)
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    warnings.warn(f"fa_compile: lowering the {decision.direction} of {node.name} to {decision.target} failed "
+                  f"({type(err).__name__}: {str(err)[:200]}); it keeps torch.ops.fa3 and its run-time dispatch",
+                  RuntimeWarning, stacklevel=2)
+
+
+def _lower_node(graph: fx.Graph, node: fx.Node) -> Optional[choice.Decision]:
+    args = site_args.attention_args(node)
+    if args is None:
+        return None
+    backward = node.target is site_args.BACKWARD
+    direction = "backward" if backward else "forward"
+    decision = choice.decide(args, site_args.forced(node), direction)
+    if not decision.lowered:
+        return decision
+    lowering = choice.LOWERINGS[(args.q.device.type, decision.kernel)]
+    b = site_args.bound(node)
+    names = ["dout", "q", "k", "v", "out", "lse"] if backward else ["q", "k", "v"]
+    names += [n for n in ("bias", "kv_lens") if b[n] is not None]
+    try:
+        fn = lowering.backward_fn(args) if backward else lowering.forward_fn(args)
+        splice.replace_node(graph, node, fn, [b[n] for n in names])
+    except Exception as e:
+        _warn_once(node, decision, e)
+        return choice.Decision(direction, decision.kernel, reason=f"lowering failed: {type(e).__name__}: {str(e)[:120]}")
+    return decision
+
+
+def lower_graph(graph: fx.Graph) -> list[choice.Decision]:
+    """Lower every fa3.attention / fa3.attention_backward node of `graph` in place."""
+    _load_lowerings()
+    out = []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (site_args.FORWARD, site_args.BACKWARD):
+            continue
+        name = node.name
+        decision = _lower_node(graph, node)
+        if decision is not None:
+            out.append(decision)
+            _RECORDS.append(Record(name, decision))
+            torch._dynamo.utils.counters["fa_compile"]["lowered" if decision.lowered else "kept_op"] += 1
+    if any(d.lowered for d in out):
+        graph.eliminate_dead_code()
+        graph.lint()
+    if _CAPTURE:
+        code = graph.python_code("self").src
+        for got in _CAPTURE:
+            got.append(code)
+    return out
+
+
+_FILES = None
+
+
+def _source_hash() -> str:
+    import os
+
+    global _FILES
+    if _FILES is None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        parent = os.path.dirname(here)
+        _FILES = tuple(sorted(os.path.join(here, f) for f in os.listdir(here) if f.endswith(".py"))) + tuple(
+            os.path.join(parent, f) for f in ("dispatch.py", "ops.py", "tuning.py", "config.py"))
+        cands = os.path.join(parent, "candidates")
+        _FILES += tuple(sorted(os.path.join(cands, f) for f in os.listdir(cands) if f.endswith(".py")))
+    return get_hash_for_files(_FILES).hex()
+
+
+def _settings_key() -> tuple:
+    """What the choice reads besides the graph: settings, forced kernel, tuning, devices."""
+    devs = ()
+    if torch.cuda.is_available():
+        devs = tuple(torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count()))
+    return (dispatch._settings()[:-1], devs, torch.__version__)
+
+
+class LoweringPass(CustomGraphPass):
+    """Lower fa3 nodes, then run `chained` (a pass the user had installed), if any."""
+
+    def __init__(self, chained: Any = None, tune: Optional[bool] = None):
+        self.chained = chained
+        self.tune = tune  # fa_compile.backend(tune=True): tuning on for this backend's graphs only
+        self.lowered = 0  # fa3 nodes this pass object replaced (all graphs it ran on)
+
+    def __call__(self, graph: fx.Graph) -> None:
+        from .. import config, tuning
+
+        if not config.killed():
+            with tuning.scoped(self.tune):
+                self.lowered += sum(d.lowered for d in lower_graph(graph))
+        if self.chained is not None:
+            self.chained(graph)
+
+    def uuid(self) -> Optional[Any]:
+        chained = None
+        if self.chained is not None:
+            uuid = getattr(self.chained, "uuid", None)
+            chained = uuid() if callable(uuid) else None
+            if chained is None:
+                return None  # the user's pass cannot be keyed: no caching, as Inductor does for it
+        from .. import config, tuning
+
+        with tuning.scoped(self.tune):
+            key = repr((_source_hash(), _settings_key(), config.killed(), chained))
+        return hashlib.sha256(key.encode()).hexdigest()

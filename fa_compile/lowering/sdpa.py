@@ -1,0 +1,117 @@
+"""CUDA: the SDPA-family kernels dispatch chooses (cuDNN, FA2, mem-efficient) as their aten ops.
+
+The same calls and conventions as candidates/sdpa.py (which documents each op's lse shape and
+empty-row marking), written without in-place ops so they trace into the post-grad graph: the mask
+built from bias / kv_lens in q's dtype with 16-aligned rows, the lse normalised to [B, Hq, Nq] fp32
+with -inf (and out 0) on empty rows, -inf turned into +inf for the backward kernels.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import dispatch
+from ..candidates import common as c
+from ..candidates.sdpa import _BIAS_ALIGN
+from . import choice, conventions
+
+aten = torch.ops.aten
+
+
+def _last_dim_contiguous(t: Tensor) -> Tensor:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return t if statically_known_true(t.stride(-1) == 1) else t.contiguous()
+
+
+def _bias(q: Tensor, k: Tensor, bias, kv_lens) -> "Tensor | None":
+    b, hq, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    mask = conventions.additive_mask(q, k, bias, kv_lens)
+    if mask is None:
+        return None
+    nk_i = c.static_int(nk)
+    if nk_i is None or nk_i % _BIAS_ALIGN or mask.shape[-1] != nk:
+        width = (nk + _BIAS_ALIGN - 1) // _BIAS_ALIGN * _BIAS_ALIGN
+        full = mask.expand(*mask.shape[:-1], nk)
+        mask = torch.nn.functional.pad(full, (0, width - nk))[..., :nk]
+    return mask.expand(b, hq, nq, nk)
+
+
+class SdpaLowering:
+    same_kernel = True
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def target(self, direction: str) -> str:
+        op = {"flash": "_scaled_dot_product_flash_attention", "cudnn": "_scaled_dot_product_cudnn_attention",
+              "efficient": "_scaled_dot_product_efficient_attention"}[self.kind]
+        return f"aten.{op}" + ("_backward" if direction == "backward" else "")
+
+    def reasons(self, args: dispatch.AttentionArgs, direction: str) -> list[str]:
+        if direction == "backward" and self.kind == "efficient":
+            return ["mem-efficient has no backward here (see candidates/sdpa.py)"]
+        return []  # dispatch chose it: its candidate's reasons were all answered
+
+    def forward_fn(self, args: dispatch.AttentionArgs):
+        kind, scale = self.kind, float(args.scale)
+        causal = c.effective_causal(args)
+        maybe_empty = c.may_have_empty_rows(args)
+        has_bias, has_lens = args.bias is not None, args.kv_lens is not None
+
+        def fn(q, k, v, *rest):
+            bias = rest[0] if has_bias else None
+            kv_lens = rest[-1] if has_lens else None
+            b, hq, nq = q.shape[0], q.shape[1], q.shape[2]
+            q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+            if kind == "flash":
+                res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+                out, lse = res[0], res[1]
+            elif kind == "cudnn":
+                res = aten._scaled_dot_product_cudnn_attention(q, k, v, _bias(q, k, bias, kv_lens), True, 0.0, causal,
+                                                               False, scale=scale)
+                out, lse = res[0], res[1].reshape(b, hq, nq)
+            else:
+                res = aten._scaled_dot_product_efficient_attention(q, k, v, _bias(q, k, bias, kv_lens), True, 0.0,
+                                                                   causal, scale=scale)
+                out, lse = res[0], res[1][:, :, :nq]
+            lse = lse.to(torch.float32)
+            empty = torch.isinf(lse) if maybe_empty else None
+            return conventions.finish(out, lse, empty)
+
+        return fn
+
+    def backward_fn(self, args: dispatch.AttentionArgs):
+        kind, scale = self.kind, float(args.scale)
+        causal = c.effective_causal(args)
+        has_bias, has_lens = args.bias is not None, args.kv_lens is not None
+
+        def fn(dout, q, k, v, out, lse, *rest):
+            bias = rest[0] if has_bias else None
+            kv_lens = rest[-1] if has_lens else None
+            q0, k0, v0 = q, k, v
+            q, k, v, out = (_last_dim_contiguous(t) for t in (q, k, v, out))
+            dout = conventions.with_strides(dout, out.stride())  # the kernels read dO with out's strides
+            b, hq, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+            lse_b = lse.to(torch.float32).masked_fill(torch.isneginf(lse), float("inf"))
+            dev = q.device
+            if kind == "flash":
+                # Read only with dropout (never here): allocated, never written.
+                seed = torch.empty((2,), dtype=torch.uint64, device=dev)
+                offset = torch.empty((), dtype=torch.uint64, device=dev)
+                dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+                    dout, q, k, v, out, lse_b, None, None, nq, nk, 0.0, causal, seed, offset, scale=scale)
+            else:
+                seed = torch.zeros((), dtype=torch.int64, device=dev)
+                offset = torch.zeros((), dtype=torch.int64, device=dev)
+                dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+                    dout, q, k, v, out, lse_b.reshape(b, hq, nq, 1), seed, offset, _bias(q, k, bias, kv_lens), None,
+                    None, nq, nk, 0.0, causal, scale=scale)
+            return (conventions.dense_like(dq, q0), conventions.dense_like(dk, k0), conventions.dense_like(dv, v0),
+                    q0.new_empty((0,)))
+
+        return fn
+
+
+for _kind in ("cudnn", "flash", "efficient"):
+    choice.register("cuda", _kind, SdpaLowering(_kind))

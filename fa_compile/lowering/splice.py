@@ -1,0 +1,76 @@
+"""Trace a replacement function on a node's FakeTensors and put its graph in place of the node."""
+from __future__ import annotations
+
+import operator
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+
+class SpliceError(RuntimeError):
+    pass
+
+
+def _fake_mode(vals: Sequence):
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(list(vals))
+    if mode is None:
+        raise SpliceError("the node's inputs carry no FakeTensors")
+    return mode
+
+
+def _strides_match(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal strides wherever they matter (a dimension of size 1 may have any stride)."""
+    if got.dim() != want.dim() or got.dtype != want.dtype:
+        return False
+    for size, a, b in zip(want.shape, got.stride(), want.stride()):
+        if statically_known_true(size <= 1):
+            continue
+        if not statically_known_true(a == b):
+            return False
+    return all(statically_known_true(x == y) for x, y in zip(got.shape, want.shape))
+
+
+def replace_node(graph: fx.Graph, node: fx.Node, fn: Callable, inputs: Sequence[fx.Node]) -> list[fx.Node]:
+    """Replace `node` (a multi-output op used through getitem) by `fn(*inputs)` traced with make_fx.
+
+    `fn` returns one tensor per output of the node, each with the node's own output sizes, strides
+    and dtype (checked: a mismatch raises SpliceError and leaves the graph untouched), so every user
+    sees exactly the tensors it was traced with.
+    """
+    vals = [n.meta["val"] for n in inputs]
+    outs = node.meta.get("val")
+    if not isinstance(outs, (tuple, list)):
+        raise SpliceError("the node has no output FakeTensors")
+    users = list(node.users)
+    if any(u.op != "call_function" or u.target is not operator.getitem for u in users):
+        raise SpliceError("an output is used other than through getitem")
+    from torch._inductor.decomposition import select_decomp_table
+
+    # Traced with Inductor's decompositions: the post-grad graph holds only ops Inductor lowers.
+    with _fake_mode(vals):
+        sub = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="real")(*vals)
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    out_node = next(n for n in sub.graph.nodes if n.op == "output")
+    results = out_node.args[0]
+    if len(results) != len(outs):
+        raise SpliceError(f"the replacement returns {len(results)} values, the node {len(outs)}")
+    for i, (r, want) in enumerate(zip(results, outs)):
+        got = r.meta.get("val")
+        if not isinstance(got, torch.Tensor) or not _strides_match(got, want):
+            have = None if not isinstance(got, torch.Tensor) else (tuple(got.shape), got.stride(), got.dtype)
+            raise SpliceError(f"output {i}: replacement gives {have}, the node "
+                              f"{(tuple(want.shape), want.stride(), want.dtype)}")
+    val_map = dict(zip(placeholders, inputs))
+    with graph.inserting_before(node):
+        new = graph.graph_copy(sub.graph, val_map)
+    new = list(new)
+    for u in users:
+        u.replace_all_uses_with(new[u.args[1]])
+        graph.erase_node(u)
+    graph.erase_node(node)
+    return new

@@ -1,0 +1,342 @@
+"""Compile-time lowering of fa3 nodes (fa_compile/lowering/) on CPU: pinned graphs, numerics against
+eager (outputs, log-sum-exp and gradients), the sites that keep the op and why, compile-time
+failures, and the pass's place in Inductor (cache key, FA_COMPILE=1, settings read at compile time)."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import expecttest
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import fa_compile
+from fa_compile.lowering import LoweringPass, capture_graphs, records
+from fa_compile.lowering import cpu_flash
+
+from conftest import TOL
+from test_backend import run_python
+
+
+@pytest.fixture(autouse=True)
+def _no_compile_caches():
+    """The pass runs (and records its decisions) only on a real compile, never on a cache hit."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
+def _inputs(b=2, hq=4, hkv=4, nq=16, nk=16, d=8, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, nq, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, nk, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, nk, d, generator=g).to(dtype)
+    return q, k, v
+
+
+def _bool_padding(b, nk):
+    keep = torch.ones(b, 1, 1, nk, dtype=torch.bool)
+    keep[0, ..., nk - 5:] = False
+    keep[1] = False  # every key of batch 1 masked: empty rows
+    return keep
+
+
+def _float_bias(b, nq, nk):
+    bias = torch.randn(b, 1, nq, nk, generator=torch.Generator().manual_seed(7))
+    bias[:, :, 3] = float("-inf")  # one empty row per batch
+    return bias
+
+
+# name -> (input shape kwargs, attention kwargs builder)
+LOWERED = {
+    "plain": ({}, lambda s: {}),
+    "causal": ({}, lambda s: dict(causal=True)),
+    "causal_fewer_queries": (dict(nq=5), lambda s: dict(causal=True)),  # top-left, as the CPU kernel
+    "bool_key_padding": ({}, lambda s: dict(bias=_bool_padding(s["b"], s["nk"]))),
+    "float_bias_empty_rows": ({}, lambda s: dict(bias=_float_bias(s["b"], s["nq"], s["nk"]))),
+    "kv_lens_with_an_empty_batch": ({}, lambda s: dict(kv_lens=torch.tensor([5, 0]))),
+    "causal_kv_lens": ({}, lambda s: dict(causal=True, kv_lens=torch.tensor([3, 16]))),
+    "causal_bool_bias": ({}, lambda s: dict(causal=True, bias=_bool_padding(s["b"], s["nk"]))),
+    "gqa": (dict(hkv=2), lambda s: dict(causal=True)),
+    "fp16": (dict(dtype=torch.float16), lambda s: dict(causal=True)),
+}
+
+
+def _shape(kw):
+    s = dict(b=2, hq=4, hkv=4, nq=16, nk=16, d=8, dtype=torch.float32)
+    s.update(kw)
+    return s
+
+
+def _run(fn, q, k, v, w):
+    """out, lse and the gradients of q, k, v for the loss (out * w).sum()."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = fn(q, k, v)
+    (out.float() * w).sum().backward()
+    return out, lse, q.grad, k.grad, v.grad
+
+
+def _compare(got, want, dtype):
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, **TOL[dtype], msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("case", list(LOWERED))
+def test_lowered_to_cpu_flash_matches_eager(case):
+    shape_kw, build = LOWERED[case]
+    s = _shape(shape_kw)
+    q, k, v = _inputs(**s)
+    kw = build(s)
+
+    def fn(q, k, v):
+        return fa_compile.attention(q, k, v, return_lse=True, **kw)
+
+    w = torch.randn(s["b"], s["hq"], s["nq"], s["d"])
+    torch._dynamo.reset()
+    n_before = len(records())
+    got = _run(torch.compile(fn, backend="fa3", fullgraph=True), q, k, v, w)
+    want = _run(fn, q, k, v, w)
+    _compare(got, want, s["dtype"])
+    decisions = [r.decision for r in records()[n_before:]]
+    # (the lse's own gradient, zero here, may add a second backward call: every call is lowered)
+    assert {(d.direction, d.kernel, d.target) for d in decisions} == {
+        ("forward", "reference", "aten._scaled_dot_product_flash_attention_for_cpu"),
+        ("backward", "reference", "aten._scaled_dot_product_flash_attention_for_cpu_backward"),
+    }, [str(d) for d in decisions]
+    assert torch.isneginf(got[1]).any() == torch.isneginf(want[1]).any()
+
+
+KEPT = {
+    "softcap": (dict(softcap=5.0), "has no softcap"),
+    "window": (dict(window=(4, 0)), "has no sliding window"),
+    "bottom_right": (dict(causal="bottom_right"), "aligned top-left"),
+}
+
+
+@pytest.mark.parametrize("case", list(KEPT))
+def test_sites_the_cpu_kernel_cannot_take_keep_the_op(case):
+    kw, reason = KEPT[case]
+    q, k, v = _inputs(nq=8)
+
+    def fn(q, k, v):
+        return fa_compile.attention(q, k, v, return_lse=True, **kw)
+
+    w = torch.randn(2, 4, 8, 8)
+    torch._dynamo.reset()
+    n_before = len(records())
+    with capture_graphs() as graphs:
+        got = _run(torch.compile(fn, backend="fa3"), q, k, v, w)
+    _compare(got, _run(fn, q, k, v, w), torch.float32)
+    decisions = [r.decision for r in records()[n_before:]]
+    assert len(decisions) >= 2 and not any(d.lowered for d in decisions)
+    assert all(reason in d.reason for d in decisions), [d.reason for d in decisions]
+    assert all("torch.ops.fa3.attention" in g for g in graphs)
+
+
+def _causal_attn(q, k, v):
+    n = q.shape[2]
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def test_lowered_training_graphs_are_pinned():
+    q, k, v = (t.requires_grad_() for t in _inputs())
+    torch._dynamo.reset()
+    with capture_graphs() as graphs:
+        out = torch.compile(_causal_attn, backend="fa3")(q, k, v)
+        out.sum().backward()
+    assert len(graphs) == 2
+    expecttest.assert_expected_inline(graphs[0].strip(), """\
+def forward(self, primals_1, primals_2, primals_3):
+    _scaled_dot_product_flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(primals_1, primals_2, primals_3, 0.0, True, scale = 0.35355339059327373)
+    getitem_2 = _scaled_dot_product_flash_attention_for_cpu[0]
+    getitem_3 = _scaled_dot_product_flash_attention_for_cpu[1];  _scaled_dot_product_flash_attention_for_cpu = None
+    copy_strided = torch.ops.prims.copy_strided.default(getitem_2, [512, 8, 32, 1]);  getitem_2 = None
+    copy_strided_1 = torch.ops.prims.copy_strided.default(getitem_3, [64, 16, 1]);  getitem_3 = None
+    clone = torch.ops.aten.clone.default(copy_strided, memory_format = torch.contiguous_format)
+    return (clone, primals_1, primals_2, primals_3, copy_strided, copy_strided_1)""")
+    expecttest.assert_expected_inline(graphs[1].strip(), """\
+def forward(self, primals_1, primals_2, primals_3, getitem, getitem_1, tangents_1):
+    _scaled_dot_product_flash_attention_for_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(tangents_1, primals_1, primals_2, primals_3, getitem, getitem_1, 0.0, True, scale = 0.35355339059327373);  tangents_1 = primals_1 = primals_2 = primals_3 = getitem = getitem_1 = None
+    getitem_5 = _scaled_dot_product_flash_attention_for_cpu_backward[0]
+    getitem_6 = _scaled_dot_product_flash_attention_for_cpu_backward[1]
+    getitem_7 = _scaled_dot_product_flash_attention_for_cpu_backward[2];  _scaled_dot_product_flash_attention_for_cpu_backward = None
+    copy_strided = torch.ops.prims.copy_strided.default(getitem_5, [512, 128, 8, 1]);  getitem_5 = None
+    copy_strided_1 = torch.ops.prims.copy_strided.default(getitem_6, [512, 128, 8, 1]);  getitem_6 = None
+    copy_strided_2 = torch.ops.prims.copy_strided.default(getitem_7, [512, 128, 8, 1]);  getitem_7 = None
+    return (copy_strided, copy_strided_1, copy_strided_2)""")
+
+
+def test_inference_graph_with_key_padding_is_pinned():
+    q, k, v = _inputs()
+    keep = _bool_padding(2, 16)
+    torch._dynamo.reset()
+    with capture_graphs() as graphs:
+        out = torch.compile(lambda q, k, v, m: fa_compile.attention(q, k, v, bias=m), backend="fa3")(q, k, v, keep)
+    torch.testing.assert_close(out, fa_compile.attention(q, k, v, bias=keep), **TOL[torch.float32])
+    expecttest.assert_expected_inline(graphs[0].strip(), """\
+def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
+    full = torch.ops.aten.full.default([2, 1, 1, 16], 0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'), pin_memory = False)
+    bitwise_not = torch.ops.aten.bitwise_not.default(arg3_1);  arg3_1 = None
+    scalar_tensor = torch.ops.aten.scalar_tensor.default(-inf, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+    where = torch.ops.aten.where.self(bitwise_not, scalar_tensor, full);  bitwise_not = scalar_tensor = full = None
+    _scaled_dot_product_flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(arg0_1, arg1_1, arg2_1, attn_mask = where, scale = 0.35355339059327373);  arg0_1 = arg1_1 = arg2_1 = None
+    getitem_2 = _scaled_dot_product_flash_attention_for_cpu[0];  _scaled_dot_product_flash_attention_for_cpu = None
+    eq = torch.ops.aten.eq.Scalar(where, -inf);  where = None
+    bitwise_not_1 = torch.ops.aten.bitwise_not.default(eq);  eq = None
+    any_1 = torch.ops.aten.any.dim(bitwise_not_1, -1);  bitwise_not_1 = None
+    bitwise_not_2 = torch.ops.aten.bitwise_not.default(any_1);  any_1 = None
+    expand = torch.ops.aten.expand.default(bitwise_not_2, [2, 4, 16]);  bitwise_not_2 = None
+    unsqueeze = torch.ops.aten.unsqueeze.default(expand, -1);  expand = None
+    scalar_tensor_2 = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+    where_2 = torch.ops.aten.where.self(unsqueeze, scalar_tensor_2, getitem_2);  unsqueeze = scalar_tensor_2 = getitem_2 = None
+    copy_strided = torch.ops.prims.copy_strided.default(where_2, [512, 8, 32, 1]);  where_2 = None
+    return (copy_strided,)""")
+
+
+def test_dynamic_shapes_one_lowered_graph_serves_other_lengths():
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(_causal_attn, backend="fa3", dynamic=True)
+    for n in (12, 11, 17):
+        q, k, v = _inputs(nq=n, nk=n, seed=n)
+        torch.testing.assert_close(f(q, k, v), _causal_attn(q, k, v), **TOL[torch.float32])
+    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["fa_compile"]["lowered"] == 1
+
+
+def test_a_lowering_that_fails_at_compile_time_keeps_the_op_with_one_warning(monkeypatch):
+    def broken(self, args):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(cpu_flash.CpuFlash, "forward_fn", broken)
+    monkeypatch.setattr("fa_compile.lowering.graph_pass._WARNED", set())
+    q, k, v = _inputs()
+    outs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in (0, 1):  # two compiles, one warning
+            torch._dynamo.reset()
+            q, k, v = _inputs(seed=seed)
+            outs.append((torch.compile(_causal_attn, backend="fa3")(q, k, v), _causal_attn(q, k, v)))
+    for got, want in outs:
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+    ours = [w for w in caught if "fa_compile: lowering" in str(w.message)]
+    assert len(ours) == 1 and "injected" in str(ours[0].message)
+    assert not records()[-1].decision.lowered and "injected" in records()[-1].decision.reason
+
+
+def test_settings_act_at_compile_time():
+    q, k, v = _inputs()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch._dynamo.reset()
+    with sdpa_kernel([SDPBackend.MATH]):
+        out = torch.compile(_causal_attn, backend="fa3")(q, k, v)
+    torch.testing.assert_close(out, _causal_attn(q, k, v), **TOL[torch.float32])
+    assert not records()[-1].decision.lowered and "sdpa_kernel" in records()[-1].decision.reason
+    torch._dynamo.reset()
+    out = torch.compile(_causal_attn, backend=fa_compile.backend(kernel="reference"))(q, k, v)
+    torch.testing.assert_close(out, _causal_attn(q, k, v), **TOL[torch.float32])
+    assert not records()[-1].decision.lowered and "forced" in records()[-1].decision.reason
+
+
+def test_pass_uuid_keys_the_graph_cache_on_settings_and_chained_passes():
+    a, b = LoweringPass().uuid(), LoweringPass().uuid()
+    assert isinstance(a, str) and a == b
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert LoweringPass().uuid() != a
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert LoweringPass(chained=lambda g: None).uuid() is None  # a user's pass without uuid(): no caching
+
+
+def test_tune_is_per_backend_and_mode_is_never_dropped():
+    from fa_compile import tuning
+
+    before = tuning.enabled()
+    fa_compile.backend(tune=True)
+    assert tuning.enabled() == before
+    q, k, v = _inputs()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="mode, options"):
+        torch.compile(_causal_attn, backend=fa_compile.backend("aot_eager"), mode="max-autotune")(q, k, v)
+
+
+def test_explain_says_what_each_site_is_lowered_to():
+    q, k, v = (t.requires_grad_() for t in _inputs())
+    text = str(fa_compile.explain(_causal_attn, q, k, v))
+    assert "forward reference -> aten._scaled_dot_product_flash_attention_for_cpu" in text
+    assert "backward reference -> aten._scaled_dot_product_flash_attention_for_cpu_backward" in text
+
+
+OPT_IN = """
+    import math, torch, warnings
+    warnings.simplefilter("always")
+    from torch._dynamo.utils import counters
+    def attn(q, k, v):
+        return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1) @ v
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    out = torch.compile(attn)(q, k, v)
+    torch.testing.assert_close(out, attn(q, k, v))
+    print("rewritten", counters["fa_compile"]["sites_rewritten"], "lowered", counters["fa_compile"]["lowered"])
+"""
+
+
+def test_env_opt_in_lowers_without_the_uuid_warning():
+    r = run_python(OPT_IN, FA_COMPILE="1")
+    assert r.returncode == 0, r.stderr
+    assert "rewritten 1 lowered 1" in r.stdout
+    assert "uuid" not in r.stderr
+
+
+def test_env_opt_in_keeps_the_graph_cache_working(tmp_path):
+    """Both passes have a uuid(): a second process hits Inductor's caches (no rewrite to count) and
+    computes the same."""
+    script = OPT_IN + """
+    print("hits", counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"])
+"""
+    env = dict(FA_COMPILE="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path), TORCHINDUCTOR_FX_GRAPH_CACHE="1",
+               TORCHINDUCTOR_AUTOGRAD_CACHE="1")
+    first, second = run_python(script, **env), run_python(script, **env)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert "rewritten 1 lowered 1" in first.stdout and "hits 0" in first.stdout
+    assert "rewritten 0 lowered 0" in second.stdout and "hits 0" not in second.stdout
+    assert "uuid" not in first.stderr + second.stderr
+
+
+def test_unrecognised_fa_compile_value_warns_with_the_valid_ones():
+    r = run_python(OPT_IN, FA_COMPILE="2")
+    assert r.returncode == 0, r.stderr
+    assert "rewritten 0 lowered 0" in r.stdout
+    assert r.stderr.count("FA_COMPILE='2' is not recognised") == 1 and "use 1 (also true" in r.stderr
+
+
+def test_a_lowered_graph_inductor_cannot_compile_is_compiled_again_with_the_op(monkeypatch):
+    """Inductor failing on the lowered graph (injected in its graph lowering) costs one warning and
+    a second compile with the op kept, never the compile."""
+    import fa_compile.compiler as compiler
+    from torch._inductor.graph import GraphLowering
+
+    real = GraphLowering.run
+
+    def run(self, *args):
+        if any(n.target is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default for n in self.graph.nodes):
+            raise RuntimeError("injected codegen failure")
+        return real(self, *args)
+
+    monkeypatch.setattr(GraphLowering, "run", run)
+    monkeypatch.setattr(compiler, "_FALLBACK_WARNED", set())
+    q, k, v = _inputs()
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(_causal_attn, backend="fa3")(q, k, v)
+    torch.testing.assert_close(out, _causal_attn(q, k, v), **TOL[torch.float32])
+    ours = [w for w in caught if "compiled again with torch.ops.fa3 kept" in str(w.message)]
+    assert len(ours) == 1 and "injected codegen failure" in str(ours[0].message)
