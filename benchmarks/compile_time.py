@@ -1,4 +1,4 @@
-"""Compile-time cost of the fa3 pass (issue 3 item 9): a 12-layer GPT-2-size graph (Hugging Face
+"""Compile-time cost of the fa3 pass: a 12-layer GPT-2-size graph (Hugging Face
 GPT2Config n_layer=12, n_embd=768, n_head=12, random weights) with attn_implementation "eager" and
 "sdpa", compiled with backend="inductor" and with backend="fa3" (inner Inductor).
 

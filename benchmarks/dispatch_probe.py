@@ -203,6 +203,12 @@ def tune_smoke():
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Needs a CUDA GPU; writes "
+                            "$OUT/dispatch_probe.json ($OUT defaults to the current folder).").parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/dispatch_probe.py: needs a CUDA GPU (it times CUDA kernels) and none is visible here")
     for step in (env, conventions, tune_smoke, timings):
         try:
             step()

@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--decode", action="store_true", help="profile one-token decode steps (B2, prompt 256)")
     ap.add_argument("--mode", default=None, help="torch.compile mode for both variants")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/profile_model.py: needs a CUDA GPU (it times CUDA kernels) and none is visible here")
     spec = FULL[args.model]
     ids = torch.randint(0, 30000, (spec["B"], spec["N"]), device="cuda")
     for label, attn, backend in (("eager+fa3", "eager", "fa3"), ("sdpa+inductor", "sdpa", "inductor")):

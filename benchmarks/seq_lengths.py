@@ -69,6 +69,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also cProfile the host side of our forward and "
                     "backward at the first length")
     opt = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/seq_lengths.py: needs a CUDA GPU (it times CUDA kernels) and none is visible here")
     try:
         import flash_attn_interface as fa3
     except Exception:

@@ -76,12 +76,18 @@ def main() -> None:
     model = Model().eval()
     x = torch.randn(2, 48, 64)
 
-    print(fa_compile.explain(model, x))
+    report = fa_compile.explain(model, x)
+    print(report.table())  # print(report) adds, per kernel, why it did not take a site
+    kernels = sorted({row.kernel_fwd for row in report.rows if row.kernel_fwd})
+    print(f"\nkernel chosen for these inputs ({x.device.type}, {str(x.dtype).removeprefix('torch.')}): {', '.join(kernels)}")
+    if x.device.type == "cpu":
+        print("on CPU that is the reference math; on a CUDA GPU the fused kernels take these sites "
+              "(`python -m fa_compile` lists them)")
 
     compiled = torch.compile(model, backend="fa3")
     with torch.no_grad():
         diff = (compiled(x) - model(x)).abs().max().item()
-    print(f"\nmax |compiled - eager| = {diff:.2e}")
+    print(f"max |compiled - eager| = {diff:.2e}")
 
 
 if __name__ == "__main__":

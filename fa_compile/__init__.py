@@ -3,18 +3,32 @@
     torch.compile(model, backend="fa3")                 # registered by entry point, no import needed
     torch.compile(model, backend=fa_compile.backend(inner="aot_eager", kernel="reference"))
     print(fa_compile.explain(model, *example_inputs))   # what was rewritten, what was not and why
+    out = fa_compile.attention(q, k, v, causal=True)    # the fused op, called directly
+    AutoModel.from_config(cfg, attn_implementation="fa3")  # Hugging Face: the op, no compile needed
+
+Public names (`__all__`):
+    backend       a configured torch.compile backend (inner compiler, forced kernel, Inductor mode)
+    fa3           the backend registered as "fa3" (`backend()` with its defaults)
+    explain       trace a model once and report every attention site, rewritten or missed and why
+    ExplainReport the report `explain` returns (`.rows`, `.rewritten`, `.missed`, `str()`)
+    attention     fused attention with FlashAttention-style arguments
+    __version__
 
 Environment: FA_COMPILE=1 applies the rewrite to a plain `torch.compile(model)`; FA_COMPILE=0 turns
 it off everywhere; FA_COMPILE_LOG=1 prints the site table at compile time; FA_COMPILE_KERNEL=name
 forces a kernel; FA_COMPILE_TUNE=1 times the eligible kernels per shape bucket and caches the winner.
+`python -m fa_compile` lists the kernels this machine can run.
 
 The package is imported at `import torch` (entry point group `torch.backends`) only to read
-FA_COMPILE, so importing it must stay cheap: everything below loads on first use.
+FA_COMPILE, so importing it must stay cheap: everything below loads on first use, and the Hugging
+Face registration (`fa_compile.hf`) imports nothing of transformers until transformers is imported.
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from . import hf as _hf
 
 __version__ = "0.1.0"
 
@@ -26,6 +40,8 @@ _LAZY = {
     "attention": ("api", "attention"),
 }
 
+__all__ = [*_LAZY, "__version__"]
+
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
@@ -36,4 +52,8 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'fa_compile' has no attribute {name!r}")
 
 
-__all__ = list(_LAZY)
+def __dir__() -> list:
+    return sorted(set(globals()) | set(__all__))
+
+
+_hf.install()  # attn_implementation="fa3" for transformers, registered when (or once) it is imported

@@ -48,12 +48,19 @@ def _kernel_row(site) -> SiteRow:
     return row
 
 
+def dtype_name(dtype: Any) -> str:
+    """One spelling for every site: "float32", not "torch.float32"."""
+    return str(dtype).replace("torch.", "") if dtype is not None else ""
+
+
 @dataclass
 class ExplainReport:
     rows: list
 
     @classmethod
     def from_reports(cls, reports: list, with_kernels: bool = True) -> "ExplainReport":
+        for r in reports:
+            r.dtype = dtype_name(r.dtype) or None
         return cls([_kernel_row(r) if with_kernels else SiteRow(r) for r in reports])
 
     @property
@@ -68,7 +75,8 @@ class ExplainReport:
     def missed(self) -> list:
         return [r.site for r in self.rows if not r.site.rewritten]
 
-    def __str__(self) -> str:
+    def table(self) -> str:
+        """The summary line and one row per site (status, form, shapes, dtype, mask, GQA, kernels, where / why)."""
         head = ("#", "status", "form", "q / k / v", "dtype", "mask", "gqa", "kernel (fwd / bwd)", "where / why")
         lines = []
         for i, row in enumerate(self.rows):
@@ -76,27 +84,38 @@ class ExplainReport:
             shapes = " / ".join("x".join(str(d) for d in sh) if sh else "?" for sh in (s.q_shape, s.k_shape, s.v_shape))
             kern = "" if not s.rewritten else (row.kernel_fwd or "?") + (f" / {row.kernel_bwd}" if row.kernel_bwd else "")
             why = s.where if s.rewritten else f"{s.reason}  [{s.where}]"
-            lines.append((str(i), "rewritten" if s.rewritten else "MISSED", s.form, shapes, s.dtype or "", s.mask,
+            lines.append((str(i), "rewritten" if s.rewritten else "MISSED", s.form, shapes, dtype_name(s.dtype), s.mask,
                           s.gqa or "", kern, why))
         widths = [max(len(h), *(len(l[c]) for l in lines)) if lines else len(h) for c, h in enumerate(head)]
         fmt = lambda cols: "  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()
         out = [f"fa-compile: {len(self.rewritten)} of {len(self.rows)} attention sites rewritten", fmt(head),
                fmt(tuple("-" * w for w in widths))]
         out += [fmt(l) for l in lines]
-        seen: dict = {}  # identical refusals (every layer of a model) are spelled out once
-        for i, row in enumerate(self.rows):
-            key = (repr(row.refused), repr(row.refused_bwd))
-            if not row.refused and not row.refused_bwd:
-                continue
-            if key in seen:
-                out.append(f"  site {i}: kernels refused as for site {seen[key]}")
-                continue
-            seen[key] = i
-            for name, reasons in row.refused:
-                out.append(f"  site {i}: forward kernel {name} refused: {'; '.join(reasons)}")
-            for name, reasons in row.refused_bwd:
-                out.append(f"  site {i}: backward kernel {name} refused: {'; '.join(reasons)}")
         return "\n".join(out)
+
+    def kernels_passed_over(self) -> str:
+        """Why each faster kernel did not take a site: one line per kernel and reason, forward and
+        backward merged, and sites whose reasons are the same as an earlier site's named with it."""
+        groups: dict = {}  # the refusals of a site -> the sites that have them
+        for i, row in enumerate(self.rows):
+            if row.refused or row.refused_bwd:
+                groups.setdefault((repr(row.refused), repr(row.refused_bwd)), (row, []))[1].append(i)
+        out = []
+        for row, sites in groups.values():
+            names = ", ".join(map(str, sites))
+            out.append(f"kernels passed over at site{'s' if len(sites) > 1 else ''} {names}:")
+            merged: dict = {}  # (kernel, reasons) -> the passes ("fwd", "bwd") that refused it for them
+            for direction, refused in (("fwd", row.refused), ("bwd", row.refused_bwd)):
+                for name, reasons in refused:
+                    merged.setdefault((name, "; ".join(reasons)), []).append(direction)
+            out += [f"  {name} ({', '.join(dirs)}): {why}" for (name, why), dirs in merged.items()]
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        from .lowering import explain_lines  # what each site's kernel call becomes at compile time
+
+        notes = "\n".join(filter(None, (self.kernels_passed_over(), explain_lines(self.rows))))
+        return self.table() + ("\n" + notes if notes else "")
 
     __repr__ = __str__
 

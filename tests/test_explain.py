@@ -23,7 +23,7 @@ def test_explain_reports_rewritten_and_missed_sites():
     report = fa_compile.explain(AttnThenClassifier(), q, k, v)
     assert len(report.rows) == 2
     (site,) = report.rewritten
-    assert site.q_shape == (2, 4, 16, 8) and site.k_shape == (2, 4, 16, 8) and site.dtype == "torch.float32"
+    assert site.q_shape == (2, 4, 16, 8) and site.k_shape == (2, 4, 16, 8) and site.dtype == "float32"
     (miss,) = report.missed
     assert miss.reason
     text = str(report)
@@ -37,3 +37,59 @@ def test_explain_shows_forward_and_backward_kernels_for_training_inputs():
     report = fa_compile.explain(lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1), -1) @ v, q, k, v)
     (row,) = report.rows
     assert row.kernel_fwd == "reference" and row.kernel_bwd == "reference"
+
+
+def test_location_is_module_path_and_source_line_for_every_form():
+    """Hand-written (matmul) and SDPA sites alike: `<module path> at <file>:<line>`, one dtype spelling."""
+    import torch.nn.functional as F
+
+    class Attn(torch.nn.Module):
+        def __init__(self, sdpa: bool):
+            super().__init__()
+            self.sdpa = sdpa
+
+        def forward(self, q):
+            if self.sdpa:
+                return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+            return torch.softmax(q @ q.transpose(-2, -1), dim=-1) @ q
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Attn(False), Attn(True)])
+
+        def forward(self, q):
+            for layer in self.layers:
+                q = layer(q)
+            return q
+
+    report = fa_compile.explain(Net(), torch.randn(1, 2, 8, 4))
+    wheres = [s.where for s in report.sites]
+    assert sorted(w.split(" at ")[0] for w in wheres) == ["layers.0", "layers.1"]
+    assert all(w.split(" at ")[1].startswith("test_explain.py:") for w in wheres)
+    assert {s.dtype for s in report.sites} == {"float32"}
+    assert "torch.float32" not in str(report)
+
+
+def test_counters_describe_the_graph_that_runs_after_a_dynamo_restart(capfd, monkeypatch):
+    """dynamic=True makes a float argument a graph input; AOTAutograd then specializes it and Dynamo
+    restarts the compile. The discarded first graph (its site refused for the symbolic float) is not counted."""
+    import torch.nn.functional as F
+    from torch._dynamo.utils import counters
+
+    def f(q, k, v, p):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+
+    torch._dynamo.reset()
+    counters["fa_compile"].clear()
+    monkeypatch.setenv("FA_COMPILE_LOG", "1")
+    compiled = torch.compile(f, backend=fa_compile.backend("aot_eager"), dynamic=True)
+    q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
+    out = compiled(q, k, v, 0.0)
+    out.sum().backward()
+    torch.testing.assert_close(out, f(q, k, v, 0.0))
+    assert dict(counters["fa_compile"]) | {"lowered": 0} == {"graphs": 1, "sites_rewritten": 1, "sites_missed": 0,
+                                                             "lowered": 0}
+    log = capfd.readouterr().err
+    assert "fa-compile: 1 of 1 attention sites rewritten" in log and "0 of 1" not in log
+    torch._dynamo.reset()
