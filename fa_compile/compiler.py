@@ -205,14 +205,11 @@ class PreGradRewritePass(CustomGraphPass):
     def uuid(self) -> Optional[Any]:
         import os
 
-        from .lowering.graph_pass import _source_hash
+        from .lowering.graph_pass import _source_hash, chained_uuid
 
-        chained = None
-        if self.chained is not None:
-            uuid = getattr(self.chained, "uuid", None)
-            chained = uuid() if callable(uuid) else None
-            if chained is None:
-                return None  # the user's pass cannot be keyed: no caching, as Inductor does for it
+        keyed, chained = chained_uuid(self.chained)
+        if not keyed:
+            return None
         from . import patterns as _patterns
 
         patterns = os.path.dirname(os.path.abspath(_patterns.__file__))

@@ -125,6 +125,16 @@ def _settings_key() -> tuple:
     return (dispatch._settings()[:-1], devs, torch.__version__)
 
 
+def chained_uuid(chained: Any) -> tuple[bool, Any]:
+    """(keyed, uuid) of a user's pass chained after one of ours: (True, None) without one; (False, None)
+    when it has no uuid, so ours returns None too and Inductor does not cache, as it does for that pass."""
+    if chained is None:
+        return True, None
+    uuid = getattr(chained, "uuid", None)
+    value = uuid() if callable(uuid) else None
+    return value is not None, value
+
+
 class LoweringPass(CustomGraphPass):
     """Lower fa3 nodes, then run `chained` (a pass the user had installed), if any."""
 
@@ -143,12 +153,9 @@ class LoweringPass(CustomGraphPass):
             self.chained(graph)
 
     def uuid(self) -> Optional[Any]:
-        chained = None
-        if self.chained is not None:
-            uuid = getattr(self.chained, "uuid", None)
-            chained = uuid() if callable(uuid) else None
-            if chained is None:
-                return None  # the user's pass cannot be keyed: no caching, as Inductor does for it
+        keyed, chained = chained_uuid(self.chained)
+        if not keyed:
+            return None
         from .. import config, tuning
 
         with tuning.scoped(self.tune):
