@@ -167,6 +167,10 @@ def backend(
     lower: under inner="inductor", replace each fa3 op in the post-grad graphs by the call of the kernel
     chosen for it at compile time (fa_compile/lowering/); False keeps the op and its run-time dispatch.
     """
+    if kernel is not None:  # a misspelt kernel fails here, not at the first call of the compiled model
+        from .dispatch import check_kernel_name
+
+        check_kernel_name(kernel, "kernel")
     cfg = BackendConfig(inner=inner, kernel=kernel, mode=mode, options=dict(options or {}), tune=bool(tune),
                         lower=bool(lower))
 

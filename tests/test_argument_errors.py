@@ -101,14 +101,17 @@ def test_op_schema_types_name_the_argument(kw, name):
         torch.ops.fa3.attention(**args)
 
 
-def test_backend_kernel_error_says_where_the_name_came_from():
-    def attn(q, k, v):
-        return torch.softmax(q @ k.transpose(-2, -1) * 0.3, -1) @ v
+def test_backend_kernel_error_is_raised_by_backend_itself():
+    with pytest.raises(ValueError, match=r"^kernel: unknown kernel 'nope'; known: "):
+        fa_compile.backend("eager", kernel="nope")
+    with pytest.raises(TypeError, match=r"^kernel: expected a kernel name"):
+        fa_compile.backend("eager", kernel=3)
 
+
+def test_forced_kernel_error_says_where_the_name_came_from():
     q = rand(*Q)
-    torch._dynamo.reset()
     with pytest.raises(Exception, match=r"force_kernel: unknown forward kernel 'nope'.*fa_compile\.backend\(kernel="):
-        torch.compile(attn, backend=fa_compile.backend("eager", kernel="nope"))(q, q, q)
+        torch.ops.fa3.attention(q, q, q, 0.3, force_kernel="nope")
 
 
 def test_kv_lens_outside_zero_to_nk_are_clamped():
