@@ -10,7 +10,7 @@ Models (random weights, fp32, base models without a language-model head):
   gpt2  4 layers, hidden 256, 4 heads, B4 x 256 tokens (causal)
   bert  4 layers, hidden 256, 4 heads, B8 x 128 tokens, the last 64 tokens of half the batch padded
 
-    python benchmarks/cpu_models.py [--rounds 5] [--reps 5] [--models gpt2,bert] [--json out.json]
+    python benchmarks/cpu_models.py [--rounds 5] [--reps 5] [--models gpt2,bert] [--threads 1] [--json out.json]
 Prints median ms per variant and the ratio to sdpa+inductor (lower is better).
 """
 from __future__ import annotations
@@ -92,6 +92,11 @@ def timed(fn: Callable, reps: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / reps
 
 
+def _frames_compiled() -> int:
+    """Graphs Dynamo has compiled in this process (a recompile adds one)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="gpt2,bert")
@@ -99,23 +104,37 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="timing rounds (each times every variant in turn)")
     ap.add_argument("--reps", type=int, default=5, help="calls per timing")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="intra-op threads (torch.set_num_threads); 1 on a loaded machine, where each OpenMP "
+                         "barrier of a parallel kernel waits for a descheduled thread")
     args = ap.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     variants = args.variants.split(",")
     from fa_compile.lowering import records
 
     results = {}
     for kind in args.models.split(","):
+        # One reset per model, none between its variants: all variants share Hugging Face's forward
+        # wrapper (one code object, one Dynamo cache), and a reset there would drop the earlier
+        # variants' compiled entries, so their first timed call would recompile.
+        torch._dynamo.reset()
         fns = {}
         for v in variants:
-            torch._dynamo.reset()
             fwd, train = step_fns(kind, v)
             fwd(), fwd(), train(), train()  # compile and warm up
             fns[v] = (fwd, train)
+        for fwd, train in fns.values():  # every variant's entry is found again after the others compiled
+            fwd(), train()
+        compiled = _frames_compiled()
         times = {v: {"forward": [], "train": []} for v in variants}
         for _ in range(args.rounds):
             for v in variants:
                 times[v]["forward"].append(timed(fns[v][0], args.reps))
                 times[v]["train"].append(timed(fns[v][1], max(1, args.reps // 2)))
+        if _frames_compiled() != compiled:
+            print(f"  WARNING: {kind}: Dynamo compiled {_frames_compiled() - compiled} frame(s) while timing "
+                  f"(recompiles: the times include compilation)")
         med = {v: {p: statistics.median(ts) for p, ts in d.items()} for v, d in times.items()}
         results[kind] = dict(median_ms=med, all_ms=times)
         lowered = [str(r.decision) for r in records()]
