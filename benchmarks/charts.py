@@ -267,6 +267,21 @@ def chart_compile_time(plt: Any) -> str:
     return save(fig, "chart-compile_time-cpu-2026-11-29.png")
 
 
+def chart_cpu_models(plt: Any) -> str:
+    data = load("cpu_models-idle-2026-12-01.json")["results"]
+    names = {"eager+fa3": "eager + fa3", "eager+fa3-nolower": "eager + fa3, lower=False",
+             "sdpa+inductor": "SDPA + inductor"}
+    colors = palette(list(names.values()))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    for ax, (key, what) in zip(axes, [("forward", "forward"), ("train", "training step")]):
+        groups = {f"{m}": {names[v]: round(ms[key], 1) for v, ms in data[m]["median_ms"].items()} for m in data}
+        grouped_bars(ax, groups, "ms", "lower", what, colors)
+    axes[0].legend(fontsize=8, loc="upper right")
+    fig.suptitle("Small models on CPU (2 cores, idle), fp32, torch 2.13, 2026-12-01 — GPT-2 B4×256, "
+                 "BERT B8×128 padded", fontsize=10)
+    return save(fig, "chart-cpu_models-cpu-2026-12-01.png")
+
+
 def save(fig: Any, name: str, tight: bool = True) -> str:
     if tight:
         fig.tight_layout()
@@ -279,6 +294,7 @@ def save(fig: Any, name: str, tight: bool = True) -> str:
 CHARTS: dict[str, Callable[[Any], str]] = {
     "models": chart_models, "generate": chart_generate, "op_overhead": chart_op_overhead,
     "kernels": chart_kernels, "dispatch": chart_dispatch, "compile_time": chart_compile_time,
+    "cpu_models": chart_cpu_models,
 }
 
 
