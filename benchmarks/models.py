@@ -1,4 +1,5 @@
-"""Whole-model benchmark: Hugging Face Llama (GQA) and GPT-2 from configs, random weights.
+"""Whole-model benchmark: Hugging Face Llama (GQA), GPT-2, BERT (padding on half the batch) and ViT
+from configs, random weights.
 
 Variants per model, measured in one run (peers beside us, never against stored numbers):
   eager+fa3        attn_implementation="eager" under torch.compile(backend="fa3")
@@ -6,7 +7,7 @@ Variants per model, measured in one run (peers beside us, never against stored n
   sdpa+inductor    attn_implementation="sdpa" under torch.compile(backend="inductor")
 Figures: forward latency (no grad), one training step (forward + loss + backward), peak memory
 of the training step, compile time (first forward, first training step), generate() tokens/s with
-a static KV cache (greedy, the model's forward compiled with the variant's backend), the number of
+a static KV cache (greedy, the model's forward compiled with the variant's backend; decoders only), the number of
 attention sites rewritten / missed (fa_compile counters) and the kernels dispatch chose.
 
     python benchmarks/models.py                 # the device run: bf16, the shapes in BENCHMARKS.md
@@ -34,21 +35,54 @@ FULL = {
     "llama": dict(B=2, N=4096, cfg=dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
                                         num_key_value_heads=8, vocab_size=32000, max_position_embeddings=8192)),
     "gpt2": dict(B=4, N=2048, cfg=dict(n_embd=1024, n_layer=8, n_head=16, vocab_size=50257, n_positions=4096)),
+    # encoder: the last half of the tokens of half the batch are padding (attention_mask 0)
+    "bert": dict(B=32, N=512, cfg=dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+                                       intermediate_size=4096, vocab_size=30522, max_position_embeddings=512)),
+    # ViT-L-like: 224 / 16 = 14 x 14 patches + the class token = 197 tokens
+    "vit": dict(B=64, N=197, cfg=dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+                                      intermediate_size=4096, image_size=224, patch_size=16, num_labels=1000)),
 }
 SMOKE = {
     "llama": dict(B=1, N=32, cfg=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)),
     "gpt2": dict(B=1, N=32, cfg=dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128)),
+    "bert": dict(B=2, N=32, cfg=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                     vocab_size=256, max_position_embeddings=128)),
+    "vit": dict(B=2, N=17, cfg=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                    image_size=32, patch_size=8, num_labels=10)),
 }
+DECODERS = ("llama", "gpt2")
 
 
 def build(kind: str, attn: str, cfg: dict, device: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+    import transformers as tf
 
-    config = LlamaConfig(**cfg) if kind == "llama" else GPT2Config(**cfg)
+    config_cls, model_cls = {"llama": ("LlamaConfig", "AutoModelForCausalLM"),
+                             "gpt2": ("GPT2Config", "AutoModelForCausalLM"),
+                             "bert": ("BertConfig", "AutoModelForMaskedLM"),
+                             "vit": ("ViTConfig", "AutoModelForImageClassification")}[kind]
+    config = getattr(tf, config_cls)(**cfg)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    model = getattr(tf, model_cls).from_config(config, attn_implementation=attn)
     return model.to(device=device, dtype=dtype)
+
+
+def inputs(kind: str, model, spec: dict, device: str, dtype: torch.dtype) -> tuple[dict, dict]:
+    """(forward kwargs, training-step kwargs: the forward's plus labels), the same for every variant."""
+    b, n = spec["B"], spec["N"]
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    if kind == "vit":
+        size = model.config.image_size
+        pixels = torch.randn((b, 3, size, size), generator=gen).to(device=device, dtype=dtype)
+        labels = torch.randint(0, model.config.num_labels, (b,), generator=gen).to(device)
+        return dict(pixel_values=pixels), dict(pixel_values=pixels, labels=labels)
+    ids = torch.randint(0, model.config.vocab_size, (b, n), generator=gen).to(device)
+    if kind == "bert":
+        mask = torch.ones_like(ids)
+        mask[: b // 2, n // 2:] = 0
+        fwd = dict(input_ids=ids, attention_mask=mask)
+        return fwd, dict(fwd, labels=ids)
+    return dict(input_ids=ids), dict(input_ids=ids, labels=ids, use_cache=False)
 
 
 def backend_for(name: str, inner: str, mode: Optional[str] = None):
@@ -121,11 +155,11 @@ def reset_stats() -> None:
     dispatch.STATS.clear()
 
 
-def explain_text(model, ids) -> str:
+def explain_text(model, kw: dict) -> str:
     import fa_compile
 
     try:
-        return str(fa_compile.explain(model, input_ids=ids))
+        return str(fa_compile.explain(model, **kw))
     except Exception as e:
         return f"explain failed: {type(e).__name__}: {str(e)[:300]}"
 
@@ -139,18 +173,16 @@ def run_variant(kind: str, label: str, attn: str, backend: str, spec: dict, args
         torch._dynamo.reset()
         reset_stats()
         model = build(kind, attn, spec["cfg"], device, dtype)
-        vocab = model.config.vocab_size
-        gen = torch.Generator(device="cpu").manual_seed(1)
-        ids = torch.randint(0, vocab, (b, n), generator=gen).to(device)
+        fwd_kw, train_kw = inputs(kind, model, spec, device, dtype)
         compiled = compile_with(model, backend, args)
 
         model.eval()
         with torch.no_grad():
             t0 = time.time()
-            compiled(input_ids=ids)
+            compiled(**fwd_kw)
             sync(device)
             row["compile_fwd_s"] = round(time.time() - t0, 1)
-            row["fwd_ms"] = round(bench(lambda: compiled(input_ids=ids), device, args.reps), 3)
+            row["fwd_ms"] = round(bench(lambda: compiled(**fwd_kw), device, args.reps), 3)
         if budget.left() < args.reserve_s:
             row["train"] = "skipped: time budget"
         else:
@@ -160,7 +192,7 @@ def run_variant(kind: str, label: str, attn: str, backend: str, spec: dict, args
                 torch.cuda.reset_peak_memory_stats()
 
             def step():
-                out = compiled(input_ids=ids, labels=ids, use_cache=False)
+                out = compiled(**train_kw)
                 out.loss.backward()
                 for p in model.parameters():
                     p.grad = None
@@ -181,7 +213,7 @@ def run_variant(kind: str, label: str, attn: str, backend: str, spec: dict, args
             if args.explain:
                 model.eval()
                 torch._dynamo.reset()
-                row["explain"] = explain_text(model, ids[:1, : min(n, 256)])
+                row["explain"] = explain_text(model, {k: v[:1] for k, v in fwd_kw.items()})
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         if args.verbose:
@@ -343,7 +375,7 @@ def main(argv=None) -> int:
     if not args.no_generate:
         # ours and the SDPA peer first: with a tight budget that comparison matters most
         gen_order = sorted(wanted, key=lambda v: {"eager+fa3": 0, "sdpa+inductor": 1}.get(v[0], 2))
-        for kind in args.models.split(","):
+        for kind in [m for m in args.models.split(",") if m in DECODERS]:
             for label, attn, backend in gen_order:
                 if budget.left() < args.reserve_s:
                     gens.append({"model": kind, "variant": label, "error": "skipped: time budget"})

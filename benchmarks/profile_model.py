@@ -1,7 +1,7 @@
 """Where a model's time goes under each variant (device run): GPU busy time against wall time,
 host time per attention call, device-to-host syncs, and the top CUDA kernels.
 
-    python benchmarks/profile_model.py --model gpt2            # forward, B x N of models.py
+    python benchmarks/profile_model.py --model gpt2            # forward, B x N of models.py (also bert, vit)
     python benchmarks/profile_model.py --model llama --decode  # one-token decode steps, static cache
 A forward whose GPU busy time is well under its wall time is host-bound (or stalls on syncs:
 the sync rows say which).
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import FULL, build, backend_for  # noqa: E402
+from models import FULL, backend_for, build, inputs  # noqa: E402
 
 _SYNC_WORDS = ("Synchronize", "Memcpy", "item", "nonzero", "_local_scalar_dense")
 
@@ -44,7 +44,6 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/profile_model.py: needs a CUDA GPU (it times CUDA kernels) and none is visible here")
     spec = FULL[args.model]
-    ids = torch.randint(0, 30000, (spec["B"], spec["N"]), device="cuda")
     for label, attn, backend in (("eager+fa3", "eager", "fa3"), ("sdpa+inductor", "sdpa", "inductor")):
         torch._dynamo.reset()
         model = build(args.model, attn, spec["cfg"], "cuda", torch.bfloat16).eval()
@@ -61,7 +60,8 @@ def main() -> None:
                 fn = _decode_step(model, 2, 256)
             else:
                 f = torch.compile(model, backend=be, mode=mode)
-                fn = lambda: f(input_ids=ids)  # noqa: E731
+                kw = inputs(args.model, model, spec, "cuda", torch.bfloat16)[0]
+                fn = lambda: f(**kw)  # noqa: E731
             for _ in range(3):
                 fn()
             torch.cuda.synchronize()

@@ -224,3 +224,38 @@ def test_writes_of_the_scores_are_kept_by_leaving_the_site(fn):
     res = check(fn, qkv() + [rand(B, H, N, N, seed=5)], rewritten=0)
     assert any(REFUSED[fn] in r for r in res.reasons), res.reasons
 
+
+
+# ------------------------------------------------ caches written in place before the attention reads them
+
+
+def cache_filled_then_read(q, k, v, k_cache, v_cache):
+    # A static cache: the new keys / values written at a position, then the whole cache attended over;
+    # q is viewed before the writes, which touch other memory.
+    qh = q.transpose(1, 2).transpose(1, 2)
+    pos = torch.tensor([N - 1])
+    k_cache.index_copy_(2, pos, k[:, :, :1])
+    v_cache.index_copy_(2, pos, v[:, :, :1])
+    return (qh @ k_cache.mT * 0.25).softmax(-1) @ v_cache
+
+
+def view_taken_before_write(q, k, v):
+    kt = k.mT
+    k.add_(1.0)  # eager's Q·Kᵀ reads the written values through the view
+    return (q @ kt * 0.25).softmax(-1) @ v
+
+
+def copy_taken_before_write(q, k, v):
+    kc = k.clone()
+    k.add_(1.0)  # eager's Q·Kᵀ reads the copy: the values from before the write
+    return (q @ kc.mT * 0.25).softmax(-1) @ v
+
+
+def test_cache_written_in_place_before_the_attention_is_rewritten():
+    res = check(cache_filled_then_read, qkv() + [rand(B, H, N, D, seed=7), rand(B, H, N, D, seed=8)])
+    assert len(res.rewritten) == 1, res.reasons
+
+
+@pytest.mark.parametrize("fn", [view_taken_before_write, copy_taken_before_write], ids=lambda f: f.__name__)
+def test_writes_between_a_view_or_copy_and_the_read(fn):
+    check(fn, qkv())  # compared with eager on every element, whether rewritten or left alone

@@ -68,6 +68,26 @@ def test_compile_config_generates_eager_tokens():
     assert c["graphs"] >= 1 and c["sites_rewritten"] >= 2 and c["sites_missed"] == 0
 
 
+def tiny_gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=97, n_positions=64, bos_token_id=1,
+                                  eos_token_id=2, pad_token_id=0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+
+
+def test_static_cache_filled_in_place_generates_eager_tokens():
+    # The cache is written in place (index_copy_) inside each layer's graph, after the queries are
+    # viewed and before the scores read it: every site of the prefill and decode graphs is rewritten.
+    model = tiny_gpt2()
+    ids = prompt()
+    ref = greedy(model, ids, cache_implementation="static")
+    model.forward = torch.compile(model.forward, backend=BACKEND, dynamic=False)
+    out = greedy(model, ids, cache_implementation="static")
+    assert torch.equal(out, ref)
+    c = counters["fa_compile"]
+    assert c["graphs"] >= 2 and c["sites_rewritten"] >= 4 and c["sites_missed"] == 0
+
+
 def test_attn_implementation_fa3_generates_eager_tokens():
     ids = prompt()
     ref = greedy(tiny_llama("eager"), ids)

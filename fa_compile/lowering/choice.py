@@ -132,7 +132,7 @@ def decide(args: dispatch.AttentionArgs, forced: Optional[str], direction: str, 
 def describe(args: dispatch.AttentionArgs, forced: Optional[str] = None) -> str:
     """What the lowering makes of a site, forward (and backward when `args.needs_backward`), e.g.
     "forward reference -> aten._scaled_dot_product_flash_attention_for_cpu"; for explain()."""
-    from . import cpu_flash, sdpa  # noqa: F401  (register the lowerings)
+    from . import cpu_flash, fa3, sdpa, triton  # noqa: F401  (register the lowerings)
 
     parts = []
     with contextlib.suppress(Exception):

@@ -42,7 +42,7 @@ def capture_graphs() -> Iterator[list]:
 
 
 def _load_lowerings() -> None:
-    from . import cpu_flash, sdpa  # noqa: F401  (each registers itself)
+    from . import cpu_flash, fa3, sdpa, triton  # noqa: F401  (each registers itself)
 
 
 def _warn_once(node: fx.Node, decision: choice.Decision, err: Exception) -> None:
@@ -68,6 +68,8 @@ def _lower_node(graph: fx.Graph, node: fx.Node) -> Optional[choice.Decision]:
     b = site_args.bound(node)
     names = ["dout", "q", "k", "v", "out", "lse"] if backward else ["q", "k", "v"]
     names += [n for n in ("bias", "kv_lens") if b[n] is not None]
+    if getattr(lowering, "takes_dropout_seed", False) and b["dropout_seed"] is not None:
+        names.append("dropout_seed")  # last, after bias and kv_lens
     try:
         fn = lowering.backward_fn(args) if backward else lowering.forward_fn(args)
         splice.replace_node(graph, node, fn, [b[n] for n in names])
@@ -122,7 +124,9 @@ def _settings_key() -> tuple:
     devs = ()
     if torch.cuda.is_available():
         devs = tuple(torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count()))
-    return (dispatch._settings()[:-1], devs, torch.__version__)
+    from . import triton
+
+    return (dispatch._settings()[:-1], devs, torch.__version__, triton.settings_key())
 
 
 def chained_uuid(chained: Any) -> tuple[bool, Any]:

@@ -1,0 +1,270 @@
+"""CUDA: our Triton family (kernel "triton") as the `fa3_triton` triton_ops of kernels/triton_ops.py.
+
+The replacement calls `fa3_triton.fwd` / `fa3_triton.bwd` and is traced functionalized, so each op
+decomposes into `triton_kernel_wrapper_functional` nodes with constant strides, constexprs and grid
+(what AOTAutograd makes of a triton_op in user code): Inductor reinplaces them onto the op's own
+`empty` outputs and launches the kernels from its generated code, and CUDA graphs capture them.
+The tiles are the family's `pick_config` for this GPU, fixed here; on a real GPU each is built and
+run once on real tensors of the site's shapes, and a tile that does not fit takes the family's
+smaller one (`_smaller`), as its run-time OutOfResources retry would (none fitting: the node keeps
+the op, with one warning).
+
+Only the pointer kernels lower (wrap_triton takes neither host TensorDescriptors nor Gluon kernels:
+see kernels/triton_ops.py), so a site keeps the op, with its reason, where the family would run
+another member or something the straight-line form cannot reproduce: its TMA-descriptor or Gluon
+kernels (Hopper, 16-byte aligned strides; FA_COMPILE_TRITON_TMA=0 selects the pointer kernels),
+first-call tile tuning (FA_COMPILE_TUNE on Hopper), dynamic sizes. Dropout lowers: the node's seed
+tensor is an input of the replacement (`takes_dropout_seed`), so the mask is the op's counter hash.
+
+On CPU the family runs under the Triton interpreter only; the lowering takes such sites (tests
+register it for ("cpu", "triton")), never Inductor, which cannot build a user kernel for the CPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+from torch._prims_common import make_contiguous_strides_for
+
+from .. import dispatch
+from . import choice, conventions
+from .splice import SpliceError
+
+_VERIFIED: dict = {}  # signature of a site and direction -> tiles that built and ran, or why none
+
+
+def _family():
+    from ..kernels import triton_family
+
+    return triton_family
+
+
+def _ops():
+    from ..kernels import triton_ops
+
+    return triton_ops
+
+
+def _capability(t: Tensor) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(t.device) if t.device.type == "cuda" else (0, 0)
+
+
+def _descriptor_path(tensors: list, cap: tuple[int, int]) -> bool:
+    """Whether the family would run its TMA-descriptor / Gluon kernels (triton_family._tma_ok, with
+    16-byte aligned data pointers, as allocations are: only strides are known at compile time)."""
+    tf = _family()
+    mode = os.environ.get("FA_COMPILE_TRITON_TMA", "auto")
+    if mode == "0" or (cap[0] < 9 and not (mode == "1" and tf.interpreting())):
+        return False
+    for shape, stride, dtype in tensors:
+        if dtype not in (torch.float16, torch.bfloat16):
+            return False
+        size = torch.empty((), dtype=dtype).element_size()
+        if any((int(stride[i]) * size) % 16 for i in range(3)):
+            return False
+    return True
+
+
+def _bias_kind(args: dispatch.AttentionArgs) -> int:
+    b, hq, nq, nk = (int(x) for x in (args.q.shape[0], args.q.shape[1], args.q.shape[2], args.k.shape[2]))
+    return _family()._bias4(args.bias, b, hq, nq, nk)[1]
+
+
+def _tile(cfg) -> list[int]:
+    return [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages]
+
+
+def _signature(args: dispatch.AttentionArgs, direction: str) -> tuple:
+    def meta(t: Optional[Tensor]):
+        return None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device))
+
+    overrides = tuple(sorted(_family().CONFIG_OVERRIDE.items(), key=repr))
+    return (direction, meta(args.q), meta(args.k), meta(args.v), meta(args.bias), meta(args.kv_lens),
+            bool(args.causal), int(args.diag_offset), int(args.window_left), int(args.window_right),
+            float(args.softcap), float(args.scale), bool(args.bias_requires_grad), overrides)
+
+
+def settings_key() -> tuple:
+    """What the lowering reads besides the graph, for the pass's cache key: the descriptor-kernel and
+    tile-tuning switches, pinned tiles, and the sources of the tile table and the ops."""
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    from ..kernels import tile_tuning
+
+    tf = _family()
+    here = os.path.dirname(os.path.abspath(tf.__file__))
+    files = (os.path.join(here, "triton_family.py"), os.path.join(here, "triton_ops.py"))
+    return (os.environ.get("FA_COMPILE_TRITON_TMA", "auto"), tile_tuning.enabled(),
+            repr(sorted(tf.CONFIG_OVERRIDE.items(), key=repr)), get_hash_for_files(files).hex())
+
+
+class TritonLowering:
+    same_kernel = True
+    takes_dropout_seed = True  # graph_pass passes the node's dropout_seed last (after bias, kv_lens)
+
+    def target(self, direction: str) -> str:
+        return "fa3_triton.bwd" if direction == "backward" else "fa3_triton.fwd"
+
+    def reasons(self, args: dispatch.AttentionArgs, direction: str) -> list[str]:
+        tf = _family()
+        what = "the Triton family's lowering"
+        dev = args.q.device.type
+        if dev == "cpu" and not tf.interpreting():
+            return [f"{what}: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)"]
+        if dev not in ("cuda", "cpu"):
+            return [f"{what}: device {dev}"]
+        dyn = choice.dynamic_dims(args)
+        dyn += [n for n in ("window_left", "window_right") if choice._symbolic(getattr(args, n))]
+        if dyn:
+            return [f"{what} fixes sizes and strides at compile time; dynamic here: {', '.join(dyn)}"]
+        r = []
+        cap = _capability(args.q)
+        b, hq, nq = (int(x) for x in args.q.shape[:3])
+        dv = int(args.v.shape[3])
+        # the forward's out, and the backward's dout (taken to have out's BSHD strides): both BSHD
+        bshd = ((b, hq, nq, dv), conventions.bshd_strides(b, hq, nq, dv), args.q.dtype)
+        meta = [(t.shape, t.stride(), t.dtype) for t in (args.q, args.k, args.v)] + [bshd]
+        if _descriptor_path(meta, cap):
+            r.append(f"{what}: on this GPU the family runs its TMA-descriptor / Gluon kernels for these strides, "
+                     "which wrap_triton cannot launch (FA_COMPILE_TRITON_TMA=0 selects the pointer kernels)")
+        if direction == "backward" and cap[0] == 9:
+            from ..kernels import tile_tuning
+
+            if tile_tuning.enabled():
+                r.append(f"{what}: tile tuning (FA_COMPILE_TUNE) picks the backward tiles at the first call")
+        return r
+
+    def _plan(self, args: dispatch.AttentionArgs, direction: str) -> list:
+        """Tiles ([block_m, block_n, warps, stages]; two for the backward). On a real GPU they are built
+        and run first (here, not in reasons(): explain() runs nothing); SpliceError when none fits, so
+        the node keeps the op with one warning."""
+        key = _signature(args, direction)
+        hit = _VERIFIED.get(key)
+        if isinstance(hit, str):
+            raise SpliceError(hit)
+        if hit is not None:
+            return hit
+        tf = _family()
+        cap = _capability(args.q)
+        block = max(tf._pow2(int(args.q.shape[3])), tf._pow2(int(args.v.shape[3])))
+        causal = bool(args.causal)
+        if direction == "forward":
+            cfgs = [tf.pick_config("fwd", block, causal, cap, _bias_kind(args))]
+        else:
+            cfgs = [tf.pick_config("dkdv", block, causal, cap), tf.pick_config("dq", block, causal, cap)]
+        if args.q.device.type == "cuda" and torch.cuda.is_available():
+            cfgs = _verify(args, direction, cfgs)
+        plan = [_tile(c) for c in cfgs] if not isinstance(cfgs, str) else cfgs
+        _VERIFIED[key] = plan
+        if isinstance(plan, str):
+            raise SpliceError(plan)
+        return plan
+
+    def forward_fn(self, args: dispatch.AttentionArgs) -> Callable:
+        """fn(q, k, v[, bias][, kv_lens]) -> (out, lse) in the op's conventions, traced functionalized."""
+        (config,) = self._plan(args, "forward")
+        fwd = _ops().fwd
+        s = _site_scalars(args)
+        unpack = _optional_inputs(args)
+
+        def fn(q, k, v, *rest):
+            bias, kv_lens, seed = unpack(q, rest)
+            out, lse = fwd(q, k, v, bias, kv_lens, seed, *s, config)
+            return conventions.finish(out, lse, None)  # the kernel writes empty rows itself
+
+        return _functionalized(fn)
+
+    def backward_fn(self, args: dispatch.AttentionArgs) -> Callable:
+        """fn(dout, q, k, v, out, lse[, bias][, kv_lens]) -> (dq, dk, dv, dbias or an empty tensor)."""
+        dkdv_config, dq_config = self._plan(args, "backward")
+        bwd = _ops().bwd
+        s = _site_scalars(args)
+        unpack = _optional_inputs(args)
+        want_ds = bool(args.bias_requires_grad) and args.bias is not None and args.bias.dtype != torch.bool
+        reduce_dbias = _family()._reduce_dbias
+
+        def fn(dout, q, k, v, out, lse, *rest):
+            bias, kv_lens, seed = unpack(q, rest)
+            dq, dk, dv, ds = bwd(dout, q, k, v, out, lse, bias, kv_lens, seed, *s, want_ds, dkdv_config, dq_config)
+            if want_ds:
+                db = reduce_dbias(ds, bias)
+                db = conventions.with_strides(db, tuple(make_contiguous_strides_for(bias.shape)))
+            else:
+                db = q.new_empty((0,))
+            return (conventions.dense_like(dq, q), conventions.dense_like(dk, k), conventions.dense_like(dv, v), db)
+
+        return _functionalized(fn)
+
+
+def _site_scalars(args: dispatch.AttentionArgs) -> tuple:
+    """(scale, causal, diag_offset, window_left, window_right, softcap, dropout_p) as the ops take them."""
+    return (float(args.scale), bool(args.causal), int(args.diag_offset), int(args.window_left),
+            int(args.window_right), float(args.softcap), float(args.dropout_p))
+
+
+def _optional_inputs(args: dispatch.AttentionArgs) -> Callable:
+    """unpack(q, rest) -> (bias, kv_lens, dropout seed) from the replacement's trailing inputs (graph_pass
+    passes those the node has, in that order): kv_lens contiguous (the kernels index it by batch), the seed
+    on q's device (the kernels load it); the seed only with dropout."""
+    has = [args.bias is not None, args.kv_lens is not None, args.dropout_seed is not None]
+    dropout = float(args.dropout_p) > 0
+
+    def unpack(q: Tensor, rest: tuple) -> tuple:
+        it = iter(rest)
+        bias, kv_lens, seed = (next(it) if h else None for h in has)
+        if kv_lens is not None:
+            kv_lens = kv_lens.contiguous()
+        seed = seed.to(q.device) if (dropout and seed is not None) else None
+        return bias, kv_lens, seed
+
+    return unpack
+
+
+def _functionalized(fn: Callable) -> Callable:
+    """fn traced under FunctionalTensorMode: each triton_op decomposes into its kernels' functional HOPs."""
+    from torch._subclasses.functional_tensor import dispatch_functionalize
+
+    return dispatch_functionalize(fn)
+
+
+def _verify(args: dispatch.AttentionArgs, direction: str, cfgs: list):
+    """Build and run the ops once on real tensors of the site's shapes and strides, shrinking a tile that
+    does not fit (OutOfResources) as the family's launcher does; the tiles that ran, or why none did."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from triton.runtime.errors import OutOfResources
+
+    tf, ops = _family(), _ops()
+    s = _site_scalars(args)
+    with unset_fake_temporarily():
+        real = dataclasses.replace(args, **{n: choice._real_like(getattr(args, n)) for n in ("q", "k", "v", "bias",
+                                                                                            "kv_lens", "dropout_seed")})
+        if real.kv_lens is not None:
+            real = dataclasses.replace(real, kv_lens=real.kv_lens.contiguous().clamp_(0, int(args.k.shape[2])))
+        seed = real.dropout_seed.to(real.q.device) if float(args.dropout_p) > 0 else None
+        cfgs = list(cfgs)
+        while True:
+            try:
+                with torch.cuda.device(real.q.device):
+                    if direction == "forward":
+                        ops.fwd(real.q, real.k, real.v, real.bias, real.kv_lens, seed, *s, _tile(cfgs[0]))
+                    else:
+                        out, lse = ops.fwd(real.q, real.k, real.v, real.bias, real.kv_lens, seed, *s,
+                                           _tile(tf.pick_config("fwd", 16, False, (0, 0))))
+                        want_ds = bool(args.bias_requires_grad) and real.bias is not None and \
+                            real.bias.dtype != torch.bool
+                        ops.bwd(torch.randn_like(out), real.q, real.k, real.v, out, lse, real.bias, real.kv_lens,
+                                seed, *s, want_ds, _tile(cfgs[0]), _tile(cfgs[1]))
+                    torch.cuda.synchronize(real.q.device)
+                return cfgs
+            except OutOfResources as e:  # the message does not name the kernel: shrink every tile that can
+                smaller = [tf._smaller(c) for c in cfgs]
+                if all(c is None for c in smaller):
+                    return f"no tile of the family's fits this GPU ({type(e).__name__}: {str(e)[:120]})"
+                cfgs = [n if n is not None else c for n, c in zip(smaller, cfgs)]
+
+
+TRITON_LOWERING = TritonLowering()
+choice.register("cuda", "triton", TRITON_LOWERING)

@@ -1,0 +1,315 @@
+"""The Triton family's triton_ops (kernels/triton_ops.py) and their lowering (fa_compile/lowering/triton.py)
+on CPU, under the Triton interpreter: eager ops against the reference on every element (outputs poisoned
+first), the ops traced by AOTAutograd into triton_kernel_wrapper_functional nodes, the lowering spliced
+into graphs by lower_graph (pinned), and the sites it refuses.
+
+As tests/test_kernels_interp.py: unless this process already has TRITON_INTERPRET=1, the module runs
+itself in a fresh subprocess with it set (the interpreter must be on before any kernel is defined).
+Shapes are tiny; fp16 / fp32 only (the interpreter's bf16 dot is unreliable).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fa_compile.kernels import triton_family as tf
+
+IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(not tf.triton_available(), reason="triton not installed")
+
+if not IN_CHILD:
+
+    @needs_triton
+    def test_triton_lowering_under_interpreter():
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        res = subprocess.run(
+            [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider"],
+            capture_output=True, text=True, env=env, timeout=900,
+        )
+        assert res.returncode == 0, res.stdout[-8000:] + res.stderr[-4000:]
+        assert " passed" in res.stdout, res.stdout[-2000:]
+
+else:
+    import expecttest
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fa_compile import ops  # noqa: F401  (registers torch.ops.fa3)
+    from fa_compile.kernels import reference as ref
+    from fa_compile.kernels import triton_ops
+    from fa_compile.kernels.triton_testing import make_case, tolerances
+    from fa_compile.lowering import choice, graph_pass, site_args
+    from fa_compile.lowering import triton as triton_lowering
+
+    TILE = [16, 16, 4, 1]  # the family's interpreter tile (pick_config on CPU)
+    FUNCTIONAL = torch.ops.higher_order.triton_kernel_wrapper_functional
+
+    @pytest.fixture(autouse=True)
+    def _tf32():
+        prev = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")
+        yield
+        torch.set_float32_matmul_precision(prev)
+
+    @pytest.fixture
+    def poisoned(monkeypatch):
+        """Every output the ops allocate starts as NaN: an element no kernel writes fails the comparison."""
+        def nan_empty(shape, stride, dtype, device):
+            return torch.empty_strided(shape, stride, dtype=dtype, device=device).fill_(float("nan"))
+
+        monkeypatch.setattr(triton_ops, "_empty", nan_empty)
+
+    @pytest.fixture
+    def cpu_lowering(monkeypatch):
+        """The lowering for CPU sites, which only the interpreter runs (Inductor never sees them)."""
+        monkeypatch.setitem(choice.LOWERINGS, ("cpu", "triton"), triton_lowering.TRITON_LOWERING)
+
+    def _empty_rows(case):
+        case.bias = case.bias.clone()
+        case.bias[..., 3, :] = False if case.bias.dtype == torch.bool else float("-inf")
+        return case
+
+    CASES = {
+        "plain_bshd": lambda: make_case(b=2, hq=2, nq=21, nk=33, d=32, layout="bshd"),
+        "causal_offset_gqa": lambda: make_case(b=1, hq=4, hkv=2, nq=19, nk=26, d=24, causal=True, diag_offset=5),
+        "causal_negative_offset": lambda: make_case(b=1, hq=2, nq=20, nk=20, d=16, causal=True, diag_offset=-4),
+        "float_bias_grad_empty_row": lambda: _empty_rows(make_case(b=2, hq=2, nq=18, nk=23, d=16,
+                                                                   bias_shape=(1, 2, 18, 23), bias_grad=True)),
+        "bool_key_padding": lambda: make_case(b=2, hq=2, nq=17, nk=29, d=16, bias_shape=(2, 1, 1, 29), bias_bool=True),
+        "kv_lens_empty_batch_fp32": lambda: make_case(b=3, hq=2, nq=14, nk=21, d=16, kv_lens=[21, 0, 9],
+                                                      dtype=torch.float32),
+        "window_softcap": lambda: make_case(b=1, hq=2, nq=22, nk=22, d=16, window_left=5, window_right=2, softcap=2.0),
+        "dropout_gqa": lambda: make_case(b=1, hq=4, hkv=2, nq=18, nk=21, d=16, dropout_p=0.3, kv_lens=[15]),
+    }
+
+    def _fwd(case, q=None, k=None, v=None):
+        q, k, v = (case.q, case.k, case.v) if q is None else (q, k, v)
+        return triton_ops.fwd(q, k, v, case.bias, case.kv_lens, case.dropout_seed, case.scale, case.causal,
+                              case.diag_offset, case.window_left, case.window_right, case.softcap, case.dropout_p,
+                              TILE)
+
+    def _bwd(case, dout, out, lse):
+        want_ds = bool(case.bias_requires_grad)
+        return triton_ops.bwd(dout, case.q, case.k, case.v, out, lse, case.bias, case.kv_lens, case.dropout_seed,
+                              case.scale, case.causal, case.diag_offset, case.window_left, case.window_right,
+                              case.softcap, case.dropout_p, want_ds, TILE, TILE)
+
+    def _dout(out):
+        g = torch.Generator().manual_seed(1234)
+        return torch.randn(out.shape, generator=g).to(out.dtype)
+
+    def _check_forward(case, out, lse):
+        (fa, fr), _ = tolerances(case.q.dtype, "cpu")
+        r_out, r_lse = ref.attention_reference(case.q, case.k, case.v, **case.mask_kwargs())
+        torch.testing.assert_close(out, r_out, atol=fa, rtol=fr, msg=lambda m: "out: " + m)
+        torch.testing.assert_close(lse, r_lse, atol=1e-4, rtol=1e-4, msg=lambda m: "lse: " + m)
+        b, hq, nq, dv = out.shape
+        assert out.stride() == (nq * hq * dv, dv, hq * dv, 1) and lse.dtype == torch.float32 and lse.is_contiguous()
+
+    def _check_backward(case, dout, grads, dbias):
+        _, (ga, gr) = tolerances(case.q.dtype, "cpu")
+        r = ref.attention_backward_reference(dout, case.q, case.k, case.v, bias_requires_grad=case.bias_requires_grad,
+                                             **case.mask_kwargs())
+        for name, got, want, like in zip(("dq", "dk", "dv"), grads, r, (case.q, case.k, case.v)):
+            torch.testing.assert_close(got, want, atol=ga, rtol=gr, msg=lambda m, n=name: f"{n}: " + m)
+            assert got.stride() == torch.empty_like(like).stride(), name
+        if case.bias_requires_grad:
+            torch.testing.assert_close(dbias, r[3], atol=ga, rtol=gr, msg=lambda m: "dbias: " + m)
+
+    @pytest.mark.parametrize("name", list(CASES))
+    def test_ops_eager_match_reference(name, poisoned):
+        case = CASES[name]()
+        out, lse = _fwd(case)
+        _check_forward(case, out, lse)
+        dout = _dout(out)
+        dq, dk, dv, ds = _bwd(case, dout, out, lse)
+        dbias = tf._reduce_dbias(ds, case.bias) if case.bias_requires_grad else None
+        assert case.bias_requires_grad or ds.numel() == 0
+        _check_backward(case, dout, (dq, dk, dv), dbias)
+
+    def test_ops_reject_a_bad_tile():
+        case = CASES["plain_bshd"]()
+        with pytest.raises(ValueError, match="config"):
+            triton_ops.fwd(case.q, case.k, case.v, None, None, None, case.scale, False, 0, -1, -1, 0.0, 0.0, [16, 16])
+
+    def _aot_graphs(fn, *args):
+        """Run fn under torch.compile(aot_eager, fullgraph) and return (result, the AOT forward graph codes)."""
+        from torch._dynamo.backends.common import aot_autograd
+
+        codes = []
+
+        def keep(gm, _inputs):
+            codes.append(gm.code)
+            return gm
+
+        torch._dynamo.reset()
+        res = torch.compile(fn, backend=aot_autograd(fw_compiler=keep), fullgraph=True)(*args)
+        return res, codes
+
+    @pytest.mark.parametrize("name", ["causal_offset_gqa", "float_bias_grad_empty_row"])
+    def test_ops_trace_into_kernel_nodes_under_aot(name):
+        case = CASES[name]()
+        (out, lse), codes = _aot_graphs(lambda q, k, v: _fwd(case, q, k, v), case.q, case.k, case.v)
+        e_out, e_lse = _fwd(case)
+        assert torch.equal(out, e_out) and torch.equal(lse, e_lse)  # the same kernel, tile and inputs
+        _check_forward(case, out, lse)
+        assert len(codes) == 1 and "triton_kernel_wrapper_functional" in codes[0] and "fa3_triton" not in codes[0]
+        dout = _dout(out)
+        grads, codes = _aot_graphs(lambda d, o, l: _bwd(case, d, o, l), dout, out, lse)
+        want = _bwd(case, dout, out, lse)
+        assert all(torch.equal(a, b) for a, b in zip(grads, want))
+        assert codes[0].count("triton_kernel_wrapper_functional(") == 3  # delta, dK/dV, dQ
+        dbias = tf._reduce_dbias(grads[3], case.bias) if case.bias_requires_grad else None
+        _check_backward(case, dout, grads[:3], dbias)
+
+    # -- the lowering ------------------------------------------------------------------------------------
+
+    def _site(case, backward=False, dout=None, out=None, lse=None):
+        """A graph holding one fa3 node forced to kernel "triton" (FakeTensor metadata on every node)."""
+        kw = dict(bias=case.bias, kv_lens=case.kv_lens, softcap=case.softcap, dropout_p=case.dropout_p,
+                  dropout_seed=case.dropout_seed)
+        scalars = (case.scale, case.causal, case.diag_offset, case.window_left, case.window_right)
+        names = [n for n in ("bias", "kv_lens", "dropout_seed") if kw[n] is not None]
+
+        def fwd(q, k, v, *rest):
+            t = dict(kw, **dict(zip(names, rest)))
+            return torch.ops.fa3.attention(q, k, v, *scalars, force_kernel="triton", **t)
+
+        def bwd(dout, q, k, v, out, lse, *rest):
+            t = dict(kw, **dict(zip(names, rest)))
+            return torch.ops.fa3.attention_backward(dout, q, k, v, out, lse, *scalars, force_kernel="triton",
+                                                    bias_requires_grad=case.bias_requires_grad, **t)
+
+        extra = [kw[n] for n in names]
+        if backward:
+            inputs = [dout, case.q, case.k, case.v, out, lse, *extra]
+            return make_fx(bwd, tracing_mode="fake")(*inputs), inputs
+        inputs = [case.q, case.k, case.v, *extra]
+        return make_fx(fwd, tracing_mode="fake")(*inputs), inputs
+
+    def _lower(gm):
+        decisions = graph_pass.lower_graph(gm.graph)
+        gm.recompile()
+        return decisions
+
+    def _normalized(code: str) -> str:
+        """Kernel side-table indices depend on what else this process traced."""
+        return re.sub(r"(kernel_idx|constant_args_idx) = \d+", r"\1 = N", code.strip())
+
+    @pytest.mark.parametrize("name", ["causal_offset_gqa", "float_bias_grad_empty_row", "bool_key_padding",
+                                      "kv_lens_empty_batch_fp32", "dropout_gqa"])
+    def test_lowered_site_matches_reference(name, cpu_lowering, poisoned):
+        case = CASES[name]()
+        gm, inputs = _site(case)
+        decisions = _lower(gm)
+        assert [str(d) for d in decisions] == ["triton -> fa3_triton.fwd"]
+        nodes = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        assert FUNCTIONAL in nodes and site_args.FORWARD not in nodes
+        out, lse = gm(*inputs)
+        _check_forward(case, out, lse)
+        dout = _dout(out)
+        gm, inputs = _site(case, backward=True, dout=dout, out=out, lse=lse)
+        decisions = _lower(gm)
+        assert [str(d) for d in decisions] == ["triton -> fa3_triton.bwd"]
+        nodes = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        assert nodes.count(FUNCTIONAL) == 3 and site_args.BACKWARD not in nodes
+        dq, dk, dv, dbias = gm(*inputs)
+        _check_backward(case, dout, (dq, dk, dv), dbias)
+        assert case.bias_requires_grad or dbias.numel() == 0
+
+    # On CPU Triton's mutation analysis has no driver, so tensors_to_clone names every tensor argument;
+    # on a GPU only the outputs (O, LSE; delta, dK, dV, dQ, dS) are cloned, then reinplaced by Inductor.
+    def test_lowered_forward_graph_is_pinned(cpu_lowering):
+        case = make_case(b=1, hq=2, nq=20, nk=20, d=16, causal=True, kv_lens=[11])
+        gm, _ = _site(case)
+        _lower(gm)
+        expecttest.assert_expected_inline(_normalized(gm.code), """\
+def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
+    empty_strided = torch.ops.aten.empty_strided.default([1, 2, 20, 16], [640, 16, 32, 1], dtype = torch.float16, device = device(type='cpu'), pin_memory = False)
+    empty_strided_1 = torch.ops.aten.empty_strided.default([1, 2, 20], [40, 20, 1], dtype = torch.float32, device = device(type='cpu'), pin_memory = False)
+    triton_kernel_wrapper_functional_proxy = torch.ops.higher_order.triton_kernel_wrapper_functional(kernel_idx = N, constant_args_idx = N, grid = [(4, 1, 1)], tma_descriptor_metadata = {}, kwargs = {'Q': arg0_1, 'K': arg1_1, 'V': arg2_1, 'O': empty_strided, 'LSE': empty_strided_1, 'BIAS': arg0_1, 'KVLENS': arg3_1, 'SEED': arg0_1, 'stride_qb': 640, 'stride_qh': 320, 'stride_qm': 16, 'stride_kb': 640, 'stride_kh': 320, 'stride_kn': 16, 'stride_vb': 640, 'stride_vh': 320, 'stride_vn': 16, 'stride_ob': 640, 'stride_oh': 16, 'stride_om': 32, 'stride_bb': 0, 'stride_bh': 0, 'stride_bm': 0, 'stride_bn': 0, 'Hq': 2, 'G': 1, 'Nq': 20, 'Nk': 20, 'D': 16, 'DV': 16, 'qk_scale': 0.36067376022224085, 'softcap': 0.0, 'cap_scale': 0.0, 'diag_offset': 0, 'window_left': -1, 'window_right': -1, 'drop_threshold': 0, 'drop_scale': 1.0, 'BLOCK_D': 16, 'BLOCK_DV': 16, 'EVEN_D': True, 'REVERSE_M': True, 'BIAS_FMA': False, 'IS_CAUSAL': True, 'HAS_WL': False, 'HAS_WR': False, 'HAS_KVLEN': True, 'BIAS_KIND': 0, 'SOFTCAP': False, 'DROPOUT': False, 'PLAIN': True, 'BLOCK_M': 16, 'BLOCK_N': 16}, tensors_to_clone = ['Q', 'K', 'V', 'O', 'LSE', 'BIAS', 'KVLENS', 'SEED']);  arg0_1 = arg1_1 = arg2_1 = empty_strided = empty_strided_1 = arg3_1 = None
+    getitem_5 = triton_kernel_wrapper_functional_proxy['O']
+    getitem_6 = triton_kernel_wrapper_functional_proxy['LSE'];  triton_kernel_wrapper_functional_proxy = None
+    return (getitem_5, getitem_6)""")
+
+    def test_lowered_backward_graph_is_pinned(cpu_lowering):
+        case = make_case(b=1, hq=2, nq=20, nk=20, d=16, bias_shape=(1, 1, 20, 20), bias_grad=True)
+        out, lse = _fwd(case)
+        gm, _ = _site(case, backward=True, dout=_dout(out), out=out, lse=lse)
+        _lower(gm)
+        expecttest.assert_expected_inline(_normalized(gm.code), """\
+def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
+    empty_strided = torch.ops.aten.empty_strided.default([1, 2, 20, 16], [640, 320, 16, 1], dtype = torch.float16, device = device(type='cpu'), pin_memory = False)
+    empty_strided_1 = torch.ops.aten.empty_strided.default([1, 2, 20, 16], [640, 320, 16, 1], dtype = torch.float16, device = device(type='cpu'), pin_memory = False)
+    empty_strided_2 = torch.ops.aten.empty_strided.default([1, 2, 20, 16], [640, 320, 16, 1], dtype = torch.float16, device = device(type='cpu'), pin_memory = False)
+    full = torch.ops.aten.full.default([1, 2, 20, 20], 0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'), pin_memory = False)
+    empty_1 = torch.ops.aten.empty.memory_format([1, 2, 20], dtype = torch.float32, device = device(type='cpu'), pin_memory = False)
+    triton_kernel_wrapper_functional_proxy = torch.ops.higher_order.triton_kernel_wrapper_functional(kernel_idx = N, constant_args_idx = N, grid = [(4, 1, 1)], tma_descriptor_metadata = {}, kwargs = {'O': arg4_1, 'DO': arg0_1, 'DELTA': empty_1, 'stride_ob': 640, 'stride_oh': 16, 'stride_om': 32, 'stride_db': 640, 'stride_dh': 320, 'stride_dm': 16, 'Hq': 2, 'Nq': 20, 'DV': 16, 'BLOCK_M': 16, 'BLOCK_DV': 16}, tensors_to_clone = ['O', 'DO', 'DELTA']);  arg4_1 = arg0_1 = empty_1 = None
+    getitem_5 = triton_kernel_wrapper_functional_proxy['DO']
+    getitem_6 = triton_kernel_wrapper_functional_proxy['DELTA'];  triton_kernel_wrapper_functional_proxy = None
+    triton_kernel_wrapper_functional_proxy_1 = torch.ops.higher_order.triton_kernel_wrapper_functional(kernel_idx = N, constant_args_idx = N, grid = [(4, 1, 1)], tma_descriptor_metadata = {}, kwargs = {'Q': arg1_1, 'K': arg2_1, 'V': arg3_1, 'DO': getitem_5, 'LSE': arg5_1, 'DELTA': getitem_6, 'DK': empty_strided_1, 'DV_': empty_strided_2, 'BIAS': arg6_1, 'KVLENS': arg1_1, 'SEED': arg1_1, 'q_desc': arg1_1, 'k_desc': arg1_1, 'v_desc': arg1_1, 'do_desc': arg1_1, 'stride_qb': 640, 'stride_qh': 320, 'stride_qm': 16, 'stride_kb': 640, 'stride_kh': 320, 'stride_kn': 16, 'stride_vb': 640, 'stride_vh': 320, 'stride_vn': 16, 'stride_dob': 640, 'stride_doh': 320, 'stride_dom': 16, 'stride_dkb': 640, 'stride_dkh': 320, 'stride_dkn': 16, 'stride_dvb': 640, 'stride_dvh': 320, 'stride_dvn': 16, 'stride_bb': 400, 'stride_bh': 0, 'stride_bm': 20, 'stride_bn': 1, 'Hq': 2, 'Hkv': 2, 'G': 1, 'Nq': 20, 'Nk': 20, 'D': 16, 'DV': 16, 'qk_scale': 0.36067376022224085, 'softcap': 0.0, 'cap_scale': 0.0, 'scale': 0.25, 'diag_offset': 0, 'window_left': -1, 'window_right': -1, 'drop_threshold': 0, 'drop_scale': 1.0, 'BLOCK_D': 16, 'BLOCK_DV': 16, 'USE_TMA': False, 'IS_CAUSAL': False, 'HAS_WL': False, 'HAS_WR': False, 'HAS_KVLEN': False, 'BIAS_KIND': 1, 'SOFTCAP': False, 'DROPOUT': False, 'PLAIN': False, 'BLOCK_M': 16, 'BLOCK_N': 16}, tensors_to_clone = ['Q', 'K', 'V', 'DO', 'LSE', 'DELTA', 'DK', 'DV_', 'BIAS', 'KVLENS', 'SEED', 'q_desc', 'k_desc', 'v_desc', 'do_desc']);  arg1_1 = arg2_1 = arg3_1 = getitem_5 = arg5_1 = getitem_6 = empty_strided_1 = empty_strided_2 = arg6_1 = None
+    getitem_8 = triton_kernel_wrapper_functional_proxy_1['K']
+    getitem_9 = triton_kernel_wrapper_functional_proxy_1['V']
+    getitem_10 = triton_kernel_wrapper_functional_proxy_1['DO']
+    getitem_11 = triton_kernel_wrapper_functional_proxy_1['LSE']
+    getitem_12 = triton_kernel_wrapper_functional_proxy_1['DELTA']
+    getitem_13 = triton_kernel_wrapper_functional_proxy_1['DK']
+    getitem_14 = triton_kernel_wrapper_functional_proxy_1['DV_']
+    getitem_15 = triton_kernel_wrapper_functional_proxy_1['BIAS']
+    getitem_21 = triton_kernel_wrapper_functional_proxy_1['do_desc'];  triton_kernel_wrapper_functional_proxy_1 = None
+    triton_kernel_wrapper_functional_proxy_2 = torch.ops.higher_order.triton_kernel_wrapper_functional(kernel_idx = N, constant_args_idx = N, grid = [(4, 1, 1)], tma_descriptor_metadata = {}, kwargs = {'Q': getitem_21, 'K': getitem_8, 'V': getitem_9, 'DO': getitem_10, 'LSE': getitem_11, 'DELTA': getitem_12, 'DQ': empty_strided, 'DS': full, 'BIAS': getitem_15, 'KVLENS': getitem_21, 'SEED': getitem_21, 'q_desc': getitem_21, 'k_desc': getitem_21, 'v_desc': getitem_21, 'do_desc': getitem_21, 'stride_qb': 640, 'stride_qh': 320, 'stride_qm': 16, 'stride_kb': 640, 'stride_kh': 320, 'stride_kn': 16, 'stride_vb': 640, 'stride_vh': 320, 'stride_vn': 16, 'stride_dob': 640, 'stride_doh': 320, 'stride_dom': 16, 'stride_dqb': 640, 'stride_dqh': 320, 'stride_dqm': 16, 'stride_bb': 400, 'stride_bh': 0, 'stride_bm': 20, 'stride_bn': 1, 'Hq': 2, 'G': 1, 'Nq': 20, 'Nk': 20, 'D': 16, 'DV': 16, 'qk_scale': 0.36067376022224085, 'softcap': 0.0, 'cap_scale': 0.0, 'scale': 0.25, 'diag_offset': 0, 'window_left': -1, 'window_right': -1, 'drop_threshold': 0, 'drop_scale': 1.0, 'BLOCK_D': 16, 'BLOCK_DV': 16, 'WRITE_DS': True, 'REVERSE_M': False, 'USE_TMA': False, 'IS_CAUSAL': False, 'HAS_WL': False, 'HAS_WR': False, 'HAS_KVLEN': False, 'BIAS_KIND': 1, 'SOFTCAP': False, 'DROPOUT': False, 'PLAIN': False, 'BLOCK_M': 16, 'BLOCK_N': 16}, tensors_to_clone = ['Q', 'K', 'V', 'DO', 'LSE', 'DELTA', 'DQ', 'DS', 'BIAS', 'KVLENS', 'SEED', 'q_desc', 'k_desc', 'v_desc', 'do_desc']);  getitem_21 = getitem_8 = getitem_9 = getitem_10 = getitem_11 = getitem_12 = empty_strided = full = getitem_15 = None
+    getitem_28 = triton_kernel_wrapper_functional_proxy_2['DQ']
+    getitem_29 = triton_kernel_wrapper_functional_proxy_2['DS'];  triton_kernel_wrapper_functional_proxy_2 = None
+    sum_1 = torch.ops.aten.sum.dim_IntList(getitem_29, [1], True);  getitem_29 = None
+    convert_element_type = torch.ops.prims.convert_element_type.default(sum_1, torch.float16);  sum_1 = None
+    return (getitem_28, getitem_13, getitem_14, convert_element_type)""")
+
+    def _args(case, backward=False) -> "object":
+        from fa_compile import dispatch
+
+        return dispatch.AttentionArgs(case.q, case.k, case.v, case.scale, case.causal, case.diag_offset,
+                                      case.window_left, case.window_right, case.bias, case.kv_lens, case.softcap,
+                                      case.dropout_p, case.dropout_seed, backward, case.bias_requires_grad)
+
+    def test_describe_names_the_triton_ops(cpu_lowering):
+        text = choice.describe(_args(CASES["causal_offset_gqa"](), backward=True), "triton")
+        assert text == "forward triton -> fa3_triton.fwd; backward triton -> fa3_triton.bwd", text
+
+    def test_descriptor_kernels_and_tile_tuning_keep_the_op(monkeypatch):
+        # Hopper with TMA-aligned strides: the family would run its descriptor / Gluon kernels.
+        monkeypatch.setattr(triton_lowering, "_capability", lambda t: (9, 0))
+        lowering = triton_lowering.TRITON_LOWERING
+        case = make_case(b=1, hq=2, nq=16, nk=16, d=64)
+        why = lowering.reasons(_args(case), "forward")
+        assert len(why) == 1 and "TMA-descriptor / Gluon" in why[0], why
+        monkeypatch.setenv("FA_COMPILE_TRITON_TMA", "0")
+        assert lowering.reasons(_args(case), "forward") == []
+        from fa_compile.kernels import tile_tuning
+
+        monkeypatch.setattr(tile_tuning, "ENABLED", True)
+        why = lowering.reasons(_args(case, backward=True), "backward")
+        assert len(why) == 1 and "tile tuning" in why[0], why
+        assert lowering.reasons(_args(case), "forward") == []  # the pointer forward never tunes its tile
+        odd = make_case(b=1, hq=2, nq=16, nk=16, d=20)  # 40-byte rows: the family takes the pointer kernels
+        monkeypatch.delenv("FA_COMPILE_TRITON_TMA")
+        assert lowering.reasons(_args(odd), "forward") == []
+
+    def test_symbolic_sizes_keep_the_op():
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        case = make_case(b=1, hq=2, nq=16, nk=16, d=16)
+        mode = FakeTensorMode(shape_env=ShapeEnv())
+        from torch._dynamo.source import ConstantSource
+        from torch.fx.experimental.symbolic_shapes import StatelessSymbolicContext, DimDynamic
+
+        ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.STATIC, DimDynamic.STATIC, DimDynamic.DYNAMIC,
+                                                      DimDynamic.STATIC])
+        q = mode.from_tensor(case.q, source=ConstantSource("q"), symbolic_context=ctx)
+        case.q = q
+        why = triton_lowering.TRITON_LOWERING.reasons(_args(case), "forward")
+        assert len(why) == 1 and "dynamic here: q.shape[2]" in why[0], why

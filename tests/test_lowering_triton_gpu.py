@@ -1,0 +1,193 @@
+"""Our Triton family lowered at compile time on a CUDA GPU (fa_compile/lowering/triton.py): a one-layer
+attention model compiled by Inductor with kernel="triton", forward and backward, against the same model
+with the op's run-time dispatch (eager, and compiled with lower=False); the post-grad graph holds the
+kernels' triton_kernel_wrapper_functional nodes and no fa3 op, Inductor's code launches the kernels
+itself, and mode="reduce-overhead" captures them in a CUDA graph. Skipped without CUDA (CI has none).
+
+The lowering takes the family's pointer kernels; on Hopper the family runs its TMA-descriptor / Gluon
+kernels for aligned strides, which keep the op (test_hopper_descriptor_kernels_keep_the_op), so the
+lowering tests select the pointer kernels there with FA_COMPILE_TRITON_TMA=0."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fa_compile
+from fa_compile.lowering import capture_graphs, records
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+TOL = {torch.float16: dict(atol=5e-3, rtol=5e-3), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.fixture(autouse=True)
+def _setup(monkeypatch):
+    from fa_compile.kernels import triton_family as tf
+
+    if not tf.triton_available():
+        pytest.skip("triton not installed")
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setenv("FA_COMPILE_TRITON_TMA", "0")  # the pointer kernels, on Hopper too
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
+class OneLayer(nn.Module):
+    """qkv projection, attention through the op (BSHD views, as models hold them), output projection."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, causal: bool):
+        super().__init__()
+        self.h, self.hkv, self.d, self.causal = heads, kv_heads, hidden // heads, causal
+        self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * self.d)
+        self.proj = nn.Linear(heads * self.d, hidden)
+
+    def forward(self, x, keep=None):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q = q.view(b, n, self.h, self.d).transpose(1, 2)
+        k = k.view(b, n, self.hkv, self.d).transpose(1, 2)
+        v = v.view(b, n, self.hkv, self.d).transpose(1, 2)
+        out = fa_compile.attention(q, k, v, causal=self.causal, bias=keep, kernel="triton")
+        return self.proj(out.transpose(1, 2).reshape(b, n, self.h * self.d))
+
+
+CASES = {
+    # name: (batch, tokens, hidden, heads, kv heads, causal, key padding mask, dtype)
+    "causal_gqa": (2, 200, 256, 4, 2, True, False, torch.float16),
+    "key_padding": (3, 130, 256, 4, 4, False, True, torch.float16),
+    "decode_like_short": (4, 17, 512, 8, 8, False, False, torch.bfloat16),
+}
+
+
+def _model_and_inputs(name: str, seed: int = 0):
+    b, n, hidden, h, hkv, causal, padding, dtype = CASES[name]
+    torch.manual_seed(seed)
+    model = OneLayer(hidden, h, hkv, causal).to("cuda", dtype)
+    x = torch.randn(b, n, hidden, device="cuda", dtype=dtype)
+    keep = None
+    if padding:
+        keep = torch.ones(b, 1, 1, n, dtype=torch.bool, device="cuda")
+        keep[0, ..., n - 37:] = False
+        keep[1, ..., 5:] = False
+    return model, x, keep
+
+
+def _step(model, x, keep):
+    """Output and the gradients of the input and every parameter for the loss (out * w).sum()."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    out = model(x, keep)
+    w = torch.randn(out.shape, device=out.device, generator=torch.Generator(device=out.device).manual_seed(7))
+    (out.float() * w).sum().backward()
+    return [("out", out.detach()), ("dx", x.grad)] + [(f"d{n}", p.grad.clone()) for n, p in model.named_parameters()]
+
+
+def _compare(got, want, dtype, what: str):
+    for (name, a), (_, b) in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL[dtype], msg=lambda m, n=name: f"{what}, {n}: {m}")
+
+
+def _decisions_since(n: int) -> list:
+    return [r.decision for r in records()[n:]]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_lowered_model_matches_run_time_dispatch(name):
+    model, x, keep = _model_and_inputs(name)
+    dtype = CASES[name][-1]
+    want = _step(model, x, keep)  # eager: the op and its run-time dispatch (the Triton family)
+    torch._dynamo.reset()
+    n = len(records())
+    with capture_graphs() as graphs:
+        compiled = torch.compile(model, backend=fa_compile.backend(kernel="triton"), fullgraph=True)
+        got = _step(compiled, x, keep)
+    decisions = _decisions_since(n)
+    info = "\n".join(str(d) for d in decisions) + "\n" + "\n\n".join(graphs)
+    assert decisions and all(d.lowered for d in decisions), info
+    assert {d.target for d in decisions} == {"fa3_triton.fwd", "fa3_triton.bwd"}, info
+    assert all("torch.ops.fa3.attention" not in g for g in graphs), info
+    assert sum("triton_kernel_wrapper_functional" in g for g in graphs) == 2, info
+    _compare(got, want, dtype, "compiled vs eager")
+    torch._dynamo.reset()
+    unlowered = torch.compile(model, backend=fa_compile.backend(kernel="triton", lower=False), fullgraph=True)
+    _compare(got, _step(unlowered, x, keep), dtype, "lowered vs lower=False")
+
+
+def test_inductor_code_launches_the_kernels():
+    from torch._inductor.utils import run_and_get_code
+
+    model, x, keep = _model_and_inputs("causal_gqa")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=fa_compile.backend(kernel="triton"), fullgraph=True)
+    with torch.no_grad():
+        out, codes = run_and_get_code(compiled, x, keep)
+        want = model(x, keep)
+    code = "\n".join(codes)
+    torch.testing.assert_close(out, want, **TOL[torch.float16])
+    assert "attn_fwd_kernel" in code, code[-6000:]
+    assert "fa3_triton" not in code and "torch.ops.fa3" not in code, code[-6000:]
+
+
+@pytest.mark.parametrize("name", ["causal_gqa", "key_padding"])
+def test_reduce_overhead_captures_the_lowered_kernels(name):
+    from torch._dynamo.utils import counters
+
+    model, x, keep = _model_and_inputs(name)
+    dtype = CASES[name][-1]
+    torch._dynamo.reset()
+    counters.clear()
+    n = len(records())
+    compiled = torch.compile(model, backend=fa_compile.backend(kernel="triton", mode="reduce-overhead"))
+    for seed in (0, 1, 2):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        xs = torch.randn(x.shape, device="cuda", dtype=dtype, generator=g)
+        got = _step(compiled, xs, keep)
+        _compare(got, _step(model, xs, keep), dtype, f"reduce-overhead, call {seed}")
+    decisions = _decisions_since(n)
+    assert decisions and all(d.lowered for d in decisions), [str(d) for d in decisions]
+    skips = dict(counters["inductor"])
+    assert not any(k.startswith("cudagraph_skips") and v for k, v in skips.items()), skips
+
+
+def test_hopper_descriptor_kernels_keep_the_op(monkeypatch):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the TMA-descriptor / Gluon kernels run on Hopper only")
+    monkeypatch.delenv("FA_COMPILE_TRITON_TMA")
+    model, x, keep = _model_and_inputs("causal_gqa")
+    want = _step(model, x, keep)
+    torch._dynamo.reset()
+    n = len(records())
+    got = _step(torch.compile(model, backend=fa_compile.backend(kernel="triton")), x, keep)
+    _compare(got, want, torch.float16, "kept op")
+    decisions = _decisions_since(n)
+    assert decisions and all(not d.lowered and "TMA-descriptor / Gluon" in d.reason for d in decisions), \
+        [str(d) for d in decisions]
+
+
+def test_dropout_lowers_with_the_ops_mask():
+    # The node's seed reaches the kernels: the same counter-hash mask as the op's run-time kernel.
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, 96, 4, 64, device="cuda", dtype=torch.float16, generator=g).transpose(1, 2)
+               for _ in range(3))
+    seed = torch.tensor(1234, device="cuda")
+
+    def fn(q, k, v, seed):
+        return torch.ops.fa3.attention(q, k, v, 0.125, True, 0, dropout_p=0.2, dropout_seed=seed,
+                                       force_kernel="triton")
+
+    def step(f):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out, lse = f(qq, kk, vv, seed)
+        out.float().square().sum().backward()
+        return [("out", out.detach()), ("lse", lse.detach()), ("dq", qq.grad), ("dk", kk.grad), ("dv", vv.grad)]
+
+    want = step(fn)
+    torch._dynamo.reset()
+    n = len(records())
+    got = step(torch.compile(fn, backend=fa_compile.backend(kernel="triton"), fullgraph=True))
+    decisions = _decisions_since(n)
+    assert decisions and all(d.lowered for d in decisions), [str(d) for d in decisions]
+    _compare(got, want, torch.float16, "dropout")
