@@ -248,11 +248,14 @@ def run_generate(kind: str, label: str, attn: str, backend: str, spec: dict, arg
             model.generate(ids, **kw)
             sync(device)
             row["compile_s"] = round(time.time() - t0, 1)
-            t0 = time.time()
-            out = model.generate(ids, **kw)
-            sync(device)
-            dt = time.time() - t0
-        row["tokens_per_s"] = round(b * (out.shape[1] - prompt) / dt, 1)
+            rates = []
+            for _ in range(args.gen_reps):  # the median of a few runs: a host-bound loop is noisy
+                t0 = time.time()
+                out = model.generate(ids, **kw)
+                sync(device)
+                rates.append(b * (out.shape[1] - prompt) / (time.time() - t0))
+        row["tokens_per_s"] = round(statistics.median(rates), 1)
+        row["tokens_per_s_runs"] = [round(r, 1) for r in rates]
         if backend == "fa3":
             row["sites_rewritten"] = fa_counters().get("sites_rewritten", 0)
             row["kernels"] = kernel_stats()
@@ -338,6 +341,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10, help="timed calls per figure (training step: half)")
     ap.add_argument("--prompt", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--gen-reps", type=int, default=3, help="timed generate() runs (median reported)")
     ap.add_argument("--no-generate", action="store_true")
     ap.add_argument("--generate-only", action="store_true", help="skip forward / training, measure generate() only")
     ap.add_argument("--explain", action="store_true", help="also print fa_compile.explain() for the fa3 variant")

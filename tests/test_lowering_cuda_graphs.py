@@ -67,3 +67,14 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
     scalar_tensor_1 = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.bfloat16, layout = torch.strided, device = device(type='cuda', index=0))
     where_1 = torch.ops.aten.where.self(unsqueeze, scalar_tensor_1, permute_3);  unsqueeze = scalar_tensor_1 = permute_3 = None
     return (where_1, where)""")
+
+
+def test_triton_lowering_on_cuda_is_opt_in(monkeypatch):
+    from fa_compile.lowering import triton  # noqa: F401
+
+    monkeypatch.delenv("FA_COMPILE_TRITON_LOWER", raising=False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(2, 4, 16, 64, device="cuda", dtype=torch.float16)
+        args = dispatch.AttentionArgs(q=q, k=q, v=q, scale=0.125)
+        why = choice.LOWERINGS[("cuda", "triton")].reasons(args, "forward")
+    assert any("FA_COMPILE_TRITON_LOWER=1" in r for r in why), why

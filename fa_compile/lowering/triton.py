@@ -97,7 +97,8 @@ def settings_key() -> tuple:
     tf = _family()
     here = os.path.dirname(os.path.abspath(tf.__file__))
     files = (os.path.join(here, "triton_family.py"), os.path.join(here, "triton_ops.py"))
-    return (os.environ.get("FA_COMPILE_TRITON_TMA", "auto"), tile_tuning.enabled(),
+    return (os.environ.get("FA_COMPILE_TRITON_TMA", "auto"), os.environ.get("FA_COMPILE_TRITON_LOWER", "0"),
+            tile_tuning.enabled(),
             repr(sorted(tf.CONFIG_OVERRIDE.items(), key=repr)), get_hash_for_files(files).hex())
 
 
@@ -121,6 +122,12 @@ class TritonLowering:
         if dyn:
             return [f"{what} fixes sizes and strides at compile time; dynamic here: {', '.join(dyn)}"]
         r = []
+        if dev == "cuda" and os.environ.get("FA_COMPILE_TRITON_LOWER", "0") != "1":
+            # Measured on the H200 (torch 2.11, triton 3.6): Inductor re-emits the forward kernel's source
+            # and that copy fails to compile at its first helper call (the pass then compiles the graph
+            # again with the op kept, at twice the compile time), so GPUs keep the op unless opted in.
+            return [f"{what} is opt-in on CUDA (FA_COMPILE_TRITON_LOWER=1): Inductor's copy of the forward "
+                    "kernel does not compile yet with triton 3.6"]
         cap = _capability(args.q)
         b, hq, nq = (int(x) for x in args.q.shape[:3])
         dv = int(args.v.shape[3])
