@@ -3,9 +3,10 @@
 Dynamo hands over torch IR in many spellings of the same operation (`torch.matmul`, `operator.matmul`,
 `Tensor.matmul`, `x @ y`; `F.softmax`, `torch.softmax`, `x.softmax`; `.float()`, `.to(dtype)`, `.type_as`,
 ...). Rewriting every node into one canonical spelling would cost a pass over the whole graph on every
-recompile and risk touching code that is not attention, so the graph is left as it is: `kind(node)`
+recompile and risk touching code that is not attention, so spellings are left as they are: `kind(node)`
 names the canonical operation a node performs and the accessors below read its arguments whatever the
-spelling. Adding a spelling is one table entry here.
+spelling. Adding a spelling is one table entry here. Only two edits are made to the graph, both of
+which change what the graph means to the analysis, not what it computes (`canonicalize`).
 """
 from __future__ import annotations
 
@@ -20,9 +21,17 @@ import torch.nn.functional as F
 from .emit import example_value
 
 
-def canonicalize(gm: fx.GraphModule) -> None:
-    """Nothing to rewrite: the site finder reads spellings through `kind` and the accessors below."""
-    return None
+def canonicalize(gm: fx.GraphModule) -> bool:
+    """The two graph edits made before analysis, each proven to keep every value and gradient (see
+    functionalize.py and dead_code.py): in-place updates of tensors nothing else aliases become their
+    functional op, and nodes whose result nobody reads and whose computation changes nothing else are
+    removed. Every other spelling is read through `kind` and the accessors below. True when the graph
+    changed (the pass puts it back when no site is rewritten)."""
+    from .dead_code import remove_dead_pure_nodes
+    from .functionalize import functionalize_inplace
+
+    changed = functionalize_inplace(gm)
+    return remove_dead_pure_nodes(gm) or changed
 
 
 def _fn_table() -> dict:
@@ -37,6 +46,7 @@ def _fn_table() -> dict:
     put("softmax", F.softmax, torch.softmax, torch.Tensor.softmax, g(torch.special, "softmax"))
     put("matmul", operator.matmul, torch.matmul, torch.Tensor.matmul, torch.bmm, torch.Tensor.bmm)
     put("einsum", torch.einsum, g(torch.functional, "einsum"))
+    put("linear", F.linear)  # F.linear(x, w, b) = x @ wᵀ (+ b): one contraction
     put("baddbmm", torch.baddbmm, torch.Tensor.baddbmm)
     put("mul", operator.mul, torch.mul, torch.multiply, torch.Tensor.mul, operator.imul)
     put("div", operator.truediv, torch.div, torch.divide, torch.true_divide, torch.Tensor.div, operator.itruediv)
@@ -70,6 +80,32 @@ _METHODS = {
     "type_as": "cast", "dropout": "dropout",
 }
 
+_LOG_SOFTMAX_FNS = tuple(f for f in (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,
+                                     getattr(torch.special, "log_softmax", None)) if f is not None)
+_EXP_FNS = (torch.exp, torch.Tensor.exp)
+
+
+def _is_log_softmax(node: Any) -> bool:
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_method":
+        return node.target == "log_softmax"
+    return node.op == "call_function" and node.target in _LOG_SOFTMAX_FNS
+
+
+def log_softmax_of(node: Any) -> Optional[fx.Node]:
+    """L when `node` is exp(L) for L = log_softmax(x): softmax(x), spelled through the log-probabilities
+    (exp(x - max - log Σ exp(x - max)) is softmax's own formula). L may have other readers: the site
+    finder refuses those, as it does a second reader of the probabilities."""
+    if not isinstance(node, fx.Node) or not node.args or len(node.args) != 1 or node.kwargs:
+        return None
+    is_exp = (node.op == "call_method" and node.target == "exp") or \
+        (node.op == "call_function" and node.target in _EXP_FNS)
+    src = node.args[0]
+    if not is_exp or not _is_log_softmax(src):
+        return None
+    return src
+
 _FUNCTIONS: Optional[dict] = None
 
 
@@ -80,6 +116,8 @@ def kind(node: Any) -> Optional[str]:
         return None
     if node.op == "call_method":
         k = _METHODS.get(node.target)
+        if k is None and log_softmax_of(node) is not None:
+            k = "softmax"
     elif node.op == "call_function":
         if _FUNCTIONS is None:
             _FUNCTIONS = _fn_table()
@@ -87,6 +125,8 @@ def kind(node: Any) -> Optional[str]:
             k = _FUNCTIONS.get(node.target)
         except TypeError:  # unhashable target
             k = None
+        if k is None and log_softmax_of(node) is not None:
+            k = "softmax"
     else:
         return None
     if k == "cast" and not _is_dtype_cast(node):
@@ -137,13 +177,16 @@ def _is_dtype_cast(node: fx.Node) -> bool:
 
 
 def softmax_args(node: fx.Node) -> tuple[fx.Node, Optional[int], Optional[torch.dtype]]:
-    """(input, dim normalised to >= 0 or None when it cannot be read, dtype argument)."""
+    """(input, dim normalised to >= 0 or None when it cannot be read, dtype argument); for exp of a
+    log_softmax, those of the log_softmax."""
+    node = log_softmax_of(node) or node
     x = node.args[0]
     dim = arg(node, 1, "dim")
     dtype = node.kwargs.get("dtype")
-    if node.target is F.softmax and len(node.args) > 3:
+    functional = node.target in (F.softmax, F.log_softmax)  # F.*(input, dim, _stacklevel, dtype)
+    if functional and len(node.args) > 3:
         dtype = node.args[3]
-    elif node.target is not F.softmax and len(node.args) > 2:
+    elif not functional and len(node.args) > 2:
         dtype = node.args[2]
     t = tensor_of(x)
     if t is None:
@@ -154,6 +197,31 @@ def softmax_args(node: fx.Node) -> tuple[fx.Node, Optional[int], Optional[torch.
     if not isinstance(dim, int):
         return x, None, dtype
     return x, dim % max(nd, 1), dtype
+
+
+_META_FUNCTIONS = (torch.ones_like, torch.zeros_like, torch.full_like, torch.empty_like)
+_META_METHODS = ("new_ones", "new_zeros", "new_full", "new_empty", "size", "dim", "numel", "ndimension",
+                 "nelement", "get_device")
+_META_ATTRS = ("shape", "dtype", "device", "ndim", "is_cuda", "layout")
+
+
+def reads_only_metadata(user: fx.Node, node: fx.Node) -> bool:
+    """Does `user` read only `node`'s shape / dtype / device, never its values? (`torch.ones_like(s)`,
+    `s.new_full(...)`, `s.size(-1)`, `x.to(s)`, `x.type_as(s)`): such a use is not a use of the values."""
+    if user.op not in ("call_function", "call_method"):
+        return False
+    first = user.args[0] if user.args else None
+    if kind(user) == "cast" and first is not node:
+        return True  # `x.type_as(s)` / `x.to(s)`: s gives the dtype only
+    elsewhere: list = []
+    fx.node.map_arg((user.args[1:], user.kwargs), lambda a: elsewhere.append(a) if a is node else None)
+    if first is not node or elsewhere:
+        return False
+    if user.op == "call_method":
+        return user.target in _META_METHODS
+    if user.target is getattr:
+        return len(user.args) == 2 and user.args[1] in _META_ATTRS
+    return user.target in _META_FUNCTIONS or getattr(user.target, "__name__", "") == "sym_size"
 
 
 def dropout_args(node: fx.Node) -> tuple[fx.Node, Any, Any]:

@@ -4,10 +4,13 @@ For every softmax node (any spelling, see canonicalize.py):
   back     the softmax input must be  mask-terms( softcap( scale( Q·Kᵀ ) ) )  with casts anywhere:
            scale = Python numbers, SymInt/SymFloat, 0-d tensors or tensors constant along the key
            axis (folded into q); softcap = tanh(s / c) * c; mask terms (+ m, m +, masked_fill,
-           where) go to masks.analyze_mask. Q·Kᵀ is any contraction (layout.contraction) whose
-           axes are read from the op itself, so k is whatever view the graph contracts with.
+           where, a 0/1 multiplicative mask s * m + (1 - m) * c, baddbmm's / F.linear's added input)
+           go to masks.analyze_mask. Q·Kᵀ is any contraction (layout.contraction) whose axes are
+           read from the op itself, so k is whatever view the graph contracts with. A read of only
+           the scores' shape or dtype (`torch.ones_like(s)`) is not a use of their values.
   forward  the probabilities reach exactly one P·V contraction through casts and dropout only, and
-           nothing else reads them (output_attentions keeps the site as it is).
+           nothing else reads them (output_attentions, or a graph break after the softmax, keeps the
+           site as it is; the reason says which).
   rewrite  q, k, v as the op's [B, H, N, D] views (transposes folded, repeat_kv / repeat_interleave /
            expand removed for native GQA, lossless upcasts dropped), one fa3.attention call, glue so
            every consumer of the P·V result sees the same shape and dtype; dead nodes go.
@@ -29,12 +32,14 @@ import torch.fx as fx
 
 from . import emit
 from .canonicalize import (
-    arg, constant_value, dropout_args, is_finite_number, is_inplace, is_symbolic_scalar, kind, softmax_args, tensor_of,
+    arg, constant_value, dropout_args, is_finite_number, is_inplace, is_symbolic_scalar, kind, log_softmax_of,
+    reads_only_metadata, softmax_args, tensor_of,
 )
 from .effects import GradFlow, chain_write, grad_flow, mutated_downstream, out_target, path_to, read_path
 from .emit import example_value
 from .gqa import unrepeat
 from .layout import Contraction, View, contraction, fold, identity
+from .mult_mask import match_mult_mask
 from .regions import Regions
 from .shapes import known_eq, known_one
 from .site import MaskSpec, MaskTerm, PassOptions, SiteReport
@@ -148,7 +153,7 @@ def _outer_scaled(term: MaskTerm, phase: str, scale: float, factors: list, softc
         raise Miss("a mask is applied to the scores before the softcap")
     if factors or scale <= 0:
         raise Miss("a mask is applied to the scores before a tensor or non-positive scale")
-    if term.op in ("fill", "where"):
+    if term.op in ("fill", "where", "fill_zero"):
         return MaskTerm(term.op, term.tensor, float(torch.tensor(term.fill, dtype=t.dtype) * scale))
     return MaskTerm(term.op + "_scaled", term.tensor, scale)
 
@@ -194,8 +199,8 @@ def _row_max_of(m: Any, s: Any) -> Optional[fx.Node]:
     return m
 
 
-def walk_scores(x: fx.Node) -> Scores:
-    """From the softmax input back to the Q·Kᵀ contraction."""
+def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None) -> Scores:
+    """From the softmax input back to the Q·Kᵀ contraction (gm: the graph, for proofs of mask values)."""
     scale, factors, softcap, terms, nodes, batches = 1.0, [], 0.0, [], [], []
     row_max_users: set = set()  # max/amax nodes reading a chain node only to subtract its row max
     clamped = False
@@ -265,6 +270,21 @@ def walk_scores(x: fx.Node) -> Scores:
         if k in ("add", "sub"):
             if cur.kwargs.get("alpha", 1) != 1:
                 raise Miss(f"scores are added with alpha != 1 ({cur.name})")
+            mm = match_mult_mask(cur, t.dtype)
+            if mm is not None:  # s * m + (1 - m) * c: masked_fill(m == 0, c) when m is 0 / 1
+                if tensor_of(mm.mask).requires_grad:
+                    raise Miss(f"the scores are multiplied by a mask that needs a gradient ({mm.mask.name}); "
+                               "eager gives it one, a mask of the op does not")
+                from .masks import zero_one
+
+                if gm is None or not zero_one(gm, mm.mask):
+                    raise Miss(f"the scores are multiplied by {mm.mask.name} and (1 - {mm.mask.name}) * c added: "
+                               f"{mm.mask.name} is not proven to hold only 0 and 1, the values that make it a mask")
+                terms.append(_outer_scaled(MaskTerm("fill_zero", mm.mask, mm.fill), phase, scale, factors, softcap, t))
+                batches.append(list(t.shape[:-2]))
+                nodes.append(mm.product)
+                cur = mm.scores
+                continue
             a, b = cur.args[0], arg(cur, 1, "other")
             if k == "sub" and is_finite_number(b) and isinstance(a, fx.Node):
                 shifted = True  # a constant shift: softmax is invariant to it
@@ -324,33 +344,32 @@ def walk_scores(x: fx.Node) -> Scores:
         raise Miss("scores chain too long")
     if c.spelling == "einsum" and c.out_perm != identity(len(c.out_perm)):
         raise Miss("the einsum's scores are not laid out [batch..., query, key]")
-    if c.spelling == "baddbmm":
+    if c.spelling in ("baddbmm", "linear"):  # out = beta * addend + alpha * lhs · rhs
         if not is_finite_number(c.beta) or not (is_finite_number(c.alpha) or is_symbolic_scalar(c.alpha)):
-            raise Miss("baddbmm with a non-constant alpha or beta")
+            raise Miss(f"{c.spelling} with a non-constant alpha or beta")
+        outer, outer_factors = scale, len(factors)  # what the walk found applied after the contraction
         if is_finite_number(c.alpha):
             scale *= float(c.alpha)
         else:  # a SymFloat alpha (e.g. d ** -0.5 under dynamic shapes): folded into q
             factors.append((c.alpha, "mul", list(tensor_of(c.node).shape[:-2])))
         if c.beta != 0:
-            if c.beta != 1:
-                raise Miss("baddbmm adds its input with beta != 0, 1")
-            if phase != "mask" or softcap or len(factors) > (0 if is_finite_number(c.alpha) else 1) or \
-                    scale != (float(c.alpha) if is_finite_number(c.alpha) else 1.0):
-                raise Miss("baddbmm's added input is scaled or softcapped afterwards")
-            terms.append(MaskTerm("add", c.addend))
+            if softcap or outer_factors:
+                raise Miss(f"{c.spelling}'s added input is softcapped or scaled by a tensor afterwards")
+            # beta * addend, times the number scale applied afterwards, is an additive bias of the scores
+            w = float(c.beta) * outer
+            terms.append(MaskTerm("add", c.addend) if w == 1 else MaskTerm("add_scaled", c.addend, w))
             batches.append(list(tensor_of(c.node).shape[:-2]))
     for n in nodes + [c.node]:
         bad = [u for u in n.users if is_inplace(u) and u.args and u.args[0] is n and u not in nodes]
         if bad:
             raise Miss(f"the scores are modified in place ({bad[0].name})")
-        # `x.type_as(n)` / `x.to(n)` read only n's dtype: not a use of the scores' values
-        users = [u for u in n.users if not (kind(u) == "cast" and u.args and u.args[0] is not n)
-                 and u not in row_max_users]
+        # `x.type_as(n)`, `torch.ones_like(n)`, `n.size(-1)` read only n's dtype / shape: not a use of its values
+        users = [u for u in n.users if not reads_only_metadata(u, n) and u not in row_max_users]
         if len(users) != 1:
             raise Miss(f"the scores ({n.name}) are also used outside the attention")
     if clamped:
-        terms = [MaskTerm(t.op, t.tensor, float(torch.finfo(tensor_of(x).dtype).min)) if t.op in ("fill", "where")
-                 and t.fill == -math.inf else t for t in terms]
+        terms = [MaskTerm(t.op, t.tensor, float(torch.finfo(tensor_of(x).dtype).min))
+                 if t.op in ("fill", "where", "fill_zero") and t.fill == -math.inf else t for t in terms]
     return Scores(c, scale, factors, softcap, terms, batches, nodes, clamped)
 
 
@@ -372,12 +391,39 @@ class Probs:
     nodes: list = field(default_factory=list)  # softmax .. end
 
 
-def walk_probs(sm: fx.Node, options: PassOptions) -> Probs:
-    cur, nodes, dropout_p = sm, [sm], 0.0
+def _leaves_graph(gm: Optional[fx.GraphModule], node: fx.Node) -> str:
+    """Why probabilities that are an output of the graph stay eager's: Dynamo's graph ends at a graph
+    break after them (the P·V product that reads them, if any, is in the graph after the break), or the
+    caller receives them (HF's output_attentions=True returns every layer's weights)."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is not None and getattr(reason, "graph_break", False):
+        why = str(getattr(reason, "reason", "") or "").strip().splitlines()
+        stack = getattr(reason, "user_stack", None) or []
+        at = f" at {stack[-1].filename.rsplit('/', 1)[-1]}:{stack[-1].lineno}" if stack else ""
+        return (f"the probabilities leave the graph at a graph break ({why[0] if why else 'unknown reason'}{at}): "
+                "the P·V product that reads them is traced in another graph, so softmax and P·V cannot be fused "
+                "here; removing the graph break between them lets the site be rewritten")
+    outs = [a for a in torch.utils._pytree.tree_leaves([u.args for u in node.users if u.op == "output"])]
+    idx = next((i for i, a in enumerate(outs) if a is node), None)
+    which = f" as output {idx} of the compiled graph" if idx is not None else ""
+    if all(u.op == "output" for u in node.users):
+        return (f"the probabilities are returned to the caller{which} and no P·V contraction reads them in this "
+                "graph: nothing to fuse")
+    return ("probabilities are also returned to the caller (output_attentions): the graph returns them"
+            f"{which} besides the P·V product, so the attention weights eager computes are needed and the site "
+            "is left as written")
+
+
+def walk_probs(sm: fx.Node, options: PassOptions, gm: Optional[fx.GraphModule] = None) -> Probs:
+    lsm = log_softmax_of(sm)  # exp(log_softmax(s)): both nodes are the softmax
+    if lsm is not None and len(lsm.users) != 1:
+        names = ", ".join(u.name for u in lsm.users if u is not sm)
+        raise Miss(f"the log-probabilities are also read by {names}; only the exp to the probabilities may read them")
+    cur, nodes, dropout_p = sm, ([lsm] if lsm is not None else []) + [sm], 0.0
     for _ in range(32):
         users = list(cur.users)
         if any(u.op == "output" for u in users):
-            raise Miss("probabilities are also returned to the caller (output_attentions)")
+            raise Miss(_leaves_graph(gm, cur))
         if len(users) != 1:
             names = ", ".join(u.name for u in users)
             raise Miss(f"probabilities have {len(users)} users ({names}); only a P·V contraction may read them")
@@ -406,6 +452,8 @@ def walk_probs(sm: fx.Node, options: PassOptions) -> Probs:
                 raise Miss(f"probabilities feed {_describe(u)}, not a P·V contraction")
             if c.spelling == "baddbmm":
                 raise Miss("probabilities enter a baddbmm")
+            if c.spelling == "linear" and c.addend is not None:
+                raise Miss("probabilities enter an F.linear that adds a bias")
             if c.lhs.node is not cur or c.rhs.node is cur:
                 raise Miss("probabilities are not the left operand of the P·V contraction")
             if c.lhs.perm != identity(c.lhs.rank):
@@ -645,6 +693,26 @@ def _shape(t: Any) -> Optional[tuple]:
     return tuple(t.shape) if isinstance(t, torch.Tensor) else None
 
 
+def _reads_values(node: fx.Node) -> bool:
+    """False when `node` only views its input (its result aliases the input's memory) and writes
+    nothing; True otherwise, and whenever that cannot be told."""
+    from .canonicalize import is_inplace
+
+    if node.op in ("placeholder", "get_attr"):
+        return False
+    if node.op not in ("call_function", "call_method") or is_inplace(node) or out_target(node) is not None:
+        return True
+    val = example_value(node)
+    if not isinstance(val, torch.Tensor) or not node.args or not isinstance(node.args[0], fx.Node):
+        return True
+    src = example_value(node.args[0])
+    srcs = [t for t in src if isinstance(t, torch.Tensor)] if isinstance(src, (tuple, list)) else [src]
+    try:
+        return not any(isinstance(t, torch.Tensor) and torch._C._is_alias_of(val, t) for t in srcs)
+    except Exception:
+        return True
+
+
 def _effects(ctx: "_Ctx", scores: Scores, probs: Probs, q: View, k: View, v: View, own: set) -> GradFlow:
     """The site's writes and grad-mode regions (see effects.py): Miss when they cannot be kept,
     else which of the op's inputs eager's gradient does not reach."""
@@ -658,7 +726,11 @@ def _effects(ctx: "_Ctx", scores: Scores, probs: Probs, q: View, k: View, v: Vie
         paths = [[], [], []]
     q_path, k_path, v_path = paths
     read = set(q_path) | set(k_path) | set(v_path)
-    first = min((n for n in read | {qk.node} if n in ctx.pos), key=ctx.pos.get, default=qk.node)
+    # Eager reads the inputs' values where a node of these paths computes from them, not where a view
+    # of them is taken: a write before that point (a cache filled in place, then viewed) is seen alike
+    # by eager and by the op, which reads the same memory later still.
+    readers = {n for n in read if _reads_values(n)} | {qk.node}
+    first = min((n for n in readers if n in ctx.pos), key=ctx.pos.get, default=qk.node)
     if ctx.mutation_between(first, o_node, own | read):
         raise Miss("a tensor is modified in place between the scores and the P·V product")
     chain = [qk.node] + list(reversed(scores.nodes)) + probs.nodes  # Q·Kᵀ .. P·V, in program order
@@ -761,8 +833,8 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
         raise Miss(f"softmax over a {st.dim()}-d tensor")
     if dim != st.dim() - 1:
         raise Miss(f"softmax is over dim {dim}, not the key axis (the last dim {st.dim() - 1})")
-    scores = walk_scores(x)
-    probs = walk_probs(sm, options)
+    scores = walk_scores(x, gm)
+    probs = walk_probs(sm, options, gm)
     qk, pv = scores.contraction, probs.pv
     rep.form = f"{qk.spelling}-softmax-{pv.spelling}"
     bd = list(st.shape[:-2])
@@ -837,6 +909,8 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
         terms = scores.terms
         with graph.inserting_before(o_node):
             terms = [MaskTerm("add", o.call(operator.neg, t.tensor)) if t.op == "sub" else t for t in terms]
+            terms = [MaskTerm("fill", o.call(operator.eq, t.tensor, 0), t.fill) if t.op == "fill_zero" else t
+                     for t in terms]
             terms = [MaskTerm("add", o.call(operator.mul, t.tensor, t.fill if t.op == "add_scaled" else -t.fill))
                      if t.op in ("add_scaled", "sub_scaled") else t for t in terms]
             terms = [t if _same(tb, bd) else MaskTerm(t.op, _regroup(o, t.tensor, tb, bd), t.fill)

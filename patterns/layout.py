@@ -6,7 +6,7 @@ A `View` is `node.permute(perm)`, optionally converted to another floating dtype
 those the ops define, never assumed from a template (a `permute(0, 2, 3, 1)` is not read as a
 transpose of the last two dims unless it is one).
 
-`contraction(node)` reads `@` / matmul / bmm / baddbmm / einsum as out = lhs · rhs with
+`contraction(node)` reads `@` / matmul / bmm / baddbmm / einsum / F.linear as out = lhs · rhs with
 lhs [batch..., M, C], rhs [batch..., C, N], out [batch..., M, N] (then `out_perm`).
 """
 from __future__ import annotations
@@ -106,11 +106,11 @@ def fold(view: View, *, through_casts: bool = True) -> View:
 @dataclass
 class Contraction:
     node: fx.Node
-    spelling: str  # "matmul", "bmm", "einsum", "baddbmm"
+    spelling: str  # "matmul", "bmm", "einsum", "baddbmm", "linear"
     lhs: View  # [batch..., M, C]
     rhs: View  # [batch..., C, N]
     out_perm: tuple  # the node's value is canonical [batch..., M, N] permuted by out_perm
-    alpha: Any = 1.0  # baddbmm: out = beta * addend + alpha * lhs @ rhs
+    alpha: Any = 1.0  # baddbmm, linear: out = beta * addend + alpha * lhs @ rhs
     beta: Any = 0.0
     addend: Optional[fx.Node] = None
     batch_rank: int = 0
@@ -142,6 +142,16 @@ def contraction(node: fx.Node) -> Optional[Contraction]:
             return None
         beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
         return Contraction(node, "baddbmm", a, b, identity(3), alpha=alpha, beta=beta, addend=inp, batch_rank=1)
+    if k == "linear":  # F.linear(x, w, b) = b + x · wᵀ, w 2-D [N, C]
+        a, w = _view_of(node.args[0]), _view_of(arg(node, 1, "weight"))
+        bias = arg(node, 2, "bias")
+        if a is None or w is None or a.rank < 2 or w.rank != 2:
+            return None
+        if isinstance(tensor_of(w.node), torch.nn.Parameter):
+            return None  # a module's weight (nn.Linear): a learned projection such as a classifier, not keys
+        b = w.swap_last()
+        return Contraction(node, "linear", a, b, identity(out.dim()), beta=0.0 if bias is None else 1.0,
+                           addend=bias, batch_rank=out.dim() - 2)
     if k == "einsum":
         return _einsum(node, out)
     return None

@@ -3,7 +3,8 @@
 A refusal never fails the compile: every site is rewritten in a transaction of its own (a failure
 inside it rolls its edits back and becomes that site's Miss), and should anything escape a step,
 the graph is restored to what it was before the pass and every site reports why it was left as
-the user wrote it.
+the user wrote it. When no site is rewritten, the canonicalization's edits are undone too: a graph
+the pass does not fuse is handed on as Dynamo traced it.
 """
 from __future__ import annotations
 
@@ -51,11 +52,6 @@ class GraphRecord:
                 graph.erase_node(n)
 
 
-def _canonicalize(gm: fx.GraphModule, options: PassOptions) -> list[SiteReport]:
-    canonicalize(gm)
-    return []
-
-
 def _finish(gm: fx.GraphModule, reports: list[SiteReport]) -> None:
     if any(r.rewritten for r in reports):
         # fx's default purity test treats call_method in-place ops (`y.add_(1)`, no users) as dead
@@ -65,7 +61,6 @@ def _finish(gm: fx.GraphModule, reports: list[SiteReport]) -> None:
 
 
 STEPS: tuple[tuple[str, Callable[[fx.GraphModule, PassOptions], list[SiteReport]]], ...] = (
-    ("canonicalize", _canonicalize),
     ("fused calls", rewrite_fused_calls),
     ("softmax sites", rewrite_softmax_sites),
 )
@@ -76,11 +71,15 @@ def rewrite_attention(gm: fx.GraphModule, options: Optional[PassOptions] = None)
     options = options or PassOptions()
     record = GraphRecord(gm.graph)
     reports: list[SiteReport] = []
-    step = "finish"
+    step = "canonicalize"
     try:
+        canonicalized = canonicalize(gm)
         for step, run in STEPS:
             reports += run(gm, options)
         step = "finish"
+        if canonicalized and not any(r.rewritten for r in reports):
+            record.restore()
+            gm.recompile()
         _finish(gm, reports)
     except Exception as e:  # a failure no site's own guard caught: give the user back their graph
         record.restore()

@@ -93,3 +93,35 @@ def test_counters_describe_the_graph_that_runs_after_a_dynamo_restart(capfd, mon
     log = capfd.readouterr().err
     assert "fa-compile: 1 of 1 attention sites rewritten" in log and "0 of 1" not in log
     torch._dynamo.reset()
+
+
+def _probs_then_break(q, k, v):
+    p = torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1)
+    torch._dynamo.graph_break()
+    return p @ v
+
+
+def test_graph_break_between_softmax_and_pv_is_named():
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    torch._dynamo.reset()
+    report = fa_compile.explain(_probs_then_break, q, k, v)
+    (miss,) = report.missed
+    assert "the probabilities leave the graph at a graph break" in miss.reason, miss.reason
+    assert "torch._dynamo.graph_break()" in miss.reason and "test_explain.py:" in miss.reason
+    assert "output_attentions" not in miss.reason
+    torch._dynamo.reset()
+
+
+def test_output_attentions_names_the_returned_weights():
+    def f(q, k, v):
+        p = torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1)
+        return p @ v, p  # what output_attentions=True returns
+
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    torch._dynamo.reset()
+    report = fa_compile.explain(f, q, k, v)
+    (miss,) = report.missed
+    assert "probabilities are also returned to the caller (output_attentions)" in miss.reason
+    assert "as output 1 of the compiled graph besides the P·V product" in miss.reason, miss.reason
+    assert "graph break" not in miss.reason
+    torch._dynamo.reset()

@@ -148,8 +148,8 @@ def offset_fill(c):
     return fn
 
 
-# masked_fill_ on the scores is left alone by the site finder (in-place writes), exact as it is
-SPELLINGS = [(causal_fill, "causal"), (causal_fill_inplace, None), (causal_where, "causal"),
+# masked_fill_ on scores nothing else aliases is read as the functional masked_fill
+SPELLINGS = [(causal_fill, "causal"), (causal_fill_inplace, "causal"), (causal_where, "causal"),
              (window_fill, "bool-mask"), (offset_fill, "causal-offset")]
 
 
@@ -215,7 +215,7 @@ def test_causal_and_key_lengths_combined():
 @pytest.mark.parametrize("dtype,unit", [(torch.float16, 16.0), (torch.float32, 1.0)])
 def test_megatron_fp16_data_mask(dtype, unit, inplace):
     """Megatron: scores.masked_fill_(mask, -10000.0) with a bool [B, 1, N, N] mask given as data (the
-    in-place spelling is left alone by the site finder; out of place it is rewritten)."""
+    in-place spelling is read as the functional one: both are rewritten)."""
 
     def make(c):
         def fn(q, k, v, mask):
@@ -232,7 +232,7 @@ def test_megatron_fp16_data_mask(dtype, unit, inplace):
     mask[1, :, 2] = True  # a fully masked row
     args = (*crossing_qkv(dtype, -10000.0, unit=unit, near=dtype != torch.float32), mask)
     assert_fill_matters(make, -10000.0, *args)
-    check(make(-10000.0), *args, dtype=dtype, kind=None if inplace else "bool-mask")
+    check(make(-10000.0), *args, dtype=dtype, kind="bool-mask")
 
 
 def test_scaled_after_the_fill():

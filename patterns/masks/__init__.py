@@ -2,7 +2,7 @@
 
 Modules, in dependency order: symbolic (sizes and conditions proven for every size), values (the
 abstract values), concrete (node helpers, concrete evaluation and classification), analyzer (the
-abstract interpreter over a mask subgraph), combine (terms to one plan with eager's semantics on
+abstract interpreter over a mask subgraph), zero_one (a float mask proven to hold only 0 and 1), combine (terms to one plan with eager's semantics on
 fully masked rows), spec (the plan emitted as a MaskSpec), analyze (the entry point).
 
     analyze_mask(gm: fx.GraphModule, terms: list[MaskTerm], *, batch, q_heads, q_len, k_len,
@@ -72,5 +72,6 @@ from .combine import ABSORB_LIMIT
 from .concrete import CONCRETE_MAX_NUMEL, _band_of, _is_inplace
 from .symbolic import _sym_true
 from .values import _Keep
+from .zero_one import zero_one
 
-__all__ = ["analyze_mask", "ABSORB_LIMIT", "CONCRETE_MAX_NUMEL"]
+__all__ = ["analyze_mask", "ABSORB_LIMIT", "CONCRETE_MAX_NUMEL", "zero_one"]

@@ -1,0 +1,455 @@
+"""Spellings of attention that read as the same attention once one general rule is applied.
+
+- a dead use of the scores (a copy or view whose result nobody reads) is no use: dead pure nodes are
+  removed before analysis; a dead node that writes or draws random numbers is kept;
+- an in-place update of scores nothing else aliases (`s.masked_fill_(m, -inf)` as a statement) is
+  its functional op; aliased or grad-mode-crossing updates are left alone;
+- a read of only the scores' shape / dtype (`torch.ones_like(s)`, `s.new_ones(...)`) is not a use
+  of their values;
+- F.linear(q, k) is Q·Kᵀ (its bias an additive mask), exp(log_softmax(s)) is softmax(s), a
+  multiplicative 0/1 mask `s * m + (1 - m) * c` is masked_fill(m == 0, c) (m proven 0/1, or refused),
+  baddbmm's beta * input is an additive bias for every beta.
+Each is compared with eager on fresh random inputs: output, inputs afterwards and every gradient.
+"""
+from __future__ import annotations
+
+import collections
+import math
+
+import expecttest
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import Compiled
+from eager_diff import check, rand
+from test_patterns_softmax import pinned
+
+B, H, N, D = 2, 2, 6, 8
+
+
+def qkv(shape=(B, H, N, D), grad=True, seed=0, dtype=torch.float32):
+    return [rand(*shape, seed=seed + i, dtype=dtype, requires_grad=grad) for i in range(3)]
+
+
+def causal_bool(n=N):
+    return torch.ones(n, n, dtype=torch.bool).triu(1)  # True = masked
+
+
+def reasons(res) -> str:
+    return " | ".join(res.reasons)
+
+
+# ------------------------------------------------------------------------------- dead uses of the scores
+
+def dead_clone(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    qk = s.clone()  # kept for an optional return value that is never returned  # noqa: F841
+    return torch.softmax(s, -1) @ v
+
+
+def dead_view_chain(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    flat = s.view(B, H * N, N).float().contiguous()  # noqa: F841
+    return torch.softmax(s, -1) @ v
+
+
+AttnOut = collections.namedtuple("AttnOut", ["out", "weights_view"])
+
+
+class ReturnsNamedTuple(nn.Module):
+    def forward(self, q, k, v):
+        s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+        return AttnOut(torch.softmax(s, -1) @ v, s.transpose(-2, -1))
+
+
+class DropsTheView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = ReturnsNamedTuple()
+
+    def forward(self, q, k, v):
+        return self.attn(q, k, v).out * 2.0
+
+
+@pytest.mark.parametrize("fn", [dead_clone, dead_view_chain, DropsTheView()], ids=lambda f: type(f).__name__
+                         if isinstance(f, nn.Module) else f.__name__)
+def test_dead_use_of_the_scores_is_no_use(fn):
+    check(fn, qkv(), rewritten=1)
+
+
+def dead_random_use(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    noise = torch.rand_like(s) + s  # noqa: F841  (dead, but it draws random numbers: not removed)
+    return torch.softmax(s, -1) @ v
+
+
+def test_dead_node_that_draws_random_numbers_is_kept():
+    res = check(dead_random_use, qkv(), rewritten=0)
+    assert "also used outside the attention" in reasons(res)
+
+
+def test_a_graph_with_no_rewrite_is_handed_on_as_traced():
+    def f(q, k, v):
+        s = q @ k.transpose(-2, -1)
+        keep = s.clone()  # noqa: F841
+        s.masked_fill_(causal_bool(), -1e9)
+        return torch.softmax(s, dim=1) @ v  # softmax over the query axis: not attention
+
+    c = Compiled(f)
+    args = qkv(grad=False)
+    torch.testing.assert_close(c(*args), f(*args))
+    assert len(c.rewritten) == 0
+    targets = [n.target for n in c.graphs[0].graph.nodes]
+    assert "clone" in targets and "masked_fill_" in targets and "masked_fill" not in targets
+    assert "masked_fill_" in c.graphs[0].code
+
+
+# ------------------------------------------------------------------------- in-place updates of the scores
+
+def masked_fill_statement(q, k, v):
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    s.masked_fill_(causal_bool(q.size(-2)), -math.inf)
+    return torch.softmax(s, -1) @ v
+
+
+def test_masked_fill_in_place_statement_dynamic():
+    c = Compiled(masked_fill_statement, dynamic=True)
+    for n in (6, 9):
+        args = qkv(shape=(B, H, n, D), grad=False, seed=n)
+        torch.testing.assert_close(c(*args), masked_fill_statement(*args))
+    assert len(c.graphs) == 1 and len(c.rewritten) == 1 and c.rewritten[0].mask == "causal"
+
+
+def masked_fill_padding_finfo(q, k, v, key_keep):
+    s = q @ k.transpose(-2, -1) * 0.25
+    s.masked_fill_(~key_keep[:, None, None, :], torch.finfo(s.dtype).min)
+    s.div_(2.0)  # a second in-place update of the same tensor
+    return torch.softmax(s, -1) @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_masked_fill_in_place_statement_is_functional(dtype):
+    res = check(masked_fill_statement, qkv(dtype=dtype), dtype=dtype, rewritten=1)
+    assert res.rewritten[0].mask == "causal"
+
+
+def setitem_bool_mask(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    s[causal_bool().expand(s.shape)] = -math.inf  # x[mask] = c with a mask of x's shape: masked_fill_
+    return torch.softmax(s, -1) @ v
+
+
+def test_setitem_with_a_bool_mask_of_the_scores_shape_is_masked_fill():
+    res = check(setitem_bool_mask, qkv(), rewritten=1)
+    assert res.rewritten[0].mask == "causal"
+
+
+def test_in_place_statement_through_inductor():
+    res = check(masked_fill_statement, qkv(), inner="inductor", rewritten=1)
+    assert res.rewritten[0].mask == "causal"
+
+
+def test_in_place_updates_in_sequence_are_functional():
+    keep = torch.ones(B, N, dtype=torch.bool)
+    keep[0, -2:] = False
+    res = check(masked_fill_padding_finfo, qkv() + [keep], rewritten=1)
+    assert res.rewritten[0].scale == pytest.approx(0.125)
+
+
+def masked_fill_of_a_view(q, k, v):
+    b, h, n, d = q.shape
+    s = torch.bmm(q.reshape(b * h, n, d), k.reshape(b * h, n, d).transpose(1, 2)).view(b, h, n, n)
+    s.masked_fill_(causal_bool(n), -math.inf)  # writes through the only view of the product
+    return torch.softmax(s * 0.25, -1) @ v
+
+
+def test_masked_fill_in_place_through_a_view_is_functional():
+    res = check(masked_fill_of_a_view, qkv(), rewritten=1)
+    assert res.rewritten[0].mask == "causal"
+
+
+def masked_fill_base_read(q, k, v):
+    b, h, n, d = q.shape
+    raw = torch.bmm(q.reshape(b * h, n, d), k.reshape(b * h, n, d).transpose(1, 2))
+    s = raw.view(b, h, n, n)
+    s.masked_fill_(causal_bool(n), -1e9)
+    return torch.softmax(s * 0.25, -1) @ v + raw.amax()  # the base sees the write too
+
+
+def masked_fill_aliased(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    rows = s.view(B, H * N, N)  # a view of the scores, made before the write and read after it
+    s.masked_fill_(causal_bool(), -1e9)
+    return torch.softmax(s, -1) @ v + rows.sum(-1).view(B, H, N, 1)
+
+
+def masked_fill_under_no_grad(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    with torch.no_grad():
+        s.masked_fill_(causal_bool(), -1e9)  # eager's gradient ignores the fill
+    return torch.softmax(s, -1) @ v
+
+
+@pytest.mark.parametrize("fn", [masked_fill_aliased, masked_fill_base_read, masked_fill_under_no_grad],
+                         ids=lambda f: f.__name__)
+def test_in_place_update_that_is_not_functional_is_refused(fn):
+    res = check(fn, qkv(), rewritten=0)
+    assert "modified in place" in reasons(res)
+
+
+# ---------------------------------------------------------------------------- masks from the scores' shape
+
+def ones_like_tril(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    mask = torch.ones_like(s).tril() == 0
+    return torch.softmax(s.masked_fill(mask, -math.inf), -1) @ v
+
+
+def full_like_triu(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    return torch.softmax(s + torch.full_like(s, -math.inf).triu(1), -1) @ v
+
+
+def new_ones_sizes(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    keep = s.new_ones(s.size(-2), s.size(-1), dtype=torch.bool).tril()
+    return torch.softmax(torch.where(keep, s, torch.finfo(s.dtype).min), -1) @ v
+
+
+@pytest.mark.parametrize("fn", [ones_like_tril, full_like_triu, new_ones_sizes], ids=lambda f: f.__name__)
+def test_mask_built_from_the_scores_shape(fn):
+    res = check(fn, qkv(), rewritten=1)
+    assert res.rewritten[0].mask == "causal"
+
+
+def test_mask_built_from_the_scores_shape_dynamic():
+    c = Compiled(ones_like_tril, dynamic=True)
+    for n in (6, 9):
+        args = qkv(shape=(B, H, n, D), grad=False, seed=n)
+        torch.testing.assert_close(c(*args), ones_like_tril(*args), equal_nan=True)
+    assert len(c.graphs) == 1 and len(c.rewritten) == 1 and c.rewritten[0].mask == "causal"
+
+
+def mask_from_the_scores_values(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    return torch.softmax(s.masked_fill(torch.ones_like(s) * s < -1.0, -math.inf), -1) @ v
+
+
+def test_mask_from_the_scores_values_is_refused():
+    res = check(mask_from_the_scores_values, qkv(), rewritten=0)
+    assert "also used outside the attention" in reasons(res)
+
+
+# --------------------------------------------------------------------------------------------- F.linear
+
+def linear_qk(q, k, v):
+    return torch.softmax(F.linear(q, k) * 0.25, -1) @ v
+
+
+def linear_qk_bias(q, k, v, b):
+    return torch.softmax(F.linear(q, k, b) * 0.25, -1) @ v
+
+
+def test_linear_is_q_kt():
+    q = rand(B, H, N, D, requires_grad=True)
+    k, v = rand(5, D, seed=1, requires_grad=True), rand(5, D, seed=2, requires_grad=True)
+    res = check(linear_qk, [q, k, v], rewritten=1)
+    assert res.rewritten[0].k_shape[2:] == (5, D)
+
+
+def test_linear_bias_is_an_additive_mask_of_the_keys():
+    q = rand(B, H, N, D, requires_grad=True)
+    k, v = rand(5, D, seed=1, requires_grad=True), rand(5, D, seed=2, requires_grad=True)
+    res = check(linear_qk_bias, [q, k, v, rand(5, seed=3, requires_grad=True)], rewritten=1)
+    assert res.rewritten[0].mask == "bias"
+
+
+# --------------------------------------------------------------------------------- exp of the log-softmax
+
+LOG_SOFTMAX_FORMS = {
+    "F.log_softmax.exp": lambda q, k, v: F.log_softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1).exp() @ v,
+    "torch.exp(Tensor.log_softmax)": lambda q, k, v: torch.exp((q @ k.transpose(-2, -1) * 0.25).log_softmax(-1)) @ v,
+    "torch.log_softmax_dtype": lambda q, k, v: torch.log_softmax(q @ k.transpose(-2, -1), -1,
+                                                                 dtype=torch.float32).exp().to(q.dtype) @ v,
+}
+
+
+@pytest.mark.parametrize("form", list(LOG_SOFTMAX_FORMS))
+def test_exp_of_log_softmax_is_softmax(form):
+    check(LOG_SOFTMAX_FORMS[form], qkv(), rewritten=1)
+
+
+def log_probs_also_used(q, k, v):
+    lp = F.log_softmax(q @ k.transpose(-2, -1) * 0.25, -1)
+    return lp.exp() @ v + lp.mean(-1, keepdim=True)
+
+
+def test_log_probabilities_read_elsewhere_are_refused():
+    res = check(log_probs_also_used, qkv(), rewritten=0)
+    assert "the log-probabilities are also read by" in reasons(res)
+
+
+# ------------------------------------------------------------------------------------ multiplicative masks
+
+class TrilBufferMask(nn.Module):
+    def __init__(self, fill: float):
+        super().__init__()
+        self.fill = fill
+        self.register_buffer("m", torch.ones(N, N).tril())
+
+    def forward(self, q, k, v):
+        s = q @ k.transpose(-2, -1)
+        s = s * self.m + (1 - self.m) * self.fill
+        return torch.softmax(s / math.sqrt(q.size(-1)), -1) @ v
+
+
+def bool_cast_mask(q, k, v, key_keep):
+    m = key_keep[:, None, None, :].to(q.dtype)
+    s = q @ k.transpose(-2, -1) * 0.25
+    return torch.softmax(m * s - 1e9 * (1.0 - m), -1) @ v
+
+
+def keep_padding(rows_masked=2):
+    keep = torch.ones(B, N, dtype=torch.bool)
+    keep[1, -rows_masked:] = False
+    return keep
+
+
+@pytest.mark.parametrize("fill", [-1e9, -1e4, torch.finfo(torch.float32).min])
+def test_multiplicative_tril_buffer_mask(fill):
+    res = check(TrilBufferMask(fill), qkv(), rewritten=1)
+    assert "causal" in res.rewritten[0].mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_multiplicative_mask_of_a_bool_cast(dtype):
+    check(bool_cast_mask, qkv(dtype=dtype) + [keep_padding()], dtype=dtype, rewritten=1)  # fp16: -1e9 is -inf
+
+
+def soft_mask(q, k, v, m):
+    s = q @ k.transpose(-2, -1) * 0.25
+    return torch.softmax(s * m + (1 - m) * -1e9, -1) @ v
+
+
+def test_multiplicative_mask_not_proven_zero_one_is_refused():
+    m = torch.rand(B, 1, 1, N, generator=torch.Generator().manual_seed(3))  # values in (0, 1): a blend
+    res = check(soft_mask, qkv() + [m], rewritten=0)
+    assert "is not proven to hold only 0 and 1" in reasons(res)
+
+
+def test_multiplicative_mask_that_needs_a_gradient_is_refused():
+    m = keep_padding().to(torch.float32)[:, None, None, :].requires_grad_(True)
+    res = check(soft_mask, qkv() + [m], rewritten=0)
+    assert "a mask that needs a gradient" in reasons(res)
+
+
+# ------------------------------------------------------------------------------------------- baddbmm beta
+
+def baddbmm_beta(q, k, v, bias, beta=0.5):
+    b, h, n, d = q.shape
+    s = torch.baddbmm(bias, q.reshape(b * h, n, d), k.reshape(b * h, n, d).transpose(1, 2), beta=beta, alpha=0.25)
+    return torch.bmm(torch.softmax(s, -1), v.reshape(b * h, n, d)).view(b, h, n, d)
+
+
+@pytest.mark.parametrize("beta", [0.5, -2.0])
+def test_baddbmm_beta_is_an_additive_bias(beta):
+    res = check(lambda q, k, v, bias: baddbmm_beta(q, k, v, bias, beta),
+                qkv() + [rand(B * H, N, N, seed=7, requires_grad=True)], rewritten=1)
+    assert res.rewritten[0].scale == pytest.approx(0.25)
+
+
+def test_baddbmm_beta_input_scaled_afterwards():
+    def f(q, k, v, bias):
+        b, h, n, d = q.shape
+        s = torch.baddbmm(bias, q.reshape(b * h, n, d), k.reshape(b * h, n, d).transpose(1, 2), beta=0.5) * 0.25
+        return torch.bmm(torch.softmax(s, -1), v.reshape(b * h, n, d)).view(b, h, n, d)
+
+    check(f, qkv() + [rand(B * H, N, N, seed=7, requires_grad=True)], rewritten=1)
+
+
+def test_baddbmm_beta_input_softcapped_afterwards_is_refused():
+    def f(q, k, v, bias):
+        b, h, n, d = q.shape
+        s = torch.baddbmm(bias, q.reshape(b * h, n, d), k.reshape(b * h, n, d).transpose(1, 2), beta=0.5)
+        s = torch.tanh(s / 5.0) * 5.0
+        return torch.bmm(torch.softmax(s, -1), v.reshape(b * h, n, d)).view(b, h, n, d)
+
+    res = check(f, qkv() + [rand(B * H, N, N, seed=7)], rewritten=0)
+    assert "added input is softcapped or scaled by a tensor afterwards" in reasons(res)
+
+
+# ----------------------------------------------------------------------------------------- pinned graphs
+
+class TestPinnedSpellings(expecttest.TestCase):
+    def test_pinned_dead_clone(self):
+        self.assertExpectedInline(pinned(dead_clone, *qkv(grad=False)), """\
+fa3.attention(l_q_, l_k_, l_v_, 0.25, False, 0, -1, -1, None, None, 0.0, 0.0, None, None)
+getitem(attention_default, 0)
+contiguous(getitem)""")
+
+    def test_pinned_linear(self):
+        q, k, v = rand(B, H, N, D), rand(5, D, seed=1), rand(5, D, seed=2)
+        self.assertExpectedInline(pinned(linear_qk, q, k, v), """\
+unsqueeze(l_k_, 0)
+unsqueeze(unsqueeze, 0)
+unsqueeze(l_v_, 0)
+unsqueeze(unsqueeze_2, 0)
+expand(unsqueeze_1, 2, -1, -1, -1)
+expand(unsqueeze_3, 2, -1, -1, -1)
+fa3.attention(l_q_, expand, expand_1, 0.25, False, 0, -1, -1, None, None, 0.0, 0.0, None, None)
+getitem(attention_default, 0)
+contiguous(getitem)""")
+
+    def test_pinned_exp_of_log_softmax(self):
+        self.assertExpectedInline(pinned(LOG_SOFTMAX_FORMS["F.log_softmax.exp"], *qkv(grad=False)), """\
+fa3.attention(l_q_, l_k_, l_v_, 0.25, False, 0, -1, -1, None, None, 0.0, 0.0, None, None)
+getitem(attention_default, 0)
+contiguous(getitem)""")
+
+    def test_pinned_masked_fill_in_place(self):
+        self.assertExpectedInline(pinned(masked_fill_statement, *qkv(grad=False)), """\
+fa3.attention(l_q_, l_k_, l_v_, 0.35355339059327373, True, 0, -1, -1, None, None, 0.0, 0.0, None, None)
+getitem(attention_default, 0)
+contiguous(getitem)""")
+
+    def test_pinned_ones_like_mask(self):
+        self.assertExpectedInline(pinned(ones_like_tril, *qkv(grad=False)), """\
+fa3.attention(l_q_, l_k_, l_v_, 0.25, True, 0, -1, -1, None, None, 0.0, 0.0, None, None)
+getitem(attention_default, 0)
+contiguous(getitem)""")
+
+    def test_pinned_multiplicative_mask(self):
+        self.assertExpectedInline(pinned(bool_cast_mask, *qkv(grad=False), keep_padding()), """\
+getitem(l_key_keep_, (slice(None, None, None), None, None, slice(None, None, None)))
+to(getitem, torch.float32)
+eq(m, 0)
+logical_not(eq)
+transpose(logical_not, -2, -1)
+where(transpose_1, l_k_, 0.0)
+where(logical_not, 0.0, -1000000000.0)
+to(where_1, torch.float32)
+fa3.attention(l_q_, where, l_v_, 0.25, False, 0, -1, -1, to_1, None, 0.0, 0.0, None, None)
+getitem(attention_default, 0)
+contiguous(getitem_1)""")
+
+    def test_pinned_baddbmm_beta(self):
+        self.assertExpectedInline(pinned(baddbmm_beta, *qkv(grad=False), rand(B * H, N, N, seed=7)), """\
+reshape(l_q_, 4, 6, 8)
+reshape(l_k_, 4, 6, 8)
+reshape(l_v_, 4, 6, 8)
+mul(l_bias_, 0.5)
+unsqueeze(reshape, 1)
+unsqueeze(reshape_1, 1)
+unsqueeze(reshape_2, 1)
+unsqueeze(mul, 1)
+fa3.attention(unsqueeze, unsqueeze_1, unsqueeze_2, 0.25, False, 0, -1, -1, unsqueeze_3, None, 0.0, 0.0, None, None)
+getitem(attention_default, 0)
+getitem(attention_default, 1)
+isneginf(getitem_1)
+unsqueeze(isneginf, -1)
+full_like(getitem, nan)
+where(unsqueeze_4, full_like, getitem)
+squeeze(where, 1)
+view(squeeze, 2, 2, 6, 8)""")
