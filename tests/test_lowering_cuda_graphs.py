@@ -78,3 +78,23 @@ def test_triton_lowering_on_cuda_is_opt_in(monkeypatch):
         args = dispatch.AttentionArgs(q=q, k=q, v=q, scale=0.125)
         why = choice.LOWERINGS[("cuda", "triton")].reasons(args, "forward")
     assert any("FA_COMPILE_TRITON_LOWER=1" in r for r in why), why
+
+
+def test_sdpa_bias_is_stored_at_its_own_size():
+    # Inductor writes a broadcast bias out at its expanded size unless it is a view of a stored buffer
+    # (traced here on CPU tensors: the graph does not depend on the device).
+    from fa_compile.lowering.sdpa import _bias
+
+    q = torch.empty(4, 16, 512, 64, dtype=torch.bfloat16)
+    keep = torch.ones(4, 1, 1, 512, dtype=torch.bool)
+    gm = make_fx(lambda q, m: _bias(q, q, m, None), decomposition_table=select_decomp_table(),
+                 tracing_mode="fake")(q, keep)
+    expecttest.assert_expected_inline(gm.code.strip(), """\
+def forward(self, q_1, m_1):
+    full = torch.ops.aten.full.default([4, 1, 1, 512], 0, dtype = torch.bfloat16, layout = torch.strided, device = device(type='cpu'), pin_memory = False)
+    bitwise_not = torch.ops.aten.bitwise_not.default(m_1);  m_1 = None
+    scalar_tensor = torch.ops.aten.scalar_tensor.default(-inf, dtype = torch.bfloat16, layout = torch.strided, device = device(type='cpu'))
+    where = torch.ops.aten.where.self(bitwise_not, scalar_tensor, full);  bitwise_not = scalar_tensor = full = None
+    inductor_force_stride_order = torch.ops.prims.inductor_force_stride_order.default(where, [512, 512, 512, 1]);  where = None
+    expand = torch.ops.aten.expand.default(inductor_force_stride_order, [4, 16, 512, 512]);  inductor_force_stride_order = None
+    return expand""")
