@@ -18,6 +18,7 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
+import statistics
 import time
 
 import torch
@@ -34,16 +35,21 @@ SHAPES = {
 }
 
 
-def per_call_us(fn, n: int = 200) -> float:
+def per_call_us(fn, n: int = 200, batches: int = 5) -> float:
+    """Median over `batches` batches of the mean enqueue time of n / batches calls: the lent machine's
+    host is shared, and one slow batch should not move the figure."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    dt = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return dt / n * 1e6
+    per = max(n // batches, 1)
+    means = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(per):
+            fn()
+        means.append((time.perf_counter() - t0) / per * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(means)
 
 
 def gpu_us(fn) -> float:
