@@ -12,6 +12,8 @@ Public names (`__all__`):
     explain       trace a model once and report every attention site, rewritten or missed and why
     ExplainReport the report `explain` returns (`.rows`, `.rewritten`, `.missed`, `str()`)
     attention     fused attention with FlashAttention-style arguments
+    paged_attention  decode attention against a contiguous or paged KV cache, read in place
+                  (FA3 flash_attn_with_kvcache conventions; registers torch.ops.fa3.paged_attention)
     __version__
 
 Environment: FA_COMPILE=1 applies the rewrite to a plain `torch.compile(model)`; FA_COMPILE=0 turns
@@ -38,6 +40,7 @@ _LAZY = {
     "explain": ("report", "explain"),
     "ExplainReport": ("report", "ExplainReport"),
     "attention": ("api", "attention"),
+    "paged_attention": ("paged", "paged_attention"),
 }
 
 __all__ = [*_LAZY, "__version__"]

@@ -1,0 +1,203 @@
+"""Decode attention over KV caches (contiguous or paged), Triton split-KV: launcher and heuristics.
+
+What it supports: 1 or more query tokens per sequence (the last Nq positions; meant for 1..16), any
+Hq / Hkv ratio (GQA packing: G * Nq rows per program, so keep it <= 128), per-sequence lengths and
+left padding, caches in either layout, paged (any page size, int32 or int64 tables) or contiguous,
+fp16 / bf16 (and fp32 through TF32 on the GPU), head dims up to 256. Semantics: decode_reference.py.
+
+Triton is imported on first launch only, so this module imports on a machine without it.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .decode_reference import cache_view
+
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256
+MAX_ROWS = 128  # G * Nq rows per program: one tile of the packed query group
+MAX_SPLITS = 64
+# A split reads at least this many keys: fewer and the combine's traffic and the launch tail cost
+# more than the extra parallelism gains.
+MIN_KEYS_PER_SPLIT = 256
+# Programs per SM for a memory-bound pass: enough resident programs to keep loads in flight.
+PROGRAMS_PER_SM = 4
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_len: int, num_sms: int, *, block_n: int = 64,
+                      min_keys: int = MIN_KEYS_PER_SPLIT, programs_per_sm: int = PROGRAMS_PER_SM,
+                      max_splits: int = MAX_SPLITS) -> int:
+    """Splits of each sequence's keys so that B * Hkv * splits programs fill the GPU.
+
+    No split when B * Hkv programs already fill `programs_per_sm` waves' worth of SMs; otherwise as
+    many as bring the count there, but never so many that a split gets fewer than `min_keys` keys (or
+    one tile) of the longest possible sequence `max_len` (the cache's capacity: lengths live on the
+    device, and reading them would cost a sync). Each sequence then splits its own valid length.
+    """
+    programs = batch * kv_heads
+    if programs <= 0 or max_len <= 0 or num_sms <= 0:
+        return 1
+    target = num_sms * programs_per_sm
+    if programs >= target:
+        return 1
+    by_len = max(1, max_len // max(min_keys, block_n))
+    s = min(-(-target // programs), by_len, max_splits)
+    return max(1, s)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs of `device`; the interpreter (CPU) pretends to be a small GPU so splits get exercised."""
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 8
+
+
+def pick_block_n(block_d: int, page: Optional[int]) -> int:
+    """Keys per tile: 64 for head dims up to 128 (32 above, for registers)."""
+    return 64 if block_d <= 128 else 32
+
+
+def plan_splits(num_splits: int, batch: int, kv_heads: int, capacity: int, device: torch.device, block_n: int) -> int:
+    """The splits a launch uses: `num_splits` (0: choose_num_splits), at most one per tile of keys."""
+    s = num_splits if num_splits > 0 else choose_num_splits(batch, kv_heads, capacity, sm_count(device), block_n=block_n)
+    return max(1, min(s, -(-capacity // block_n)))
+
+
+def not_supported_reasons(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Optional[Tensor]) -> list[str]:
+    """Why the Triton decode kernel cannot take these (already checked) inputs; [] when it can."""
+    if not triton_available():
+        return ["triton not installed"]
+    r: list[str] = []
+    dev = q.device
+    if dev.type == "cpu":
+        if not interpreting():
+            r.append("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
+    elif dev.type != "cuda" or torch.version.hip is not None:
+        r.append(f"device {dev.type} is not a CUDA GPU")
+    elif not torch.cuda.is_available():
+        r.append("CUDA is not available in this process")
+    elif torch.cuda.get_device_capability(dev) < (8, 0):
+        r.append(f"needs compute capability >= 8.0, got {torch.cuda.get_device_capability(dev)}")
+    if q.dtype == torch.float32 and dev.type == "cuda" and torch.get_float32_matmul_precision() == "highest":
+        r.append("float32 needs TF32 (torch.set_float32_matmul_precision('high')); precision is 'highest'")
+    elif q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        r.append(f"dtype {q.dtype} is not supported")
+    d, dv = q.shape[-1], v_cache.shape[-1]
+    if d > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
+        r.append(f"head dims {d}/{dv} exceed {MAX_HEAD_DIM}")
+    hkv = k_cache.shape[2] if k_cache.dim() == 4 else 0
+    rows = (q.shape[2] // max(hkv, 1)) * q.shape[1]
+    if rows > MAX_ROWS:
+        r.append(f"{rows} query rows per KV head (query heads per KV head x query tokens) exceed {MAX_ROWS}")
+    return r
+
+
+def paged_decode(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Tensor,
+    page_table: Optional[Tensor] = None,
+    cache_leftpad: Optional[Tensor] = None,
+    *,
+    scale: float,
+    causal: bool = True,
+    layout: str = "bshd",
+    num_splits: int = 0,
+    block_n: Optional[int] = None,
+    out: Optional[Tensor] = None,
+    lse: Optional[Tensor] = None,
+    workspace: Optional[tuple[Tensor, Tensor]] = None,
+) -> tuple[Tensor, Tensor]:
+    """(out [B, Nq, Hq, Dv] in q's dtype, lse [B, Hq, Nq] fp32). num_splits 0 chooses
+    (choose_num_splits); out / lse / workspace (fp32 [B*Hkv, S, G*Nq, Dv] and [B*Hkv, S, G*Nq]) may
+    be given, e.g. poisoned by tests. Inputs are assumed checked (fa_compile.paged)."""
+    from .decode_triton import decode_combine_kernel, decode_partial_kernel
+
+    kc, vc = cache_view(k_cache, layout), cache_view(v_cache, layout)
+    b, nq, hq, d = q.shape
+    hkv, dv = kc.shape[2], vc.shape[3]
+    g = hq // hkv
+    if out is None:
+        out = q.new_empty((b, nq, hq, dv))
+    if lse is None:
+        lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+    if b * nq * hq == 0:
+        return out, lse
+    if dv == 0:  # nothing to read from V: the lse alone (rare; the reference computes it exactly)
+        raise ValueError("v_cache: head dim 0 is not supported by the Triton decode kernel")
+    paged = page_table is not None
+    page = kc.shape[1]
+    capacity = page_table.shape[1] * page if paged else kc.shape[1]
+    block_d, block_dv = _pow2(d), _pow2(dv)
+    bn = block_n or pick_block_n(max(block_d, block_dv), page if paged else None)
+    splits = plan_splits(num_splits, b, hkv, capacity, q.device, bn)
+    rows = g * nq
+    block_m = _pow2(rows)
+    table = page_table if paged else cache_seqlens
+    leftpad = cache_leftpad if cache_leftpad is not None else cache_seqlens
+    if splits > 1:
+        if workspace is None:
+            opart = torch.empty((b * hkv, splits, rows, dv), device=q.device, dtype=torch.float32)
+            lpart = torch.empty((b * hkv, splits, rows), device=q.device, dtype=torch.float32)
+        else:
+            opart, lpart = workspace
+            if opart.shape != (b * hkv, splits, rows, dv) or lpart.shape != (b * hkv, splits, rows):
+                raise ValueError(f"workspace: expected shapes {(b * hkv, splits, rows, dv)} and {(b * hkv, splits, rows)}")
+    else:
+        opart = lpart = lse
+    const = dict(PAGE=page if paged else 1, PAGED=paged, PAGE_TILES=paged and page % bn == 0, HAS_LEFTPAD=cache_leftpad is not None, IS_CAUSAL=bool(causal),
+                 SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_DV=block_dv)
+    if not interpreting():
+        const.update(num_warps=4, num_stages=3 if bn * max(block_d, block_dv) <= 64 * 128 else 2)
+    ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else _Null()
+    with ctx:
+        decode_partial_kernel[(splits, b * hkv)](
+            q, kc, vc, cache_seqlens, leftpad, table, out, lse, opart, lpart,
+            q.stride(0), q.stride(1), q.stride(2), q.stride(3),
+            kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
+            vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
+            table.stride(0), table.stride(-1),
+            out.stride(0), out.stride(1), out.stride(2),
+            hkv, g, nq, d, dv, capacity, splits, float(scale) * LOG2E,
+            **const,
+        )
+        if splits > 1:
+            cconst = dict(BLOCK_S=_pow2(splits, 2), BLOCK_DV=block_dv)
+            if not interpreting():
+                cconst.update(num_warps=4 if block_dv >= 128 else 2)
+            decode_combine_kernel[(b * hkv * rows,)](
+                opart, lpart, out, lse, out.stride(0), out.stride(1), out.stride(2), hkv, g, nq, dv, splits, **cconst,
+            )
+    return out, lse
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,154 @@
+"""Split-KV decode attention in Triton (flash-decoding): the partial pass and the log-sum-exp combine.
+
+Grid of the partial pass: (splits, B * Hkv). One program owns one KV head of one sequence and one
+split of its valid keys, and computes all G = Hq / Hkv query heads x Nq query tokens of that group as
+the rows of one tile (GQA packing: each K/V tile is loaded once for the whole group). Row r is query
+head hk * G + r // Nq, token r % Nq. Keys are read in place through the page table (one table entry
+per key position, so any page size and any tile start work); no gathered copy is made.
+
+Each sequence splits its own valid range [start, end) into `splits` equal chunks (rounded up to
+BLOCK_N), so short sequences get short chunks and a split past the end of a sequence does no work.
+When the page size is a multiple of BLOCK_N, a tile lies within one page and reads one table entry.
+With one split the pass writes the final out / lse; otherwise partial results (normalised out and
+log2-domain lse per split) go to fp32 workspaces that the combine kernel reduces.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def decode_partial_kernel(
+    Q, K, V, SEQLENS, LEFTPAD, TABLE, O, LSE, OPART, LPART,
+    stride_qb, stride_qn, stride_qh, stride_qd,
+    stride_kblk, stride_ktok, stride_kh, stride_kd,
+    stride_vblk, stride_vtok, stride_vh, stride_vd,
+    stride_tb, stride_tp,
+    stride_ob, stride_on, stride_oh,
+    Hkv, G, Nq, D, DV, capacity, num_splits, qk_scale,
+    PAGE: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, HAS_LEFTPAD: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    split = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    hk = bh % Hkv
+
+    # Valid keys [start, end), clamped to the cache's capacity so that no read leaves it.
+    end = tl.minimum(tl.maximum(tl.load(SEQLENS + b).to(tl.int32), 0), capacity)
+    start = end * 0
+    if HAS_LEFTPAD:
+        start = tl.minimum(tl.maximum(tl.load(LEFTPAD + b).to(tl.int32), 0), end)
+    # Tiles start at multiples of BLOCK_N (keys before `start` masked), so with PAGE_TILES (the page a
+    # multiple of the tile) a tile lies inside one page: one table entry per tile.
+    base = start // BLOCK_N * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(end - base, num_splits), BLOCK_N) * BLOCK_N
+    lo = base + split * chunk
+    hi = tl.minimum(lo + chunk, end)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = G * Nq
+    head = hk * G + offs_m // Nq
+    tok = offs_m % Nq
+    row_ok = offs_m < rows
+    q_ptrs = (Q + b.to(tl.int64) * stride_qb + tok[:, None].to(tl.int64) * stride_qn
+              + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    # Causal, bottom-right within the valid keys: token i sits at position end - Nq + i.
+    row_lim = end - Nq + tok
+    if not IS_CAUSAL:
+        row_lim = row_lim * 0 + end
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    k_head = hk.to(tl.int64) * stride_kh
+    v_head = hk.to(tl.int64) * stride_vh
+    for s0 in range(lo, hi, BLOCK_N):
+        pos = s0 + tl.arange(0, BLOCK_N)
+        ok = (pos < hi) & (pos >= start)
+        if PAGE_TILES:
+            pg = (b * 0 + s0) // PAGE  # (a tensor under the interpreter too, where s0 is an int)
+            blk = tl.load(TABLE + b.to(tl.int64) * stride_tb + pg.to(tl.int64) * stride_tp).to(tl.int64)
+            blk = blk + pos.to(tl.int64) * 0
+            slot = (s0 % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
+        elif PAGED:
+            blk = tl.load(TABLE + b.to(tl.int64) * stride_tb + (pos // PAGE).to(tl.int64) * stride_tp,
+                          mask=ok, other=0).to(tl.int64)
+            slot = (pos % PAGE).to(tl.int64)
+        else:
+            blk = b.to(tl.int64) + pos.to(tl.int64) * 0
+            slot = pos.to(tl.int64)
+        k_ptrs = (K + blk[None, :] * stride_kblk + slot[None, :] * stride_ktok + k_head
+                  + offs_d[:, None] * stride_kd)
+        k = tl.load(k_ptrs, mask=ok[None, :] & (offs_d[:, None] < D), other=0.0)
+        qk = tl.dot(q, k)
+        admit = ok[None, :] & (pos[None, :] <= row_lim[:, None])
+        s = tl.where(admit, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing admissible yet: exp2 stays 0
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptrs = (V + blk[:, None] * stride_vblk + slot[:, None] * stride_vtok + v_head
+                  + offs_dv[None, :] * stride_vd)
+        v = tl.load(v_ptrs, mask=ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))[:, None]
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
+    if SPLIT:
+        # Workspaces [B * Hkv, splits, G * Nq, DV] and [B * Hkv, splits, G * Nq], row r as above.
+        prow = (bh.to(tl.int64) * num_splits + split) * rows + offs_m
+        tl.store(OPART + prow[:, None] * DV + offs_dv[None, :], out,
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+        tl.store(LPART + prow, lse2, mask=row_ok)
+    else:
+        o_ptrs = (O + b.to(tl.int64) * stride_ob + tok[:, None].to(tl.int64) * stride_on
+                  + head[:, None].to(tl.int64) * stride_oh + offs_dv[None, :])
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+        lse_ptrs = LSE + (b.to(tl.int64) * Hkv * G + head) * Nq + tok
+        tl.store(lse_ptrs, lse2 * 0.6931471805599453, mask=row_ok)
+
+
+@triton.jit
+def decode_combine_kernel(
+    OPART, LPART, O, LSE,
+    stride_ob, stride_on, stride_oh,
+    Hkv, G, Nq, DV, num_splits,
+    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """One program per (batch, kv head, packed row): out = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max)."""
+    pid = tl.program_id(0)
+    rows = G * Nq
+    bh = pid // rows
+    r = pid % rows
+    b = bh // Hkv
+    hk = bh % Hkv
+    head = hk * G + r // Nq
+    tok = r % Nq
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    s_ok = offs_s < num_splits
+    prow = (bh.to(tl.int64) * num_splits + offs_s) * rows + r
+    lse_s = tl.load(LPART + prow, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse_s - m_use)  # an empty split (lse -inf) weighs 0
+    total = tl.sum(w, 0)
+    o_s = tl.load(OPART + prow[:, None] * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv[None, :] < DV),
+                  other=0.0)
+    o_s = tl.where(w[:, None] > 0.0, o_s, 0.0)
+    empty = total == 0.0
+    out = tl.sum(o_s * w[:, None], 0) * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, total))
+    lse = tl.where(empty, float("-inf"), (m_use + tl.math.log2(tl.where(empty, 1.0, total))) * 0.6931471805599453)
+    o_ptrs = O + b.to(tl.int64) * stride_ob + tok.to(tl.int64) * stride_on + head.to(tl.int64) * stride_oh + offs_dv
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_dv < DV)
+    tl.store(LSE + (b.to(tl.int64) * Hkv * G + head) * Nq + tok, lse)
