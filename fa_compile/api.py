@@ -51,6 +51,7 @@ def attention(
     layout: str = "bhsd",
     return_lse: bool = False,
     kernel: Optional[str] = None,
+    sinks: Optional[Tensor] = None,
 ):
     """Fused attention. q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] ("bhsd") or [B, N, H, D] ("bshd").
 
@@ -63,13 +64,15 @@ def attention(
     Values are clamped to [0, Nk] (beyond Nk: every key; 0 or below: none, out 0). They are not
     checked, since reading them would cost a device sync on every call.
     Zero-size inputs (any of B, H, Nq, Nk, D, Dv = 0) give eager's result and zero gradients.
+    sinks: float [Hq], one logit per query head in each row's softmax denominator only (GPT-OSS's
+    attention sinks); lse then includes it, and a row with no admissible key gives out 0, lse = sink.
     The result has q's layout; with return_lse also the fp32 log-sum-exp [B, Hq, Nq].
     Bad arguments raise a TypeError or ValueError that names the argument.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name}: expected a Tensor, got {type(t).__name__}")
-    for name, t in (("bias", bias), ("kv_lens", kv_lens)):
+    for name, t in (("bias", bias), ("kv_lens", kv_lens), ("sinks", sinks)):
         if t is not None and not isinstance(t, Tensor):
             raise TypeError(f"{name}: expected a Tensor or None, got {type(t).__name__}")
     if not isinstance(layout, str) or layout not in ("bhsd", "bshd"):
@@ -79,6 +82,8 @@ def attention(
             raise ValueError(f"{name}: expected 4 dims ({layout}), got shape {tuple(t.shape)}")
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if sinks is not None:
+        ops.check_sinks(sinks, q)
     if causal is True:
         causal = "top_left"
     if not (causal is False or (isinstance(causal, str) and causal in CAUSAL_ALIGNMENTS)):
@@ -106,7 +111,7 @@ def attention(
         seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=q.device)
     out, lse = torch.ops.fa3.attention(
         q, k, v, float(scale), bool(causal), offset, wl, wr, bias, kv_lens, float(softcap),
-        float(dropout_p), seed, kernel,
+        float(dropout_p), seed, kernel, sinks,
     )
     if layout == "bshd":
         out = out.transpose(1, 2)

@@ -97,14 +97,15 @@ def _lowering_pass(current: Any, tune: Optional[bool] = None) -> Any:
 _FALLBACK_WARNED: set = set()
 
 
-def _warn_compile_fallback(err: Exception) -> None:
+def _warn_compile_fallback(err: Exception, what: str = "the lowered attention kernels",
+                           instead: str = "torch.ops.fa3 kept (run-time dispatch)") -> None:
     import warnings
 
     key = (type(err).__name__, str(err)[:80])
     if key not in _FALLBACK_WARNED:
         _FALLBACK_WARNED.add(key)
-        warnings.warn(f"fa_compile: compiling the lowered attention kernels failed ({type(err).__name__}: "
-                      f"{str(err)[:200]}); compiled again with torch.ops.fa3 kept (run-time dispatch)",
+        warnings.warn(f"fa_compile: compiling {what} failed ({type(err).__name__}: "
+                      f"{str(err)[:200]}); compiled again with {instead}",
                       RuntimeWarning, stacklevel=3)
 
 
@@ -180,7 +181,15 @@ def backend(
 
         with tuning.scoped(cfg.tune or None):
             reports = [] if config.killed() else run_pass(gm, cfg.kernel, record=False)
-            compiled = _inner_compile(cfg, gm, example_inputs, mode, options)
+            try:
+                compiled = _inner_compile(cfg, gm, example_inputs, mode, options)
+            except Exception as e:  # our op inside a HOP body the inner compiler rejects: those bodies as traced
+                from .patterns.subgraphs import undo_subgraph_rewrites
+
+                if not undo_subgraph_rewrites(gm, e):
+                    raise
+                _warn_compile_fallback(e, "the rewritten higher-order-op bodies", "those bodies as traced")
+                compiled = _inner_compile(cfg, gm, example_inputs, mode, options)
         record_reports(reports)  # not reached for a graph the inner compile made Dynamo discard
         return compiled
 

@@ -2,7 +2,8 @@
 
 Each candidate declares what it supports through `not_supported_reasons(args)`; dispatch walks a
 priority list and takes the first with no reasons. Forward and backward are chosen separately:
-every kernel's lse means the same thing ([B, Hq, Nq] fp32, natural log, -inf on an empty row), so a
+every kernel's lse means the same thing ([B, Hq, Nq] fp32, natural log, -inf on an empty row; with sinks
+the lse includes the sink, which is then an empty row's lse), so a
 forward-only kernel (the PyPI FA3 build) is followed by the best backward that takes the inputs.
 
 The order is `candidates.FORWARD_ORDER` / `BACKWARD_ORDER` (each position rests on a measurement
@@ -55,13 +56,14 @@ class AttentionArgs:
     dropout_seed: Optional[Tensor] = None
     needs_backward: bool = False
     bias_requires_grad: bool = False
+    sinks: Optional[Tensor] = None  # [Hq] per-head logits in the softmax denominator (ops.py)
 
     def mask_kwargs(self) -> dict:
         """The semantic arguments shared by the reference forward and backward."""
         return dict(
             scale=self.scale, causal=self.causal, diag_offset=self.diag_offset, window_left=self.window_left,
             window_right=self.window_right, bias=self.bias, kv_lens=self.kv_lens, softcap=self.softcap,
-            dropout_p=self.dropout_p, dropout_seed=self.dropout_seed,
+            dropout_p=self.dropout_p, dropout_seed=self.dropout_seed, sinks=self.sinks,
         )
 
 
@@ -371,7 +373,7 @@ def _settings() -> tuple:
     """The user's settings that reasons and order read; cheap, since every op call builds it."""
     b = torch.backends.cuda
     return (
-        config.env("FA_COMPILE_KERNEL"), config.env("FA_COMPILE_FA4"), tuning.enabled(),
+        config.env("FA_COMPILE_KERNEL"), config.env("FA_COMPILE_FA4"), config.env("FA_COMPILE_FA3_SINKS"), tuning.enabled(),
         torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision(),
         b.flash_sdp_enabled(), b.cudnn_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled(),
         _VERSION[0], id(_REGISTRY),
@@ -384,6 +386,7 @@ def _memo_key(args: AttentionArgs, forced: Optional[str], direction: str):
     return (
         direction, forced, _settings(),
         _meta(args.q), _meta(args.k), _meta(args.v), _meta(args.bias), _meta(args.kv_lens), _meta(args.dropout_seed),
+        _meta(args.sinks),
         bool(args.causal), int(args.diag_offset), args.window_left, args.window_right, args.softcap > 0,
         args.dropout_p > 0, args.needs_backward, args.bias_requires_grad,
     )

@@ -26,7 +26,7 @@ as its boolean mask: never a guess.
 Attention semantics follow HF's SDPA integration (a 4-D mask is used as it is, with no causal flag;
 no mask means `is_causal` with SDPA's top-left alignment), plus a 2-D key vector as above. GQA and MQA
 run without repeating K/V; `scaling`, `dropout`, `softcap` (Gemma 2) and T5's `position_bias` are
-passed to the op. Attention sinks (`s_aux`, `sinks`) are refused with an error: the op has none.
+passed to the op, and so are attention sinks (GPT-OSS's per-head `s_aux` / `sinks` logit).
 `output_attentions=True` returns no weights (as with "sdpa"), with a warning once. A query whose
 every key is masked (a padded query whose sliding window holds only padding) gets 0, as with
 FlashAttention; eager's finfo.min mask gives the mean of V there. Either is meaningless for a padded
@@ -63,10 +63,9 @@ def attention_forward(
 
     from . import ops  # noqa: F401  (registers torch.ops.fa3)
 
-    for sink in ("s_aux", "sinks"):
-        if kwargs.get(sink) is not None:
-            raise NotImplementedError(f"attn_implementation='fa3': {sink}: attention sinks are not supported by "
-                                      "torch.ops.fa3.attention; load the model with attn_implementation='eager'")
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
     if kwargs.get("output_attentions"):
         _warn_once("attn_implementation='fa3' returns no attention weights (output_attentions=True gets None, "
                    "as with 'sdpa'); use attn_implementation='eager' to get them")
@@ -98,7 +97,7 @@ def attention_forward(
         seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=query.device)
     out, _ = torch.ops.fa3.attention(
         query, key, value, float(scaling), causal, offset, window_left, -1, bias, None,
-        float(softcap or 0.0), dropout_p, seed, None,
+        float(softcap or 0.0), dropout_p, seed, None, sinks=sinks,
     )
     return out.transpose(1, 2), None  # [B, Nq, Hq, Dv]: a free view of the op's BSHD storage
 

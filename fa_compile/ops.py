@@ -1,7 +1,7 @@
 """The op family `torch.ops.fa3`: schema, argument checks, fake (meta) implementations, autograd.
 
 `fa3::attention(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
-softcap, dropout_p, dropout_seed, force_kernel) -> (out, lse)`
+softcap, dropout_p, dropout_seed, force_kernel, sinks) -> (out, lse)`
 
 - q [B, Hq, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv] by shape; any strides, so a BSHD tensor
   is passed as its `.transpose(1, 2)` view, never copied. Hq % Hkv == 0 (GQA / MQA, K/V not repeated).
@@ -17,6 +17,14 @@ softcap, dropout_p, dropout_seed, force_kernel) -> (out, lse)`
 - dropout_p with dropout_seed (an int64 scalar tensor on q's device, drawn from torch's generator).
 - force_kernel: run this kernel by name (None: dispatch chooses). Not `kernel`: Inductor's
   fallback-kernel constructor takes an argument of that name.
+- sinks: float [Hq] (GPT-OSS's learned per-head sink logit, any float dtype, q's device), or None. A
+  sink joins each row's softmax denominator only: out_i = sum_j exp(s_ij - m) v_j / (exp(sink_h - m) +
+  sum_j exp(s_ij - m)), and lse includes it, so lse_i = logaddexp(sink_h, logsumexp_j s_ij). A row with
+  no admissible key attends to the sink alone: out 0 and lse = sink_h (not -inf). Last in the schema,
+  so graphs and calls written before it keep their meaning. Its gradient is
+  d sink_h = -sum_{b,i} exp(sink_h - lse_i) * rowsum(dO_i * O_i) (plus sum dlse_i * exp(sink_h - lse_i)),
+  computed by the autograd formula from (dout, out, lse): the backward kernels need no sink, since P_ij =
+  exp(s_ij - lse_i) with that lse is already the probability with the sink in the denominator.
 - out: [B, Hq, Nq, Dv] in q's dtype, stored BSHD (a `.transpose(1, 2)` view of a contiguous
   [B, Nq, Hq, Dv] buffer) so the usual `transpose(1, 2).reshape(B, N, H * Dv)` that follows is free;
   lse: [B, Hq, Nq] fp32, natural log, -inf on a row with no admissible key (whose out is 0).
@@ -37,6 +45,7 @@ import torch
 from torch import Tensor
 
 from . import dispatch
+from .kernels import reference as _ref
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -53,9 +62,10 @@ def check_args(
     dropout_seed: Optional[Tensor],
     window_left: int = -1,
     window_right: int = -1,
+    sinks: Optional[Tensor] = None,
 ) -> None:
     """Raise a ValueError naming the offending argument; works on fake and symbolic shapes."""
-    check_tensors(q, k, v, bias, kv_lens, dropout_seed)
+    check_tensors(q, k, v, bias, kv_lens, dropout_seed, sinks)
     check_scalars(scale, softcap, dropout_p, dropout_seed, window_left, window_right)
 
 
@@ -78,7 +88,7 @@ def check_scalars(
 
 def check_tensors(
     q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], kv_lens: Optional[Tensor],
-    dropout_seed: Optional[Tensor] = None,
+    dropout_seed: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
 ) -> None:
     """The tensor arguments' checks: they read metadata only, so dispatch memoises them with the
     kernel choice (a memo hit means equal metadata passed them before)."""
@@ -130,6 +140,21 @@ def check_tensors(
                              f"of shape {tuple(dropout_seed.shape)}")
         if dropout_seed.device != q.device:
             raise ValueError(f"dropout_seed: must be on q's device {q.device}, got {dropout_seed.device}")
+    if sinks is not None:
+        check_sinks(sinks, q)
+
+
+def check_sinks(sinks: Tensor, q: Tensor) -> None:
+    """sinks: one float logit per query head, [Hq], on q's device."""
+    if not isinstance(sinks, Tensor):
+        raise TypeError(f"sinks: expected a Tensor of shape [Hq] or None, got {type(sinks).__name__}")
+    if sinks.dim() != 1 or sinks.shape[0] != q.shape[1]:
+        raise ValueError(f"sinks: expected shape [Hq] = [{q.shape[1]}] (one logit per query head), "
+                         f"got {tuple(sinks.shape)}")
+    if sinks.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"sinks: dtype {sinks.dtype} is not a floating type (float16, bfloat16, float32, float64)")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks: must be on q's device {q.device}, got {sinks.device}")
 
 
 def _bshd_strides(q: Tensor, v: Tensor) -> tuple[int, ...]:
@@ -150,20 +175,21 @@ _TAGS = (torch.Tag.pt2_compliant_tag,)
 _LIB.define(
     "attention(Tensor q, Tensor k, Tensor v, float scale, bool causal=False, SymInt diag_offset=0, "
     "SymInt window_left=-1, SymInt window_right=-1, Tensor? bias=None, Tensor? kv_lens=None, "
-    "float softcap=0., float dropout_p=0., Tensor? dropout_seed=None, str? force_kernel=None) -> (Tensor, Tensor)",
+    "float softcap=0., float dropout_p=0., Tensor? dropout_seed=None, str? force_kernel=None, Tensor? sinks=None) "
+    "-> (Tensor, Tensor)",
     tags=_TAGS,
 )
 _LIB.define(
     "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, "
     "bool causal=False, SymInt diag_offset=0, SymInt window_left=-1, SymInt window_right=-1, Tensor? bias=None, "
     "Tensor? kv_lens=None, float softcap=0., float dropout_p=0., Tensor? dropout_seed=None, "
-    "bool bias_requires_grad=False, str? force_kernel=None) -> (Tensor, Tensor, Tensor, Tensor)",
+    "bool bias_requires_grad=False, str? force_kernel=None, Tensor? sinks=None) -> (Tensor, Tensor, Tensor, Tensor)",
     tags=_TAGS,
 )
 
 
 def _validate(a: dispatch.AttentionArgs) -> None:
-    check_tensors(a.q, a.k, a.v, a.bias, a.kv_lens, a.dropout_seed)
+    check_tensors(a.q, a.k, a.v, a.bias, a.kv_lens, a.dropout_seed, a.sinks)
 
 
 def attention(
@@ -181,6 +207,7 @@ def attention(
     dropout_p: float = 0.0,
     dropout_seed: Optional[Tensor] = None,
     force_kernel: Optional[str] = None,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """The kernel behind `torch.ops.fa3.attention` on real tensors: checks (memoised with the choice
     of kernel on the inputs' metadata and scalars), dispatch, and the output conventions."""
@@ -188,7 +215,7 @@ def attention(
     if kv_lens is not None and not kv_lens.is_contiguous():
         kv_lens = kv_lens.contiguous()  # kernels index it by batch (an expanded [1] length, say)
     args = dispatch.AttentionArgs(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
-                                  softcap, dropout_p, dropout_seed)
+                                  softcap, dropout_p, dropout_seed, sinks=sinks)
     out, lse = dispatch.select_forward(args, force_kernel, _validate).forward(args)
     # Callers (and the fake implementation) rely on out's documented BSHD storage: copy only a kernel
     # result stored otherwise. Kernel outputs never alias inputs, so returning them is safe.
@@ -203,9 +230,9 @@ def attention(
 
 def _attention_fake(
     q, k, v, scale, causal=False, diag_offset=0, window_left=-1, window_right=-1, bias=None, kv_lens=None,
-    softcap=0.0, dropout_p=0.0, dropout_seed=None, force_kernel=None,
+    softcap=0.0, dropout_p=0.0, dropout_seed=None, force_kernel=None, sinks=None,
 ):
-    check_args(q, k, v, scale, bias, kv_lens, softcap, dropout_p, dropout_seed, window_left, window_right)
+    check_args(q, k, v, scale, bias, kv_lens, softcap, dropout_p, dropout_seed, window_left, window_right, sinks)
     b, hq, nq, _ = q.shape
     return _out_like(q, v), q.new_empty((b, hq, nq), dtype=torch.float32)
 
@@ -229,12 +256,14 @@ def attention_backward(
     dropout_seed: Optional[Tensor] = None,
     bias_requires_grad: bool = False,
     force_kernel: Optional[str] = None,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dbias); dbias is an empty tensor unless bias_requires_grad."""
+    """(dq, dk, dv, dbias); dbias is an empty tensor unless bias_requires_grad. The sinks' own gradient
+    is not among them (see the module docstring): `sinks` is here for kernels that recompute P."""
     if kv_lens is not None and not kv_lens.is_contiguous():
         kv_lens = kv_lens.contiguous()
     args = dispatch.AttentionArgs(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
-                                  softcap, dropout_p, dropout_seed, True, bias_requires_grad)
+                                  softcap, dropout_p, dropout_seed, True, bias_requires_grad, sinks)
     dq, dk, dv, dbias = dispatch.select_backward(args, force_kernel).backward(args, dout, out, lse)
     outs = []
     for got, like in ((dq, q), (dk, k), (dv, v)):
@@ -261,6 +290,7 @@ def _dense_strides(t: Tensor) -> tuple[int, ...]:
 def _attention_backward_fake(
     dout, q, k, v, out, lse, scale, causal=False, diag_offset=0, window_left=-1, window_right=-1, bias=None,
     kv_lens=None, softcap=0.0, dropout_p=0.0, dropout_seed=None, bias_requires_grad=False, force_kernel=None,
+    sinks=None,
 ):
     db = bias.new_empty(bias.shape) if (bias_requires_grad and bias is not None) else q.new_empty((0,))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), db
@@ -300,15 +330,15 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens, softcap,
-                dropout_p, dropout_seed, force_kernel):
-        if _runs_directly((q, k, v, bias, kv_lens, dropout_seed)):
+                dropout_p, dropout_seed, force_kernel, sinks=None):
+        if _runs_directly((q, k, v, bias, kv_lens, dropout_seed, sinks)):
             out, lse = attention(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
-                                 softcap, dropout_p, dropout_seed, force_kernel)
+                                 softcap, dropout_p, dropout_seed, force_kernel, sinks)
         else:
             with torch._C._AutoDispatchBelowAutograd():
                 out, lse = _ATTENTION(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
-                                      softcap, dropout_p, dropout_seed, force_kernel)
-        ctx.save_for_backward(q, k, v, out, lse, bias, kv_lens, dropout_seed)
+                                      softcap, dropout_p, dropout_seed, force_kernel, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, bias, kv_lens, dropout_seed, sinks)
         # lse is differentiable (a finite masked_fill's exact fix-up reads it, patterns/emit.py); grads
         # are not materialized, so a graph that never differentiates lse gets dlse=None and the
         # backward is exactly the one attention_backward call.
@@ -320,14 +350,14 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
-        q, k, v, out, lse, bias, kv_lens, dropout_seed = ctx.saved_tensors
+        q, k, v, out, lse, bias, kv_lens, dropout_seed, sinks = ctx.saved_tensors
         s = ctx.scalars
 
         def grads(d: Tensor, o: Tensor, vv: Tensor) -> tuple:
             return _ATTENTION_BACKWARD(
                 d, q, k, vv, o, lse, s["scale"], s["causal"], s["diag_offset"], s["window_left"],
                 s["window_right"], bias, kv_lens, s["softcap"], s["dropout_p"], dropout_seed, ctx.bias_requires_grad,
-                s["kernel"],
+                s["kernel"], sinks,
             )
 
         dq = dk = dv = db = None
@@ -343,7 +373,10 @@ class _AttentionFunction(torch.autograd.Function):
             dk = gk if dk is None else dk + gk
             db = gb if db is None else db + gb
         db = db if ctx.bias_requires_grad else None
-        return dq, dk, dv, None, None, None, None, None, db, None, None, None, None, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[14]:
+            dsinks = _ref.sink_grad_reference(sinks, lse, dout, out, dlse)
+        return dq, dk, dv, None, None, None, None, None, db, None, None, None, None, None, dsinks
 
     @staticmethod
     def _lse_grad_operands(q: Tensor, v: Tensor, dlse: Tensor) -> tuple[Tensor, Tensor]:
@@ -359,18 +392,20 @@ def _attention_autograd(
     q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = False, diag_offset: int = 0, window_left: int = -1,
     window_right: int = -1, bias: Optional[Tensor] = None, kv_lens: Optional[Tensor] = None, softcap: float = 0.0,
     dropout_p: float = 0.0, dropout_seed: Optional[Tensor] = None, force_kernel: Optional[str] = None,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """The Autograd-key kernel: the autograd Function when a gradient is wanted, else the kernel."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                    or (bias is not None and bias.requires_grad)):
+                                    or (bias is not None and bias.requires_grad)
+                                    or (sinks is not None and sinks.requires_grad)):
         return _AttentionFunction.apply(q, k, v, scale, causal, diag_offset, window_left, window_right, bias,
-                                        kv_lens, softcap, dropout_p, dropout_seed, force_kernel)
-    if _runs_directly((q, k, v, bias, kv_lens, dropout_seed)):
+                                        kv_lens, softcap, dropout_p, dropout_seed, force_kernel, sinks)
+    if _runs_directly((q, k, v, bias, kv_lens, dropout_seed, sinks)):
         return attention(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens, softcap,
-                         dropout_p, dropout_seed, force_kernel)
+                         dropout_p, dropout_seed, force_kernel, sinks)
     with torch._C._AutoDispatchBelowAutograd():
         return _ATTENTION(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens, softcap,
-                          dropout_p, dropout_seed, force_kernel)
+                          dropout_p, dropout_seed, force_kernel, sinks)
 
 
 _LIB.impl("attention", _attention_autograd, "Autograd")

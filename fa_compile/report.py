@@ -29,6 +29,7 @@ def _args_of_call(node) -> Optional[dispatch.AttentionArgs]:
     names = ("q", "k", "v", "scale", "causal", "diag_offset", "window_left", "window_right", "bias", "kv_lens",
              "softcap", "dropout_p", "dropout_seed")
     kw = dict(zip(names, vals))
+    kw["sinks"] = vals[14] if len(vals) > 14 else node.kwargs.get("sinks")
     if any(not isinstance(kw[n], torch.Tensor) for n in ("q", "k", "v")):
         return None
     kw["needs_backward"] = any(kw[n].requires_grad for n in ("q", "k", "v"))

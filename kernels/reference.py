@@ -13,6 +13,9 @@ Semantics, for query row i and key column j of one (batch, head):
     lse_i  = logsumexp_j s                                      (natural log, fp32; -inf for an empty row)
     p      = exp(s - lse_i), dropped with probability dropout_p and rescaled by 1 / (1 - dropout_p)
     out_i  = sum_j p_ij v_j                                     (0 for an empty row, as FlashAttention)
+Sinks (optional, [Hq]): a per-head logit in every row's denominator only,
+    lse_i  = logaddexp(sink_h, logsumexp_j s)                   (= sink_h on a row with no admissible key)
+    p      = exp(s - lse_i), so sum_j p_ij = 1 - exp(sink_h - lse_i); an empty row has out 0, lse sink_h.
 GQA: q has Hq heads, k and v Hkv heads, Hq % Hkv == 0; q head h reads kv head h // (Hq // Hkv).
 Zero-size dimensions follow from the same formulas, as in eager: no keys (Nk = 0) gives out 0 and
 lse -inf; head dim 0 gives s = 0 (+ bias), so out is the mean of V over the admissible keys; an
@@ -90,19 +93,27 @@ def scores_reference(
     return s
 
 
-def _probabilities(s: Tensor) -> tuple[Tensor, Tensor]:
-    """(softmax over the last dim, 0 on empty rows; lse = -inf there).
+def _probabilities(s: Tensor, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(softmax over the last dim, 0 on empty rows; lse = -inf there), with `sinks` [Hq] in the
+    denominator when given (an empty row then has lse = its sink).
 
     Normalised by the row sum, not by exp(s - lse): on a row whose scores all sit near
     finfo(fp32).min (an additive finfo.min mask over every key) lse = max + log(n) rounds back to
     max, and exp(s - lse) would not sum to 1.
     """
+    sink = sinks.to(s.dtype).view(1, -1, 1, 1).expand(*s.shape[:-1], 1) if sinks is not None else None
     if s.shape[-1] == 0:  # no keys at all: every row is empty (amax has no identity to reduce to)
+        if sink is not None:
+            return s, sink.squeeze(-1) + s.sum(-1)  # (+ 0: keeps the shape's autograd link)
         return s, torch.full(s.shape[:-1], float("-inf"), dtype=s.dtype, device=s.device)
     m = s.amax(dim=-1, keepdim=True)
+    if sink is not None:
+        m = torch.maximum(m, sink)
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)  # empty row: exp(-inf - 0) = 0
     e = torch.exp(s - m)
     total = e.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        total = total + torch.exp(sink - m)
     p = e / torch.where(total == 0, torch.ones_like(total), total)
     lse = (m + torch.log(total)).squeeze(-1)
     return p, lse
@@ -123,8 +134,10 @@ def attention_reference(
     softcap: float = 0.0,
     dropout_p: float = 0.0,
     dropout_seed: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    """(out [B, Hq, Nq, Dv] in q.dtype, lse [B, Hq, Nq] fp32); differentiable through torch autograd."""
+    """(out [B, Hq, Nq, Dv] in q.dtype, lse [B, Hq, Nq] fp32); differentiable through torch autograd
+    (the sinks included)."""
     b, hq, nq, _ = q.shape
     hkv, nk, dv = v.shape[1], v.shape[2], v.shape[3]
     acc = _acc_dtype(q.dtype)
@@ -132,7 +145,7 @@ def attention_reference(
         q, k, scale=scale, causal=causal, diag_offset=diag_offset, window_left=window_left,
         window_right=window_right, bias=bias, kv_lens=kv_lens, softcap=softcap,
     )
-    p, lse = _probabilities(s)
+    p, lse = _probabilities(s, sinks)
     if dropout_p > 0:
         if dropout_seed is None:
             raise ValueError("dropout_seed: required when dropout_p > 0")
@@ -161,6 +174,7 @@ def attention_backward_reference(
     dropout_p: float = 0.0,
     dropout_seed: Optional[Tensor] = None,
     out: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """(dq, dk, dv, dbias) by the explicit formulas the fused kernels implement (fp32 accumulation).
 
@@ -168,6 +182,8 @@ def attention_backward_reference(
     forward's output, as every fused kernel does), delta = rowsum(dO * O),
     dV = Pd^T dO, dP = (dO V^T) * keep / (1 - p), dS = P * (dP - delta),
     dX = dS * (1 - (S_capped / softcap)^2) with softcap, dQ = scale dX K, dK = scale dX^T Q.
+    With sinks, P has the sink in its denominator and nothing else changes for the keys; the sinks'
+    own gradient is `sink_grad_reference`.
     Runs below autograd (inside the custom op), so it cannot lean on torch.autograd.
     """
     b, hq, nq, d = q.shape
@@ -181,7 +197,7 @@ def attention_backward_reference(
         qa, ka, scale=scale, causal=causal, diag_offset=diag_offset, window_left=window_left,
         window_right=window_right, bias=bias, kv_lens=kv_lens, softcap=softcap,
     )
-    p, _ = _probabilities(s)
+    p, _ = _probabilities(s, sinks)
     if dropout_p > 0:
         keep = dropout_keep_mask(dropout_seed, b, hq, nq, nk, dropout_p, device=q.device).to(acc) / (1.0 - dropout_p)
     else:
@@ -208,3 +224,23 @@ def attention_backward_reference(
     dq = torch.matmul(dxg, ka.unsqueeze(2)).reshape(b, hq, nq, d) * scale
     dk = torch.matmul(dxg.transpose(-2, -1), qa.reshape(b, hkv, g, nq, d)).sum(2) * scale
     return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), dbias
+
+
+def sink_grad_reference(
+    sinks: Tensor, lse: Tensor, dout: Optional[Tensor], out: Tensor, dlse: Optional[Tensor] = None,
+) -> Tensor:
+    """d sinks [Hq] in sinks' dtype. P_sink,i = exp(sink_h - lse_i) is the sink's probability in row i;
+    d out_i / d sink_h = -P_sink,i * out_i and d lse_i / d sink_h = P_sink,i, so
+    d sink_h = sum_{b,i} P_sink,i * (dlse_i - rowsum(dO_i * O_i)); with dropout `out` is the dropped
+    output, and the same formula holds. fp32 math (fp64 stays fp64); a row whose lse is -inf (a sink of
+    -inf and no admissible key) contributes 0."""
+    acc = torch.promote_types(_acc_dtype(out.dtype), lse.dtype)
+    lse_a = lse.to(acc)
+    p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse_a)
+    p_sink = torch.where(torch.isneginf(lse_a), torch.zeros_like(p_sink), p_sink)
+    coef = torch.zeros_like(lse_a)
+    if dout is not None:
+        coef = coef - (dout.to(acc) * out.to(acc)).sum(-1)
+    if dlse is not None:
+        coef = coef + dlse.to(acc)
+    return (p_sink * coef).sum(dim=(0, 2)).to(sinks.dtype)

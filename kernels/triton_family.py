@@ -13,7 +13,10 @@ Triton-language kernels (triton_fwd*.py, triton_bwd.py), whose backward uses no 
 
 Triton is imported lazily: without it this module still imports and reports "triton not installed".
 Arguments are duck-typed (q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
-softcap, dropout_p, dropout_seed, needs_backward, bias_requires_grad) so kernels/ never imports fa_compile.
+softcap, dropout_p, dropout_seed, needs_backward, bias_requires_grad, sinks) so kernels/ never imports fa_compile.
+Sinks ([Hq] logits in the denominator): the pointer forward takes them (the Gluon and TMA forwards are
+skipped); every backward kernel is unchanged, since P = exp(S - lse) with the lse that includes the sink
+is already the probability of the keys (the sinks' own gradient is a reduction over (dO, O, lse), ops.py).
 """
 from __future__ import annotations
 
@@ -517,7 +520,10 @@ def attention_forward(args, out: Optional[Tensor] = None, lse: Optional[Tensor] 
     gkey = (block, q.dtype, bool(args.causal), bias_kind)  # a bias variant that fails keeps the plain one
     gb = _gluon_bias(args.bias, q) if bias_kind == 1 and cap[0] == 9 else None
     rb = (bias, bias_kind, bstr) if bias_kind in (3, 4) else None
-    if gkey not in _GLUON_FAILED and _gluon_ok(args, (q, k, v, out), cap, bias_kind, block, gb):
+    sinks = _sinks(args)
+    # Sinks run the pointer kernel only (the Gluon and TMA forwards have no sink step).
+    sink_kw = dict(SINKS=sinks, HAS_SINKS=True) if sinks is not None else {}
+    if sinks is None and gkey not in _GLUON_FAILED and _gluon_ok(args, (q, k, v, out), cap, bias_kind, block, gb):
         try:
             with _device_ctx(q):
                 kind, cfg = _gluon_config(gb, block, rb is not None)
@@ -532,7 +538,7 @@ def attention_forward(args, out: Optional[Tensor] = None, lse: Optional[Tensor] 
             warnings.warn(f"fa_compile: the Gluon forward failed to build ({type(e).__name__}: {str(e)[:200]}); "
                           "using the Triton forward instead", RuntimeWarning)
     cfg = pick_config("fwd", max(block_d, block_dv), bool(args.causal), cap, bias_kind)
-    if _tma_ok((q, k, v, out), cap):
+    if sinks is None and _tma_ok((q, k, v, out), cap):
         with _device_ctx(q):
             cfg = _tuned("fwd_bias" if bias_kind in (1, 2) else "fwd", max(block_d, block_dv), cfg, q,
                          bool(args.causal), bias_kind, cap,
@@ -551,8 +557,15 @@ def attention_forward(args, out: Optional[Tensor] = None, lse: Optional[Tensor] 
             int(args.window_right), sc["drop_threshold"], sc["drop_scale"],
             BLOCK_D=block_d, BLOCK_DV=block_dv, EVEN_D=(d == block_d and dv == block_dv),
             REVERSE_M=bool(args.causal), PLAIN=_plain(args, bias_kind), BIAS_FMA=_bias_fma(args, bias_kind), **consts,
+            **sink_kw,
         )
     return out, lse
+
+
+def _sinks(args) -> Optional[Tensor]:
+    """The op's sinks [Hq] as a contiguous tensor on q's device, or None."""
+    s = getattr(args, "sinks", None)
+    return None if s is None else s.contiguous()
 
 
 def triton_cdiv(a: int, b: int) -> int:

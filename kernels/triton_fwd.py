@@ -3,6 +3,9 @@
 Grid: (query blocks, B * Hq). Query head h reads key/value head h // G (GQA without repeating K/V;
 the group's programs run next to each other, so the shared K/V tiles are served from L2).
 The key loop is split into masked edge blocks and unmasked off-band blocks (kv_block_range).
+Attention sinks (HAS_SINKS, SINKS [Hq] of any float dtype): after the key loop, the head's sink logit
+joins the row max and the denominator as one more score with no value, so a row without an admissible
+key ends with out 0 and lse = the sink.
 """
 from __future__ import annotations
 
@@ -68,6 +71,7 @@ def attn_fwd_kernel(
     IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KVLEN: tl.constexpr,
     BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
     REVERSE_M: tl.constexpr, PLAIN: tl.constexpr, BIAS_FMA: tl.constexpr = False,
+    SINKS=None, HAS_SINKS: tl.constexpr = False,
 ):
     # Causal (REVERSE_M): the longest rows first, so the short ones fill the tail of the wave.
     pid_m, bh = program_ids(tl.cdiv(Nq, BLOCK_M), REVERSE_M)
@@ -128,6 +132,15 @@ def attn_fwd_kernel(
             BLOCK_N, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, EVEN_D, PLAIN, BIAS_FMA,
         )
 
+    if HAS_SINKS:
+        # The scores above are in log2 units (scale * log2(e) folded in); the sink is a natural-log logit.
+        sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+        m_s = tl.maximum(m_i, sink)
+        m_s_use = tl.where(m_s == float("-inf"), 0.0, m_s)
+        alpha = tl.math.exp2(m_i - m_s_use)
+        l_i = l_i * alpha + tl.math.exp2(sink - m_s_use)
+        acc = acc * alpha[:, None]
+        m_i = m_s
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, drop_scale / tl.where(empty, 1.0, l_i))
     out = acc * inv_l[:, None]

@@ -88,6 +88,7 @@ def emit_attention(
     kernel: Optional[str] = None,
     empty_rows: str = "impossible",
     fill: Optional[float] = None,
+    sinks: Optional[fx.Node] = None,
 ) -> tuple[fx.Node, fx.Node]:
     """Insert fa3.attention on q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D]; return (out node, op call node).
 
@@ -102,6 +103,10 @@ def emit_attention(
     constant along queries (key padding) becomes eager's own arithmetic (`_fill_masked_keys`); a band
     or query-dependent mask gets the masked keys' share from the op's lse (`_finite_fill`). Dropout is
     refused with a ValueError (the second form cannot keep eager's dropout of the masked weights).
+
+    sinks ([Hq] logits in the denominator, patterns/sinks.py): a fully masked row then attends to the
+    sink alone, so eager's value there is 0 (its -inf, finfo.min or clamped keys get weight 0 beside a
+    finite sink), the op's own; "fill" is refused with a ValueError (the filled keys keep a share).
 
     Call inside `graph.inserting_before(...)` at a point where q, k, v, bias, kv_lens are defined.
     A scale held in a tensor node (learned temperature, 0-d tensor) is folded into q so the op's
@@ -118,6 +123,10 @@ def emit_attention(
         if mode is not None:
             with mode:
                 seed.meta["example_value"] = torch.randint(0, DROPOUT_SEED_HIGH, (), dtype=torch.int64, device=dev)
+    if sinks is not None:
+        if empty_rows == "fill":
+            raise ValueError("empty_rows: 'fill' with sinks (the filled keys share the row with the sink)")
+        empty_rows = "impossible"  # the op's 0 on a fully masked row is eager's: the sink takes the row
     if empty_rows == "fill":
         if fill is None or not math.isfinite(fill):
             raise ValueError(f"fill: empty_rows 'fill' needs the finite fill value, got {fill!r}")
@@ -129,6 +138,7 @@ def emit_attention(
     node = call(
         graph, fa3_attention_op(), q, k, v, float(scale), bool(causal), diag_offset, int(window_left),
         int(window_right), bias, kv_lens, float(softcap), float(dropout_p), seed, kernel,
+        *((sinks,) if sinks is not None else ()),
     )
     out = call(graph, operator.getitem, node, 0)
     nk = example_value(k).shape[2]

@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from . import emit
+from . import emit, sinks
 from .canonicalize import (
     arg, constant_value, dropout_args, is_finite_number, is_inplace, is_symbolic_scalar, kind, log_softmax_of,
     reads_only_metadata, softmax_args, tensor_of,
@@ -414,7 +414,8 @@ def _leaves_graph(gm: Optional[fx.GraphModule], node: fx.Node) -> str:
             "is left as written")
 
 
-def walk_probs(sm: fx.Node, options: PassOptions, gm: Optional[fx.GraphModule] = None) -> Probs:
+def walk_probs(sm: fx.Node, options: PassOptions, gm: Optional[fx.GraphModule] = None,
+               through: Optional[fx.Node] = None) -> Probs:
     lsm = log_softmax_of(sm)  # exp(log_softmax(s)): both nodes are the softmax
     if lsm is not None and len(lsm.users) != 1:
         names = ", ".join(u.name for u in lsm.users if u is not sm)
@@ -430,6 +431,8 @@ def walk_probs(sm: fx.Node, options: PassOptions, gm: Optional[fx.GraphModule] =
         u = users[0]
         k = kind(u)
         if (k in ("cast", "identity") or (k == "reshape" and _regroups_batch(u))) and u.args[0] is cur:
+            cur = u
+        elif u is through:  # the sink column dropped (patterns/sinks.py)
             cur = u
         elif k == "dropout" and u.args[0] is cur:
             _, p, training = dropout_args(u)
@@ -833,8 +836,13 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
         raise Miss(f"softmax over a {st.dim()}-d tensor")
     if dim != st.dim() - 1:
         raise Miss(f"softmax is over dim {dim}, not the key axis (the last dim {st.dim() - 1})")
+    sink = sinks.peel(sm, x)
+    if sink is not None:
+        x, st = sink.scores, tensor_of(sink.scores)
     scores = walk_scores(x, gm)
-    probs = walk_probs(sm, options, gm)
+    probs = walk_probs(sm, options, gm, through=sink.drop if sink is not None else None)
+    if sink is not None:
+        scores.nodes[:0] = sink.nodes
     qk, pv = scores.contraction, probs.pv
     rep.form = f"{qk.spelling}-softmax-{pv.spelling}"
     bd = list(st.shape[:-2])
@@ -920,6 +928,9 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
             spec.empty_rows = "mean_v"  # -inf became finfo.min: a fully masked row is uniform
         if spec.empty_rows == "unknown":
             raise Miss("cannot keep eager's value on fully masked rows for this mask")
+        if sink is not None and spec.empty_rows == "fill":
+            raise Miss(f"attention sinks with a finite mask fill {spec.fill}: eager's fully masked rows share "
+                       "their weight between the filled keys and the sink, which the rewrite cannot keep")
         if spec.empty_rows == "fill" and probs.dropout_p:
             raise Miss(f"a finite fill {spec.fill} with dropout: eager drops the masked keys' weights too, "
                        "which the rewrite cannot keep")
@@ -984,11 +995,17 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
             if spec.empty_rows == "mean_v_add" and scores.softcap and emit.needs_qk_grad(qo, ko):
                 raise Miss("fully masked rows: eager's gradient there passes through the softcap of every "
                            "score (an additive mask absorbed them), which the rewrite cannot keep")
+            sink_arg = None
+            if sink is not None:
+                if nb != 2 or layout.mode != "std" or not (known_eq(tensor_of(qo).shape[1], bd[1])):
+                    raise Miss("attention sinks: the scores' head axis does not map to the op's")
+                sink_arg = sinks.head_logits_for_op(graph, sink)
+                o.made.append(sink_arg)
             out, call = emit.emit_attention(
                 graph, qo, ko, vo, scale=scale, causal=spec.causal, diag_offset=spec.diag_offset,
                 window_left=spec.window_left, window_right=spec.window_right, bias=bias, kv_lens=kv_lens,
                 softcap=scores.softcap, dropout_p=probs.dropout_p, kernel=options.kernel, empty_rows=spec.empty_rows,
-                fill=spec.fill,
+                fill=spec.fill, sinks=sink_arg,
             )
             o.made.append(out)
             res = b.out_from_op(out, q_padded)

@@ -16,6 +16,7 @@ from .canonicalize import canonicalize, is_inplace
 from .fused_calls import rewrite_fused_calls
 from .find_sites import rewrite_softmax_sites
 from .site import PassOptions, SiteReport
+from .subgraphs import rewrite_nested
 
 
 class GraphRecord:
@@ -67,8 +68,13 @@ STEPS: tuple[tuple[str, Callable[[fx.GraphModule, PassOptions], list[SiteReport]
 
 
 def rewrite_attention(gm: fx.GraphModule, options: Optional[PassOptions] = None) -> list[SiteReport]:
-    """Rewrite every provable attention site of `gm` to fa3.attention; report every site seen."""
-    options = options or PassOptions()
+    """Rewrite every provable attention site of `gm` and of the higher-order-op bodies it calls
+    (checkpoint, wrap, cond, ...: see subgraphs.py) to fa3.attention; report every site seen."""
+    return rewrite_nested(gm, options or PassOptions(), rewrite_graph)
+
+
+def rewrite_graph(gm: fx.GraphModule, options: PassOptions) -> list[SiteReport]:
+    """The pass on the nodes of one graph (the bodies it calls through get_attr are not entered)."""
     record = GraphRecord(gm.graph)
     reports: list[SiteReport] = []
     step = "canonicalize"

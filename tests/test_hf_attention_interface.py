@@ -169,12 +169,29 @@ def test_mask_reaches_the_op_as_structure():
     assert seen == [((2, 9), 4)] * 2 + [(None, None)] * 2
 
 
-def test_sinks_are_refused_with_a_clear_error():
+@pytest.mark.parametrize("name", ["s_aux", "sinks"])
+def test_sinks_reach_the_op(name):
+    # GPT-OSS's per-head sink logit joins the softmax denominator only: eager's spelling is a column
+    # of the sink logit appended to the scores, dropped after the softmax.
     from fa_compile import hf
 
-    q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(NotImplementedError, match="s_aux: attention sinks"):
-        hf.attention_forward(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(2))
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 4, 5, 8, generator=g, requires_grad=True) for _ in range(3))
+    sink = torch.randn(4, generator=g, requires_grad=True)
+    mod = torch.nn.Module()
+    mod.is_causal = True
+    out, _ = hf.attention_forward(mod, q, k, v, None, scaling=0.3, **{name: sink})
+    s = (q @ k.mT) * 0.3
+    s = s.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+    col = sink.reshape(1, 4, 1, 1).expand(2, 4, 5, 1)
+    p = torch.cat([s, col], dim=-1).softmax(-1)[..., :-1]
+    want = (p @ v).transpose(1, 2)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    g_out = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad(out, (q, k, v, sink), g_out)
+    ref = torch.autograd.grad(want, (q, k, v, sink), g_out)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_import_registers_without_importing_transformers():

@@ -126,8 +126,11 @@ def head_dim_reasons(args, what: str, *, multiple: int, max_dim: int, same_dv: b
     return out
 
 
-def common_feature_reasons(args, what: str, *, softcap: bool = False, dropout: bool = False) -> list[str]:
+def common_feature_reasons(args, what: str, *, softcap: bool = False, dropout: bool = False,
+                           sinks: bool = False) -> list[str]:
     out = []
+    if getattr(args, "sinks", None) is not None and not sinks:
+        out.append(f"{what} has no attention sinks (a per-head logit in the softmax denominator)")
     if args.softcap > 0 and not softcap:
         out.append(f"{what} has no softcap")
     if args.dropout_p > 0 and not dropout:
@@ -148,8 +151,9 @@ def last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def finish_forward(out: Tensor, lse: Tensor, maybe_empty: bool) -> tuple[Tensor, Tensor]:
-    """The op's lse convention: fp32 natural log, -inf (and out = 0) on a row with no admissible key.
+def finish_forward(out: Tensor, lse: Tensor, maybe_empty: bool, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """The op's lse convention: fp32 natural log, -inf (and out = 0) on a row with no admissible key;
+    with sinks, such a row's lse is its head's sink (the row attends to the sink alone).
 
     Kernels mark an empty row differently (+inf in FA2 / mem-efficient, -inf, or 0 with out 0), so a
     row whose lse is not finite is normalised here; only done when empty rows are possible at all.
@@ -157,7 +161,10 @@ def finish_forward(out: Tensor, lse: Tensor, maybe_empty: bool) -> tuple[Tensor,
     lse = lse.to(torch.float32)
     if maybe_empty:
         empty = torch.isinf(lse)
-        lse = lse.masked_fill(empty, NEG_INF)
+        if sinks is None:
+            lse = lse.masked_fill(empty, NEG_INF)
+        else:
+            lse = torch.where(empty, sinks.to(torch.float32).view(1, -1, 1).expand_as(lse), lse)
         out = out.masked_fill(empty.unsqueeze(-1), 0)
     return out, lse
 

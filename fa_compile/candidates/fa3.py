@@ -8,6 +8,10 @@ bottom-right (key j admissible for query i iff j - i <= Nk - Nq), so a site take
 diag_offset is Nk - Nq or the bound admits every key anyway; lse [B, Hq, Nq] fp32, natural log.
 `seqused_k` gives key padding, but it also moves the bottom-right diagonal per batch, so kv_lens is
 taken only without causal/window bounds.
+Attention sinks ([Hq] logits in the denominator) are taken by the forward only, only when the C++
+forward's schema has an argument for them (`_SINK_NAMES`, passed fp32), and only with
+FA_COMPILE_FA3_SINKS=1: that argument's semantics have not been checked against the reference on a GPU
+here, so it must not be picked silently (the backward refuses sinks either way).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from .. import config
 from . import common as c
 
 
@@ -86,6 +91,18 @@ def direct_plan(op) -> Optional[tuple[Any, tuple, dict]]:
     return op, tuple(template), index
 
 
+# Names FA3 builds give the per-head sink logits in the C++ forward's schema.
+_SINK_NAMES = ("sinks", "learnable_sink", "s_aux")
+
+
+def sink_argument() -> Optional[str]:
+    """The C++ forward's argument for attention sinks, or None when this build (or the wrapper path) has none."""
+    direct = _direct_forward()
+    if direct is None:
+        return None
+    return next((n for n in _SINK_NAMES if n in direct[2]), None)
+
+
 def _forward_call(q, k, v, **kw):
     """FA3's forward, (out, lse): the C++ op directly when its schema allows, else the wrapper."""
     direct = _direct_forward()
@@ -147,7 +164,16 @@ class FA3Candidate:
                 bucket = next((x for x in (64, 96, 128, 192, 256) if d <= x), None)
                 if bucket not in dims:
                     r.append(f"{what} (this build) has no kernel for head dim {d} (compiled: {dims})")
-        r += c.common_feature_reasons(args, what, softcap=not flags.get("FLASHATTENTION_DISABLE_SOFTCAP", False))
+        has_sinks = args.sinks is not None
+        r += c.common_feature_reasons(args, what, softcap=not flags.get("FLASHATTENTION_DISABLE_SOFTCAP", False),
+                                      sinks=has_sinks and not args.needs_backward and sink_argument() is not None
+                                      and config.flag_on("FA_COMPILE_FA3_SINKS"))
+        if has_sinks and args.needs_backward:
+            r.append(f"{what} backward: attention sinks are taken by the forward only")
+        elif has_sinks and sink_argument() is None:
+            r.append(f"{what} (this build): its C++ forward has no sinks argument")
+        elif has_sinks and not config.flag_on("FA_COMPILE_FA3_SINKS"):
+            r.append(f"{what}: its sinks argument is untested with this project; opt in with FA_COMPILE_FA3_SINKS=1")
         if args.bias is not None:
             r.append(f"{what} takes no attention bias / mask")
         nq, nk = c.static_int(args.q.shape[2]), c.static_int(args.k.shape[2])
@@ -179,12 +205,16 @@ class FA3Candidate:
         causal, wl, wr = self._window(args)
         seqused = _seqused(args)
         nq = q.shape[1]
+        extra = {}
+        if args.sinks is not None:
+            extra[sink_argument()] = args.sinks.to(torch.float32).contiguous()
         out, lse = _forward_call(
             q, k, v, seqused_k=seqused, softmax_scale=args.scale, causal=causal,
             window_size_left=wl, window_size_right=wr, softcap=float(args.softcap),
             num_splits=1 if nq >= 128 else 0,  # split-KV for decode-like shapes (deterministic either way)
+            **extra,
         )
-        return c.finish_forward(out.transpose(1, 2), lse, c.may_have_empty_rows(args))
+        return c.finish_forward(out.transpose(1, 2), lse, c.may_have_empty_rows(args), args.sinks)
 
     def backward(self, args, dout: Tensor, out: Tensor, lse: Tensor):
         fai, _flags, _ = _module()

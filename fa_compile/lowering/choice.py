@@ -94,7 +94,7 @@ def _tuned_kernel(args: dispatch.AttentionArgs, forced: Optional[str], direction
 
     with unset_fake_temporarily():
         real = dataclasses.replace(args, **{n: _real_like(getattr(args, n)) for n in ("q", "k", "v", "bias", "kv_lens",
-                                                                                        "dropout_seed")})
+                                                                                        "dropout_seed", "sinks")})
         real = dispatch._for_direction(real, direction)
         return dispatch._select(dispatch.ordered(real, direction), real, forced, direction).name
 
@@ -111,6 +111,11 @@ def decide(args: dispatch.AttentionArgs, forced: Optional[str], direction: str, 
         name = tuned
     if name.startswith("none"):
         return Decision(direction, "none", reason=name, refused=refused)
+    if args.sinks is not None:
+        # No compile-time lowering passes the sinks (the CPU flash op and the SDPA ops have none): the op
+        # and its run-time dispatch keep the site.
+        return Decision(direction, name, reason="attention sinks: no compile-time lowering takes them; the op keeps "
+                        "its run-time dispatch", refused=refused)
     dyn = dynamic_dims(args)
     if dyn and args.q.device.type != "cpu":
         # On CUDA the order reads sizes (FA3 from 2048 tokens, FA2 for decode, head-dim limits): a

@@ -1,0 +1,173 @@
+"""Attention sinks spelled as a column of the scores: GPT-OSS's learned per-head sink logit.
+
+    combined = cat([scores, sink.reshape(1, H, 1, 1).expand(B, H, Nq, 1)], dim=-1)
+    combined = combined - combined.max(-1, keepdim=True).values      # optional: softmax is shift-invariant
+    probs = softmax(combined, -1)[..., :-1]                           # the sink column dropped
+    out = probs @ v
+
+is softmax over the keys with exp(sink_h) added to each row's denominator, which is the op's `sinks`
+argument. The row-max shift changes nothing (softmax(x - c) = softmax(x) for any c per row, and its
+gradient through c is 0); with the sink column in the row the max is finite, so no row is NaN.
+
+A sink column is recognized only when it provably holds one value per head: a tensor of H elements
+reshaped (order-preserving views only) to [1, H, 1, 1] (or [H, 1, 1]) and expanded along batch and
+queries, concatenated after the keys of 4-d scores [B, H, Nq, Nk], and only the last column dropped.
+StreamingLLM-style sink *tokens* are keys and values concatenated before the others: ordinary
+attention, nothing to do here.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from .emit import example_value
+from .shapes import known_eq, known_one
+
+_VIEW_METHODS = ("reshape", "view", "unsqueeze", "float", "to", "half", "bfloat16")
+_VIEW_FUNCTIONS = (torch.reshape, torch.unsqueeze)
+
+
+@dataclass
+class SinkColumn:
+    scores: fx.Node  # the [B, H, Nq, Nk] scores before the cat
+    head_logits: fx.Node  # the tensor of H elements, in head order once flattened
+    drop: fx.Node  # probs[..., :-1]
+    nodes: list = field(default_factory=list)  # cat, shift and column nodes the rewrite makes dead
+
+
+def _tensor(n: Any) -> Optional[torch.Tensor]:
+    v = example_value(n) if isinstance(n, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _is_cat(n: Any) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target in (torch.cat, torch.concat,
+                                                                              torch.concatenate)
+
+
+def _cat_parts(n: fx.Node) -> Optional[tuple[Any, Any]]:
+    parts = n.args[0] if n.args else n.kwargs.get("tensors")
+    dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", n.kwargs.get("axis", 0))
+    t = _tensor(n)
+    if t is None or not isinstance(parts, (list, tuple)) or len(parts) != 2 or not isinstance(dim, int):
+        return None
+    if dim % t.dim() != t.dim() - 1:
+        return None
+    return parts[0], parts[1]
+
+
+def _head_logits(col: Any, shape: tuple) -> Optional[tuple[fx.Node, list]]:
+    """(the H-element tensor, the column's nodes) when `col` is it viewed as [1, H, 1, 1] and expanded to
+    [B, H, Nq, 1]; None otherwise."""
+    t = _tensor(col)
+    b, h, nq = shape[0], shape[1], shape[2]
+    if t is None or t.dim() != 4 or not (known_eq(t.shape[0], b) and known_eq(t.shape[1], h)
+                                         and known_eq(t.shape[2], nq) and known_one(t.shape[3])):
+        return None
+    nodes, cur = [], col
+    if isinstance(cur, fx.Node) and cur.op == "call_method" and cur.target == "expand":
+        nodes.append(cur)
+        cur = cur.args[0]
+    pre = _tensor(cur)
+    if pre is None:
+        return None
+    padded = (1,) * (4 - pre.dim()) + tuple(pre.shape) if pre.dim() <= 4 else None
+    if padded is None or not (known_one(padded[0]) and known_eq(padded[1], h) and known_one(padded[2])
+                              and known_one(padded[3])):
+        return None  # not one value per head, constant along batch and queries
+    if not known_eq(pre.numel(), h):
+        return None
+    # Order-preserving views and casts only, down to the logits themselves.
+    while isinstance(cur, fx.Node) and cur.op in ("call_method", "call_function") and (
+            (cur.op == "call_method" and cur.target in _VIEW_METHODS)
+            or (cur.op == "call_function" and cur.target in _VIEW_FUNCTIONS)):
+        src = cur.args[0]
+        st = _tensor(src)
+        if st is None or not known_eq(st.numel(), h) or not st.is_floating_point():
+            break
+        nodes.append(cur)
+        cur = src
+    ct = _tensor(cur)
+    if ct is None or not ct.is_floating_point():
+        return None
+    return cur, nodes
+
+
+def _drops_last_column(n: fx.Node, probs: torch.Tensor) -> bool:
+    """n is probs[..., :-1] (or [..., :Nk], or with explicit leading full slices)."""
+    if n.op != "call_function" or n.target is not operator.getitem or n.args[0] is None:
+        return False
+    idx = n.args[1]
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    full = slice(None, None, None)
+    if idx and idx[0] is Ellipsis:
+        lead, last = idx[1:-1], idx[-1] if len(idx) > 1 else None
+    else:
+        lead, last = idx[:-1], idx[-1] if idx else None
+        if len(idx) != probs.dim():
+            return False
+    if any(x != full for x in lead) or not isinstance(last, slice):
+        return False
+    nk1 = probs.shape[-1]
+    if last.start not in (None, 0) or last.step not in (None, 1):
+        return False
+    stop = last.stop
+    return isinstance(stop, int) and (stop == -1 or known_eq(stop, nk1 - 1))
+
+
+def _shift_of(x: fx.Node) -> Optional[tuple[fx.Node, list]]:
+    """(c, nodes) when x = c - rowmax(c)."""
+    from .find_sites import _row_max_of  # noqa: PLC0415  (find_sites imports this module)
+
+    if x.op not in ("call_function", "call_method") or x.target not in (operator.sub, torch.sub, "sub"):
+        return None
+    if len(x.args) != 2 or not isinstance(x.args[0], fx.Node):
+        return None
+    m = _row_max_of(x.args[1], x.args[0])
+    if m is None:
+        return None
+    nodes = [x, x.args[1]] + ([m] if m is not x.args[1] else [])
+    return x.args[0], nodes
+
+
+def peel(sm: fx.Node, x: fx.Node) -> Optional[SinkColumn]:
+    """The sink column of the softmax `sm` over `x`, or None when `x` is not such a concatenation."""
+    nodes: list = []
+    cur = x
+    shifted = _shift_of(cur)
+    if shifted is not None:
+        cur, shift_nodes = shifted
+        nodes += shift_nodes
+    if not _is_cat(cur):
+        return None
+    parts = _cat_parts(cur)
+    if parts is None:
+        return None
+    scores, col = parts
+    st, ct = _tensor(scores), _tensor(cur)
+    if st is None or ct is None or st.dim() != 4 or not isinstance(scores, fx.Node):
+        return None
+    found = _head_logits(col, tuple(st.shape))
+    if found is None:
+        return None
+    head_logits, col_nodes = found
+    # The cat (and the shift) must feed only the softmax (and the shift's own max).
+    inner = set(nodes) | {cur}
+    for n in inner:
+        if any(u not in inner and u is not sm for u in n.users):
+            return None
+    users = list(sm.users)
+    if len(users) != 1 or not _drops_last_column(users[0], ct):
+        return None
+    return SinkColumn(scores, head_logits, users[0], nodes + [cur] + col_nodes)
+
+
+def head_logits_for_op(graph: fx.Graph, sink: SinkColumn) -> fx.Node:
+    """The op's `sinks` argument: the logits flattened to [H] (a view)."""
+    from .emit import call  # noqa: PLC0415
+
+    return call(graph, torch.reshape, sink.head_logits, (-1,))

@@ -1,0 +1,256 @@
+"""Attention sinks: the op's `sinks` argument (reference forward and backward, argument checks, dispatch
+refusals) and the recognition of GPT-OSS's sink column (patterns/sinks.py), against eager on CPU."""
+from __future__ import annotations
+
+import math
+
+import expecttest
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fa_compile
+from eager_diff import check, rand
+from fa_compile import dispatch
+from fa_compile.kernels import reference as ref
+
+B, H, HKV, N, D = 2, 4, 2, 7, 8
+
+
+def eager_sinks(q, k, v, sinks, mask=None, shift=True, scale=None, with_lse=False):
+    """GPT-OSS's eager attention: the sink as a last score column, dropped after the softmax."""
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q @ k.transpose(-1, -2) * scale
+    if mask is not None:
+        s = s + mask
+    col = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
+    c = torch.cat([s, col], dim=-1)
+    if shift:
+        c = c - c.max(dim=-1, keepdim=True).values
+    p = F.softmax(c, dim=-1, dtype=c.dtype)
+    out = p[..., :-1] @ v
+    return (out, torch.logsumexp(torch.cat([s, col], dim=-1), dim=-1)) if with_lse else out
+
+
+def _inputs(dtype=torch.float64, nq=N, nk=N):
+    q = rand(B, H, nq, D, dtype=dtype, seed=1, requires_grad=True)
+    k = rand(B, HKV, nk, D, dtype=dtype, seed=2, requires_grad=True)
+    v = rand(B, HKV, nk, D, dtype=dtype, seed=3, requires_grad=True)
+    s = (rand(H, dtype=dtype, seed=4) * 2).requires_grad_(True)
+    return q, k, v, s
+
+
+# ------------------------------------------------------------------------------------------------ the op
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_op_matches_the_sink_column_outputs_lse_and_gradients(causal):
+    q, k, v, s = _inputs()
+    mask = None
+    if causal:
+        mask = torch.full((N, N), float("-inf"), dtype=q.dtype).triu(1)
+    want_o, want_l = eager_sinks(q, k, v, s, mask, with_lse=True)
+    got_o, got_l = fa_compile.attention(q, k, v, causal=causal, sinks=s, return_lse=True)
+    torch.testing.assert_close(got_o, want_o, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(got_l.double(), want_l, atol=1e-6, rtol=1e-6)  # the op's lse is fp32
+    go, gl = rand(*want_o.shape, dtype=q.dtype, seed=5), rand(*want_l.shape, dtype=q.dtype, seed=6)
+    want = torch.autograd.grad((want_o * go).sum() + (want_l * gl).sum(), (q, k, v, s))
+    got = torch.autograd.grad((got_o * go).sum() + (got_l * gl).sum(), (q, k, v, s))
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_sink_gradient_formula_matches_autograd_of_the_reference():
+    q, k, v, s = _inputs(torch.float32)
+    out, lse = ref.attention_reference(q, k, v, scale=D ** -0.5, causal=True, diag_offset=-2, sinks=s)
+    dout = rand(*out.shape, seed=7)
+    (want,) = torch.autograd.grad(out, s, dout)
+    got = ref.sink_grad_reference(s.detach(), lse.detach(), dout, out.detach())
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_rows_without_keys_attend_to_the_sink():
+    # diag_offset -3: the first 3 rows admit no key; the sink takes them: out 0, lse = sink, finite grads.
+    q, k, v, s = _inputs()
+    out, lse = torch.ops.fa3.attention(q, k, v, D ** -0.5, True, -3, -1, -1, None, None, 0.0, 0.0, None, None, s)
+    assert (out[:, :, :3] == 0).all()
+    torch.testing.assert_close(lse[:, :, :3], s.detach().float().view(1, H, 1).expand(B, H, 3))
+    want_o = eager_sinks(q, k, v, s, _offset_mask(N, N, -3, q.dtype))
+    torch.testing.assert_close(out, want_o, atol=1e-10, rtol=1e-10)
+    grads = torch.autograd.grad(out.sum(), (q, k, v, s))
+    want = torch.autograd.grad(want_o.sum(), (q, k, v, s))
+    for a, b in zip(grads, want):  # d sinks reads the op's fp32 lse: fp32 precision
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def _offset_mask(nq: int, nk: int, off: int, dtype) -> torch.Tensor:
+    i = torch.arange(nq).view(-1, 1)
+    j = torch.arange(nk).view(1, -1)
+    return torch.zeros(nq, nk, dtype=dtype).masked_fill(j - i > off, float("-inf"))
+
+
+def test_no_keys_at_all_gives_the_sink():
+    q = torch.randn(1, 2, 3, 4)
+    k = v = torch.randn(1, 2, 0, 4)
+    s = torch.tensor([0.5, -2.0])
+    out, lse = fa_compile.attention(q, k, v, sinks=s, return_lse=True)
+    assert out.shape == (1, 2, 3, 4) and (out == 0).all()
+    assert torch.equal(lse, s.view(1, 2, 1).expand(1, 2, 3))
+
+
+@pytest.mark.parametrize("bad,msg", [
+    (torch.zeros(3), r"sinks: expected shape \[Hq\] = \[4\]"),
+    (torch.zeros(1, 4), r"sinks: expected shape \[Hq\]"),
+    (torch.zeros(4, dtype=torch.int64), "sinks: dtype torch.int64 is not a floating type"),
+    (torch.zeros(4, device="meta"), "sinks: must be on q's device"),
+    ([0.0] * 4, "sinks: expected a Tensor or None"),
+])
+def test_sinks_argument_errors_name_the_argument(bad, msg):
+    q = torch.randn(1, 4, 3, 8)
+    with pytest.raises((ValueError, TypeError), match=msg):
+        fa_compile.attention(q, q, q, sinks=bad)
+
+
+def test_calls_without_sinks_keep_their_schema():
+    # The new argument is last and optional: a call written before it means the same.
+    schema = torch.ops.fa3.attention.default._schema
+    assert schema.arguments[-1].name == "sinks" and schema.arguments[-2].name == "force_kernel"
+    assert torch.ops.fa3.attention_backward.default._schema.arguments[-1].name == "sinks"
+    q = torch.randn(1, 2, 3, 8)
+    a = torch.ops.fa3.attention(q, q, q, 0.3, False, 0, -1, -1, None, None, 0.0, 0.0, None, None)
+    b = torch.ops.fa3.attention(q, q, q, 0.3, False, 0, -1, -1, None, None, 0.0, 0.0, None, None, None)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_peers_without_sinks_refuse_them():
+    from fa_compile.candidates import common
+
+    q = torch.empty(1, 2, 3, 8)
+    args = dispatch.AttentionArgs(q, q, q, 0.3, sinks=torch.zeros(2))
+    assert any("attention sinks" in r for r in common.common_feature_reasons(args, "X"))
+    assert common.common_feature_reasons(dispatch.AttentionArgs(q, q, q, 0.3), "X") == []
+    assert common.common_feature_reasons(args, "X", sinks=True) == []
+
+
+def test_lowering_keeps_the_op_with_sinks():
+    from fa_compile.lowering import choice
+
+    q = torch.empty(1, 2, 3, 8)
+    d = choice.decide(dispatch.AttentionArgs(q, q, q, 0.3, sinks=torch.zeros(2)), None, "forward", measure=False)
+    assert not d.lowered and "sinks" in d.reason
+
+
+# --------------------------------------------------------------------------------------- recognition
+
+class GptOssAttention(nn.Module):
+    """The core of GPT-OSS's eager attention: a learned sink per head as a dropped score column."""
+
+    def __init__(self, heads: int = H, shift: bool = True):
+        super().__init__()
+        self.sinks = nn.Parameter(torch.randn(heads, generator=torch.Generator().manual_seed(11)))
+        self.shift = shift
+
+    def forward(self, q, k, v, mask=None):
+        return eager_sinks(q, k, v, self.sinks, mask, shift=self.shift)
+
+
+@pytest.mark.parametrize("shift", [True, False], ids=["max_shift", "no_shift"])
+def test_gpt_oss_sink_column_is_rewritten(shift):
+    q, k, v, _ = _inputs(torch.float32)
+    res = check(GptOssAttention(shift=shift), [q, k, v], rewritten=1)
+    assert res.rewritten[0].call.args[-1] is not None  # the op got the sinks
+
+
+def test_gpt_oss_sink_column_under_dynamic_shapes():
+    from conftest import Compiled
+
+    m = GptOssAttention()
+    c = Compiled(m, inner="aot_eager", dynamic=True)
+    for n in (7, 9):
+        q, k, v, _ = _inputs(torch.float32, nq=n, nk=n)
+        torch.testing.assert_close(c(q, k, v), m(q, k, v), atol=2e-5, rtol=2e-5)
+    assert c.reports and all(r.rewritten for r in c.reports), [r.reason for r in c.reports]
+
+
+def test_gpt_oss_sink_column_with_an_additive_causal_mask():
+    # HF's additive finfo.min causal mask, rows fully masked included (a negative offset): the sink takes them.
+    q, k, v, _ = _inputs(torch.float32)
+    i, j = torch.arange(N).view(-1, 1), torch.arange(N).view(1, -1)
+    mask = torch.zeros(N, N).masked_fill(j - i > -2, torch.finfo(torch.float32).min)
+    check(GptOssAttention(), [q, k, v, mask], rewritten=1)
+
+
+def test_sink_column_that_varies_per_query_is_not_a_sink():
+    class PerQuery(nn.Module):
+        def forward(self, q, k, v):
+            s = q @ k.repeat_interleave(2, 1).transpose(-1, -2)
+            col = s.mean(-1, keepdim=True)  # a data-dependent column, not a per-head constant
+            p = torch.softmax(torch.cat([s, col], -1), -1)[..., :-1]
+            return p @ v.repeat_interleave(2, 1)
+
+    q, k, v, _ = _inputs(torch.float32)
+    res = check(PerQuery(), [q, k, v])
+    assert not res.rewritten
+
+
+def test_sink_tokens_are_ordinary_keys():
+    # StreamingLLM: a few sink tokens concatenated before a window of keys, a window mask on the rest.
+    def streaming(q, k, v, k_sink, v_sink):
+        kk, vv = torch.cat([k_sink, k], 2), torch.cat([v_sink, v], 2)
+        s = q @ kk.transpose(-1, -2) / math.sqrt(D)
+        i = torch.arange(q.shape[2]).view(-1, 1)
+        j = torch.arange(kk.shape[2]).view(1, -1) - k_sink.shape[2]
+        keep = (j < 0) | ((j <= i) & (j > i - 3))
+        s = s.masked_fill(~keep, float("-inf"))
+        return torch.softmax(s, -1) @ vv
+
+    q = rand(B, H, N, D, seed=1, requires_grad=True)
+    k, v = rand(B, H, N, D, seed=2, requires_grad=True), rand(B, H, N, D, seed=3, requires_grad=True)
+    ks, vs = rand(B, H, 2, D, seed=4, requires_grad=True), rand(B, H, 2, D, seed=5, requires_grad=True)
+    check(streaming, [q, k, v, ks, vs], rewritten=1)
+
+
+class TestPinnedSinkGraph(expecttest.TestCase):
+    def test_pinned_gpt_oss_sink_column(self):
+        from test_patterns_softmax import pinned
+
+        q, k, v, _ = _inputs(torch.float32)
+        self.assertExpectedInline(pinned(GptOssAttention(), q.detach(), k.detach(), v.detach()), """\
+reshape(l_self_parameters_sinks_, (-1,))
+fa3.attention(l_q_, l_k_, l_v_, 0.3535533905932738, False, 0, -1, -1, None, None, 0.0, 0.0, None, None, reshape_1)
+getitem(attention_default, 0)
+contiguous(getitem_3)""")
+
+
+class _LastHidden(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(ids).last_hidden_state
+
+
+def test_hf_gpt_oss_sites_rewritten_with_sinks_and_train():
+    # A tiny GPT-OSS (eager attention): a sliding-window and a full layer, each with learned sinks; every
+    # attention site is rewritten (the MoE router's softmax is no attention), outputs and every parameter's
+    # gradient (the sinks included) equal to eager.
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GptOssConfig(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, hidden_size=32,
+        intermediate_size=32, vocab_size=50, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        max_position_embeddings=64, attn_implementation="eager", layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.GptOssModel(cfg)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.sinks.normal_()  # initialised to 0: random logits exercise them
+    model.train()
+    res = check(_LastHidden(model), [torch.randint(0, 50, (2, 8))])
+    attention = [r for r in res.reports if r.rewritten]
+    assert len(attention) == 2, res.reasons
+    assert sorted(r.mask for r in attention) == ["causal", "window"]
+    assert all(r.call.args[-1] is not None for r in attention)
