@@ -126,3 +126,17 @@ def check_case(case: Case, backward: bool = True) -> dict:
         assert dbias is None
     res.update(dq=dq, dk=dk, dv=dv, dbias=dbias, dout=dout)
     return res
+
+
+def run_under_interpreter(test_file: str, timeout: int = 900) -> None:
+    """Run `test_file`'s tests in a child pytest with TRITON_INTERPRET=1 (the interpreter must be set
+    before triton is imported, so the parent cannot switch it) and fail with the child's output."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-m", "pytest", test_file, "-q", "-x", "-p", "no:cacheprovider"],
+                         capture_output=True, text=True, env=env, timeout=timeout)
+    assert res.returncode == 0, res.stdout[-8000:] + res.stderr[-4000:]
+    assert " passed" in res.stdout, res.stdout[-2000:]
