@@ -10,14 +10,13 @@ Triton is imported on first launch only, so this module imports on a machine wit
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .decode_reference import cache_view
+from .triton_family import interpreting, triton_available  # noqa: F401  (re-exported: decode.triton_available)
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -30,12 +29,6 @@ MIN_KEYS_PER_SPLIT = 256
 PROGRAMS_PER_SM = 4
 
 
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _pow2(n: int, lo: int = 16) -> int:
