@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .decode_reference import cache_view
-from .triton_family import interpreting, triton_available  # noqa: F401  (re-exported: decode.triton_available)
+from .triton_family import device_reasons, interpreting, triton_available  # noqa: F401  (re-exported: decode.triton_available)
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -83,17 +83,8 @@ def not_supported_reasons(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_tabl
     """Why the Triton decode kernel cannot take these (already checked) inputs; [] when it can."""
     if not triton_available():
         return ["triton not installed"]
-    r: list[str] = []
     dev = q.device
-    if dev.type == "cpu":
-        if not interpreting():
-            r.append("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
-    elif dev.type != "cuda" or torch.version.hip is not None:
-        r.append(f"device {dev.type} is not a CUDA GPU")
-    elif not torch.cuda.is_available():
-        r.append("CUDA is not available in this process")
-    elif torch.cuda.get_device_capability(dev) < (8, 0):
-        r.append(f"needs compute capability >= 8.0, got {torch.cuda.get_device_capability(dev)}")
+    r = device_reasons(dev)
     if q.dtype == torch.float32 and dev.type == "cuda" and torch.get_float32_matmul_precision() == "highest":
         r.append("float32 needs TF32 (torch.set_float32_matmul_precision('high')); precision is 'highest'")
     elif q.dtype not in (torch.float16, torch.bfloat16, torch.float32):

@@ -568,6 +568,20 @@ def _sinks(args) -> Optional[Tensor]:
     return None if s is None else s.contiguous()
 
 
+def device_reasons(dev: torch.device) -> list[str]:
+    """Why Triton kernels cannot run on `dev` (empty: they can): a CUDA GPU of sm80+, or the CPU
+    under the interpreter. Shared by every Triton family here."""
+    if dev.type == "cpu":
+        return [] if interpreting() else ["CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)"]
+    if dev.type != "cuda" or torch.version.hip is not None:
+        return [f"device {dev.type} is not a CUDA GPU"]
+    if not torch.cuda.is_available():
+        return ["CUDA is not available in this process"]
+    if torch.cuda.get_device_capability(dev) < (8, 0):
+        return [f"needs compute capability >= 8.0, got {torch.cuda.get_device_capability(dev)}"]
+    return []
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
@@ -688,18 +702,9 @@ class TritonAttention:
     def not_supported_reasons(self, args) -> list[str]:
         if not triton_available():
             return ["triton not installed"]
-        reasons: list[str] = []
         q, k, v = args.q, args.k, args.v
         dev = q.device
-        if dev.type == "cpu":
-            if not interpreting():
-                reasons.append("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
-        elif dev.type != "cuda" or torch.version.hip is not None:
-            reasons.append(f"device {dev.type} is not a CUDA GPU")
-        elif not torch.cuda.is_available():
-            reasons.append("CUDA is not available in this process")
-        elif torch.cuda.get_device_capability(dev) < (8, 0):
-            reasons.append(f"needs compute capability >= 8.0, got {torch.cuda.get_device_capability(dev)}")
+        reasons = device_reasons(dev)
         if q.dtype == torch.float64:
             reasons.append("float64 is not supported (tensor cores have no fp64 path here)")
         elif q.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":

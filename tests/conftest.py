@@ -52,3 +52,12 @@ class Compiled:
 @pytest.fixture
 def compiled():
     return Compiled
+
+
+@pytest.fixture
+def tf32_matmul():
+    """fp32 matmuls at "high" precision (TF32 on GPUs) for the test, as our fp32 kernels require."""
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    yield
+    torch.set_float32_matmul_precision(prev)

@@ -90,12 +90,7 @@ else:
 
     F16 = torch.float16
 
-    @pytest.fixture(autouse=True)
-    def _tf32():
-        prev = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("high")
-        yield
-        torch.set_float32_matmul_precision(prev)
+    pytestmark = pytest.mark.usefixtures("tf32_matmul")
 
     @pytest.mark.parametrize(
         "d,nq,nk,layout",

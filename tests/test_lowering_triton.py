@@ -42,12 +42,7 @@ else:
     TILE = [16, 16, 4, 1]  # the family's interpreter tile (pick_config on CPU)
     FUNCTIONAL = torch.ops.higher_order.triton_kernel_wrapper_functional
 
-    @pytest.fixture(autouse=True)
-    def _tf32():
-        prev = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("high")
-        yield
-        torch.set_float32_matmul_precision(prev)
+    pytestmark = pytest.mark.usefixtures("tf32_matmul")
 
     @pytest.fixture
     def poisoned(monkeypatch):

@@ -29,12 +29,7 @@ else:
     from fa_compile.kernels import reference as ref
     from fa_compile.kernels.triton_testing import make_case, poisoned_backward, poisoned_forward, tolerances
 
-    @pytest.fixture(autouse=True)
-    def _tf32():
-        prev = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("high")
-        yield
-        torch.set_float32_matmul_precision(prev)
+    pytestmark = pytest.mark.usefixtures("tf32_matmul")
 
     def _check_with_sinks(case, sinks: torch.Tensor) -> dict:
         case.sinks = sinks
