@@ -31,6 +31,8 @@ def decode_partial_kernel(
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
+    # Inductor's launcher types float arguments fp64; the math is fp32 (a dot's accumulator must stay fp32).
+    qk_scale = tl.cast(qk_scale, tl.float32)
     split = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hkv

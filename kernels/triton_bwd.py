@@ -116,6 +116,12 @@ def attn_bwd_dkdv_kernel(
     BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, PLAIN: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
+    # Inductor's launcher types float arguments fp64; the math is fp32 (a dot's accumulator must stay fp32).
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
+    cap_scale = tl.cast(cap_scale, tl.float32)
+    scale = tl.cast(scale, tl.float32)
+    drop_scale = tl.cast(drop_scale, tl.float32)
     pid_n, bhk = program_ids(tl.cdiv(Nk, BLOCK_N), False)
     b = bhk // Hkv
     hk = bhk % Hkv
@@ -265,6 +271,12 @@ def attn_bwd_dq_kernel(
     BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr,
     REVERSE_M: tl.constexpr, PLAIN: tl.constexpr, USE_TMA: tl.constexpr,
 ):
+    # Inductor's launcher types float arguments fp64; the math is fp32 (a dot's accumulator must stay fp32).
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
+    cap_scale = tl.cast(cap_scale, tl.float32)
+    scale = tl.cast(scale, tl.float32)
+    drop_scale = tl.cast(drop_scale, tl.float32)
     pid_m, bh = program_ids(tl.cdiv(Nq, BLOCK_M), REVERSE_M)
     b = bh // Hq
     h = bh % Hq

@@ -73,6 +73,11 @@ def attn_fwd_kernel(
     REVERSE_M: tl.constexpr, PLAIN: tl.constexpr, BIAS_FMA: tl.constexpr = False,
     SINKS=None, HAS_SINKS: tl.constexpr = False,
 ):
+    # Inductor's launcher types float arguments fp64; the math is fp32 (a dot's accumulator must stay fp32).
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
+    cap_scale = tl.cast(cap_scale, tl.float32)
+    drop_scale = tl.cast(drop_scale, tl.float32)
     # Causal (REVERSE_M): the longest rows first, so the short ones fill the tail of the wave.
     pid_m, bh = program_ids(tl.cdiv(Nq, BLOCK_M), REVERSE_M)
     b = bh // Hq
