@@ -3,6 +3,7 @@ host time per attention call, device-to-host syncs, and the top CUDA kernels.
 
     python benchmarks/profile_model.py --model gpt2            # forward, B x N of models.py (also bert, vit)
     python benchmarks/profile_model.py --model llama --decode  # one-token decode steps, static cache
+    python benchmarks/profile_model.py --model bert --train    # training steps (forward, loss, backward)
 A forward whose GPU busy time is well under its wall time is host-bound (or stalls on syncs:
 the sync rows say which).
 """
@@ -40,13 +41,15 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--decode", action="store_true", help="profile one-token decode steps (B2, prompt 256)")
     ap.add_argument("--mode", default=None, help="torch.compile mode for both variants")
+    ap.add_argument("--train", action="store_true", help="profile training steps (dropout on, backward)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/profile_model.py: needs a CUDA GPU (it times CUDA kernels) and none is visible here")
     spec = FULL[args.model]
     for label, attn, backend in (("eager+fa3", "eager", "fa3"), ("sdpa+inductor", "sdpa", "inductor")):
         torch._dynamo.reset()
-        model = build(args.model, attn, spec["cfg"], "cuda", torch.bfloat16).eval()
+        model = build(args.model, attn, spec["cfg"], "cuda", torch.bfloat16)
+        model.train(args.train)
         be = backend_for(backend, "inductor")
         if args.mode and backend == "fa3":
             import fa_compile
@@ -54,8 +57,16 @@ def main() -> None:
             be, mode = fa_compile.backend("inductor", mode=args.mode), None
         else:
             mode = args.mode
-        with torch.no_grad():
-            if args.decode:
+        with torch.set_grad_enabled(args.train):
+            if args.train:
+                f = torch.compile(model, backend=be, mode=mode)
+                kw = inputs(args.model, model, spec, "cuda", torch.bfloat16)[1]
+
+                def fn():
+                    f(**kw).loss.backward()
+                    for p in model.parameters():
+                        p.grad = None
+            elif args.decode:
                 model.forward = torch.compile(model.forward, backend=be, mode=mode, dynamic=False)
                 fn = _decode_step(model, 2, 256)
             else:
@@ -77,7 +88,7 @@ def main() -> None:
                 torch.cuda.synchronize()
         events = prof.key_averages()
         gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-        what = "decode step" if args.decode else "forward"
+        what = "train step" if args.train else "decode step" if args.decode else "forward"
         print(f"\n== {args.model} {label}: {what} wall {wall:.3f} ms (unprofiled), GPU busy "
               f"{gpu_us / args.iters / 1e3:.3f} ms per {what}")
         for e in events:

@@ -86,14 +86,19 @@ def _launcher(kernel):
 
 def _bias_arg(bias: Optional[Tensor], b: int, hq: int, nq: int, nk: int) -> tuple:
     """triton_family._bias4's (tensor, kind, broadcast strides), the tensor being the 4-D view before the
-    expand (same data pointer; the strides say how it broadcasts). Where Triton's mutation analysis
-    fails (no GPU driver) every argument counts as written, and functionalization would write an
-    expanded one back through a broadcast sum (-inf - -inf = NaN in the caller's bias)."""
-    expanded, kind, strides = tf._bias4(bias, b, hq, nq, nk)
+    expand (the strides say how it broadcasts). Where Triton's mutation analysis fails (no GPU driver)
+    every argument counts as written, and functionalization would write an expanded one back through a
+    broadcast sum (-inf - -inf = NaN in the caller's bias). A bool mask is converted to uint8, not
+    viewed as it: Inductor cannot lower a dtype view of a bool buffer it computes (a mask built in the
+    graph), and the copy is at the mask's own size, fused into the ops that build it."""
     if bias is None:
-        return None, kind, strides
+        return None, 0, (0, 0, 0, 0)
     t = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)) if bias.dim() < 4 else bias
-    return (t.view(torch.uint8) if t.dtype == torch.bool else t), kind, strides
+    is_bool = t.dtype == torch.bool
+    if is_bool:
+        t = t.to(torch.uint8)
+    _, kind, strides = tf._bias4(t, b, hq, nq, nk)
+    return t, kind + 1 if is_bool else kind, strides  # _bias4's uint8 kinds 1/3 are the bool kinds 2/4
 
 
 def _tile_kwargs(cfg: list[int]) -> dict:
@@ -154,6 +159,8 @@ def fwd(
         qk_scale, cap, cap_scale, diag_offset, window_left, window_right, thr, drop_scale,
         BLOCK_D=block_d, BLOCK_DV=block_dv, EVEN_D=(d == block_d and dv == block_dv), REVERSE_M=bool(causal),
         BIAS_FMA=bias_kind in (1, 3) and softcap == 0 and scale > 0, **consts, **_tile_kwargs(config),
+        # Every parameter passed, defaults too: torch 2.11's wrap_triton binds them by position.
+        SINKS=q, HAS_SINKS=False,
     )
     return out, lse
 

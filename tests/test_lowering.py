@@ -340,3 +340,28 @@ def test_a_lowered_graph_inductor_cannot_compile_is_compiled_again_with_the_op(m
     torch.testing.assert_close(out, _causal_attn(q, k, v), **TOL[torch.float32])
     ours = [w for w in caught if "compiled again with torch.ops.fa3 kept" in str(w.message)]
     assert len(ours) == 1 and "injected codegen failure" in str(ours[0].message)
+
+
+def _finfo_min_padded_attn(q, k, v, keep):
+    # Hugging Face's eager spelling: an additive finfo.min key mask (a fully masked row averages V).
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    s = s + torch.where(keep, 0.0, torch.finfo(s.dtype).min)
+    return torch.softmax(s, dim=-1) @ v
+
+
+def test_uniform_row_grad_becomes_zeros_and_keeps_eagers_gradient():
+    # The finite fill's q/k gradient on fully masked rows comes through fa3::uniform_row_grad, whose value
+    # is 0: after AOTAutograd the forward graph makes the zeros itself (no run-time op call), and the
+    # gradients still equal eager's, batch 1 (every key masked) included.
+    q, k, v = _inputs()
+    keep = _bool_padding(2, 16)
+    w = torch.randn(2, 4, 16, 8, generator=torch.Generator().manual_seed(3))
+    want = _run(lambda q, k, v: (_finfo_min_padded_attn(q, k, v, keep), q), q, k, v, w)
+    torch._dynamo.reset()
+    with capture_graphs() as graphs:
+        got = _run(lambda q, k, v: (torch.compile(_finfo_min_padded_attn, backend="fa3")(q, k, v, keep), q),
+                   q, k, v, w)
+    assert "uniform_row_grad" not in graphs[0] and "aten.zeros.default" in graphs[0], graphs[0]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (got[0], *got[2:]), (want[0], *want[2:])):
+        torch.testing.assert_close(a, b, **TOL[torch.float32], msg=lambda m: f"{name}: {m}")
+    assert k.grad is None  # the inputs themselves were cloned by _run

@@ -69,15 +69,29 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
     return (where_1, where)""")
 
 
-def test_triton_lowering_on_cuda_is_opt_in(monkeypatch):
-    from fa_compile.lowering import triton  # noqa: F401
+def test_triton_lowering_on_cuda_takes_short_sites(monkeypatch):
+    # On CUDA the pointer kernels are lowered up to Nq x Nk = 1024 x 1024, also where Hopper would run the
+    # descriptor kernels; longer sites there keep the op; FA_COMPILE_TRITON_LOWER=0 turns the lowering off.
+    from fa_compile.lowering import triton as triton_lowering
 
     monkeypatch.delenv("FA_COMPILE_TRITON_LOWER", raising=False)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        q = torch.empty(2, 4, 16, 64, device="cuda", dtype=torch.float16)
-        args = dispatch.AttentionArgs(q=q, k=q, v=q, scale=0.125)
-        why = choice.LOWERINGS[("cuda", "triton")].reasons(args, "forward")
-    assert any("FA_COMPILE_TRITON_LOWER=1" in r for r in why), why
+    monkeypatch.delenv("FA_COMPILE_TRITON_TMA", raising=False)
+    monkeypatch.setattr(triton_lowering, "_capability", lambda t: (9, 0))
+    lowering = choice.LOWERINGS[("cuda", "triton")]
+
+    def reasons(n: int) -> list[str]:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            q = torch.empty(2, 4, n, 64, device="cuda", dtype=torch.float16)
+            return lowering.reasons(dispatch.AttentionArgs(q=q, k=q, v=q, scale=0.125), "forward")
+
+    assert reasons(1024) == []
+    long = reasons(1025)
+    assert len(long) == 1 and "TMA-descriptor / Gluon" in long[0] and "1025 x 1025" in long[0], long
+    monkeypatch.setenv("FA_COMPILE_TRITON_LOWER", "1")
+    assert reasons(1025) == []
+    monkeypatch.setenv("FA_COMPILE_TRITON_LOWER", "0")
+    off = reasons(16)
+    assert len(off) == 1 and "FA_COMPILE_TRITON_LOWER=0" in off[0], off
 
 
 def test_sdpa_bias_is_stored_at_its_own_size():

@@ -5,10 +5,10 @@ kernels' triton_kernel_wrapper_functional nodes and no fa3 op, Inductor's code l
 itself, and mode="reduce-overhead" captures them in a CUDA graph. Skipped without CUDA (CI has none).
 
 The lowering takes the family's pointer kernels; on Hopper the family runs its TMA-descriptor / Gluon
-kernels for aligned strides, which keep the op (test_hopper_descriptor_kernels_keep_the_op), so the
-lowering tests select the pointer kernels there with FA_COMPILE_TRITON_TMA=0, and opt in with
-FA_COMPILE_TRITON_LOWER=1 (on the H200 with triton 3.6, Inductor's copy of the forward kernel fails to
-compile: these tests record that state)."""
+kernels for aligned strides, which the lowering also replaces by the pointer kernels up to Nq x Nk =
+1024 x 1024 and leaves to the op beyond (test_hopper_descriptor_kernels_keep_the_op_when_long); the
+other tests select the pointer kernels with FA_COMPILE_TRITON_TMA=0, so that the op's run-time
+dispatch they compare with runs the same kernels."""
 from __future__ import annotations
 
 import pytest
@@ -33,7 +33,7 @@ def _setup(monkeypatch):
     import torch._inductor.config as inductor_config
 
     monkeypatch.setenv("FA_COMPILE_TRITON_TMA", "0")  # the pointer kernels, on Hopper too
-    monkeypatch.setenv("FA_COMPILE_TRITON_LOWER", "1")  # opt-in on CUDA (see lowering/triton.py)
+    monkeypatch.delenv("FA_COMPILE_TRITON_LOWER", raising=False)  # the default
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
         yield
 
@@ -155,19 +155,23 @@ def test_reduce_overhead_captures_the_lowered_kernels(name):
     assert not any(k.startswith("cudagraph_skips") and v for k, v in skips.items()), skips
 
 
-def test_hopper_descriptor_kernels_keep_the_op(monkeypatch):
+def test_hopper_descriptor_kernels_keep_the_op_when_long(monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the TMA-descriptor / Gluon kernels run on Hopper only")
     monkeypatch.delenv("FA_COMPILE_TRITON_TMA")
-    model, x, keep = _model_and_inputs("causal_gqa")
-    want = _step(model, x, keep)
-    torch._dynamo.reset()
-    n = len(records())
-    got = _step(torch.compile(model, backend=fa_compile.backend(kernel="triton")), x, keep)
-    _compare(got, want, torch.float16, "kept op")
-    decisions = _decisions_since(n)
-    assert decisions and all(not d.lowered and "TMA-descriptor / Gluon" in d.reason for d in decisions), \
-        [str(d) for d in decisions]
+    for tokens, lowered in ((200, True), (1100, False)):
+        torch.manual_seed(0)
+        model = OneLayer(256, 4, 2, True).to("cuda", torch.float16)
+        x = torch.randn(2, tokens, 256, device="cuda", dtype=torch.float16)
+        want = _step(model, x, None)
+        torch._dynamo.reset()
+        n = len(records())
+        got = _step(torch.compile(model, backend=fa_compile.backend(kernel="triton")), x, None)
+        _compare(got, want, torch.float16, f"{tokens} tokens")
+        decisions = _decisions_since(n)
+        assert decisions and all(d.lowered == lowered for d in decisions), [str(d) for d in decisions]
+        if not lowered:
+            assert all("TMA-descriptor / Gluon" in d.reason for d in decisions), [str(d) for d in decisions]
 
 
 def test_dropout_lowers_with_the_ops_mask():

@@ -97,9 +97,18 @@ def settings_key() -> tuple:
     tf = _family()
     here = os.path.dirname(os.path.abspath(tf.__file__))
     files = (os.path.join(here, "triton_family.py"), os.path.join(here, "triton_ops.py"))
-    return (os.environ.get("FA_COMPILE_TRITON_TMA", "auto"), os.environ.get("FA_COMPILE_TRITON_LOWER", "0"),
+    return (os.environ.get("FA_COMPILE_TRITON_TMA", "auto"), os.environ.get("FA_COMPILE_TRITON_LOWER", "auto"),
             tile_tuning.enabled(),
             repr(sorted(tf.CONFIG_OVERRIDE.items(), key=repr)), get_hash_for_files(files).hex())
+
+
+# Up to Nq x Nk = 1024 x 1024 the lowering launches the pointer kernels even where the family would run
+# its TMA-descriptor / Gluon kernels (which wrap_triton cannot launch): on the H200 (bf16, d64-d128) the
+# pointer forward was as fast or faster there (B32 x 512 with key padding: 0.13 ms against 0.18; B8 x 1024
+# d128 causal: 0.23 against 0.20), while the kept op costs ~180 us more host time per call than the
+# lowered launch. Beyond it the descriptor kernels' speed (0.26 against 0.35 ms at B2 x 4096 d128) is
+# worth more than the host time, which the GPU work then hides.
+SHORT_SCORES = 1024 * 1024
 
 
 class TritonLowering:
@@ -122,21 +131,20 @@ class TritonLowering:
         if dyn:
             return [f"{what} fixes sizes and strides at compile time; dynamic here: {', '.join(dyn)}"]
         r = []
-        if dev == "cuda" and os.environ.get("FA_COMPILE_TRITON_LOWER", "0") != "1":
-            # Measured on the H200 (torch 2.11, triton 3.6): Inductor re-emits the forward kernel's source
-            # and that copy fails to compile at its first helper call (the pass then compiles the graph
-            # again with the op kept, at twice the compile time), so GPUs keep the op unless opted in.
-            return [f"{what} is opt-in on CUDA (FA_COMPILE_TRITON_LOWER=1): Inductor's copy of the forward "
-                    "kernel does not compile yet with triton 3.6"]
+        mode = os.environ.get("FA_COMPILE_TRITON_LOWER", "auto")
+        if dev == "cuda" and mode == "0":
+            return [f"{what} is off (FA_COMPILE_TRITON_LOWER=0)"]
         cap = _capability(args.q)
         b, hq, nq = (int(x) for x in args.q.shape[:3])
         dv = int(args.v.shape[3])
         # the forward's out, and the backward's dout (taken to have out's BSHD strides): both BSHD
         bshd = ((b, hq, nq, dv), conventions.bshd_strides(b, hq, nq, dv), args.q.dtype)
         meta = [(t.shape, t.stride(), t.dtype) for t in (args.q, args.k, args.v)] + [bshd]
-        if _descriptor_path(meta, cap):
-            r.append(f"{what}: on this GPU the family runs its TMA-descriptor / Gluon kernels for these strides, "
-                     "which wrap_triton cannot launch (FA_COMPILE_TRITON_TMA=0 selects the pointer kernels)")
+        nk = int(args.k.shape[2])
+        if _descriptor_path(meta, cap) and mode != "1" and nq * nk > SHORT_SCORES:
+            r.append(f"{what}: on this GPU the family runs its TMA-descriptor / Gluon kernels for these strides "
+                     f"and lengths (Nq x Nk = {nq} x {nk} > 1024 x 1024), which wrap_triton cannot launch "
+                     "(FA_COMPILE_TRITON_LOWER=1 lowers the pointer kernels anyway)")
         if direction == "backward" and cap[0] == 9:
             from ..kernels import tile_tuning
 
