@@ -230,7 +230,7 @@ def run_variant(kind: str, label: str, attn: str, backend: str, spec: dict, args
 def run_generate(kind: str, label: str, attn: str, backend: str, spec: dict, args) -> dict:
     """Greedy generate() with a static cache; the model's forward compiled with the variant's backend."""
     device, dtype = args.device, args.dtype
-    b, prompt, new = spec["B"], args.prompt, args.new_tokens
+    b, prompt, new = args.gen_batch or spec["B"], args.prompt, args.new_tokens
     row: dict = {"model": kind, "variant": label, "B": b, "prompt": prompt, "new_tokens": new}
     model = None
     try:
@@ -243,15 +243,26 @@ def run_generate(kind: str, label: str, attn: str, backend: str, spec: dict, arg
         ids = torch.randint(0, model.config.vocab_size, (b, prompt), generator=gen).to(device)
         kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, cache_implementation="static",
                   disable_compile=True, pad_token_id=0)
+        if args.max_cache_len:  # a static cache longer than prompt + new (its valid part a fraction of it)
+            from transformers import StaticCache
+
+            kw.pop("cache_implementation")
+            row["max_cache_len"] = args.max_cache_len
+
+            def fresh() -> dict:
+                return dict(kw, past_key_values=StaticCache(config=model.config, max_cache_len=args.max_cache_len))
+        else:
+            def fresh() -> dict:
+                return kw
         with torch.no_grad():
             t0 = time.time()
-            model.generate(ids, **kw)
+            model.generate(ids, **fresh())
             sync(device)
             row["compile_s"] = round(time.time() - t0, 1)
             rates = []
             for _ in range(args.gen_reps):  # the median of a few runs: a host-bound loop is noisy
                 t0 = time.time()
-                out = model.generate(ids, **kw)
+                out = model.generate(ids, **fresh())
                 sync(device)
                 rates.append(b * (out.shape[1] - prompt) / (time.time() - t0))
         row["tokens_per_s"] = round(statistics.median(rates), 1)
@@ -282,6 +293,8 @@ def table(rows: list, gens: list) -> str:
     head = "| model | variant | fwd ms | vs sdpa | train ms | vs sdpa | peak GB | vs sdpa | compile s (fwd / train) | gen tok/s | vs sdpa | sites (rewritten / missed) | error |"
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     gen_by = {(g["model"], g["variant"]): g for g in gens}
+    seen = {(r["model"], r["variant"]) for r in rows}
+    rows = rows + [dict(model=g["model"], variant=g["variant"]) for g in gens if (g["model"], g["variant"]) not in seen]
     for r in rows:
         base = next((x for x in rows if x["model"] == r["model"] and x["variant"] == "sdpa+inductor"), {})
         g = gen_by.get((r["model"], r["variant"]), {})
@@ -342,6 +355,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--gen-reps", type=int, default=3, help="timed generate() runs (median reported)")
+    ap.add_argument("--gen-batch", type=int, default=None, help="generate() batch (default: the model's B)")
+    ap.add_argument("--max-cache-len", type=int, default=None,
+                    help="generate(): a StaticCache of this length instead of prompt + new tokens")
     ap.add_argument("--no-generate", action="store_true")
     ap.add_argument("--generate-only", action="store_true", help="skip forward / training, measure generate() only")
     ap.add_argument("--explain", action="store_true", help="also print fa_compile.explain() for the fa3 variant")

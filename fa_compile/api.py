@@ -52,6 +52,9 @@ def attention(
     return_lse: bool = False,
     kernel: Optional[str] = None,
     sinks: Optional[Tensor] = None,
+    q_pos: Optional[Tensor] = None,
+    q_seg: Optional[Tensor] = None,
+    k_seg: Optional[Tensor] = None,
 ):
     """Fused attention. q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] ("bhsd") or [B, N, H, D] ("bshd").
 
@@ -66,13 +69,19 @@ def attention(
     Zero-size inputs (any of B, H, Nq, Nk, D, Dv = 0) give eager's result and zero gradients.
     sinks: float [Hq], one logit per query head in each row's softmax denominator only (GPT-OSS's
     attention sinks); lse then includes it, and a row with no admissible key gives out 0, lse = sink.
+    q_pos: int32/int64 [Nq] or [B, Nq], the position of each query at run time (a static KV cache's
+    `cache_position`): query i admits key j only if j <= q_pos[b, i] (>= Nk: every key; < 0: none).
+    q_seg, k_seg: int32/int64 [B, Nq] / [B, Nk] (or [Nq] / [Nk]), together: query i admits key j only
+    if their ids are equal (packed variable-length sequences; ids may come in any order). Both are
+    ANDed with causal, window, bias and kv_lens, in either layout (they index positions, not heads).
     The result has q's layout; with return_lse also the fp32 log-sum-exp [B, Hq, Nq].
     Bad arguments raise a TypeError or ValueError that names the argument.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name}: expected a Tensor, got {type(t).__name__}")
-    for name, t in (("bias", bias), ("kv_lens", kv_lens), ("sinks", sinks)):
+    for name, t in (("bias", bias), ("kv_lens", kv_lens), ("sinks", sinks), ("q_pos", q_pos), ("q_seg", q_seg),
+                    ("k_seg", k_seg)):
         if t is not None and not isinstance(t, Tensor):
             raise TypeError(f"{name}: expected a Tensor or None, got {type(t).__name__}")
     if not isinstance(layout, str) or layout not in ("bhsd", "bshd"):
@@ -84,6 +93,8 @@ def attention(
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if sinks is not None:
         ops.check_sinks(sinks, q)
+    if q_pos is not None or q_seg is not None or k_seg is not None:
+        ops.check_positions_segments(q, k, q_pos, q_seg, k_seg)
     if causal is True:
         causal = "top_left"
     if not (causal is False or (isinstance(causal, str) and causal in CAUSAL_ALIGNMENTS)):
@@ -111,7 +122,7 @@ def attention(
         seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=q.device)
     out, lse = torch.ops.fa3.attention(
         q, k, v, float(scale), bool(causal), offset, wl, wr, bias, kv_lens, float(softcap),
-        float(dropout_p), seed, kernel, sinks,
+        float(dropout_p), seed, kernel, sinks, q_pos, q_seg, k_seg,
     )
     if layout == "bshd":
         out = out.transpose(1, 2)

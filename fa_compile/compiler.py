@@ -38,16 +38,34 @@ def run_pass(gm: fx.GraphModule, kernel: Optional[str] = None, record: bool = Tr
     """Rewrite `gm` in place (once) and return the site reports; with `record`, counts them and logs
     them when FA_COMPILE_LOG=1 (the backend records only once its inner compile kept the graph)."""
     from . import ops  # noqa: F401  (registers torch.ops.fa3 before the pass emits it)
+    from . import paged  # noqa: F401  (registers torch.ops.fa3.paged_attention, emitted for paged caches)
     from .patterns.pipeline import rewrite_attention
     from .patterns.site import PassOptions
 
     if gm.meta.get(_DONE):
         return []
-    reports = rewrite_attention(gm, PassOptions(kernel=kernel))
+    reports = rewrite_attention(gm, PassOptions(kernel=kernel, paged_check=paged_refusal))
     gm.meta[_DONE] = True
     if record:
         record_reports(reports)
     return reports
+
+
+def paged_refusal(node: fx.Node) -> Optional[str]:
+    """Why an emitted fa3.paged_attention call would run only the reference on its GPU (None: a fused
+    kernel takes it, or it is on the CPU, where the reference is the paged path): the pass then keeps
+    the gathered K/V, whose attention kernels take any number of query tokens."""
+    from . import paged
+    from .report import paged_args_of_call
+
+    a = paged_args_of_call(node)
+    if a.q.device.type == "cpu" or node.kwargs.get("force_kernel") is not None:
+        return None
+    refused = [(name, why) for name, why in paged.explain_choice(a) if name != "reference"]
+    if all(why for _, why in refused):
+        why = "; ".join(f"{n}: {'; '.join(w)}" for n, w in refused)
+        return f"no fused paged kernel takes these inputs ({why})"
+    return None
 
 
 _ATTEMPTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Dynamo CompileContext -> (attempt, graphs, rewritten, missed)

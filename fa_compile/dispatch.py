@@ -57,13 +57,17 @@ class AttentionArgs:
     needs_backward: bool = False
     bias_requires_grad: bool = False
     sinks: Optional[Tensor] = None  # [Hq] per-head logits in the softmax denominator (ops.py)
+    q_pos: Optional[Tensor] = None  # int [Nq] / [B, Nq]: query i admits keys j <= q_pos[b, i] (ops.py)
+    q_seg: Optional[Tensor] = None  # int [Nq] / [B, Nq] with k_seg [Nk] / [B, Nk]: keys of the same id only
+    k_seg: Optional[Tensor] = None
 
     def mask_kwargs(self) -> dict:
         """The semantic arguments shared by the reference forward and backward."""
         return dict(
             scale=self.scale, causal=self.causal, diag_offset=self.diag_offset, window_left=self.window_left,
             window_right=self.window_right, bias=self.bias, kv_lens=self.kv_lens, softcap=self.softcap,
-            dropout_p=self.dropout_p, dropout_seed=self.dropout_seed, sinks=self.sinks,
+            dropout_p=self.dropout_p, dropout_seed=self.dropout_seed, sinks=self.sinks, q_pos=self.q_pos,
+            q_seg=self.q_seg, k_seg=self.k_seg,
         )
 
 
@@ -135,6 +139,9 @@ def _install_defaults() -> None:
     by_name = {c.name: c for c in _cands.peer_candidates()}
     if triton is not None:
         by_name[getattr(triton, "name", "triton")] = triton
+    dec = _cands.decode_candidate()
+    if dec is not None:
+        by_name[dec.name] = dec
     for direction, order in (("forward", _cands.FORWARD_ORDER), ("backward", _cands.BACKWARD_ORDER)):
         for name in order:
             cand = by_name.get(name)
@@ -386,7 +393,7 @@ def _memo_key(args: AttentionArgs, forced: Optional[str], direction: str):
     return (
         direction, forced, _settings(),
         _meta(args.q), _meta(args.k), _meta(args.v), _meta(args.bias), _meta(args.kv_lens), _meta(args.dropout_seed),
-        _meta(args.sinks),
+        _meta(args.sinks), _meta(args.q_pos), _meta(args.q_seg), _meta(args.k_seg),
         bool(args.causal), int(args.diag_offset), args.window_left, args.window_right, args.softcap > 0,
         args.dropout_p > 0, args.needs_backward, args.bias_requires_grad,
     )

@@ -1,7 +1,7 @@
 """The op family `torch.ops.fa3`: schema, argument checks, fake (meta) implementations, autograd.
 
 `fa3::attention(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
-softcap, dropout_p, dropout_seed, force_kernel, sinks) -> (out, lse)`
+softcap, dropout_p, dropout_seed, force_kernel, sinks, q_pos, q_seg, k_seg) -> (out, lse)`
 
 - q [B, Hq, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv] by shape; any strides, so a BSHD tensor
   is passed as its `.transpose(1, 2)` view, never copied. Hq % Hkv == 0 (GQA / MQA, K/V not repeated).
@@ -25,6 +25,13 @@ softcap, dropout_p, dropout_seed, force_kernel, sinks) -> (out, lse)`
   d sink_h = -sum_{b,i} exp(sink_h - lse_i) * rowsum(dO_i * O_i) (plus sum dlse_i * exp(sink_h - lse_i)),
   computed by the autograd formula from (dout, out, lse): the backward kernels need no sink, since P_ij =
   exp(s_ij - lse_i) with that lse is already the probability with the sink in the denominator.
+- q_pos: int32 / int64 [Nq] or [B, Nq] (a leading 1 broadcasts over the batch), or None: query i of
+  batch b admits key j only if j <= q_pos[b, i] (causality with positions known at run time only, e.g.
+  a static KV cache's `cache_position`). Values >= Nk admit every key, negative ones none (an empty row).
+- q_seg, k_seg: int32 / int64 [B, Nq] / [B, Nk] (or [Nq] / [Nk], or a leading 1: broadcast over the
+  batch), given together or not at all: key j is admitted for query i only if q_seg[b, i] == k_seg[b, j]
+  (packed variable-length batches, document masks). Any values: ids need not be sorted or contiguous.
+  Both kinds are ANDed with every other mask argument, carry no gradient, and are last in the schema.
 - out: [B, Hq, Nq, Dv] in q's dtype, stored BSHD (a `.transpose(1, 2)` view of a contiguous
   [B, Nq, Hq, Dv] buffer) so the usual `transpose(1, 2).reshape(B, N, H * Dv)` that follows is free;
   lse: [B, Hq, Nq] fp32, natural log, -inf on a row with no admissible key (whose out is 0).
@@ -63,9 +70,12 @@ def check_args(
     window_left: int = -1,
     window_right: int = -1,
     sinks: Optional[Tensor] = None,
+    q_pos: Optional[Tensor] = None,
+    q_seg: Optional[Tensor] = None,
+    k_seg: Optional[Tensor] = None,
 ) -> None:
     """Raise a ValueError naming the offending argument; works on fake and symbolic shapes."""
-    check_tensors(q, k, v, bias, kv_lens, dropout_seed, sinks)
+    check_tensors(q, k, v, bias, kv_lens, dropout_seed, sinks, q_pos, q_seg, k_seg)
     check_scalars(scale, softcap, dropout_p, dropout_seed, window_left, window_right)
 
 
@@ -88,7 +98,8 @@ def check_scalars(
 
 def check_tensors(
     q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], kv_lens: Optional[Tensor],
-    dropout_seed: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+    dropout_seed: Optional[Tensor] = None, sinks: Optional[Tensor] = None, q_pos: Optional[Tensor] = None,
+    q_seg: Optional[Tensor] = None, k_seg: Optional[Tensor] = None,
 ) -> None:
     """The tensor arguments' checks: they read metadata only, so dispatch memoises them with the
     kernel choice (a memo hit means equal metadata passed them before)."""
@@ -142,6 +153,37 @@ def check_tensors(
             raise ValueError(f"dropout_seed: must be on q's device {q.device}, got {dropout_seed.device}")
     if sinks is not None:
         check_sinks(sinks, q)
+    if q_pos is not None or q_seg is not None or k_seg is not None:
+        check_positions_segments(q, k, q_pos, q_seg, k_seg)
+
+
+def _check_index_vector(name: str, t, q: Tensor, n, what: str) -> None:
+    """An int32 / int64 index tensor of shape [n] or [B|1, n] on q's device."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name}: expected an int32 / int64 Tensor or None, got {type(t).__name__}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: dtype must be int32 or int64, got {t.dtype}")
+    if t.device != q.device:
+        raise ValueError(f"{name}: must be on q's device {q.device}, got {t.device}")
+    b = q.shape[0]
+    ok = (t.dim() == 1 and t.shape[0] == n) or (t.dim() == 2 and t.shape[1] == n and t.shape[0] in (1, b))
+    if not ok:
+        raise ValueError(f"{name}: expected shape [{what}] = [{n}] or [batch, {what}] = [{b}, {n}], "
+                         f"got {tuple(t.shape)}")
+
+
+def check_positions_segments(q: Tensor, k: Tensor, q_pos: Optional[Tensor], q_seg: Optional[Tensor],
+                             k_seg: Optional[Tensor]) -> None:
+    """q_pos [Nq] / [B, Nq]; q_seg [Nq] / [B, Nq] with k_seg [Nk] / [B, Nk], both or neither."""
+    if q_pos is not None:
+        _check_index_vector("q_pos", q_pos, q, q.shape[2], "Nq")
+    if (q_seg is None) != (k_seg is None):
+        given, missing = ("q_seg", "k_seg") if k_seg is None else ("k_seg", "q_seg")
+        raise ValueError(f"{missing}: required when {given} is given (segment ids come in pairs: key j is admitted "
+                         f"for query i only if q_seg[b, i] == k_seg[b, j])")
+    if q_seg is not None:
+        _check_index_vector("q_seg", q_seg, q, q.shape[2], "Nq")
+        _check_index_vector("k_seg", k_seg, q, k.shape[2], "Nk")
 
 
 def check_sinks(sinks: Tensor, q: Tensor) -> None:
@@ -175,21 +217,22 @@ _TAGS = (torch.Tag.pt2_compliant_tag,)
 _LIB.define(
     "attention(Tensor q, Tensor k, Tensor v, float scale, bool causal=False, SymInt diag_offset=0, "
     "SymInt window_left=-1, SymInt window_right=-1, Tensor? bias=None, Tensor? kv_lens=None, "
-    "float softcap=0., float dropout_p=0., Tensor? dropout_seed=None, str? force_kernel=None, Tensor? sinks=None) "
-    "-> (Tensor, Tensor)",
+    "float softcap=0., float dropout_p=0., Tensor? dropout_seed=None, str? force_kernel=None, Tensor? sinks=None, "
+    "Tensor? q_pos=None, Tensor? q_seg=None, Tensor? k_seg=None) -> (Tensor, Tensor)",
     tags=_TAGS,
 )
 _LIB.define(
     "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, "
     "bool causal=False, SymInt diag_offset=0, SymInt window_left=-1, SymInt window_right=-1, Tensor? bias=None, "
     "Tensor? kv_lens=None, float softcap=0., float dropout_p=0., Tensor? dropout_seed=None, "
-    "bool bias_requires_grad=False, str? force_kernel=None, Tensor? sinks=None) -> (Tensor, Tensor, Tensor, Tensor)",
+    "bool bias_requires_grad=False, str? force_kernel=None, Tensor? sinks=None, Tensor? q_pos=None, "
+    "Tensor? q_seg=None, Tensor? k_seg=None) -> (Tensor, Tensor, Tensor, Tensor)",
     tags=_TAGS,
 )
 
 
 def _validate(a: dispatch.AttentionArgs) -> None:
-    check_tensors(a.q, a.k, a.v, a.bias, a.kv_lens, a.dropout_seed, a.sinks)
+    check_tensors(a.q, a.k, a.v, a.bias, a.kv_lens, a.dropout_seed, a.sinks, a.q_pos, a.q_seg, a.k_seg)
 
 
 def attention(
@@ -208,6 +251,9 @@ def attention(
     dropout_seed: Optional[Tensor] = None,
     force_kernel: Optional[str] = None,
     sinks: Optional[Tensor] = None,
+    q_pos: Optional[Tensor] = None,
+    q_seg: Optional[Tensor] = None,
+    k_seg: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """The kernel behind `torch.ops.fa3.attention` on real tensors: checks (memoised with the choice
     of kernel on the inputs' metadata and scalars), dispatch, and the output conventions."""
@@ -215,7 +261,8 @@ def attention(
     if kv_lens is not None and not kv_lens.is_contiguous():
         kv_lens = kv_lens.contiguous()  # kernels index it by batch (an expanded [1] length, say)
     args = dispatch.AttentionArgs(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
-                                  softcap, dropout_p, dropout_seed, sinks=sinks)
+                                  softcap, dropout_p, dropout_seed, sinks=sinks, q_pos=q_pos, q_seg=q_seg,
+                                  k_seg=k_seg)
     out, lse = dispatch.select_forward(args, force_kernel, _validate).forward(args)
     # Callers (and the fake implementation) rely on out's documented BSHD storage: copy only a kernel
     # result stored otherwise. Kernel outputs never alias inputs, so returning them is safe.
@@ -230,9 +277,10 @@ def attention(
 
 def _attention_fake(
     q, k, v, scale, causal=False, diag_offset=0, window_left=-1, window_right=-1, bias=None, kv_lens=None,
-    softcap=0.0, dropout_p=0.0, dropout_seed=None, force_kernel=None, sinks=None,
+    softcap=0.0, dropout_p=0.0, dropout_seed=None, force_kernel=None, sinks=None, q_pos=None, q_seg=None, k_seg=None,
 ):
-    check_args(q, k, v, scale, bias, kv_lens, softcap, dropout_p, dropout_seed, window_left, window_right, sinks)
+    check_args(q, k, v, scale, bias, kv_lens, softcap, dropout_p, dropout_seed, window_left, window_right, sinks,
+               q_pos, q_seg, k_seg)
     b, hq, nq, _ = q.shape
     return _out_like(q, v), q.new_empty((b, hq, nq), dtype=torch.float32)
 
@@ -257,13 +305,16 @@ def attention_backward(
     bias_requires_grad: bool = False,
     force_kernel: Optional[str] = None,
     sinks: Optional[Tensor] = None,
+    q_pos: Optional[Tensor] = None,
+    q_seg: Optional[Tensor] = None,
+    k_seg: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dbias); dbias is an empty tensor unless bias_requires_grad. The sinks' own gradient
     is not among them (see the module docstring): `sinks` is here for kernels that recompute P."""
     if kv_lens is not None and not kv_lens.is_contiguous():
         kv_lens = kv_lens.contiguous()
     args = dispatch.AttentionArgs(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
-                                  softcap, dropout_p, dropout_seed, True, bias_requires_grad, sinks)
+                                  softcap, dropout_p, dropout_seed, True, bias_requires_grad, sinks, q_pos, q_seg, k_seg)
     dq, dk, dv, dbias = dispatch.select_backward(args, force_kernel).backward(args, dout, out, lse)
     outs = []
     for got, like in ((dq, q), (dk, k), (dv, v)):
@@ -290,7 +341,7 @@ def _dense_strides(t: Tensor) -> tuple[int, ...]:
 def _attention_backward_fake(
     dout, q, k, v, out, lse, scale, causal=False, diag_offset=0, window_left=-1, window_right=-1, bias=None,
     kv_lens=None, softcap=0.0, dropout_p=0.0, dropout_seed=None, bias_requires_grad=False, force_kernel=None,
-    sinks=None,
+    sinks=None, q_pos=None, q_seg=None, k_seg=None,
 ):
     db = bias.new_empty(bias.shape) if (bias_requires_grad and bias is not None) else q.new_empty((0,))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), db
@@ -330,15 +381,15 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens, softcap,
-                dropout_p, dropout_seed, force_kernel, sinks=None):
-        if _runs_directly((q, k, v, bias, kv_lens, dropout_seed, sinks)):
+                dropout_p, dropout_seed, force_kernel, sinks=None, q_pos=None, q_seg=None, k_seg=None):
+        if _runs_directly((q, k, v, bias, kv_lens, dropout_seed, sinks, q_pos, q_seg, k_seg)):
             out, lse = attention(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
-                                 softcap, dropout_p, dropout_seed, force_kernel, sinks)
+                                 softcap, dropout_p, dropout_seed, force_kernel, sinks, q_pos, q_seg, k_seg)
         else:
             with torch._C._AutoDispatchBelowAutograd():
                 out, lse = _ATTENTION(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
-                                      softcap, dropout_p, dropout_seed, force_kernel, sinks)
-        ctx.save_for_backward(q, k, v, out, lse, bias, kv_lens, dropout_seed, sinks)
+                                      softcap, dropout_p, dropout_seed, force_kernel, sinks, q_pos, q_seg, k_seg)
+        ctx.save_for_backward(q, k, v, out, lse, bias, kv_lens, dropout_seed, sinks, q_pos, q_seg, k_seg)
         # lse is differentiable (a finite masked_fill's exact fix-up reads it, patterns/emit.py); grads
         # are not materialized, so a graph that never differentiates lse gets dlse=None and the
         # backward is exactly the one attention_backward call.
@@ -350,14 +401,14 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
-        q, k, v, out, lse, bias, kv_lens, dropout_seed, sinks = ctx.saved_tensors
+        q, k, v, out, lse, bias, kv_lens, dropout_seed, sinks, q_pos, q_seg, k_seg = ctx.saved_tensors
         s = ctx.scalars
 
         def grads(d: Tensor, o: Tensor, vv: Tensor) -> tuple:
             return _ATTENTION_BACKWARD(
                 d, q, k, vv, o, lse, s["scale"], s["causal"], s["diag_offset"], s["window_left"],
                 s["window_right"], bias, kv_lens, s["softcap"], s["dropout_p"], dropout_seed, ctx.bias_requires_grad,
-                s["kernel"], sinks,
+                s["kernel"], sinks, q_pos, q_seg, k_seg,
             )
 
         dq = dk = dv = db = None
@@ -376,7 +427,8 @@ class _AttentionFunction(torch.autograd.Function):
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[14]:
             dsinks = _ref.sink_grad_reference(sinks, lse, dout, out, dlse)
-        return dq, dk, dv, None, None, None, None, None, db, None, None, None, None, None, dsinks
+        # (q_pos, q_seg, k_seg are integer structure: no gradient)
+        return dq, dk, dv, None, None, None, None, None, db, None, None, None, None, None, dsinks, None, None, None
 
     @staticmethod
     def _lse_grad_operands(q: Tensor, v: Tensor, dlse: Tensor) -> tuple[Tensor, Tensor]:
@@ -392,20 +444,22 @@ def _attention_autograd(
     q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = False, diag_offset: int = 0, window_left: int = -1,
     window_right: int = -1, bias: Optional[Tensor] = None, kv_lens: Optional[Tensor] = None, softcap: float = 0.0,
     dropout_p: float = 0.0, dropout_seed: Optional[Tensor] = None, force_kernel: Optional[str] = None,
-    sinks: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None, q_pos: Optional[Tensor] = None, q_seg: Optional[Tensor] = None,
+    k_seg: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """The Autograd-key kernel: the autograd Function when a gradient is wanted, else the kernel."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (bias is not None and bias.requires_grad)
                                     or (sinks is not None and sinks.requires_grad)):
         return _AttentionFunction.apply(q, k, v, scale, causal, diag_offset, window_left, window_right, bias,
-                                        kv_lens, softcap, dropout_p, dropout_seed, force_kernel, sinks)
-    if _runs_directly((q, k, v, bias, kv_lens, dropout_seed, sinks)):
+                                        kv_lens, softcap, dropout_p, dropout_seed, force_kernel, sinks, q_pos, q_seg,
+                                        k_seg)
+    if _runs_directly((q, k, v, bias, kv_lens, dropout_seed, sinks, q_pos, q_seg, k_seg)):
         return attention(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens, softcap,
-                         dropout_p, dropout_seed, force_kernel, sinks)
+                         dropout_p, dropout_seed, force_kernel, sinks, q_pos, q_seg, k_seg)
     with torch._C._AutoDispatchBelowAutograd():
         return _ATTENTION(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens, softcap,
-                          dropout_p, dropout_seed, force_kernel, sinks)
+                          dropout_p, dropout_seed, force_kernel, sinks, q_pos, q_seg, k_seg)
 
 
 _LIB.impl("attention", _attention_autograd, "Autograd")
@@ -475,11 +529,13 @@ class _UniformRowGradFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dg: Tensor):
         q, k, v = ctx.saved_tensors
-        f32 = torch.promote_types(q.dtype, torch.float32)  # fp64 stays fp64
+        # bf16 matmuls accumulate in fp32 and cannot overflow: they run in bf16, as eager's own gradient
+        # does, instead of fp32 copies of q, k and v per layer; fp16 (range) and fp32 / fp64 keep fp32+.
+        f32 = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.promote_types(q.dtype, torch.float32)
         b, hq, _, d = q.shape
         hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
-        vf = v.to(f32)
-        vc = vf - vf.mean(dim=2, keepdim=True)
+        vf = v.to(torch.promote_types(v.dtype, torch.float32))
+        vc = (vf - vf.mean(dim=2, keepdim=True)).to(f32)  # centred in fp32 (a difference of close values)
         dgf = dg.to(f32)
         dq = dk = None
         if ctx.needs_input_grad[0]:

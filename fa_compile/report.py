@@ -23,13 +23,14 @@ def _args_of_call(node) -> Optional[dispatch.AttentionArgs]:
     """AttentionArgs built from an emitted fa3.attention node's example values (fake tensors)."""
     from .patterns.emit import example_value
 
-    if node is None:
-        return None
+    if node is None or node.target is not torch.ops.fa3.attention.default:
+        return None  # fa3.paged_attention sites: see _paged_row
     vals = [example_value(a) for a in node.args]
     names = ("q", "k", "v", "scale", "causal", "diag_offset", "window_left", "window_right", "bias", "kv_lens",
              "softcap", "dropout_p", "dropout_seed")
     kw = dict(zip(names, vals))
-    kw["sinks"] = vals[14] if len(vals) > 14 else node.kwargs.get("sinks")
+    for i, name in enumerate(("sinks", "q_pos", "q_seg", "k_seg"), start=14):
+        kw[name] = vals[i] if len(vals) > i else node.kwargs.get(name)
     if any(not isinstance(kw[n], torch.Tensor) for n in ("q", "k", "v")):
         return None
     kw["needs_backward"] = any(kw[n].requires_grad for n in ("q", "k", "v"))
@@ -38,8 +39,38 @@ def _args_of_call(node) -> Optional[dispatch.AttentionArgs]:
     return dispatch.AttentionArgs(**kw)
 
 
+def paged_args_of_call(node) -> Any:
+    """fa_compile.paged.PagedArgs built from an emitted fa3.paged_attention node's example values."""
+    from . import paged
+    from .patterns.emit import example_value
+
+    q, kc, vc, lens, table, pad = (example_value(a) for a in node.args[:6])
+    kw = node.kwargs
+    return paged.PagedArgs(q, kc, vc, lens, table, pad, kw["scale"], kw.get("causal", False),
+                           kw.get("layout", "bshd"), kw.get("num_splits", 0))
+
+
+def _paged_row(row: SiteRow, node) -> SiteRow:
+    """The kernel an emitted fa3.paged_attention node gets for its example values (fake tensors)."""
+    from . import paged
+
+    forced = node.kwargs.get("force_kernel")
+    for name, reasons in paged.explain_choice(paged_args_of_call(node)):  # in priority order: the first that can runs
+        if forced is not None and name != forced:
+            continue
+        if not reasons:
+            row.kernel_fwd = name
+            break
+        row.refused.append((name, reasons))
+    return row
+
+
 def _kernel_row(site) -> SiteRow:
+    from . import paged  # noqa: F401  (registers fa3::paged_attention)
+
     row = SiteRow(site)
+    if site.rewritten and getattr(site.call, "target", None) is torch.ops.fa3.paged_attention.default:
+        return _paged_row(row, site.call)
     args = _args_of_call(site.call) if site.rewritten else None
     if args is not None:
         forced = site.call.args[13] if len(site.call.args) > 13 else None
@@ -84,7 +115,7 @@ class ExplainReport:
             s = row.site
             shapes = " / ".join("x".join(str(d) for d in sh) if sh else "?" for sh in (s.q_shape, s.k_shape, s.v_shape))
             kern = "" if not s.rewritten else (row.kernel_fwd or "?") + (f" / {row.kernel_bwd}" if row.kernel_bwd else "")
-            why = s.where if s.rewritten else f"{s.reason}  [{s.where}]"
+            why = (s.where + (f"; {s.cache}" if s.cache else "")) if s.rewritten else f"{s.reason}  [{s.where}]"
             lines.append((str(i), "rewritten" if s.rewritten else "MISSED", s.form, shapes, dtype_name(s.dtype), s.mask,
                           s.gqa or "", kern, why))
         widths = [max(len(h), *(len(l[c]) for l in lines)) if lines else len(h) for c, h in enumerate(head)]

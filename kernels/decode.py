@@ -115,10 +115,18 @@ def paged_decode(
     out: Optional[Tensor] = None,
     lse: Optional[Tensor] = None,
     workspace: Optional[tuple[Tensor, Tensor]] = None,
+    q_pos: Optional[Tensor] = None,
+    diag_offset: Optional[int] = None,
+    bias: Optional[tuple[Tensor, int, tuple[int, int, int, int]]] = None,
 ) -> tuple[Tensor, Tensor]:
     """(out [B, Nq, Hq, Dv] in q's dtype, lse [B, Hq, Nq] fp32). num_splits 0 chooses
     (choose_num_splits); out / lse / workspace (fp32 [B*Hkv, S, G*Nq, Dv] and [B*Hkv, S, G*Nq]) may
-    be given, e.g. poisoned by tests. Inputs are assumed checked (fa_compile.paged)."""
+    be given, e.g. poisoned by tests. Inputs are assumed checked (fa_compile.paged).
+
+    cache_seqlens may be None (every position of a contiguous cache is valid). q_pos (int [Nq] or
+    [B|1, Nq]): token i admits keys j <= q_pos[b, i], and each sequence's valid range ends at its largest
+    q_pos + 1. diag_offset (not None): token i admits keys j <= i + diag_offset. bias: (tensor, kind 1
+    float / 2 bool as uint8, strides of its [B, Hq, Nq, Nk] broadcast view) over key positions."""
     from .decode_triton import decode_combine_kernel, decode_partial_kernel
 
     kc, vc = cache_view(k_cache, layout), cache_view(v_cache, layout)
@@ -141,8 +149,9 @@ def paged_decode(
     splits = plan_splits(num_splits, b, hkv, capacity, q.device, bn)
     rows = g * nq
     block_m = _pow2(rows)
-    table = page_table if paged else cache_seqlens
-    leftpad = cache_leftpad if cache_leftpad is not None else cache_seqlens
+    lens = cache_seqlens if cache_seqlens is not None else q
+    table = page_table if paged else lens
+    leftpad = cache_leftpad if cache_leftpad is not None else lens
     if splits > 1:
         if workspace is None:
             opart = torch.empty((b * hkv, splits, rows, dv), device=q.device, dtype=torch.float32)
@@ -154,13 +163,23 @@ def paged_decode(
     else:
         opart = lpart = lse
     const = dict(PAGE=page if paged else 1, PAGED=paged, PAGE_TILES=paged and page % bn == 0, HAS_LEFTPAD=cache_leftpad is not None, IS_CAUSAL=bool(causal),
-                 SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_DV=block_dv)
+                 SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                 HAS_SEQLENS=cache_seqlens is not None)
+    if q_pos is not None:
+        qp = q_pos.view(1, -1) if q_pos.dim() == 1 else q_pos
+        const.update(QPOS=qp, stride_pb=0 if qp.shape[0] == 1 else qp.stride(0), stride_pm=qp.stride(1), HAS_QPOS=True)
+    if diag_offset is not None:
+        const.update(diag_offset=int(diag_offset), DIAG_CAUSAL=True)
+    if bias is not None:
+        bt, kind, bstr = bias
+        const.update(BIAS=bt, stride_bb=bstr[0], stride_bh=bstr[1], stride_bm=bstr[2], stride_bn=bstr[3],
+                     BIAS_KIND=kind)
     if not interpreting():
         const.update(num_warps=4, num_stages=3 if bn * max(block_d, block_dv) <= 64 * 128 else 2)
     ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else _Null()
     with ctx:
         decode_partial_kernel[(splits, b * hkv)](
-            q, kc, vc, cache_seqlens, leftpad, table, out, lse, opart, lpart,
+            q, kc, vc, lens, leftpad, table, out, lse, opart, lpart,
             q.stride(0), q.stride(1), q.stride(2), q.stride(3),
             kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
             vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
@@ -177,6 +196,87 @@ def paged_decode(
                 opart, lpart, out, lse, out.stride(0), out.stride(1), out.stride(2), hkv, g, nq, dv, splits, **cconst,
             )
     return out, lse
+
+
+# fa3.attention calls the decode kernel takes (dispatch's "decode" candidate): at most this many query
+# tokens, the "1..16 new tokens" of a decode or speculative step.
+ATTENTION_MAX_Q = 16
+
+
+def attention_not_supported_reasons(args) -> list[str]:
+    """Why the split-KV decode kernel cannot run these `torch.ops.fa3.attention` arguments (duck-typed
+    AttentionArgs; metadata only, so fake tensors work): decode-shaped calls (Nq <= ATTENTION_MAX_Q) with
+    masks it has, i.e. causal as a diagonal, kv_lens, q_pos and a float or bool bias of any broadcast.
+    Only calls with q_pos (a static-cache decode step): without it the peers or the tiled family,
+    which the compile-time lowering launches directly, serve decode shapes (candidates/__init__.py)."""
+    q, k, v = args.q, args.k, args.v
+    nq = q.shape[2]
+    if not isinstance(nq, int) or nq > ATTENTION_MAX_Q:
+        return [f"{nq} query tokens: the decode kernel takes 1..{ATTENTION_MAX_Q} (the tiled kernel runs longer rows)"]
+    if getattr(args, "q_pos", None) is None:
+        return ["taken only with run-time positions (q_pos, a static-cache decode step); other decode calls go to "
+                "the peers or the tiled family"]
+    r = not_supported_reasons(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None)
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        r.append("bfloat16 under the Triton interpreter (its bf16 dot is unreliable)")
+    if q.shape[3] == 0 or v.shape[3] == 0:
+        r.append("head dim 0")
+    if int(args.window_left) >= 0 or int(args.window_right) >= 0:
+        r.append("no sliding window in the decode kernel")
+    if float(args.softcap) > 0:
+        r.append("no softcap in the decode kernel")
+    if float(args.dropout_p) > 0:
+        r.append("no dropout in the decode kernel")
+    if getattr(args, "sinks", None) is not None:
+        r.append("no attention sinks in the decode kernel")
+    if getattr(args, "q_seg", None) is not None:
+        r.append("no segment ids in the decode kernel")
+    if args.bias is not None and args.bias.dtype not in (torch.bool, torch.float16, torch.bfloat16, torch.float32):
+        r.append(f"bias dtype {args.bias.dtype} is not supported")
+    return r
+
+
+def attention_decode(args, out: Optional[Tensor] = None, lse: Optional[Tensor] = None,
+                     num_splits: int = 0) -> tuple[Tensor, Tensor]:
+    """`torch.ops.fa3.attention` on the split-KV decode kernel: (out [B, Hq, Nq, Dv] stored BSHD, lse
+    [B, Hq, Nq] fp32). k / v are read as contiguous caches [B, Nk, Hkv, D] (transposed views, any
+    strides), kv_lens as the lengths, q_pos / the causal diagonal / the bias as above; `out` (a
+    [B, Nq, Hq, Dv] buffer) and `lse` may be given (tests poison them)."""
+    from .triton_family import _bias4
+
+    q, k, v = args.q, args.k, args.v
+    b, hq, nq, _ = q.shape
+    nk = k.shape[2]
+    bias = None
+    if args.bias is not None:
+        bt, kind, bstr = _bias4(args.bias, b, hq, nq, nk)
+        bias = (bt, 1 if kind in (1, 3) else 2, bstr)
+    causal = bool(args.causal)
+    o, l_ = paged_decode(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), args.kv_lens, None, None, scale=float(args.scale),
+        causal=False, layout="bshd", num_splits=num_splits, out=out, lse=lse, q_pos=getattr(args, "q_pos", None),
+        diag_offset=int(args.diag_offset) if causal else None, bias=bias,
+    )
+    return o.transpose(1, 2), l_
+
+
+class DecodeAttention:
+    """Dispatch candidate "decode" for `torch.ops.fa3.attention` (duck-typed args): the split-KV kernel
+    on decode-shaped calls; forward only (the lse is the op's, so any backward follows it)."""
+
+    name = "decode"
+
+    def not_supported_reasons(self, args) -> list[str]:
+        return attention_not_supported_reasons(args)
+
+    def has_backward(self) -> bool:
+        return False
+
+    def forward(self, args) -> tuple[Tensor, Tensor]:
+        return attention_decode(args)
+
+
+DECODE = DecodeAttention()
 
 
 class _Null:

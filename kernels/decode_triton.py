@@ -11,6 +11,12 @@ BLOCK_N), so short sequences get short chunks and a split past the end of a sequ
 When the page size is a multiple of BLOCK_N, a tile lies within one page and reads one table entry.
 With one split the pass writes the final out / lse; otherwise partial results (normalised out and
 log2-domain lse per split) go to fp32 workspaces that the combine kernel reduces.
+
+For `torch.ops.fa3.attention` (decode-shaped calls, kernels/decode.py attention_decode) the pass also
+takes the op's run-time positions (HAS_QPOS: token i admits keys j <= q_pos[b, i], and the valid range
+ends at max over the tokens of q_pos + 1, so the splits divide what is valid, not the capacity), its
+diagonal (DIAG_CAUSAL: j <= i + diag_offset) and a bias of any broadcast (BIAS_KIND 1 float, 2 bool keep-
+mask; strides per batch, query head, token and key, 0 on broadcast dims).
 """
 from __future__ import annotations
 
@@ -30,6 +36,10 @@ def decode_partial_kernel(
     PAGE: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, HAS_LEFTPAD: tl.constexpr, IS_CAUSAL: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    QPOS=None, stride_pb=0, stride_pm=0, HAS_QPOS: tl.constexpr = False,
+    diag_offset=0, DIAG_CAUSAL: tl.constexpr = False,
+    BIAS=None, stride_bb=0, stride_bh=0, stride_bm=0, stride_bn=0, BIAS_KIND: tl.constexpr = 0,
+    HAS_SEQLENS: tl.constexpr = True,
 ):
     # Inductor's launcher types float arguments fp64; the math is fp32 (a dot's accumulator must stay fp32).
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -38,8 +48,22 @@ def decode_partial_kernel(
     b = bh // Hkv
     hk = bh % Hkv
 
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = G * Nq
+    head = hk * G + offs_m // Nq
+    tok = offs_m % Nq
+    row_ok = offs_m < rows
     # Valid keys [start, end), clamped to the cache's capacity so that no read leaves it.
-    end = tl.minimum(tl.maximum(tl.load(SEQLENS + b).to(tl.int32), 0), capacity)
+    seq_end = b * 0 + capacity  # without lengths (the op's form without kv_lens): every key exists
+    if HAS_SEQLENS:
+        seq_end = tl.minimum(tl.maximum(tl.load(SEQLENS + b).to(tl.int32), 0), capacity)
+    end = seq_end
+    if HAS_QPOS:  # no token of this sequence admits a key past its largest position
+        qp = tl.load(QPOS + b.to(tl.int64) * stride_pb + tok.to(tl.int64) * stride_pm, mask=row_ok, other=-1)
+        qp = tl.minimum(tl.maximum(qp, -1), capacity).to(tl.int32)
+        end = tl.minimum(end, tl.maximum(tl.max(qp, 0) + 1, 0))
+    if DIAG_CAUSAL:  # token i admits keys j <= i + diag_offset
+        end = tl.minimum(end, tl.maximum(Nq - 1 + diag_offset + 1, 0))
     start = end * 0
     if HAS_LEFTPAD:
         start = tl.minimum(tl.maximum(tl.load(LEFTPAD + b).to(tl.int32), 0), end)
@@ -50,20 +74,22 @@ def decode_partial_kernel(
     lo = base + split * chunk
     hi = tl.minimum(lo + chunk, end)
 
-    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    rows = G * Nq
-    head = hk * G + offs_m // Nq
-    tok = offs_m % Nq
-    row_ok = offs_m < rows
     q_ptrs = (Q + b.to(tl.int64) * stride_qb + tok[:, None].to(tl.int64) * stride_qn
               + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd)
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    # Causal, bottom-right within the valid keys: token i sits at position end - Nq + i.
-    row_lim = end - Nq + tok
+    # Causal, bottom-right within the valid keys: token i sits at position seq_end - Nq + i.
+    row_lim = seq_end - Nq + tok
     if not IS_CAUSAL:
         row_lim = row_lim * 0 + end
+    if HAS_QPOS:
+        row_lim = tl.minimum(row_lim, qp)
+    if DIAG_CAUSAL:
+        row_lim = tl.minimum(row_lim, tok + diag_offset)
+    bias_row = BIAS
+    if BIAS_KIND != 0:
+        bias_row = BIAS + b.to(tl.int64) * stride_bb + head.to(tl.int64) * stride_bh + tok.to(tl.int64) * stride_bm
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -90,7 +116,15 @@ def decode_partial_kernel(
         k = tl.load(k_ptrs, mask=ok[None, :] & (offs_d[:, None] < D), other=0.0)
         qk = tl.dot(q, k)
         admit = ok[None, :] & (pos[None, :] <= row_lim[:, None])
-        s = tl.where(admit, qk * qk_scale, float("-inf"))
+        s = qk * qk_scale
+        if BIAS_KIND != 0:
+            bv = tl.load(bias_row[:, None] + pos[None, :].to(tl.int64) * stride_bn, mask=row_ok[:, None] & admit,
+                         other=0)
+            if BIAS_KIND == 1:  # additive, natural-log units; a finfo.min fill overflows to -inf (masked)
+                s = s + bv.to(tl.float32) * 1.4426950408889634
+            else:
+                admit = admit & (bv != 0)
+        s = tl.where(admit, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing admissible yet: exp2 stays 0
         p = tl.math.exp2(s - m_use[:, None])

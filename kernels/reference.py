@@ -9,7 +9,9 @@ Semantics, for query row i and key column j of one (batch, head):
     s      = s + bias[b, h, i, j]   (float bias)   |   -inf where bias is False (bool mask)
     s      = -inf where the structure forbids j (causal / window / kv_lens), with
              d = j - i - diag_offset:  causal: d <= 0;  window_left >= 0: d >= -window_left;
-             window_right >= 0: d <= window_right;  kv_lens: j < kv_lens[b]
+             window_right >= 0: d <= window_right;  kv_lens: j < kv_lens[b];
+             q_pos: j <= q_pos[b, i];  q_seg / k_seg: q_seg[b, i] == k_seg[b, j]
+             (q_pos / q_seg [Nq] and k_seg [Nk], or with a leading batch dim of B or 1)
     lse_i  = logsumexp_j s                                      (natural log, fp32; -inf for an empty row)
     p      = exp(s - lse_i), dropped with probability dropout_p and rescaled by 1 / (1 - dropout_p)
     out_i  = sum_j p_ij v_j                                     (0 for an empty row, as FlashAttention)
@@ -66,6 +68,9 @@ def scores_reference(
     bias: Optional[Tensor] = None,
     kv_lens: Optional[Tensor] = None,
     softcap: float = 0.0,
+    q_pos: Optional[Tensor] = None,
+    q_seg: Optional[Tensor] = None,
+    k_seg: Optional[Tensor] = None,
 ) -> Tensor:
     """Masked, scaled scores [B, Hq, Nq, Nk] in the accumulation dtype (bias keeps its autograd link)."""
     b, hq, nq, _ = q.shape
@@ -90,7 +95,31 @@ def scores_reference(
     if kv_lens is not None:
         j = torch.arange(nk, device=q.device)
         s = s.masked_fill((j.view(1, nk) >= kv_lens.to(q.device).view(b, 1)).view(b, 1, 1, nk), float("-inf"))
+    keep = position_segment_keep(nq, nk, q_pos, q_seg, k_seg, device=q.device)
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
     return s
+
+
+def _batch_rows(t: Tensor, n: int) -> Tensor:
+    """[B|1, n] int64 view of an index tensor given as [n] or [B|1, n]."""
+    return (t.reshape(1, n) if t.dim() == 1 else t).to(torch.int64)
+
+
+def position_segment_keep(
+    nq: int, nk: int, q_pos: Optional[Tensor], q_seg: Optional[Tensor], k_seg: Optional[Tensor], *,
+    device: torch.device,
+) -> Optional[Tensor]:
+    """[B|1, 1, Nq, Nk] bool of the keys q_pos (j <= q_pos[b, i]) and the segment ids (q_seg[b, i] ==
+    k_seg[b, j]) admit, or None when neither is given."""
+    keep = None
+    if q_pos is not None:
+        j = torch.arange(nk, device=device).view(1, 1, nk)
+        keep = j <= _batch_rows(q_pos.to(device), nq).unsqueeze(-1)
+    if q_seg is not None:
+        same = _batch_rows(q_seg.to(device), nq).unsqueeze(-1) == _batch_rows(k_seg.to(device), nk).unsqueeze(-2)
+        keep = same if keep is None else keep & same
+    return None if keep is None else keep.unsqueeze(1)
 
 
 def _probabilities(s: Tensor, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
@@ -135,6 +164,9 @@ def attention_reference(
     dropout_p: float = 0.0,
     dropout_seed: Optional[Tensor] = None,
     sinks: Optional[Tensor] = None,
+    q_pos: Optional[Tensor] = None,
+    q_seg: Optional[Tensor] = None,
+    k_seg: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, Nq, Dv] in q.dtype, lse [B, Hq, Nq] fp32); differentiable through torch autograd
     (the sinks included)."""
@@ -143,7 +175,8 @@ def attention_reference(
     acc = _acc_dtype(q.dtype)
     s = scores_reference(
         q, k, scale=scale, causal=causal, diag_offset=diag_offset, window_left=window_left,
-        window_right=window_right, bias=bias, kv_lens=kv_lens, softcap=softcap,
+        window_right=window_right, bias=bias, kv_lens=kv_lens, softcap=softcap, q_pos=q_pos, q_seg=q_seg,
+        k_seg=k_seg,
     )
     p, lse = _probabilities(s, sinks)
     if dropout_p > 0:
@@ -175,6 +208,9 @@ def attention_backward_reference(
     dropout_seed: Optional[Tensor] = None,
     out: Optional[Tensor] = None,
     sinks: Optional[Tensor] = None,
+    q_pos: Optional[Tensor] = None,
+    q_seg: Optional[Tensor] = None,
+    k_seg: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """(dq, dk, dv, dbias) by the explicit formulas the fused kernels implement (fp32 accumulation).
 
@@ -195,7 +231,8 @@ def attention_backward_reference(
     capped = scores_reference(qa, ka, scale=scale, softcap=softcap) if softcap > 0 else None
     s = scores_reference(
         qa, ka, scale=scale, causal=causal, diag_offset=diag_offset, window_left=window_left,
-        window_right=window_right, bias=bias, kv_lens=kv_lens, softcap=softcap,
+        window_right=window_right, bias=bias, kv_lens=kv_lens, softcap=softcap, q_pos=q_pos, q_seg=q_seg,
+        k_seg=k_seg,
     )
     p, _ = _probabilities(s, sinks)
     if dropout_p > 0:

@@ -6,6 +6,14 @@ uses exp2 (one MUFU op) and the log-sum-exp is converted back to natural log onl
 The score tile helper is written against broadcastable `rows` / `cols` index tensors, so one
 definition serves the forward and dQ kernels (rows down, [BM, 1] x [1, BN]) and the dK/dV kernel
 (which works on the transposed tile, [1, BM] x [BN, 1]).
+
+Run-time structure (the op's q_pos and q_seg / k_seg): `row_positions` and `segment_ids` load a
+tile's values, `position_segment_ok` is their elementwise mask (ANDed into every tile, off-band ones
+too). Whole tiles are skipped by narrowing the loops, never by a branch inside them (one costs the
+forward ~4 KB of register spills on sm90): the key loop ends at max(q_pos) + 1, `key_tile_range` and
+`query_tile_range` scan the ids (and positions) once per program for the first and last tile that can
+hold an admitted pair (`ids_overlap`: an id within the other tile's [min, max]). Sorted ids (packed
+sequences) then cost the diagonal blocks only; unsorted ids stay exact, masked inside that span.
 """
 from __future__ import annotations
 
@@ -112,11 +120,82 @@ def score_tile(
 
 
 @triton.jit
+def row_positions(base, stride_pm, rows, Nq, Nk):
+    """q_pos of query `rows` (base: one batch entry's positions) as int32 clamped to [-1, Nk] (-1, no
+    key, on rows past Nq): the clamp keeps int64 positions exact (>= Nk admits every key either way)."""
+    qp = tl.load(base + rows.to(tl.int64) * stride_pm, mask=rows < Nq, other=-1)
+    return tl.minimum(tl.maximum(qp, -1), Nk).to(tl.int32)
+
+
+@triton.jit
+def segment_ids(base, stride_sn, idx, n, first):
+    """Segment ids at positions `idx` (base: one batch entry's ids); positions past `n` read the id at
+    `first` (< n), so that a tile's min / max cover its real positions only."""
+    ids = tl.load(base + idx.to(tl.int64) * stride_sn, mask=idx < n, other=0)
+    return tl.where(idx < n, ids, tl.load(base + first * stride_sn))  # (first: an int or a scalar tensor)
+
+
+@triton.jit
+def ids_overlap(ids, valid, lo, hi):
+    """Whether any valid id lies in [lo, hi]: a tile without one has no admitted pair (exact for
+    ids in any order; sorted ids leave only the tiles that straddle the diagonal blocks)."""
+    return tl.sum(((ids >= lo) & (ids <= hi) & valid).to(tl.int32), 0) > 0
+
+
+@triton.jit
+def key_tile_range(kseg_base, stride_ksn, Nk, n_lim, q_lo, q_hi, lo, hi, BLOCK_N: tl.constexpr):
+    """[first, last): the span of the key tiles in [lo, hi) (multiples of BLOCK_N) holding an id in
+    [q_lo, q_hi] among keys < n_lim; first >= last when there is none."""
+    first = hi
+    last = lo
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        ks = segment_ids(kseg_base, stride_ksn, offs_n, Nk, start_n)
+        hit = ids_overlap(ks, offs_n < n_lim, q_lo, q_hi)
+        first = tl.where(hit, tl.minimum(first, start_n), first)
+        last = tl.where(hit, start_n + BLOCK_N, last)
+    return first, last
+
+
+@triton.jit
+def query_tile_range(
+    qpos_base, stride_pm, qseg_base, stride_qsm, Nq, Nk, n0, k_lo, k_hi, lo, hi,
+    BLOCK_M: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_SEG: tl.constexpr,
+):
+    """[first, last): the span of the query tiles in [lo, hi) that can reach the key tile at n0: some row's
+    position >= n0 (HAS_QPOS) and some row's id in the key tile's [k_lo, k_hi] (HAS_SEG)."""
+    first = hi
+    last = lo
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        go = n0 >= 0
+        if HAS_QPOS:
+            go = go & (tl.max(row_positions(qpos_base, stride_pm, offs_m, Nq, Nk), 0) >= n0)
+        if HAS_SEG:
+            go = go & ids_overlap(segment_ids(qseg_base, stride_qsm, offs_m, Nq, start_m), offs_m < Nq, k_lo, k_hi)
+        first = tl.where(go, tl.minimum(first, start_m), first)
+        last = tl.where(go, start_m + BLOCK_M, last)
+    return first, last
+
+
+@triton.jit
+def position_segment_ok(rows_pos, cols, row_ids, col_ids, HAS_QPOS: tl.constexpr, HAS_SEG: tl.constexpr):
+    """Admission by q_pos (cols <= rows_pos) and segments (row_ids == col_ids); broadcastable operands."""
+    ok = cols >= 0
+    if HAS_QPOS:
+        ok = ok & (cols <= rows_pos)
+    if HAS_SEG:
+        ok = ok & (row_ids == col_ids)
+    return ok
+
+
+@triton.jit
 def softmax_step(
     qk, m_i, rows, cols, qk_scale, softcap, cap_scale,
     bias_ptr, stride_bm, stride_bn, Nq, Nk, n_lim, diag_offset, window_left, window_right,
     IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, MASK: tl.constexpr,
     BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, PLAIN: tl.constexpr, BIAS_FMA: tl.constexpr = False,
+    extra_ok=None, HAS_EXTRA: tl.constexpr = False,
 ):
     """One online-softmax step of the forward on a Q·Kᵀ tile: (p, new row max, rescale of the old sums).
 
@@ -124,11 +203,14 @@ def softmax_step(
     with qk, so the scale folds into one FMA inside exp2's argument instead of a multiply of the tile.
     BIAS_FMA (a float bias, no softcap, scale > 0): the same with s = qk * scale + bias in natural
     units (one FMA), log2(e) applied inside exp2's FMA; two ALU ops per score instead of four.
+    HAS_EXTRA: `extra_ok` (position_segment_ok) masks the scores as well.
     """
     if PLAIN:
         if MASK:
             ok = structural_ok(rows, cols, n_lim, diag_offset, window_left, window_right, IS_CAUSAL, HAS_WL, HAS_WR)
             qk = tl.where(ok, qk, float("-inf"))
+        if HAS_EXTRA:
+            qk = tl.where(extra_ok, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(qk * qk_scale - m_use[:, None])
@@ -140,6 +222,8 @@ def softmax_step(
         if MASK:
             ok = structural_ok(rows, cols, n_lim, diag_offset, window_left, window_right, IS_CAUSAL, HAS_WL, HAS_WR)
             s = tl.where(ok, s, float("-inf"))
+        if HAS_EXTRA:
+            s = tl.where(extra_ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * 1.4426950408889634)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s * 1.4426950408889634 - m_use[:, None])
@@ -148,6 +232,8 @@ def softmax_step(
             qk, rows, cols, qk_scale, softcap, cap_scale, bias_ptr, stride_bm, stride_bn, Nq, Nk, n_lim,
             diag_offset, window_left, window_right, IS_CAUSAL, HAS_WL, HAS_WR, MASK, BIAS_KIND, SOFTCAP,
         )
+        if HAS_EXTRA:
+            s = tl.where(extra_ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_use[:, None])

@@ -17,6 +17,10 @@ softcap, dropout_p, dropout_seed, needs_backward, bias_requires_grad, sinks) so 
 Sinks ([Hq] logits in the denominator): the pointer forward takes them (the Gluon and TMA forwards are
 skipped); every backward kernel is unchanged, since P = exp(S - lse) with the lse that includes the sink
 is already the probability of the keys (the sinks' own gradient is a reduction over (dO, O, lse), ops.py).
+Run-time positions and segment ids (q_pos; q_seg / k_seg): the pointer forward and the Triton-language
+backward take them (the Gluon forward and backward and the TMA forward are skipped: they have no such
+mask); each tile reads only the keys up to its rows' largest position and within the span of tiles
+whose segment ids can meet its own (triton_common.py).
 """
 from __future__ import annotations
 
@@ -468,6 +472,8 @@ def gluon_backward_applies(args, cap: tuple[int, int]) -> bool:
         return False
     if args.bias is not None or float(args.softcap) != 0 or float(args.dropout_p) > 0 or float(args.scale) <= 0:
         return False
+    if getattr(args, "q_pos", None) is not None or getattr(args, "q_seg", None) is not None:
+        return False  # no run-time position / segment mask in the Gluon backward
     return not torch.are_deterministic_algorithms_enabled()
 
 
@@ -523,7 +529,10 @@ def attention_forward(args, out: Optional[Tensor] = None, lse: Optional[Tensor] 
     sinks = _sinks(args)
     # Sinks run the pointer kernel only (the Gluon and TMA forwards have no sink step).
     sink_kw = dict(SINKS=sinks, HAS_SINKS=True) if sinks is not None else {}
-    if sinks is None and gkey not in _GLUON_FAILED and _gluon_ok(args, (q, k, v, out), cap, bias_kind, block, gb):
+    # So do run-time positions and segments (no such mask in the Gluon and TMA forwards).
+    struct_kw = structure_kwargs(args, b)
+    pointer_only = sinks is not None or bool(struct_kw)
+    if not pointer_only and gkey not in _GLUON_FAILED and _gluon_ok(args, (q, k, v, out), cap, bias_kind, block, gb):
         try:
             with _device_ctx(q):
                 kind, cfg = _gluon_config(gb, block, rb is not None)
@@ -538,7 +547,7 @@ def attention_forward(args, out: Optional[Tensor] = None, lse: Optional[Tensor] 
             warnings.warn(f"fa_compile: the Gluon forward failed to build ({type(e).__name__}: {str(e)[:200]}); "
                           "using the Triton forward instead", RuntimeWarning)
     cfg = pick_config("fwd", max(block_d, block_dv), bool(args.causal), cap, bias_kind)
-    if sinks is None and _tma_ok((q, k, v, out), cap):
+    if not pointer_only and _tma_ok((q, k, v, out), cap):
         with _device_ctx(q):
             cfg = _tuned("fwd_bias" if bias_kind in (1, 2) else "fwd", max(block_d, block_dv), cfg, q,
                          bool(args.causal), bias_kind, cap,
@@ -557,9 +566,34 @@ def attention_forward(args, out: Optional[Tensor] = None, lse: Optional[Tensor] 
             int(args.window_right), sc["drop_threshold"], sc["drop_scale"],
             BLOCK_D=block_d, BLOCK_DV=block_dv, EVEN_D=(d == block_d and dv == block_dv),
             REVERSE_M=bool(args.causal), PLAIN=_plain(args, bias_kind), BIAS_FMA=_bias_fma(args, bias_kind), **consts,
-            **sink_kw,
+            **sink_kw, **struct_kw,
         )
     return out, lse
+
+
+def _rows_view(t: Tensor, batch: int) -> tuple[Tensor, int, int]:
+    """(tensor, batch stride, position stride) of an index tensor [n] or [B|1, n]: 0 on broadcast dims."""
+    if t.dim() == 1:
+        return t, 0, t.stride(0)
+    return t, (0 if t.shape[0] == 1 else t.stride(0)), t.stride(1)
+
+
+def structure_kwargs(args, batch: int) -> dict:
+    """The kernels' keyword arguments for the op's q_pos and q_seg / k_seg ({} without them). Segment ids
+    of two dtypes are compared as int64 (one copy of the int32 side)."""
+    kw: dict = {}
+    q_pos = getattr(args, "q_pos", None)
+    if q_pos is not None:
+        t, sb, sm = _rows_view(q_pos, batch)
+        kw.update(QPOS=t, stride_pb=sb, stride_pm=sm, HAS_QPOS=True)
+    q_seg, k_seg = getattr(args, "q_seg", None), getattr(args, "k_seg", None)
+    if q_seg is not None and k_seg is not None:
+        if q_seg.dtype != k_seg.dtype:
+            q_seg, k_seg = q_seg.to(torch.int64), k_seg.to(torch.int64)
+        qs, qsb, qsm = _rows_view(q_seg, batch)
+        ks, ksb, ksn = _rows_view(k_seg, batch)
+        kw.update(QSEG=qs, stride_qsb=qsb, stride_qsm=qsm, KSEG=ks, stride_ksb=ksb, stride_ksn=ksn, HAS_SEG=True)
+    return kw
 
 
 def _sinks(args) -> Optional[Tensor]:
@@ -632,6 +666,7 @@ def attention_backward(
         int(args.window_left), int(args.window_right), sc["drop_threshold"], sc["drop_scale"],
     )
     use_tma = _tma_ok((q, k, v, dout), cap)
+    struct_kw = structure_kwargs(args, b)
 
     def descs(c: BlockConfig, kind: str) -> tuple:
         if not use_tma:
@@ -671,6 +706,7 @@ def attention_backward(
                 dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
                 *bstr, hq, hkv, hq // hkv, nq, nk, d, dv, *common,
                 BLOCK_D=block_d, BLOCK_DV=block_dv, PLAIN=_plain(args, bias_kind), USE_TMA=use_tma, **consts,
+                **struct_kw,
                 args_fn=lambda c: (q, k, v, dout, lse, delta, dk, dvv, bias_arg, kvl, seed, *descs(c, "dkdv")),
             )
 
@@ -682,7 +718,7 @@ def attention_backward(
                 dq.stride(0), dq.stride(1), dq.stride(2),
                 *bstr, hq, hq // hkv, nq, nk, d, dv, *common,
                 BLOCK_D=block_d, BLOCK_DV=block_dv, WRITE_DS=want_dbias, REVERSE_M=bool(args.causal),
-                PLAIN=_plain(args, bias_kind), USE_TMA=use_tma, **consts,
+                PLAIN=_plain(args, bias_kind), USE_TMA=use_tma, **consts, **struct_kw,
                 args_fn=lambda c: (q, k, v, dout, lse, delta, dq, ds, bias_arg, kvl, seed, *descs(c, "dq")),
             )
 

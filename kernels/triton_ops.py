@@ -128,6 +128,14 @@ def _scalars(scale: float, softcap: float, dropout_p: float) -> tuple:
             keep_threshold(dropout_p) if dropout_p > 0 else 0, 1.0 / (1.0 - dropout_p))
 
 
+def _no_positions(q: Tensor) -> dict:
+    """The kernels' run-time position / segment parameters, unused (these ops take no q_pos or segment
+    ids: such sites keep the fa3 op). Every parameter is passed, defaults too: torch 2.11's wrap_triton
+    binds a kernel's arguments by position."""
+    return dict(QPOS=q, stride_pb=0, stride_pm=0, HAS_QPOS=False, QSEG=q, stride_qsb=0, stride_qsm=0, KSEG=q,
+                stride_ksb=0, stride_ksn=0, HAS_SEG=False)
+
+
 @torch.library.triton_op(f"{NAMESPACE}::fwd", mutates_args=())
 def fwd(
     q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], kv_lens: Optional[Tensor],
@@ -159,8 +167,7 @@ def fwd(
         qk_scale, cap, cap_scale, diag_offset, window_left, window_right, thr, drop_scale,
         BLOCK_D=block_d, BLOCK_DV=block_dv, EVEN_D=(d == block_d and dv == block_dv), REVERSE_M=bool(causal),
         BIAS_FMA=bias_kind in (1, 3) and softcap == 0 and scale > 0, **consts, **_tile_kwargs(config),
-        # Every parameter passed, defaults too: torch 2.11's wrap_triton binds them by position.
-        SINKS=q, HAS_SINKS=False,
+        SINKS=q, HAS_SINKS=False, **_no_positions(q),
     )
     return out, lse
 
@@ -211,13 +218,14 @@ def bwd(
         dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
         *bstr, hq, hkv, hq // hkv, nq, nk, d, dv, *common,
         BLOCK_D=block_d, BLOCK_DV=block_dv, USE_TMA=False, **consts, **_tile_kwargs(dkdv_config),
+        **_no_positions(q),
     )
     _launcher(attn_bwd_dq_kernel)[(tf.triton_cdiv(nq, int(dq_config[0])) * b * hq, 1, 1)](
         q, k, v, dout, lse, delta, dq, ds_arg, bias_arg, kvl, seed, q, q, q, q, *strides,
         dq.stride(0), dq.stride(1), dq.stride(2),
         *bstr, hq, hq // hkv, nq, nk, d, dv, *common,
         BLOCK_D=block_d, BLOCK_DV=block_dv, WRITE_DS=bool(write_ds), REVERSE_M=bool(causal), USE_TMA=False,
-        **consts, **_tile_kwargs(dq_config),
+        **consts, **_tile_kwargs(dq_config), **_no_positions(q),
     )
     return dq, dk, dvv, ds
 

@@ -41,12 +41,16 @@ class Case:
     needs_backward: bool = True
     bias_requires_grad: bool = False
     extra: dict = field(default_factory=dict)
+    q_pos: Optional[Tensor] = None
+    q_seg: Optional[Tensor] = None
+    k_seg: Optional[Tensor] = None
 
     def mask_kwargs(self) -> dict:
         return dict(
             scale=self.scale, causal=self.causal, diag_offset=self.diag_offset, window_left=self.window_left,
             window_right=self.window_right, bias=self.bias, kv_lens=self.kv_lens, softcap=self.softcap,
-            dropout_p=self.dropout_p, dropout_seed=self.dropout_seed,
+            dropout_p=self.dropout_p, dropout_seed=self.dropout_seed, q_pos=self.q_pos, q_seg=self.q_seg,
+            k_seg=self.k_seg,
         )
 
 

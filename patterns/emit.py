@@ -20,6 +20,14 @@ def fa3_attention_op():
     return torch.ops.fa3.attention.default
 
 
+def op_accepts(argument: str) -> bool:
+    """Whether fa3.attention's schema has `argument` (the run-time mask structure: q_pos, q_seg, k_seg)."""
+    try:
+        return any(a.name == argument for a in fa3_attention_op()._schema.arguments)
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def example_value(node: Any) -> Any:
     """The FakeTensor (or SymInt, or Python value) a Dynamo node produces; plain values pass through."""
     if isinstance(node, fx.Node):
@@ -89,6 +97,9 @@ def emit_attention(
     empty_rows: str = "impossible",
     fill: Optional[float] = None,
     sinks: Optional[fx.Node] = None,
+    q_pos: Optional[fx.Node] = None,
+    q_seg: Optional[fx.Node] = None,
+    k_seg: Optional[fx.Node] = None,
 ) -> tuple[fx.Node, fx.Node]:
     """Insert fa3.attention on q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D]; return (out node, op call node).
 
@@ -107,6 +118,9 @@ def emit_attention(
     sinks ([Hq] logits in the denominator, patterns/sinks.py): a fully masked row then attends to the
     sink alone, so eager's value there is 0 (its -inf, finfo.min or clamped keys get weight 0 beside a
     finite sink), the op's own; "fill" is refused with a ValueError (the filled keys keep a share).
+
+    q_pos ([Nq] / [B, Nq]: query i admits keys j <= q_pos[b, i]) and q_seg / k_seg (same ids only) are
+    run-time structure, ANDed with the rest; the fix-ups above build their keep-mask from them too.
 
     Call inside `graph.inserting_before(...)` at a point where q, k, v, bias, kv_lens are defined.
     A scale held in a tensor node (learned temperature, 0-d tensor) is folded into q so the op's
@@ -127,18 +141,23 @@ def emit_attention(
         if empty_rows == "fill":
             raise ValueError("empty_rows: 'fill' with sinks (the filled keys share the row with the sink)")
         empty_rows = "impossible"  # the op's 0 on a fully masked row is eager's: the sink takes the row
+    if kv_lens is not None and _one_for_all(kv_lens, q):  # one length for every batch row (decode)
+        kv_lens = call(graph, "expand", kv_lens, _size(graph, q, 0), method=True)
+    runtime = dict(q_pos=q_pos, q_seg=q_seg, k_seg=k_seg)
     if empty_rows == "fill":
         if fill is None or not math.isfinite(fill):
             raise ValueError(f"fill: empty_rows 'fill' needs the finite fill value, got {fill!r}")
         if dropout_p > 0:
             raise ValueError("empty_rows: 'fill' cannot keep eager's dropout of the masked keys' weights")
-        if _key_shaped(causal, window_left, window_right, bias, kv_lens):
+        if _key_shaped(causal, window_left, window_right, bias, kv_lens) and all(x is None for x in runtime.values()):
             k, bias = _fill_masked_keys(graph, q, k, bias, kv_lens, fill)
             kv_lens, empty_rows = None, "impossible"  # the op now computes eager's own softmax
+    extra: tuple = (sinks,) if sinks is not None else ()
+    if any(x is not None for x in runtime.values()):
+        extra = (sinks, q_pos, q_seg, k_seg)
     node = call(
         graph, fa3_attention_op(), q, k, v, float(scale), bool(causal), diag_offset, int(window_left),
-        int(window_right), bias, kv_lens, float(softcap), float(dropout_p), seed, kernel,
-        *((sinks,) if sinks is not None else ()),
+        int(window_right), bias, kv_lens, float(softcap), float(dropout_p), seed, kernel, *extra,
     )
     out = call(graph, operator.getitem, node, 0)
     nk = example_value(k).shape[2]
@@ -147,7 +166,8 @@ def emit_attention(
     if empty_rows == "fill":
         lse = call(graph, operator.getitem, node, 1)
         res = _finite_fill(graph, q, v, out, lse, fill, causal=causal, diag_offset=diag_offset,
-                           window_left=window_left, window_right=window_right, bias=bias, kv_lens=kv_lens)
+                           window_left=window_left, window_right=window_right, bias=bias, kv_lens=kv_lens,
+                           **runtime)
         return res, node
     if empty_rows not in EMPTY_ROWS_KEPT:
         raise ValueError(f"empty_rows: cannot keep eager's value on fully masked rows for {empty_rows!r}")
@@ -200,11 +220,34 @@ def _arange(graph: fx.Graph, t: fx.Node, dim: int) -> fx.Node:
     return n
 
 
+def _one_for_all(kv_lens: fx.Node, q: fx.Node) -> bool:
+    """kv_lens holds one length, [1], while q's batch is not known to be 1."""
+    n, b = example_value(kv_lens).shape[0], example_value(q).shape[0]
+    return isinstance(n, int) and n == 1 and not (isinstance(b, int) and b == 1)
+
+
+def _rows(graph: fx.Graph, t: fx.Node) -> fx.Node:
+    """An [N] / [B, N] index vector as [B or 1, N]."""
+    return call(graph, torch.unsqueeze, t, 0) if example_value(t).dim() == 1 else t
+
+
 def _keep_mask(graph: fx.Graph, q: fx.Node, v: fx.Node, *, causal: bool, diag_offset: Union[int, fx.Node],
-               window_left: int, window_right: int, bias: Optional[fx.Node], kv_lens: Optional[fx.Node]
+               window_left: int, window_right: int, bias: Optional[fx.Node], kv_lens: Optional[fx.Node],
+               q_pos: Optional[fx.Node] = None, q_seg: Optional[fx.Node] = None, k_seg: Optional[fx.Node] = None,
                ) -> Optional[fx.Node]:
     """The op's admissible keys as a 4-d bool broadcasting to [B, Hq, Nq, Nk] (None: every key)."""
     keep: Optional[fx.Node] = None
+    runtime = []
+    if q_pos is not None:  # j <= q_pos[b, i]: [B or 1, 1, Nq, Nk]
+        j = _arange(graph, v, 2)
+        runtime.append(call(graph, operator.le, call(graph, torch.unsqueeze, j, 0),
+                            call(graph, torch.unsqueeze, _rows(graph, q_pos), -1)))
+    if q_seg is not None:  # q_seg[b, i] == k_seg[b, j]
+        runtime.append(call(graph, operator.eq, call(graph, torch.unsqueeze, _rows(graph, q_seg), -1),
+                            call(graph, torch.unsqueeze, _rows(graph, k_seg), 1)))
+    for r in runtime:
+        r = call(graph, torch.unsqueeze, r, 1)
+        keep = r if keep is None else call(graph, torch.logical_and, keep, r)
     if causal or window_left >= 0 or window_right >= 0:
         i, j = _arange(graph, q, 2), _arange(graph, v, 2)
         d = call(graph, operator.sub, call(graph, torch.unsqueeze, j, 0), call(graph, torch.unsqueeze, i, 1))
@@ -217,9 +260,8 @@ def _keep_mask(graph: fx.Graph, q: fx.Node, v: fx.Node, *, causal: bool, diag_of
             parts.append(call(graph, operator.ge, d, -window_left))
         if window_right >= 0:
             parts.append(call(graph, operator.le, d, window_right))
-        keep = parts[0]
-        for x in parts[1:]:
-            keep = call(graph, torch.logical_and, keep, x)
+        for x in parts:
+            keep = x if keep is None else call(graph, torch.logical_and, keep, x)
     if kv_lens is not None:
         j = _arange(graph, v, 2)
         kl = call(graph, operator.lt, call(graph, torch.unsqueeze, j, 0), call(graph, torch.unsqueeze, kv_lens, 1))
@@ -266,10 +308,11 @@ def _fill_masked_keys(graph: fx.Graph, q: fx.Node, k: fx.Node, bias: Optional[fx
 
 
 def _band_masked_sums(graph: fx.Graph, q: fx.Node, v: fx.Node, *, causal: bool, diag_offset: Union[int, fx.Node],
-                      window_left: int, window_right: int, kv_lens: Optional[fx.Node]) -> tuple[fx.Node, fx.Node]:
+                      window_left: int, window_right: int, kv_lens: Optional[fx.Node],
+                      q_pos: Optional[fx.Node] = None) -> tuple[fx.Node, fx.Node]:
     """(n [Bm, 1, Nq, 1], masked sum of V [B, Hkv, Nq, Dv]), both in V's accumulation dtype, when row i
-    admits the keys lo_i <= j < hi_i (causal / window around diag_offset, j < kv_lens[b]): from a
-    prefix sum of V in fp64, so that total - (prefix[hi] - prefix[lo]) loses nothing to cancellation."""
+    admits the keys lo_i <= j < hi_i (causal / window around diag_offset, j < kv_lens[b], j <= q_pos[b, i]):
+    from a prefix sum of V in fp64, so that total - (prefix[hi] - prefix[lo]) loses nothing to cancellation."""
     vv = example_value(v)
     acc = torch.promote_types(vv.dtype, torch.float32)
     nk = _size(graph, v, 2)
@@ -288,6 +331,9 @@ def _band_masked_sums(graph: fx.Graph, q: fx.Node, v: fx.Node, *, causal: bool, 
     if kv_lens is not None:
         lens = call(graph, torch.unsqueeze, call(graph, "to", kv_lens, torch.int64, method=True), 1)  # [B, 1]
         hi = call(graph, torch.minimum, hi, lens)
+    if q_pos is not None:  # [B or 1, Nq]
+        limit = call(graph, operator.add, call(graph, "to", _rows(graph, q_pos), torch.int64, method=True), 1)
+        hi = call(graph, torch.minimum, call(graph, torch.clamp, limit, -1, nk), hi)
     lo = call(graph, torch.clamp, lo, 0, nk)
     hi = call(graph, torch.maximum, call(graph, torch.clamp, hi, 0, nk), lo)  # an empty interval: hi = lo
     lo4 = call(graph, torch.unsqueeze, call(graph, torch.unsqueeze, lo, 1), -1)  # [Bm, 1, Nq, 1]
@@ -310,7 +356,8 @@ def _band_masked_sums(graph: fx.Graph, q: fx.Node, v: fx.Node, *, causal: bool, 
 
 def _finite_fill(graph: fx.Graph, q: fx.Node, v: fx.Node, out: fx.Node, lse: fx.Node, c: float, *, causal: bool,
                  diag_offset: Union[int, fx.Node], window_left: int, window_right: int, bias: Optional[fx.Node],
-                 kv_lens: Optional[fx.Node]) -> fx.Node:
+                 kv_lens: Optional[fx.Node], q_pos: Optional[fx.Node] = None, q_seg: Optional[fx.Node] = None,
+                 k_seg: Optional[fx.Node] = None) -> fx.Node:
     """Eager's result when every masked score was replaced by the finite c, from the op's (out, lse) over
     the admissible keys. With n masked keys in a row and Vm their mean value, eager's softmax gives
     them the weight n e^c against e^lse, so exactly
@@ -327,17 +374,20 @@ def _finite_fill(graph: fx.Graph, q: fx.Node, v: fx.Node, out: fx.Node, lse: fx.
 
     n and the masked sum of V: for a band (with key lengths or not) the admissible keys of a row are
     one interval, so both come from prefix sums of V (fp64, no cancellation), O(Nk Dv) per batch and
-    head; a query-dependent bool mask takes one [.., Nq, Nk] x [Nk, Dv] product, O(Nq Nk Dv)."""
+    head (q_pos bounds the interval too); a query-dependent bool mask or segment ids take one
+    [.., Nq, Nk] x [Nk, Dv] product, O(Nq Nk Dv)."""
     qv, vv = example_value(q), example_value(v)
     hq, hkv = qv.shape[1], vv.shape[1]
     acc = torch.promote_types(qv.dtype, torch.float32)
     hm = 1
-    if bias is None or example_value(bias).dtype != torch.bool:
+    if (bias is None or example_value(bias).dtype != torch.bool) and q_seg is None:
         n, vsum = _band_masked_sums(graph, q, v, causal=causal, diag_offset=diag_offset, window_left=window_left,
-                                    window_right=window_right, kv_lens=kv_lens)
+                                    window_right=window_right, kv_lens=kv_lens, q_pos=q_pos)
     else:
         keep = _keep_mask(graph, q, v, causal=causal, diag_offset=diag_offset, window_left=window_left,
-                          window_right=window_right, bias=bias, kv_lens=kv_lens)
+                          window_right=window_right,
+                          bias=bias if bias is not None and example_value(bias).dtype == torch.bool else None,
+                          kv_lens=kv_lens, q_pos=q_pos, q_seg=q_seg, k_seg=k_seg)
         masked = call(graph, "to", call(graph, torch.logical_not, keep), acc, method=True)
         n = call(graph, torch.sum, masked, -1, keepdim=True)  # [Bm, Hm, Qm, 1]
         vf = call(graph, "to", v, acc, method=True)

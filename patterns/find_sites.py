@@ -992,6 +992,13 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
                         raise Miss("key-padding lengths do not map to the op's batch axis")
                     # one length for every batch row (a static cache's decode position): broadcast it
                     kv_lens = o.call("expand", kv_lens, o.size(qo, 0), method=True)
+            runtime = dict(q_pos=spec.q_pos, q_seg=spec.q_seg, k_seg=spec.k_seg)
+            for name, t in runtime.items():  # [N] or [B, N] run-time structure: its batch must be the op's
+                tv = tensor_of(t) if t is not None else None
+                if tv is not None and (layout.mode != "std" or layout.lead != 1 or (
+                        tv.dim() == 2 and not known_one(tv.shape[0])
+                        and not known_eq(tv.shape[0], tensor_of(qo).shape[0]))):
+                    raise Miss(f"{name} does not map to the op's batch axis")
             if spec.empty_rows == "mean_v_add" and scores.softcap and emit.needs_qk_grad(qo, ko):
                 raise Miss("fully masked rows: eager's gradient there passes through the softcap of every "
                            "score (an additive mask absorbed them), which the rewrite cannot keep")
@@ -1005,7 +1012,7 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
                 graph, qo, ko, vo, scale=scale, causal=spec.causal, diag_offset=spec.diag_offset,
                 window_left=spec.window_left, window_right=spec.window_right, bias=bias, kv_lens=kv_lens,
                 softcap=scores.softcap, dropout_p=probs.dropout_p, kernel=options.kernel, empty_rows=spec.empty_rows,
-                fill=spec.fill, sinks=sink_arg,
+                fill=spec.fill, sinks=sink_arg, **runtime,
             )
             o.made.append(out)
             res = b.out_from_op(out, q_padded)

@@ -15,6 +15,7 @@ import torch.fx as fx
 from .canonicalize import canonicalize, is_inplace
 from .fused_calls import rewrite_fused_calls
 from .find_sites import rewrite_softmax_sites
+from .paged import rewrite_paged_caches
 from .site import PassOptions, SiteReport
 from .subgraphs import rewrite_nested
 
@@ -82,6 +83,8 @@ def rewrite_graph(gm: fx.GraphModule, options: PassOptions) -> list[SiteReport]:
         canonicalized = canonicalize(gm)
         for step, run in STEPS:
             reports += run(gm, options)
+        step = "paged caches"
+        rewrite_paged_caches(gm, reports, options)  # the rewritten sites whose K/V are gathered pages
         step = "finish"
         if canonicalized and not any(r.rewritten for r in reports):
             record.restore()

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 
 @dataclass
@@ -11,8 +11,8 @@ class SiteReport:
 
     `form` names how the model spelled it ("matmul-softmax-matmul", "sdpa", "mha", ...);
     `mask` the proven mask kind ("none", "causal", "causal-bottom-right", "window", "key-padding",
-    "bias", "bool-mask", combinations joined by '+'); `call` is the emitted fa3.attention node (for
-    the front door to ask dispatch which kernel these inputs would get).
+    "query-positions", "segments", "bias", "bool-mask", combinations joined by '+'); `call` is the
+    emitted fa3.attention node (for the front door to ask dispatch which kernel these inputs would get).
     """
 
     form: str
@@ -28,6 +28,7 @@ class SiteReport:
     softcap: float = 0.0
     dropout_p: float = 0.0
     scale: Any = None
+    cache: str = ""  # "paged: ..." (`call` is fa3.paged_attention, reading a pool in place), or why gathered K/V stay
     call: Any = field(default=None, repr=False)
 
 
@@ -37,6 +38,9 @@ class PassOptions:
 
     kernel: Optional[str] = None  # baked into each emitted call as the forced kernel
     allow_training_dropout: bool = True
+    # an emitted fa3.paged_attention node -> why its inputs would get no fused kernel (None: they would);
+    # a reason keeps the gathered K/V and fa3.attention
+    paged_check: Optional[Callable[[Any], Optional[str]]] = None
 
 
 @dataclass
@@ -81,6 +85,9 @@ class MaskSpec:
     window_left: int = -1
     window_right: int = -1
     kv_lens: Any = None  # fx.Node producing int [B]
+    q_pos: Any = None  # fx.Node producing int [Nq] / [B, Nq]: query i admits keys j <= q_pos[b, i]
+    q_seg: Any = None  # with k_seg, fx.Nodes producing int [Nq] / [B, Nq] and [Nk] / [B, Nk]: same ids only
+    k_seg: Any = None
     bias: Any = None  # fx.Node producing the residual float/bool mask
     empty_rows: str = "impossible"
     fill: Optional[float] = None  # empty_rows "fill": the finite value eager writes over every masked score

@@ -208,7 +208,7 @@ def test_causal_and_key_lengths_combined():
 
     args = (*crossing_qkv(torch.float32, -1e4, near=False), torch.tensor([N, 3]))
     assert_fill_matters(make, -1e4, *args)
-    check(make(-1e4), *args, dtype=torch.float32, kind="causal+bool-mask")
+    check(make(-1e4), *args, dtype=torch.float32, kind="causal+key-padding")
 
 
 @pytest.mark.parametrize("inplace", [True, False])

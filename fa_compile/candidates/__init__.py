@@ -34,6 +34,13 @@ bf16, medians of triton.testing.do_bench:
   cuDNN stays first); on other GPUs the `tl` pair keeps its place behind FA2. Our forward at B16 N1024
   fell behind FA2 (0.525 vs 0.279 ms; 0.250 with the `tl` forward on 11-29), not yet explained, so the
   forward order is unchanged (ours still leads FA2 at the other two prefill shapes).
+* Our split-KV decode kernel ("decode", kernels/decode.py) just ahead of our tiled family, for the calls
+  with run-time positions (q_pos) and 1..16 query tokens: a static-cache decode step (q_pos, padding as
+  a key bias), which no peer takes. It packs a GQA group's rows so each K/V tile is read once, ends each
+  sequence's keys at its largest position + 1 and splits what remains so that small batches fill the
+  GPU, where the tiled kernel runs one program per (query tile, head) over the keys in sequence. Without
+  q_pos it stays out: those calls go to the peers or to our tiled family, which the compile-time lowering
+  launches without a run-time dispatch, and the split-KV kernel is not yet measured against them.
 * mem-efficient last before the reference (slowest everywhere; forward only, see sdpa.py).
 * FA4: not installed on the lent H200, no measurement; after FA3 and opt-in only.
 * The reference path is last and takes everything.
@@ -48,8 +55,8 @@ from .fa3 import FA3
 from .fa4 import FA4
 from .sdpa import CUDNN, EFFICIENT, FLASH
 
-# Base order (first = preferred) of the peers; dispatch inserts "triton" and "reference" by name.
-FORWARD_ORDER = ("cudnn", "fa3", "fa4", "triton", "flash", "efficient", "reference")
+# Base order (first = preferred) of the peers; dispatch inserts "decode", "triton" and "reference" by name.
+FORWARD_ORDER = ("cudnn", "fa3", "fa4", "decode", "triton", "flash", "efficient", "reference")
 BACKWARD_ORDER = ("cudnn", "fa3", "fa4", "flash", "triton", "efficient", "reference")
 
 FA3_FROM_TOKENS = 2048
@@ -122,6 +129,15 @@ def triton_candidate():
         TRITON_IMPORT_ERROR[:] = [f"{type(e).__name__}: {str(e)[:160]}"]
         return None
     return TRITON
+
+
+def decode_candidate():
+    """Our split-KV decode kernel for decode-shaped calls (`kernels/decode.py`), or None without triton."""
+    try:
+        from ..kernels.decode import DECODE  # noqa: PLC0415
+    except Exception:
+        return None
+    return DECODE
 
 
 def has_backward(cand) -> bool:

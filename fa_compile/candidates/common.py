@@ -77,6 +77,8 @@ def may_have_empty_rows(args) -> bool:
     """Rows with no admissible key are possible (bias, kv_lens, or a diagonal left of column 0)."""
     if args.bias is not None or args.kv_lens is not None:
         return True
+    if getattr(args, "q_pos", None) is not None or getattr(args, "q_seg", None) is not None:
+        return True
     off = static_int(args.diag_offset)
     if effective_causal(args) and (off is None or off < 0):
         return True
@@ -131,6 +133,7 @@ def common_feature_reasons(args, what: str, *, softcap: bool = False, dropout: b
     out = []
     if getattr(args, "sinks", None) is not None and not sinks:
         out.append(f"{what} has no attention sinks (a per-head logit in the softmax denominator)")
+    out += position_segment_reasons(args, what)
     if args.softcap > 0 and not softcap:
         out.append(f"{what} has no softcap")
     if args.dropout_p > 0 and not dropout:
@@ -138,6 +141,20 @@ def common_feature_reasons(args, what: str, *, softcap: bool = False, dropout: b
     nk = static_int(args.k.shape[2])
     if nk == 0:
         out.append(f"{what}: no keys (Nk = 0)")
+    return out
+
+
+def position_segment_reasons(args, what: str) -> list[str]:
+    """No peer takes the op's run-time structure: q_pos (a per-query key limit read at run time) would
+    need a dense bias built per call, and segment ids of any order have no varlen form (cu_seqlens
+    needs sorted, contiguous segments, which nothing proves of ids given at run time). Our Triton family
+    and the reference take both."""
+    out = []
+    if getattr(args, "q_pos", None) is not None:
+        out.append(f"{what} takes no run-time query positions (q_pos); a dense bias per call would read every key")
+    if getattr(args, "q_seg", None) is not None:
+        out.append(f"{what} takes no segment ids (q_seg / k_seg): its varlen form needs sorted, contiguous "
+                   "sequences, which ids given at run time are not proven to be")
     return out
 
 

@@ -8,8 +8,9 @@ dispatch per call. A node whose kernel has no lowering, whose choice depends on 
 or whose lowering fails keeps the op (run-time dispatch); each decision is recorded (`records()`).
 
 Modules: `site_args` (node -> AttentionArgs), `choice` (which kernel, which lowering, or why none),
-`cpu_flash` / `sdpa` / `fa3` / `triton` (the replacements; `fa3` through a thin custom op over FA3's
-C++ forward; `triton` calls the `fa3_triton` triton_ops of kernels/triton_ops.py), `splice` (tracing
+`cpu_flash` / `sdpa` / `fa3` / `triton` / `decomposed` (the replacements; `fa3` through a thin custom op
+over FA3's C++ forward; `triton` calls the `fa3_triton` triton_ops of kernels/triton_ops.py;
+`decomposed` writes a decode step's reference math as graph ops), `splice` (tracing
 a replacement into the graph),
 `graph_pass` (the Inductor CustomGraphPass).
 """

@@ -94,7 +94,8 @@ def _tuned_kernel(args: dispatch.AttentionArgs, forced: Optional[str], direction
 
     with unset_fake_temporarily():
         real = dataclasses.replace(args, **{n: _real_like(getattr(args, n)) for n in ("q", "k", "v", "bias", "kv_lens",
-                                                                                        "dropout_seed", "sinks")})
+                                                                                        "dropout_seed", "sinks",
+                                                                                        "q_pos", "q_seg", "k_seg")})
         real = dispatch._for_direction(real, direction)
         return dispatch._select(dispatch.ordered(real, direction), real, forced, direction).name
 
@@ -111,11 +112,21 @@ def decide(args: dispatch.AttentionArgs, forced: Optional[str], direction: str, 
         name = tuned
     if name.startswith("none"):
         return Decision(direction, "none", reason=name, refused=refused)
+    if dispatch.forced_kernel(forced) is None:
+        from .decomposed import DECODE_MATH
+
+        if not DECODE_MATH.reasons(args, direction):  # a decode step: its math, fused by Inductor
+            return Decision(direction, "decode_math", target=DECODE_MATH.target(direction), refused=refused)
     if args.sinks is not None:
         # No compile-time lowering passes the sinks (the CPU flash op and the SDPA ops have none): the op
         # and its run-time dispatch keep the site.
         return Decision(direction, name, reason="attention sinks: no compile-time lowering takes them; the op keeps "
                         "its run-time dispatch", refused=refused)
+    if args.q_pos is not None or args.q_seg is not None:
+        # The lowered kernels (SDPA ops, the CPU flash op, the lowered Triton ops) take no run-time positions
+        # or segment ids: the op and its run-time dispatch keep the site.
+        return Decision(direction, name, reason="q_pos / segment ids: no compile-time lowering takes them; the op "
+                        "keeps its run-time dispatch", refused=refused)
     dyn = dynamic_dims(args)
     if dyn and args.q.device.type != "cpu":
         # On CUDA the order reads sizes (FA3 from 2048 tokens, FA2 for decode, head-dim limits): a
@@ -137,7 +148,7 @@ def decide(args: dispatch.AttentionArgs, forced: Optional[str], direction: str, 
 def describe(args: dispatch.AttentionArgs, forced: Optional[str] = None) -> str:
     """What the lowering makes of a site, forward (and backward when `args.needs_backward`), e.g.
     "forward reference -> aten._scaled_dot_product_flash_attention_for_cpu"; for explain()."""
-    from . import cpu_flash, fa3, sdpa, triton  # noqa: F401  (register the lowerings)
+    from . import cpu_flash, decomposed, fa3, sdpa, triton  # noqa: F401  (register the lowerings)
 
     parts = []
     with contextlib.suppress(Exception):

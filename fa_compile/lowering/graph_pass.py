@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import hashlib
 import warnings
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ def capture_graphs() -> Iterator[list]:
 
 
 def _load_lowerings() -> None:
-    from . import cpu_flash, fa3, sdpa, triton  # noqa: F401  (each registers itself)
+    from . import cpu_flash, decomposed, fa3, sdpa, triton  # noqa: F401  (each registers itself)
 
 
 def _warn_once(node: fx.Node, decision: choice.Decision, err: Exception) -> None:
@@ -70,6 +71,8 @@ def _lower_node(graph: fx.Graph, node: fx.Node) -> Optional[choice.Decision]:
     names += [n for n in ("bias", "kv_lens") if b[n] is not None]
     if getattr(lowering, "takes_dropout_seed", False) and b["dropout_seed"] is not None:
         names.append("dropout_seed")  # last, after bias and kv_lens
+    if getattr(lowering, "takes_structure", False):
+        names += [n for n in ("sinks", "q_pos", "q_seg", "k_seg") if b[n] is not None]
     try:
         fn = lowering.backward_fn(args) if backward else lowering.forward_fn(args)
         splice.replace_node(graph, node, fn, [b[n] for n in names])
@@ -126,8 +129,6 @@ _FILES = None
 
 
 def _source_hash() -> str:
-    import os
-
     global _FILES
     if _FILES is None:
         here = os.path.dirname(os.path.abspath(__file__))
@@ -146,7 +147,8 @@ def _settings_key() -> tuple:
         devs = tuple(torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count()))
     from . import triton
 
-    return (dispatch._settings()[:-1], devs, torch.__version__, triton.settings_key())
+    return (dispatch._settings()[:-1], devs, torch.__version__, triton.settings_key(),
+            os.environ.get("FA_COMPILE_DECODE_MATH", "1"))
 
 
 def chained_uuid(chained: Any) -> tuple[bool, Any]:

@@ -33,7 +33,7 @@ def bound(node: fx.Node) -> dict:
 
 
 _FIELDS = ("q", "k", "v", "scale", "causal", "diag_offset", "window_left", "window_right", "bias", "kv_lens",
-           "softcap", "dropout_p", "dropout_seed", "sinks")
+           "softcap", "dropout_p", "dropout_seed", "sinks", "q_pos", "q_seg", "k_seg")
 
 
 def attention_args(node: fx.Node) -> Optional[dispatch.AttentionArgs]:
@@ -43,7 +43,7 @@ def attention_args(node: fx.Node) -> Optional[dispatch.AttentionArgs]:
     for name in ("q", "k", "v"):
         if not isinstance(kw[name], torch.Tensor):
             return None
-    for name in ("bias", "kv_lens", "dropout_seed", "sinks"):
+    for name in ("bias", "kv_lens", "dropout_seed", "sinks", "q_pos", "q_seg", "k_seg"):
         if b[name] is not None and not isinstance(kw[name], torch.Tensor):
             return None
     if node.target is BACKWARD:

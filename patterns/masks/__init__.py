@@ -21,8 +21,8 @@ arithmetic a*i + b*j + c on the query/key axes; `_Keep`: a keep-mask that is a c
 lo <= j - i <= hi, a key-length bound j < lens[b] and opaque bool factors; `_Two`: a float mask equal
 to 0 where a `_Keep` holds and c elsewhere; `_Konst`: a tensor filled with one number; `_Opaque`:
 anything else). SiteReport kinds produced: "causal" (diag_offset 0), "causal-bottom-right"
-(Nk - Nq), "causal-offset" (any other), "window", "key-padding" (kv_lens), "bool-mask" / "bias"
-(residual), joined by '+'. Two techniques produce them:
+(Nk - Nq), "causal-offset" (any other), "window", "key-padding" (kv_lens), "query-positions" (q_pos),
+"segments" (q_seg / k_seg), "bool-mask" / "bias" (residual), joined by '+'. Two techniques produce them:
   (a) symbolic rules over arange / comparisons / tril / triu / where / masked_fill / logical ops and
       shape-only ops; these hold for every size, so they serve dynamic shapes;
   (b) concrete evaluation: a node that depends on no graph input except module buffers and whose
@@ -31,6 +31,18 @@ anything else). SiteReport kinds produced: "causal" (diag_offset 0), "causal-bot
       shape in the subgraph is symbolic. Module buffers (not parameters) are read at compile time and
       treated as constants: Dynamo does not guard their contents, so a model that writes into its
       mask buffer after compiling must recompile (nanoGPT / GPT-2 never do).
+  (c) run-time structure, read from tensors the op takes as they are (when its schema has q_pos /
+      q_seg / k_seg): key positions compared with an integer tensor P that varies along the query axis
+      (`kv_arange <= cache_position[:, None]`, HF's `q_arange + cache offset`; `<`, `>=`, `>` mirrored)
+      are q_pos = P (a P varying along one axis is a key length until the mask meets the scores, where
+      that axis proves to be the queries or the batch); a constant lower-triangular buffer indexed by
+      a 1-d P (gpt-fast's `causal_mask[None, None, input_pos]`) is q_pos = P mod rows; an equality of
+      integer tensors varying one along queries and one along keys is q_seg / k_seg (any ids). HF's
+      packed sequences compare positions gathered per token, P[b, j] <= P[b, i], next to ids
+      cumsum(diff(P) != 1): within such a run P steps by one, so the comparison is the band j <= i
+      (values._within_runs). P is copied for the op (int64) where the mask read it, and refused when it
+      or a tensor sharing its storage is written in place. A window relative to P has no op form and
+      stays a bool mask.
 Whatever depends on data stays a residual bias, as the smallest node that the graph already has
 (e.g. the [B, 1, 1, Nk] padding mask, never its expansion to N x N). Conditions on symbolic sizes are
 decided by statically_known_true or by being one of Dynamo's own guards (a slice start Nk - Nq of a

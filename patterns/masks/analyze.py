@@ -155,4 +155,6 @@ def _keep_within(a: "_Keep", f: "_Keep") -> bool:
         return False
     if f.lens is not None and a.lens != f.lens:
         return False
+    if (f.qpos is not None and a.qpos != f.qpos) or (f.seg is not None and a.seg != f.seg):
+        return False
     return set(f.data) <= set(a.data)

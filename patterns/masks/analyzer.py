@@ -10,10 +10,12 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from ..emit import example_value
+from ..emit import example_value, op_accepts
 from .symbolic import Size, _DEBUG, _as_int, _dtype, _is_one, _same, _shape, _sym_true
-from .values import AbsVal, _AbsLin, _Fail, _Keep, _Konst, _Lin, _Opaque, _TRUE, _Two, _and, _not
-from .concrete import _Evaluator, _arg, _classify, _exact_positions, _is_inplace, _opname, _scalar
+from .values import (AbsVal, _AbsLin, _Fail, _Gather, _Ids, _Keep, _Konst, _Lin, _Opaque, _QPos, _Runs, _TRUE, _Two,
+                     _and, _not)
+from .concrete import (_Evaluator, _arg, _classify, _exact_positions, _is_inplace, _opname, _scalar,
+                       _written_in_place)
 
 
 # ----------------------------------------------------------------------------- dim mapping of shape ops
@@ -68,6 +70,22 @@ def _order_map(in_shape: tuple, out_shape: tuple) -> Optional[dict]:
     if len(a) != len(b) or any(not _same(in_shape[x], out_shape[y]) for x, y in zip(a, b)):
         return None
     return {x - len(in_shape): y - len(out_shape) for x, y in zip(a, b)}
+
+
+_SAME_VALUES = ("expand", "contiguous", "clone", "detach")
+
+
+def _canonical(node: Any) -> Optional[fx.Node]:
+    """The node whose values `node` reads unchanged (through expand / contiguous), or None when any of
+    them is written in place (its value would depend on where it is read)."""
+    for _ in range(8):
+        if not isinstance(node, fx.Node) or _written_in_place(node):
+            return None
+        if node.op in ("call_function", "call_method") and _opname(node) in _SAME_VALUES:
+            node = node.args[0]
+            continue
+        return node
+    return None
 
 
 # ----------------------------------------------------------------------------- the abstract interpreter
@@ -262,9 +280,19 @@ class _Analyzer:
     def _logic_and(self, n: fx.Node) -> Optional[AbsVal]:
         a, b = n.args[0], n.args[1]
         try:
-            r = _and(self.keep(a), self.keep(b))
+            ka, kb = self.keep(a), self.keep(b)
         except _Fail:
             return None
+        r = _and(ka, kb)
+        if r is None:
+            # key lengths / run-time positions ANDed with what has no op form beside them (a window
+            # relative to run-time positions j > P[i] - w): keep the structure, the other side as data
+            for x, y, ynode in ((ka, kb, b), (kb, ka, a)):
+                if (x.lens is not None or x.qpos is not None) and not x.inverted and isinstance(ynode, fx.Node) \
+                        and _dtype(ynode) == torch.bool:
+                    r = _and(x, _Keep(data=((self.smallest(ynode), False),)))
+                    if r is not None:
+                        break
         if r is not None and _dtype(n) != torch.bool:
             r = replace(r, numeric=True)
         return r
@@ -449,17 +477,72 @@ class _Analyzer:
                 t = ly.const if o == "le" else ly.const - 1
                 c = d.const
                 return _Keep(lo=-t - c, hi=t - c) if sj == 1 else _Keep(lo=c - t, hi=c + t)
+        if op == "eq" and isinstance(a, (_Opaque, _Gather)) and isinstance(b, (_Opaque, _Gather)):
+            r = self._segments(n, an, bn)
+            if r is not None:
+                return r
+        if op in ("le", "lt", "ge", "gt") and isinstance(a, _Gather) and isinstance(b, _Gather) and (
+                a.src is b.src and {a.axis, b.axis} == {-2, -1}) and _dtype(n) == torch.bool:
+            o = op if a.axis == -1 else _FLIP[op]  # P[b, j] o P[b, i]: within a run of P, j - i o 0
+            lo, hi = {"le": (None, 0), "lt": (None, -1), "ge": (0, None), "gt": (1, None)}[o]
+            return _Keep(data=((n, False),), rel=(((n, False), a.src, lo, hi),))
         if isinstance(a, _Lin) or isinstance(b, _Lin):
             r = self._lin_cmp(n, a, b, an, bn, op)
             if r is not None:
                 return r
         return _Opaque(n)
 
+    def _segments(self, n: fx.Node, an: Any, bn: Any) -> Optional[AbsVal]:
+        """ids_q[b, i] == ids_k[b, j]: two integer tensors, one varying along the comparison's -2 axis and
+        not -1, the other along -1 and not -2, each at most along one more (the same) axis, the batch
+        (`seg[:, :, None] == seg[:, None, :]`); any values. Shape ops then move the axes; where the mask
+        meets the scores they must be the queries, the keys and the batch (combine._band_fits)."""
+        if not op_accepts("q_seg") or not isinstance(an, fx.Node) or not isinstance(bn, fx.Node):
+            return None
+        out = _shape(n)
+        sides, batch = {}, set()
+        for node in (an, bn):
+            shape = _shape(node)
+            if shape is None or out is None or len(shape) > len(out):
+                return None
+            dt = _dtype(node)
+            if dt is None or dt.is_floating_point or dt == torch.bool or dt.is_complex:
+                return None
+            nu = {d - len(shape) for d in _nonunit(shape)}
+            axes = nu & {-2, -1}
+            if len(axes) != 1 or len(nu) > 2:
+                return None
+            (axis,) = axes
+            if axis in sides:
+                return None
+            sides[axis] = node
+            batch |= nu - axes
+        if len(batch) > 1:
+            return None
+        bdim = next(iter(batch), None)
+        runs = set()
+        for node in sides.values():  # ids gathered from unit-step runs of positions P (HF packed sequences)
+            v = self.value(node)
+            src = self.value(v.src) if isinstance(v, _Gather) else None
+            runs.add(src.positions if isinstance(src, _Runs) else None)
+        p = runs.pop() if len(runs) == 1 else None
+
+        def ids(axis: int) -> _Ids:
+            shape = _shape(sides[axis])
+            own_b = bdim if bdim is not None and len(shape) >= -bdim and not _is_one(shape[bdim]) else None
+            return _Ids(sides[axis], axis, p, bdim, axis, own_b)
+
+        return _Keep(seg=(ids(-2), ids(-1)))
+
     def _lin_cmp(self, n, a, b, an, bn, op) -> Optional[AbsVal]:
         # key padding: arange(Nk) OP lens[..., None]
         for x, y, ynode, o in ((a, b, bn, op), (b, a, an, _FLIP[op])):
             if isinstance(x, _Lin) and isinstance(y, _Opaque) and isinstance(ynode, fx.Node):
-                if x.coef != ((-1, 1),) or _as_int(x.const) != 0 or o not in ("lt", "le"):
+                qp = self._query_positions(n, x, ynode, o)
+                if qp is not None:
+                    return qp
+                c = _as_int(x.const)
+                if x.coef != ((-1, 1),) or c is None or o in ("eq", "ne"):
                     return None
                 dt, ys = _dtype(ynode), _shape(ynode)
                 if dt is None or dt.is_floating_point or dt == torch.bool or not ys:
@@ -471,7 +554,11 @@ class _Analyzer:
                 if not ys or len(ys) > len(out) or (nu and nu[0] - len(ys) == -1):
                     return None
                 bdim = (nu[0] - len(ys)) if nu else None
-                return _Keep(lens=(ynode, bdim, 1 if o == "le" else 0))
+                # j + c <= y  <=>  j < y + 1 - c;  j + c < y  <=>  j < y - c;  > and >= are the complements
+                # (masked where true). A y varying along the query axis (bdim -2 in the end) is read as
+                # run-time query positions where the mask meets the scores (combine._term_info).
+                add = (1 if o in ("le", "gt") else 0) - c
+                return _Keep(lens=(ynode, bdim, add), inverted=o in ("gt", "ge"))
         la = a if isinstance(a, _Lin) else self._lin_add(a, _Konst(0), 1)
         lb = b if isinstance(b, _Lin) else self._lin_add(b, _Konst(0), 1)
         if la is None or lb is None:
@@ -497,6 +584,93 @@ class _Analyzer:
             return _Keep(lo=t, hi=t)
         return None
 
+    def _query_positions(self, n: fx.Node, x: _Lin, ynode: fx.Node, o: str) -> Optional[AbsVal]:
+        """j + c <= P (or <): key positions against an integer tensor P broadcast along the key axis and
+        varying along the comparison's -2 axis and one other (per-row cache positions [B, Nq, 1]):
+        keys j <= P[b, i] - c (- 1); `>` / `>=` are the complement (masked where true). Shape ops then
+        move both axes; where the mask meets the scores -2 must be the queries and the other the batch
+        (combine._band_fits). A P varying along one axis only is a key length (lens) here, and becomes
+        query positions if that axis turns out to be the scores' queries (combine._term_info): HF's
+        kv_arange <= q_arange + cache offset, cache_position[:, None]."""
+        if x.coef != ((-1, 1),) or _as_int(x.const) is None or o in ("eq", "ne") or not op_accepts("q_pos"):
+            return None
+        dt, ys, out = _dtype(ynode), _shape(ynode), _shape(n)
+        if dt is None or dt.is_floating_point or dt == torch.bool or dt.is_complex or ys is None or out is None:
+            return None
+        nu = [d - len(ys) for d in _nonunit(ys)]
+        if len(ys) > len(out) or len(nu) != 2 or -2 not in nu or -1 in nu:
+            return None  # one varying axis: a key length until it meets the scores
+        b = next(d for d in nu if d != -2)
+        c = _as_int(x.const)
+        add, inverted = (-c, o == "gt") if o in ("le", "gt") else (-c - 1, o == "ge")
+        return _Keep(qpos=_QPos(ynode, add, qdim=-2, bdim=b, own_q=-2, own_b=b), inverted=inverted)
+
+    def _gather(self, n: fx.Node, ins: tuple, outs: tuple) -> Optional[AbsVal]:
+        """src[batch_idx, t_idx] with batch_idx = arange(B) along -4 and t_idx = arange(N) along the query
+        (-2) or key (-1) axis of a 4-d result: the value src[b, t] (HF's position_ids[batch_idx, q_idx])."""
+        index = n.args[1]
+        if not isinstance(index, tuple) or len(index) != 2 or len(ins) != 2 or len(outs) != 4:
+            return None
+        bi, ti = (self.value(i) if isinstance(i, fx.Node) else None for i in index)
+        if not (isinstance(bi, _Lin) and bi.coef == ((-4, 1),) and _as_int(bi.const) == 0):
+            return None
+        if not (isinstance(ti, _Lin) and len(ti.coef) == 1 and ti.coef[0][0] in (-2, -1) and ti.coef[0][1] == 1
+                and _as_int(ti.const) == 0):
+            return None
+        src = _canonical(n.args[0])
+        if src is None:
+            return None
+        return _Gather(src, ti.coef[0][0], n)
+
+    def _op_cumsum(self, n: fx.Node) -> Optional[AbsVal]:
+        """cumsum(diff(P, dim=-1) != 1, -1) of an integer [B, N] P: unit-step runs of P (_Runs)."""
+        x, dim = n.args[0], _arg(n, 1, "dim")
+        shape = _shape(n)
+        if not isinstance(x, fx.Node) or shape is None or len(shape) != 2 or dim not in (-1, 1):
+            return None
+        if _opname(x) not in _CMP or _CMP[_opname(x)] != "ne" or len(x.args) != 2:
+            return None
+        d, one = (x.args[0], x.args[1]) if isinstance(x.args[0], fx.Node) else (x.args[1], x.args[0])
+        if _scalar(one) != 1.0 or not isinstance(d, fx.Node) or _opname(d) != "diff":
+            return None
+        if _arg(d, 1, "n", 1) != 1 or _arg(d, 2, "dim", -1) not in (-1, 1) or _arg(d, 4, "append") is not None:
+            return None
+        p = _canonical(d.args[0])
+        pv = example_value(p)
+        if p is None or pv.dim() != 2 or pv.dtype not in (torch.int32, torch.int64):
+            return None  # integer positions: diff == 1 is exact
+        if not all(_same(a, b) for a, b in zip(pv.shape, shape)):
+            return None  # one prepended column: S[t] counts the breaks up to the step into P[t]
+        return _Runs(p, n)
+
+    def _row_index(self, n: fx.Node, x: AbsVal, ins: tuple) -> Optional[AbsVal]:
+        """tril_buffer[None, None, pos] (gpt-fast): the rows of a constant lower-triangular keep-mask picked
+        by a 1-d integer tensor; row r keeps j - r <= hi, so the result keeps j <= pos[i] + hi, reading pos
+        modulo the buffer's rows (indexing wraps negative positions)."""
+        index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+        at = [p for p, e in enumerate(index) if isinstance(e, fx.Node)]
+        if len(at) != 1 or not isinstance(x, _Keep) or len(ins) < 2 or not op_accepts("q_pos"):
+            return None
+        p = at[0]
+        if any(not (e is None or e == slice(None)) for e in index if not isinstance(e, fx.Node)):
+            return None
+        if sum(e is not None for e in index) > len(ins) or any(e is None for e in index[p + 1:]):
+            return None
+        if sum(e is not None for e in index[:p]) != len(ins) - 2:
+            return None  # the index must pick the rows (the query axis), the key axis kept whole
+        idx = index[p]
+        iv = example_value(idx)
+        if not isinstance(iv, torch.Tensor) or iv.dim() != 1 or iv.dtype not in (torch.int32, torch.int64):
+            return None
+        if x.inverted or x.lens is not None or x.data or x.qpos is not None or x.seg is not None or x.lo is not None:
+            return None
+        if x.hi is None:
+            return x  # every row keeps every key
+        hi, rows = _as_int(x.hi), _as_int(ins[-2])
+        if hi is None or rows is None:
+            return None
+        return _Keep(qpos=_QPos(idx, hi, rows=True, wrap=rows), numeric=x.numeric)
+
     # --- shape-only ops
     def _shape_op(self, n: fx.Node, name: str) -> AbsVal:
         src = n.args[0]
@@ -508,7 +682,10 @@ class _Analyzer:
         if name == "getitem":
             gm_ = _getitem_map(ins, n.args[1])
             if gm_ is None:
-                return _Opaque(n)
+                r = self._row_index(n, x, ins)
+                if r is None:
+                    r = self._gather(n, ins, outs)
+                return r if r is not None else _Opaque(n)
             pmap, pslices = gm_
             dmap = {d - len(ins): o - len(outs) for d, o in pmap.items() if not _is_one(ins[d])}
             slices = {d - len(ins): s for d, s in pslices.items()
@@ -551,8 +728,21 @@ class _Analyzer:
                 k = x.keep if isinstance(x, _Two) else x
                 if isinstance(x, _Two) and x.extra and not (identity and not slices):
                     return _Opaque(n)
-                if k.data and not (identity and not slices):
-                    return _Opaque(n)
+                if (k.data or (k.qpos is not None and k.qpos.rows)) and not (identity and not slices):
+                    return _Opaque(n)  # node-held factors broadcast to this tensor only unchanged
+                seg = k.seg
+                if seg is not None:
+                    axes = {d for ids in seg for d in (ids.axis, ids.bdim) if d is not None}
+                    if any(d in slices or d not in dmap for d in axes):
+                        return _Opaque(n)
+                    seg = tuple(replace(ids, axis=dmap[ids.axis], bdim=None if ids.bdim is None else dmap[ids.bdim])
+                                for ids in seg)
+                qpos = k.qpos
+                if qpos is not None and not qpos.rows:
+                    axes = [d for d in (qpos.qdim, qpos.bdim, -1) if d is not None]
+                    if any(d in slices for d in axes) or any(d not in dmap for d in axes) or dmap[-1] != -1:
+                        return _Opaque(n)
+                    qpos = replace(qpos, qdim=dmap[qpos.qdim], bdim=None if qpos.bdim is None else dmap[qpos.bdim])
                 lo, hi = k.lo, k.hi
                 if lo is not None or hi is not None:
                     for d in (-2, -1):
@@ -575,7 +765,7 @@ class _Analyzer:
                             return _Opaque(n)
                         bdim = dmap[bdim]
                     lens = (node, bdim, add)
-                nk = replace(k, lo=lo, hi=hi, lens=lens)
+                nk = replace(k, lo=lo, hi=hi, lens=lens, qpos=qpos, seg=seg)
                 return replace(x, keep=nk) if isinstance(x, _Two) else nk
             if isinstance(x, _Konst):
                 return x
@@ -597,7 +787,7 @@ class _Analyzer:
             return _Opaque(n)
         x = self.value(n.args[0])
         k = x.keep if isinstance(x, _Two) and not x.extra else x
-        if isinstance(k, _Keep) and not k.data and k.lens is None:
+        if isinstance(k, _Keep) and not k.data and k.lens is None and k.qpos is None and k.seg is None:
             mirrored = replace(k, lo=None if k.hi is None else -k.hi, hi=None if k.lo is None else -k.lo)
             return replace(x, keep=mirrored) if isinstance(x, _Two) else mirrored
         if isinstance(x, _Konst):

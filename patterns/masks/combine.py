@@ -3,18 +3,18 @@ eager's semantics on fully masked rows (or a refusal reason)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import torch
 import torch.fx as fx
 
-from ..emit import example_value
+from ..emit import example_value, op_accepts
 from ..site import MaskTerm
 from .symbolic import Size, _dtype, _same, _shape, _sym_true
-from .values import _Fail, _Keep, _Konst, _TRUE, _Two, _and, _not
+from .values import _Fail, _Keep, _Konst, _QPos, _TRUE, _Two, _and, _not
 from .concrete import _scalar
-from .analyzer import _Analyzer
+from .analyzer import _Analyzer, _nonunit
 
 
 ABSORB_LIMIT = -1e30  # fp32 s + c == c for |s| < 1e22 when c <= this: a fill then acts as an additive c
@@ -71,6 +71,8 @@ def _term_info(an: _Analyzer, t: MaskTerm, scores_dtype: torch.dtype, q_len: Siz
         eager_dt = torch.promote_types(scores_dtype, dt)
         # s + c for a finite c that does not absorb s (fp32 -1e9, -1e4) keeps s: only the untouched bias
         # is exact, whatever the scores (a row whose admissible scores lie below c + s_masked)
+        if isinstance(v, _Two):
+            v = replace(v, keep=_lens_as_positions(v.keep, t.tensor, q_len))
         if isinstance(v, _Two) and v.on == 0 and _absorbs(v.c, eager_dt) and _band_fits(
                 v.keep, t.tensor, q_len, k_len):
             return _TermInfo("add", v.c, keep=v.keep, extra=v.extra, absorbs=True)
@@ -103,9 +105,23 @@ def _term_info(an: _Analyzer, t: MaskTerm, scores_dtype: torch.dtype, q_len: Siz
     if t.op == "fill":
         nk = _not(k)
         k = nk if nk is not None else _Keep(data=((small, True),))
+    k = _lens_as_positions(k, node, q_len)
     if not _band_fits(k, node, q_len, k_len):
         k = _Keep(data=((small, t.op == "fill"),))
     return _TermInfo(t.op, c, keep=k, finite=not _negligible(c, scores_dtype))
+
+
+def _lens_as_positions(k: _Keep, node: fx.Node, q_len: Size) -> _Keep:
+    """A key bound j < y + add whose y varies along the mask's query axis (-2, of size Nq) is a bound per
+    query: run-time positions j <= y[i] + add - 1 (the op's q_pos)."""
+    if k.lens is None or k.inverted or k.qpos is not None or not op_accepts("q_pos"):
+        return k
+    y, bdim, add = k.lens
+    shape = _shape(node)
+    if bdim != -2 or shape is None or len(shape) < 2 or not _same(shape[-2], q_len):
+        return k
+    own = _nonunit(_shape(y))
+    return replace(k, lens=None, qpos=_QPos(y, add - 1, qdim=-2, own_q=own[0] - len(_shape(y)) if own else -1))
 
 
 def _band_fits(k: _Keep, node: fx.Node, q_len: Size, k_len: Size) -> bool:
@@ -121,6 +137,15 @@ def _band_fits(k: _Keep, node: fx.Node, q_len: Size, k_len: Size) -> bool:
     if k.lens is not None:
         _, bdim, _ = k.lens
         if not _same(shape[-1], k_len) or (bdim is not None and bdim != -4):
+            return False
+    if k.qpos is not None and not k.qpos.rows and (k.qpos.qdim != -2 or k.qpos.bdim not in (None, -4)):
+        return False  # the positions' axes are not the scores' (query, batch) axes
+    if k.seg is not None and ((k.seg[0].axis, k.seg[1].axis) != (-2, -1) or any(
+            ids.bdim not in (None, -4) for ids in k.seg)):
+        return False  # the ids' axes are not the scores' (query, key, batch) axes
+    if k.qpos is not None or k.seg is not None:
+        # run-time positions / segment ids index the scores' own (query, key) axes
+        if len(shape) < 2 or not _same(shape[-1], k_len) or not _same(shape[-2], q_len):
             return False
     return True
 
@@ -140,7 +165,7 @@ def _combine(infos: list, an: _Analyzer, q_len, k_len, sdpa: bool) -> Union[str,
     """The structure and empty-row semantics of converted / untouched terms, or a refusal reason."""
     conv = [t for t in infos if t.converted]
     untouched = [t for t in infos if not t.converted]
-    lo = hi = lens = None
+    lo = hi = lens = qpos = seg = None
     data: list = []
     extras: list = []
     for t in infos:
@@ -149,16 +174,17 @@ def _combine(infos: list, an: _Analyzer, q_len, k_len, sdpa: bool) -> Union[str,
         k = t.keep
         if k is None:
             continue
-        acc = _and(_Keep(lo, hi, lens), _Keep(k.lo, k.hi, k.lens))
+        acc = _and(_Keep(lo, hi, lens, qpos=qpos, seg=seg), _Keep(k.lo, k.hi, k.lens, qpos=k.qpos, seg=k.seg))
         if acc is None:
-            return "mask terms combine two key-length bounds or bands not comparable for every size"
-        lo, hi, lens = acc.lo, acc.hi, acc.lens
+            return ("mask terms combine two key-length bounds, query-position limits or segment ids, or bands "
+                    "not comparable for every size")
+        lo, hi, lens, qpos, seg = acc.lo, acc.hi, acc.lens, acc.qpos, acc.seg
         data.extend(k.data)
     masking = [t for t in conv if t.keep is not None and (t.keep.structural or t.keep.data)]
     cs = {t.c for t in masking}
     if any(t.finite for t in masking):
-        return _finite_plan(infos, masking, lo, hi, lens, data, extras)
-    no_empty = not data and lens is None and not untouched and not any(
+        return _finite_plan(infos, masking, lo, hi, lens, data, extras, qpos, seg)
+    no_empty = not data and lens is None and qpos is None and seg is None and not untouched and not any(
         t.extra for t in infos) and _never_empty(lo, hi, q_len, k_len)
     if not masking:
         empty = "zero" if sdpa else "nan"
@@ -193,10 +219,11 @@ def _combine(infos: list, an: _Analyzer, q_len, k_len, sdpa: bool) -> Union[str,
         empty = "impossible"
     if no_empty and masking:
         empty = "impossible"
-    return dict(lo=lo, hi=hi, lens=lens, data=data, extras=extras, empty=empty)
+    return dict(lo=lo, hi=hi, lens=lens, data=data, extras=extras, empty=empty, qpos=qpos, seg=seg)
 
 
-def _finite_plan(infos: list, masking: list, lo, hi, lens, data: list, extras: list) -> Union[str, dict]:
+def _finite_plan(infos: list, masking: list, lo, hi, lens, data: list, extras: list, qpos=None,
+                 seg=None) -> Union[str, dict]:
     """A finite fill c that is not negligible: eager gives each masked key the weight e^c on every row,
     which emit adds exactly (empty_rows "fill") when every masked score is c: one fill value, only
     fills and wheres mask, and they come after every other term (which they then overwrite)."""
@@ -212,4 +239,4 @@ def _finite_plan(infos: list, masking: list, lo, hi, lens, data: list, extras: l
     if data and extras:
         return (f"finite fill {cs[0]} with both a data mask and a float bias: the masked keys are not "
                 f"known apart from the bias, which the op cannot reproduce")
-    return dict(lo=lo, hi=hi, lens=lens, data=data, extras=extras, empty="fill", fill=cs[0])
+    return dict(lo=lo, hi=hi, lens=lens, data=data, extras=extras, empty="fill", fill=cs[0], qpos=qpos, seg=seg)

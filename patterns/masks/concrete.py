@@ -47,6 +47,41 @@ def _is_inplace(node: fx.Node) -> bool:
     return node.op in ("call_method", "call_function") and name.endswith("_") and not name.endswith("__")
 
 
+# ops whose result may share its first input's storage (a later in-place write shows through)
+_MAY_ALIAS = {"getitem", "view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "broadcast_to",
+              "transpose", "permute", "t", "contiguous", "to", "type", "type_as", "long", "int", "flatten",
+              "unflatten", "narrow", "select", "detach", "view_as", "reshape_as", "alias", "as_strided",
+              "movedim", "swapaxes", "swapdims", "_unsafe_view"}
+
+
+def _written_in_place(node: fx.Node) -> bool:
+    """Whether node, or any tensor that may share its storage (the views it is taken from and every
+    view taken of those), is written in place anywhere in the graph: then its values depend on where
+    it is read, and a copy taken for the op could differ from what the mask read."""
+
+    def aliases_input(n: fx.Node) -> bool:
+        return (n.op in ("call_function", "call_method") and _opname(n) in _MAY_ALIAS and bool(n.args)
+                and isinstance(n.args[0], fx.Node))
+
+    base = node
+    for _ in range(64):
+        if not aliases_input(base):
+            break
+        base = base.args[0]
+    seen, todo = set(), [base]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if len(seen) > 4096 or _is_inplace(n):
+            return True
+        for u in n.users:
+            if u.args and u.args[0] is n and (_is_inplace(u) or aliases_input(u)):
+                todo.append(u)  # an in-place write into n (caught above), or a view of n
+    return False
+
+
 def _arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:
     if len(node.args) > i:
         return node.args[i]

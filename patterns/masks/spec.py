@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 import operator
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.fx as fx
 
 from ..emit import call, example_value
 from ..site import MaskSpec
-from .symbolic import Size, _as_int, _dtype, _same, _shape
-from .values import _Fail
+from .symbolic import Size, _as_int, _dtype, _is_one, _same, _shape
+from .concrete import _written_in_place
+from .values import _Fail, _QPos
 
 
 class _Emitter:
@@ -30,6 +31,17 @@ class _Emitter:
             if not n.users:
                 self.gm.graph.erase_node(n)
         self.made.clear()
+
+    def call_after(self, n: fx.Node, target, *args, **kwargs) -> fx.Node:
+        """A call placed right after n (after the placeholders when n is one): it reads n's value where
+        the mask read it, before any later in-place write into n's storage (a cache offset's add_)."""
+        at = n
+        if n.op == "placeholder":
+            at = next(x for x in self.gm.graph.nodes if x.op != "placeholder").prev
+        with self.gm.graph.inserting_after(at):
+            node = call(self.gm.graph, target, *args, **kwargs)
+        self.made.append(node)
+        return node
 
     def before(self, n: fx.Node) -> bool:
         return self.order.get(n, 1 << 60) < self.order.get(self.at, -1)
@@ -61,6 +73,44 @@ class _Emitter:
         if out is None or isinstance(sympy.sympify(expr), sympy.Integer):
             raise _Fail(f"cannot build {expr}")
         return out
+
+
+def _emit_vector(em: "_Emitter", node: fx.Node, own_axis: int, own_b: Optional[int]) -> fx.Node:
+    """node, varying only along its dims own_axis (N) and own_b (the batch, or None), as the op's [N] or
+    [B, N] int64 vector: a fresh copy taken right where the mask read node."""
+    if not em.before(node):
+        raise _Fail(f"{node.name} is computed after the site")
+    if _written_in_place(node):
+        raise _Fail(f"{node.name} is written in place")
+    shape = _shape(node)
+    keep = {own_axis + len(shape)} | ({own_b + len(shape)} if own_b is not None else set())
+    if any(not _is_one(s) for d, s in enumerate(shape) if d not in keep):
+        raise _Fail(f"{node.name} of shape {tuple(shape)} varies along another axis")
+    out = node
+    if len(keep) < len(shape):
+        out = em.call_after(node, operator.getitem, node, tuple(slice(None) if d in keep else 0
+                                                                for d in range(len(shape))))
+    if own_b is not None and own_b > own_axis:  # the batch after N among node's own dims
+        out = em.call_after(out, torch.transpose, out, 0, 1)
+    # int64 keeps every value (and any offset added to it) exact; a fresh tensor, never a view of node
+    return em.call_after(out, "to", out, torch.int64, copy=True, method=True)
+
+
+def _emit_positions(em: "_Emitter", qp: _QPos) -> fx.Node:
+    """The op's q_pos: key j admitted for query i when j <= q_pos[b, i]."""
+    if qp.rows:
+        if not em.before(qp.node):
+            raise _Fail(f"{qp.node.name} is computed after the site")
+        if _written_in_place(qp.node):
+            raise _Fail(f"{qp.node.name} is written in place")
+        p = em.call_after(qp.node, "to", qp.node, torch.int64, copy=True, method=True)
+        if qp.wrap is not None:  # buffer[pos] reads row pos + rows for -rows <= pos < 0
+            p = em.call_after(p, torch.remainder, p, qp.wrap)
+    else:
+        p = _emit_vector(em, qp.node, qp.own_q, qp.own_b)
+    if qp.add:
+        p = em.call_after(p, operator.add, p, qp.add)
+    return p
 
 
 def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len) -> MaskSpec:
@@ -106,6 +156,12 @@ def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len) -> MaskSpec:
             kv = em.call("to", kv, torch.int32, method=True)
         spec.kv_lens = kv
         kinds.append("key-padding")
+    if plan.get("qpos") is not None:
+        spec.q_pos = _emit_positions(em, plan["qpos"])
+        kinds.append("query-positions")
+    if plan.get("seg") is not None:
+        spec.q_seg, spec.k_seg = (_emit_vector(em, ids.node, ids.own_axis, ids.own_b) for ids in plan["seg"])
+        kinds.append("segments")
     bool_bias = None
     for node, neg in dict.fromkeys(plan["data"]):
         if not em.before(node):

@@ -1,0 +1,93 @@
+"""CUDA, decode-sized sites: the op's reference math as graph ops, which Inductor fuses with the model.
+
+A decode step (a few query tokens against a short cache) does microseconds of GPU work per call, so
+its cost is host time and launches: a fused kernel's call plus the output conventions around it cost
+more than the attention itself. The same model's eager attention code under plain Inductor was the
+fastest variant of GPT-2's `generate()` on the H200 (BENCHMARKS.md). This lowering writes the op's
+reference (kernels/reference.py: fp32 scores and softmax, every mask argument, sinks, run-time
+positions and segment ids, empty rows out 0 / lse -inf) into the graph: GQA by grouping the query
+heads (no repeated K/V), the scores in fp32, no dense mask beyond the [B, Hq, Nq, Nk] scores.
+
+Taken where: CUDA, forward only and no gradient (inference), no dropout, Nq <= 16 and Nk <= 2048 (the
+scores stay a small fp32 buffer), no forced kernel. Symbolic lengths are fine: the math is the same at every size, so one lowered graph
+serves a cache that grows (`dynamic=True`, Hugging Face's DynamicCache). FA_COMPILE_DECODE_MATH=0
+turns it off (the site then goes to its dispatch kernel, lowered or not).
+"""
+from __future__ import annotations
+
+import os
+
+from .. import dispatch
+from ..candidates import common as c
+from ..kernels.reference import attention_reference
+from . import choice, conventions
+
+DECODE_MAX_QUERIES = 16
+DECODE_MAX_KEYS = 2048  # beyond, the fused kernels' single pass over the cache is worth their launch
+_STRUCTURE = ("sinks", "q_pos", "q_seg", "k_seg")
+DEVICES = ("cuda",)  # CPU sites have aten's CPU flash kernel or the reference op (tests add "cpu")
+
+
+def _hint(n) -> int | None:
+    """A static size, or a symbolic one's upper bound where it has one (None: unbounded)."""
+    v = c.static_int(n) if not choice._symbolic(n) else None
+    if v is not None:
+        return v
+    try:
+        from torch.fx.experimental.symbolic_shapes import has_free_symbols
+
+        node = n.node
+        if has_free_symbols(n):
+            vr = node.shape_env.bound_sympy(node.expr)
+            upper = vr.upper
+            return int(upper) if upper.is_finite else None
+    except Exception:
+        return None
+    return None
+
+
+class DecodeMath:
+    same_kernel = False
+    takes_structure = True  # graph_pass passes sinks, q_pos, q_seg, k_seg after bias and kv_lens
+
+    def target(self, direction: str) -> str:
+        return "graph ops (the reference math, fused by Inductor)"
+
+    def reasons(self, args: dispatch.AttentionArgs, direction: str) -> list[str]:
+        what = "the decode-step math"
+        if os.environ.get("FA_COMPILE_DECODE_MATH", "1") == "0":
+            return [f"{what} is off (FA_COMPILE_DECODE_MATH=0)"]
+        if args.q.device.type not in DEVICES:
+            return [f"{what} is lowered on CUDA only"]
+        if direction != "forward" or args.needs_backward:
+            return [f"{what} is for inference (no gradient)"]
+        r = []
+        if args.dropout_p > 0:
+            r.append(f"{what} has no dropout")
+        nq = _hint(args.q.shape[2])
+        nk = _hint(args.k.shape[2])
+        if nq is None or nq > DECODE_MAX_QUERIES:
+            r.append(f"{what}: Nq {args.q.shape[2]} above {DECODE_MAX_QUERIES} (or unbounded)")
+        if nk is None or nk > DECODE_MAX_KEYS:
+            r.append(f"{what}: Nk {args.k.shape[2]} above {DECODE_MAX_KEYS} (or unbounded)")
+        return r
+
+    def forward_fn(self, args: dispatch.AttentionArgs):
+        """fn(q, k, v[, bias][, kv_lens][, sinks][, q_pos][, q_seg, k_seg]) -> (out, lse), op conventions."""
+        present = [n for n in ("bias", "kv_lens") + _STRUCTURE if getattr(args, n) is not None]
+        kw = dict(scale=float(args.scale), causal=bool(args.causal), diag_offset=args.diag_offset,
+                  window_left=args.window_left, window_right=args.window_right, softcap=float(args.softcap))
+
+        def fn(q, k, v, *rest):
+            tensors = dict(zip(present, rest))
+            out, lse = attention_reference(q, k, v, **kw, **tensors)
+            return conventions.finish(out, lse, None)
+
+        return fn
+
+    def backward_fn(self, args: dispatch.AttentionArgs):
+        raise NotImplementedError("the decode-step math lowers forwards without a gradient only")
+
+
+DECODE_MATH = DecodeMath()
+choice.register("cuda", "decode_math", DECODE_MATH)

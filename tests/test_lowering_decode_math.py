@@ -1,0 +1,100 @@
+"""The decode-step lowering (fa_compile/lowering/decomposed.py): a site with few queries and a short
+cache becomes the op's reference math as graph ops, which Inductor fuses. Run here on CPU by adding
+"cpu" to its devices (on CUDA it is the default for such sites): outputs equal to eager, every mask
+argument carried, the sites it must not take keep their kernel."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fa_compile
+from fa_compile.lowering import capture_graphs, choice, decomposed, records
+
+from conftest import TOL
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(decomposed, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setitem(choice.LOWERINGS, ("cpu", "decode_math"), decomposed.DECODE_MATH)
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
+def _decode_inputs(b=3, hq=4, hkv=2, nq=1, nk=37, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, nq, d, generator=g)
+    k = torch.randn(b, hkv, nk, d, generator=g)
+    v = torch.randn(b, hkv, nk, d, generator=g)
+    return q, k, v
+
+
+def _eager_decode(q, k, v, pad):
+    # A decode step as models write it: GQA by repeat, an additive key-padding mask, fp32 softmax.
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    s = s + torch.where(pad, 0.0, float("-inf"))[:, None, None, :]
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+def test_decode_step_lowered_to_its_math_matches_eager(on_cpu):
+    q, k, v = _decode_inputs()
+    pad = torch.ones(3, 37, dtype=torch.bool)
+    pad[0, :5] = False  # left padding
+    pad[2, 30:] = False
+    torch._dynamo.reset()
+    n = len(records())
+    with capture_graphs() as graphs:
+        got = torch.compile(_eager_decode, backend="fa3")(q, k, v, pad)
+    decisions = [r.decision for r in records()[n:]]
+    assert [d.kernel for d in decisions] == ["decode_math"] and decisions[0].lowered, [str(d) for d in decisions]
+    assert "fa3.attention" not in graphs[0] and "repeat_interleave" not in graphs[0], graphs[0]
+    torch.testing.assert_close(got, _eager_decode(q, k, v, pad), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("what", ["q_pos", "segments", "sinks", "kv_lens_causal"])
+def test_op_structure_reaches_the_math(on_cpu, what):
+    # The op called directly with each structure argument, compiled: lowered, equal to the eager op.
+    q, k, v = _decode_inputs(nq=3, nk=20)
+    kw: dict = {}
+    if what == "q_pos":
+        kw["q_pos"] = torch.tensor([[4, 5, 6], [-1, 0, 19], [7, 30, 2]])
+    elif what == "segments":
+        kw["q_seg"] = torch.tensor([[0, 1, 1], [2, 2, 2], [0, 0, 5]])
+        kw["k_seg"] = torch.randint(0, 3, (3, 20), generator=torch.Generator().manual_seed(1))
+    elif what == "sinks":
+        kw["sinks"] = torch.randn(4)
+    else:
+        kw.update(causal=True, diag_offset=17, kv_lens=torch.tensor([20, 9, 0]))
+    args = [kw.pop(n, None) for n in ("sinks", "q_pos", "q_seg", "k_seg")]
+    causal, off, kv_lens = kw.get("causal", False), kw.get("diag_offset", 0), kw.get("kv_lens")
+
+    def fn(q, k, v):
+        return torch.ops.fa3.attention(q, k, v, 0.25, causal, off, -1, -1, None, kv_lens, 0.0, 0.0, None, None, *args)
+
+    want = fn(q, k, v)
+    torch._dynamo.reset()
+    n = len(records())
+    got = torch.compile(fn, backend="fa3")(q, k, v)
+    decisions = [r.decision for r in records()[n:]]
+    assert decisions and all(d.kernel == "decode_math" and d.lowered for d in decisions), [str(d) for d in decisions]
+    torch.testing.assert_close(got[0], want[0], **TOL[torch.float32])
+    torch.testing.assert_close(got[1], want[1], **TOL[torch.float32])  # -inf on empty rows in both
+
+
+def test_not_taken_for_long_caches_training_or_a_forced_kernel(on_cpu):
+    from fa_compile import dispatch
+
+    with torch._subclasses.FakeTensorMode():
+        q, k, v = torch.empty(2, 4, 1, 16), torch.empty(2, 4, 5000, 16), torch.empty(2, 4, 5000, 16)
+        long = dispatch.AttentionArgs(q=q, k=k, v=v, scale=0.25)
+        assert "above" in " ".join(decomposed.DECODE_MATH.reasons(long, "forward"))
+        short = dispatch.AttentionArgs(q=q, k=k[:, :, :64], v=v[:, :, :64], scale=0.25)
+        assert decomposed.DECODE_MATH.reasons(short, "forward") == []
+        train = dispatch.AttentionArgs(q=q, k=k[:, :, :64], v=v[:, :, :64], scale=0.25, needs_backward=True)
+        assert "inference" in " ".join(decomposed.DECODE_MATH.reasons(train, "forward"))
+        assert choice.decide(short, "reference", "forward", False).kernel == "reference"
