@@ -92,8 +92,10 @@ def _zeros_for(graph: fx.Graph, node: fx.Node) -> None:
     if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
         return  # symbolic sizes: the op stays (it is exact either way)
     with graph.inserting_before(node):
-        z = graph.call_function(torch.ops.aten.zeros.default, (list(val.shape),),
-                                dict(dtype=val.dtype, device=val.device))
+        # aten.full, not aten.zeros: Inductor has both a fallback and a decomposition for zeros and
+        # refuses to lower it after its decompositions have run.
+        z = graph.call_function(torch.ops.aten.full.default, (list(val.shape), 0),
+                                dict(dtype=val.dtype, device=val.device, pin_memory=False))
     z.meta.update(node.meta)
     node.replace_all_uses_with(z)
     graph.erase_node(node)
