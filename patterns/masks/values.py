@@ -141,17 +141,6 @@ _TRUE = _Keep()
 
 
 def _and(a: _Keep, b: _Keep) -> Optional[_Keep]:
-    def tighter(x, y, pick):
-        if x is None:
-            return y
-        if y is None:
-            return x
-        if _sym_true(x <= y):
-            return y if pick == "max" else x
-        if _sym_true(y <= x):
-            return x if pick == "max" else y
-        raise _Fail("band bounds that are not comparable for every size")
-
     if a.inverted or b.inverted or (a.lens is not None and b.lens is not None and not _same_lens(a.lens, b.lens)):
         return None
     if a.qpos is not None and b.qpos is not None and a.qpos != b.qpos:
@@ -159,8 +148,8 @@ def _and(a: _Keep, b: _Keep) -> Optional[_Keep]:
     if a.seg is not None and b.seg is not None and a.seg != b.seg:
         return None
     try:
-        lo = tighter(a.lo, b.lo, "max")
-        hi = tighter(a.hi, b.hi, "min")
+        lo = _tighter(a.lo, b.lo, "max")
+        hi = _tighter(a.hi, b.hi, "min")
     except _Fail:
         return None
     k = _Keep(lo, hi, a.lens or b.lens, a.data + b.data, a.numeric and b.numeric,
