@@ -203,7 +203,7 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
                  WG_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
                  STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr,
                  QREG: gl.constexpr, PINGPONG: gl.constexpr, FIRST: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 ROW_BIAS: gl.constexpr):
+                 ROW_BIAS: gl.constexpr, SINKS, HAS_SINKS: gl.constexpr):
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -293,6 +293,16 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
         _pass_turn(their_turn, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
 
+    if HAS_SINKS:
+        # The head's sink logit: one more score with no value, in the max and the denominator (m_i is in
+        # log2 units; the sink is a natural-log logit). A row with no admissible key: out 0, lse = sink.
+        sink = gl.load(SINKS + h).to(gl.float32) * LOG2E
+        m_s = gl.maximum(m_i, sink)
+        m_use = gl.where(m_s == float("-inf"), 0.0, m_s)
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.exp2(sink - m_use)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+        m_i = m_s
     empty = l_i == 0.0
     inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
     out = acc * gl.expand_dims(gl.convert_layout(inv_l, orow_layout), 1)
@@ -313,14 +323,15 @@ def attn_fwd_gluon_ws_kernel(
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr,
     HAS_KVLEN: gl.constexpr, REVERSE_M: gl.constexpr, QREG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PINGPONG: gl.constexpr = False, HAS_BIAS: gl.constexpr = False, ROW_BIAS: gl.constexpr = 0,
-    BATCH_INNER: gl.constexpr = False,
+    BATCH_INNER: gl.constexpr = False, SINKS=None, HAS_SINKS: gl.constexpr = False,
 ):
     """BLOCK_M = 128 query rows per program (two warpgroups of 64); launched with num_warps=4.
 
     ROW_BIAS: 0 none, 1 float, 2 bool (uint8) bias constant along query rows, at row_bias + b·rb_stride_b
     + h·rb_stride_h + key·rb_stride_n (strides of its broadcast [B, Hq, 1, Nk] view, 0 on broadcast dims);
     without it the four arguments are None (constexpr: the kernel's signature and code stay as they were).
-    BATCH_INNER: launch order with the batch fastest (_batch_inner_ids), for a bias tile shared by the batch."""
+    BATCH_INNER: launch order with the batch fastest (_batch_inner_ids), for a bias tile shared by the batch.
+    HAS_SINKS: SINKS [Hq] (any float dtype), each head's logit in the softmax denominator (ops.py)."""
     WG_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_desc.dtype
     if BATCH_INNER:
@@ -373,12 +384,12 @@ def attn_fwd_gluon_ws_kernel(
                         k_empty, v_empty, b_full, b_empty, turn.index(0), turn.index(1), o_desc, LSE, b, h, bh, m0,
                         Nq, n_lim, lo, n_blocks, qk_scale, diag_offset, window_left, window_right, row_bias,
                         rb_stride_b, rb_stride_h, rb_stride_n, WG_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, IS_CAUSAL,
-                        HAS_WL, HAS_WR, QREG, PINGPONG, True, HAS_BIAS, ROW_BIAS)),
+                        HAS_WL, HAS_WR, QREG, PINGPONG, True, HAS_BIAS, ROW_BIAS, SINKS, HAS_SINKS)),
         (_ws_consumer, (q_smem.index(1), o_smem.index(1), k_smem, v_smem, b_smem, q_bar.index(1), k_full, v_full,
                         k_empty, v_empty, b_full, b_empty, turn.index(1), turn.index(0), o_desc, LSE, b, h, bh,
                         m0 + WG_M, Nq, n_lim, lo, n_blocks, qk_scale, diag_offset, window_left, window_right,
                         row_bias, rb_stride_b, rb_stride_h, rb_stride_n, WG_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
-                        IS_CAUSAL, HAS_WL, HAS_WR, QREG, PINGPONG, False, HAS_BIAS, ROW_BIAS)),
+                        IS_CAUSAL, HAS_WL, HAS_WR, QREG, PINGPONG, False, HAS_BIAS, ROW_BIAS, SINKS, HAS_SINKS)),
         (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full,
                         k_empty, v_empty, b_full, b_empty, b, h, hk, b * bias_b_mul, h * bias_h_mul, m0, lo,
                         n_blocks, WG_M, BLOCK_N, STAGES, HAS_BIAS)),

@@ -260,6 +260,19 @@ def structural_ok(
 
 
 @triton.jit
+def add_sink(acc, l_i, m_i, SINKS, h):
+    """The head's sink logit joins the row state as one more score with no value: max and denominator
+    (m_i in log2 units, scale * log2(e) folded in; the sink is a natural-log logit). A row with no
+    admissible key ends with l_i = exp2(0) at m_i = sink: out 0 and lse = the sink."""
+    sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+    m_s = tl.maximum(m_i, sink)
+    m_use = tl.where(m_s == float("-inf"), 0.0, m_s)
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.math.exp2(sink - m_use)
+    return acc * alpha[:, None], l_i, m_s
+
+
+@triton.jit
 def key_limit(KVLENS, b, Nk, HAS_KVLEN: tl.constexpr):
     """Keys of batch b that exist: Nk, or its key-padding length clamped to [0, Nk]."""
     n_lim = Nk

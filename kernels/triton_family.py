@@ -266,7 +266,8 @@ def _desc(t: Tensor, block: list[int]):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
 
-def _forward_tma(args, q, k, v, out, lse, bias, bias_kind, bstr, consts, sc, seed, block_d, block_dv, cfg) -> None:
+def _forward_tma(args, q, k, v, out, lse, bias, bias_kind, bstr, consts, sc, seed, block_d, block_dv, cfg,
+                 sink_kw: Optional[dict] = None) -> None:
     from .triton_fwd_tma import attn_fwd_tma_kernel
 
     b, hq, nq, _ = q.shape
@@ -280,7 +281,7 @@ def _forward_tma(args, q, k, v, out, lse, bias, bias_kind, bstr, consts, sc, see
         try:
             kw = dict(consts, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
                       REVERSE_M=bool(args.causal), WARP_SPEC=warp_spec, PLAIN=_plain(args, bias_kind),
-                      QREG=cfg.qreg, BIAS_FMA=_bias_fma(args, bias_kind))
+                      QREG=cfg.qreg, BIAS_FMA=_bias_fma(args, bias_kind), **(sink_kw or {}))
             if not interpreting():
                 kw.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             handle = attn_fwd_tma_kernel[grid(cfg)](
@@ -419,9 +420,10 @@ def _gluon_desc(t: Tensor, rows: int, cols: int):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int, cfg: BlockConfig, gb, rb=None) -> None:
+def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int, cfg: BlockConfig, gb, rb=None,
+                   sinks: Optional[Tensor] = None) -> None:
     """`gb`: a bias tile view for TMA (_gluon_bias); `rb`: (tensor, _bias4 kind 3 or 4, strides) of a bias
-    constant along query rows, read at batch, head and key strides (0 on broadcast dims)."""
+    constant along query rows, read at batch, head and key strides (0 on broadcast dims); `sinks`: [Hq]."""
     from .gluon_fwd import attn_fwd_gluon_ws_kernel
 
     b, hq, nq, _ = q.shape
@@ -444,7 +446,7 @@ def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int, cfg: Bl
         IS_CAUSAL=bool(args.causal), HAS_WL=int(args.window_left) >= 0, HAS_WR=int(args.window_right) >= 0,
         HAS_KVLEN=kvl is not None, REVERSE_M=bool(args.causal), QREG=cfg.qreg, CONSUMER_REGS=240,
         PINGPONG=cfg.pingpong, HAS_BIAS=gb is not None, ROW_BIAS=row_bias,
-        BATCH_INNER=_bias_batch_inner(gb, b), num_warps=4,
+        BATCH_INNER=_bias_batch_inner(gb, b), SINKS=sinks, HAS_SINKS=sinks is not None, num_warps=4,
     )
     LAST_COMPILED["attn_fwd_gluon_kernel"] = (cfg, handle)
 
@@ -523,22 +525,22 @@ def attention_forward(args, out: Optional[Tensor] = None, lse: Optional[Tensor] 
     block_d, block_dv = _pow2(d), _pow2(dv)
     cap = _capability(q.device)
     block = max(block_d, block_dv)
-    gkey = (block, q.dtype, bool(args.causal), bias_kind)  # a bias variant that fails keeps the plain one
+    # a bias or sink variant that fails to build keeps the plain one
+    gkey = (block, q.dtype, bool(args.causal), bias_kind, getattr(args, "sinks", None) is not None)
     gb = _gluon_bias(args.bias, q) if bias_kind == 1 and cap[0] == 9 else None
     rb = (bias, bias_kind, bstr) if bias_kind in (3, 4) else None
     sinks = _sinks(args)
-    # Sinks run the pointer kernel only (the Gluon and TMA forwards have no sink step).
-    sink_kw = dict(SINKS=sinks, HAS_SINKS=True) if sinks is not None else {}
-    # So do run-time positions and segments (no such mask in the Gluon and TMA forwards).
+    sink_kw = dict(SINKS=sinks, HAS_SINKS=True) if sinks is not None else {}  # every forward has the sink step
+    # Run-time positions and segments run the pointer kernel only (no such mask in the Gluon and TMA forwards).
     struct_kw = structure_kwargs(args, b)
-    pointer_only = sinks is not None or bool(struct_kw)
+    pointer_only = bool(struct_kw)
     if not pointer_only and gkey not in _GLUON_FAILED and _gluon_ok(args, (q, k, v, out), cap, bias_kind, block, gb):
         try:
             with _device_ctx(q):
                 kind, cfg = _gluon_config(gb, block, rb is not None)
                 cfg = _tuned(kind, block, cfg, q, bool(args.causal), bias_kind, cap,
-                             lambda c: _forward_gluon(args, q, k, v, out, lse, block_d, block_dv, c, gb, rb))
-                _forward_gluon(args, q, k, v, out, lse, block_d, block_dv, cfg, gb, rb)
+                             lambda c: _forward_gluon(args, q, k, v, out, lse, block_d, block_dv, c, gb, rb, sinks))
+                _forward_gluon(args, q, k, v, out, lse, block_d, block_dv, cfg, gb, rb, sinks)
             return out, lse
         except Exception as e:  # compile-time failure only: nothing was written; the tl kernel takes over
             if os.environ.get("FA_COMPILE_GLUON") == "1":
@@ -552,8 +554,9 @@ def attention_forward(args, out: Optional[Tensor] = None, lse: Optional[Tensor] 
             cfg = _tuned("fwd_bias" if bias_kind in (1, 2) else "fwd", max(block_d, block_dv), cfg, q,
                          bool(args.causal), bias_kind, cap,
                          lambda c: _forward_tma(args, q, k, v, out, lse, bias, bias_kind, bstr, consts, sc, seed,
-                                                block_d, block_dv, c))
-            _forward_tma(args, q, k, v, out, lse, bias, bias_kind, bstr, consts, sc, seed, block_d, block_dv, cfg)
+                                                block_d, block_dv, c, sink_kw))
+            _forward_tma(args, q, k, v, out, lse, bias, bias_kind, bstr, consts, sc, seed, block_d, block_dv, cfg,
+                         sink_kw)
         return out, lse
     with _device_ctx(q):
         _launch(

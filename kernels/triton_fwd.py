@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .triton_common import (
-    dropout_keep, dropout_row_hash, key_limit, key_tile_range, kv_block_range, position_segment_ok, program_ids,
+    add_sink, dropout_keep, dropout_row_hash, key_limit, key_tile_range, kv_block_range, position_segment_ok, program_ids,
     row_positions, segment_ids, softmax_step,
 )
 
@@ -194,14 +194,7 @@ def attn_fwd_kernel(
         )
 
     if HAS_SINKS:
-        # The scores above are in log2 units (scale * log2(e) folded in); the sink is a natural-log logit.
-        sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
-        m_s = tl.maximum(m_i, sink)
-        m_s_use = tl.where(m_s == float("-inf"), 0.0, m_s)
-        alpha = tl.math.exp2(m_i - m_s_use)
-        l_i = l_i * alpha + tl.math.exp2(sink - m_s_use)
-        acc = acc * alpha[:, None]
-        m_i = m_s
+        acc, l_i, m_i = add_sink(acc, l_i, m_i, SINKS, h)
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, drop_scale / tl.where(empty, 1.0, l_i))
     out = acc * inv_l[:, None]

@@ -3,15 +3,16 @@ accelerator (TMA) through host-side tensor descriptors.
 
 Descriptors are 4-D [B, H, N, D] over the op's strided views, so BSHD and BHSD both work without
 copies; TMA zero-fills reads past N or past the head dim (the padded head-dim block) and clips
-stores, so no load or store needs a mask. Used on capability 9.x when every stride but the last is
-a multiple of 16 bytes (triton_family decides); otherwise the pointer kernel runs.
+stores, so no load or store needs a mask. Attention sinks (HAS_SINKS) as in triton_fwd.py. Used on
+capability 9.x when every stride but the last is a multiple of 16 bytes (triton_family decides);
+otherwise the pointer kernel runs.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .triton_common import dropout_keep, dropout_row_hash, key_limit, kv_block_range, program_ids, softmax_step
+from .triton_common import add_sink, dropout_keep, dropout_row_hash, key_limit, kv_block_range, program_ids, softmax_step
 
 
 @triton.jit
@@ -55,7 +56,7 @@ def attn_fwd_tma_kernel(
     IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KVLEN: tl.constexpr,
     BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, REVERSE_M: tl.constexpr,
     WARP_SPEC: tl.constexpr, PLAIN: tl.constexpr, QREG: tl.constexpr = False,
-    BIAS_FMA: tl.constexpr = False,
+    BIAS_FMA: tl.constexpr = False, SINKS=None, HAS_SINKS: tl.constexpr = False,
 ):
     pid_m, bh = program_ids(tl.cdiv(Nq, BLOCK_M), REVERSE_M)
     b = bh // Hq
@@ -101,6 +102,8 @@ def attn_fwd_tma_kernel(
             BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, False, PLAIN,
         BIAS_FMA,
         )
+    if HAS_SINKS:
+        acc, l_i, m_i = add_sink(acc, l_i, m_i, SINKS, h)
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, drop_scale / tl.where(empty, 1.0, l_i))
     out = acc * inv_l[:, None]

@@ -140,9 +140,10 @@ def _no_positions(q: Tensor) -> dict:
 def fwd(
     q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], kv_lens: Optional[Tensor],
     dropout_seed: Optional[Tensor], scale: float, causal: bool, diag_offset: int, window_left: int,
-    window_right: int, softcap: float, dropout_p: float, config: list[int],
+    window_right: int, softcap: float, dropout_p: float, config: list[int], sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    """(out, lse) of attn_fwd_kernel; `config` = [block_m, block_n, num_warps, num_stages]."""
+    """(out, lse) of attn_fwd_kernel; `config` = [block_m, block_n, num_warps, num_stages]; `sinks` [Hq]
+    (ops.py: each head's logit in the softmax denominator; lse includes it)."""
     from .triton_fwd import attn_fwd_kernel
 
     check_config("config", config)
@@ -167,7 +168,7 @@ def fwd(
         qk_scale, cap, cap_scale, diag_offset, window_left, window_right, thr, drop_scale,
         BLOCK_D=block_d, BLOCK_DV=block_dv, EVEN_D=(d == block_d and dv == block_dv), REVERSE_M=bool(causal),
         BIAS_FMA=bias_kind in (1, 3) and softcap == 0 and scale > 0, **consts, **_tile_kwargs(config),
-        SINKS=q, HAS_SINKS=False, **_no_positions(q),
+        SINKS=sinks.contiguous() if sinks is not None else q, HAS_SINKS=sinks is not None, **_no_positions(q),
     )
     return out, lse
 

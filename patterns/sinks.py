@@ -27,8 +27,9 @@ import torch.fx as fx
 from .emit import example_value
 from .shapes import known_eq, known_one
 
-_VIEW_METHODS = ("reshape", "view", "unsqueeze", "float", "to", "half", "bfloat16")
+_VIEW_METHODS = ("reshape", "view", "unsqueeze")
 _VIEW_FUNCTIONS = (torch.reshape, torch.unsqueeze)
+_CAST_METHODS = ("float", "to", "half", "bfloat16", "type_as")
 
 
 @dataclass
@@ -37,6 +38,7 @@ class SinkColumn:
     head_logits: fx.Node  # the tensor of H elements, in head order once flattened
     drop: fx.Node  # probs[..., :-1]
     nodes: list = field(default_factory=list)  # cat, shift and column nodes the rewrite makes dead
+    casts: tuple = ()  # dtypes the expanded column was cast to, innermost first: applied to the logits instead
 
 
 def _tensor(n: Any) -> Optional[torch.Tensor]:
@@ -60,15 +62,30 @@ def _cat_parts(n: fx.Node) -> Optional[tuple[Any, Any]]:
     return parts[0], parts[1]
 
 
-def _head_logits(col: Any, shape: tuple) -> Optional[tuple[fx.Node, list]]:
-    """(the H-element tensor, the column's nodes) when `col` is it viewed as [1, H, 1, 1] and expanded to
-    [B, H, Nq, 1]; None otherwise."""
+def _is_cast(n: Any) -> bool:
+    """A floating-point dtype (or device) conversion that keeps the shape: elementwise, so it commutes
+    with views and expands."""
+    if not (isinstance(n, fx.Node) and n.op == "call_method" and n.target in _CAST_METHODS and n.args):
+        return False
+    t, src = _tensor(n), _tensor(n.args[0])
+    return t is not None and src is not None and t.is_floating_point() and src.is_floating_point() \
+        and tuple(t.shape) == tuple(src.shape)
+
+
+def _head_logits(col: Any, shape: tuple) -> Optional[tuple[fx.Node, list, tuple]]:
+    """(the H-element tensor, the column's nodes, the casts to apply to it) when `col` is it viewed as
+    [1, H, 1, 1] and expanded to [B, H, Nq, 1]; None otherwise. A cast below the views is the logits
+    themselves (eager rounds them there); casts of the expanded column move to the logits."""
     t = _tensor(col)
     b, h, nq = shape[0], shape[1], shape[2]
     if t is None or t.dim() != 4 or not (known_eq(t.shape[0], b) and known_eq(t.shape[1], h)
                                          and known_eq(t.shape[2], nq) and known_one(t.shape[3])):
         return None
-    nodes, cur = [], col
+    nodes, cur, casts = [], col, []
+    while _is_cast(cur):
+        casts.insert(0, _tensor(cur).dtype)  # each rounds: all are kept, in order
+        nodes.append(cur)
+        cur = cur.args[0]
     if isinstance(cur, fx.Node) and cur.op == "call_method" and cur.target == "expand":
         nodes.append(cur)
         cur = cur.args[0]
@@ -81,7 +98,7 @@ def _head_logits(col: Any, shape: tuple) -> Optional[tuple[fx.Node, list]]:
         return None  # not one value per head, constant along batch and queries
     if not known_eq(pre.numel(), h):
         return None
-    # Order-preserving views and casts only, down to the logits themselves.
+    # Order-preserving views only, down to the logits themselves (a cast is where they stop).
     while isinstance(cur, fx.Node) and cur.op in ("call_method", "call_function") and (
             (cur.op == "call_method" and cur.target in _VIEW_METHODS)
             or (cur.op == "call_function" and cur.target in _VIEW_FUNCTIONS)):
@@ -94,7 +111,7 @@ def _head_logits(col: Any, shape: tuple) -> Optional[tuple[fx.Node, list]]:
     ct = _tensor(cur)
     if ct is None or not ct.is_floating_point():
         return None
-    return cur, nodes
+    return cur, nodes, tuple(casts)
 
 
 def _drops_last_column(n: fx.Node, probs: torch.Tensor) -> bool:
@@ -154,7 +171,7 @@ def peel(sm: fx.Node, x: fx.Node) -> Optional[SinkColumn]:
     found = _head_logits(col, tuple(st.shape))
     if found is None:
         return None
-    head_logits, col_nodes = found
+    head_logits, col_nodes, col_casts = found
     # The cat (and the shift) must feed only the softmax (and the shift's own max).
     inner = set(nodes) | {cur}
     for n in inner:
@@ -163,11 +180,14 @@ def peel(sm: fx.Node, x: fx.Node) -> Optional[SinkColumn]:
     users = list(sm.users)
     if len(users) != 1 or not _drops_last_column(users[0], ct):
         return None
-    return SinkColumn(scores, head_logits, users[0], nodes + [cur] + col_nodes)
+    return SinkColumn(scores, head_logits, users[0], nodes + [cur] + col_nodes, col_casts)
 
 
 def head_logits_for_op(graph: fx.Graph, sink: SinkColumn) -> fx.Node:
     """The op's `sinks` argument: the logits flattened to [H] (a view)."""
     from .emit import call  # noqa: PLC0415
 
-    return call(graph, torch.reshape, sink.head_logits, (-1,))
+    flat = call(graph, torch.reshape, sink.head_logits, (-1,))
+    for dtype in sink.casts:
+        flat = call(graph, "to", flat, dtype, method=True)
+    return flat

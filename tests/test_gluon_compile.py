@@ -48,7 +48,7 @@ def sm90():
 
 
 def _compile(d: int, cfg: tf.BlockConfig, causal: bool, masks: bool, bias: bool = False, row_bias=None,
-             batch_inner: bool = False):
+             batch_inner: bool = False, sinks: bool = False):
     """row_bias: None, or the dtype of a key vector [B, Nk] (torch.uint8 for a bool mask)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -73,7 +73,8 @@ def _compile(d: int, cfg: tf.BlockConfig, causal: bool, masks: bool, bias: bool 
         0, 16, 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d, BLOCK_DV=d, STAGES=cfg.num_stages, IS_CAUSAL=causal,
         HAS_WL=masks, HAS_WR=masks, HAS_KVLEN=masks, REVERSE_M=causal, QREG=cfg.qreg, CONSUMER_REGS=240,
-        PINGPONG=cfg.pingpong, HAS_BIAS=bias, ROW_BIAS=rb_kind, BATCH_INNER=batch_inner, num_warps=4, grid=(1,),
+        PINGPONG=cfg.pingpong, HAS_BIAS=bias, ROW_BIAS=rb_kind, BATCH_INNER=batch_inner,
+        SINKS=torch.empty(h) if sinks else None, HAS_SINKS=sinks, num_warps=4, grid=(1,),
     )
 
 
@@ -100,6 +101,18 @@ def test_default_configs_build_for_sm90(sm90, d, causal, masks, bias):
     _assert_fast_path(_compile(d, cfg, causal, masks, bias))
     if bias:  # the launch order of a bias shared by the batch: program ids only, the same fast path
         _assert_fast_path(_compile(d, cfg, causal, masks, bias, batch_inner=True))
+
+
+@pytest.mark.parametrize("d,causal,masks,bias", [(64, True, False, False), (128, True, True, False),
+                                                  (128, False, False, True)])
+def test_sinks_build_for_sm90(sm90, d, causal, masks, bias):
+    # Attention sinks: one scalar load and a rescale in each consumer's epilogue, the same fast path.
+    cfg = (tf.GLUON_BIAS_CONFIGS if bias else tf.GLUON_CONFIGS)[d]
+    k = _compile(d, cfg, causal, masks, bias, sinks=True)
+    _assert_fast_path(k)
+    assert "ld.global" in k.asm["ptx"]  # the sink logit
+    if not masks:  # (key-padding lengths are a global load too)
+        assert "ld.global" not in _compile(d, cfg, causal, masks, bias).asm["ptx"]
 
 
 @pytest.mark.parametrize("d,dtype,causal,masks", [

@@ -210,6 +210,40 @@ else:
         _check_backward(case, dout, (dq, dk, dv), dbias)
         assert case.bias_requires_grad or dbias.numel() == 0
 
+    def test_lowered_site_with_sinks_matches_reference(cpu_lowering, poisoned):
+        # Sinks lower with the forward kernel's sink step; the backward kernels take the lse that includes
+        # them (so P is the probability beside the sink), and a row without keys attends to the sink alone.
+        case = make_case(b=2, hq=4, hkv=2, nq=19, nk=19, d=16, causal=True, diag_offset=-3)
+        sinks = torch.randn(4, generator=torch.Generator().manual_seed(3)).to(case.q.dtype) * 2
+        scalars = (case.scale, case.causal, case.diag_offset, case.window_left, case.window_right)
+
+        def fwd(q, k, v, s):
+            return torch.ops.fa3.attention(q, k, v, *scalars, force_kernel="triton", sinks=s)
+
+        gm = make_fx(fwd, tracing_mode="fake")(case.q, case.k, case.v, sinks)
+        assert [str(d) for d in _lower(gm)] == ["triton -> fa3_triton.fwd"]
+        assert site_args.FORWARD not in [n.target for n in gm.graph.nodes]
+        out, lse = gm(case.q, case.k, case.v, sinks)
+        (fa, fr), (ga, gr) = tolerances(case.q.dtype, "cpu")
+        r_out, r_lse = ref.attention_reference(case.q, case.k, case.v, sinks=sinks, **case.mask_kwargs())
+        torch.testing.assert_close(out, r_out, atol=fa, rtol=fr)
+        torch.testing.assert_close(lse, r_lse, atol=1e-4, rtol=1e-4)
+        # rows 0-2 have no key: the sink alone (to fp32 rounding of its log2 round trip)
+        torch.testing.assert_close(lse[:, :, :3], sinks.float().view(1, 4, 1).expand(2, 4, 3), atol=1e-6, rtol=1e-6)
+        assert (out[:, :, :3] == 0).all()
+
+        def bwd(dout, q, k, v, o, l, s):
+            return torch.ops.fa3.attention_backward(dout, q, k, v, o, l, *scalars, force_kernel="triton", sinks=s)
+
+        dout = _dout(out)
+        gm = make_fx(bwd, tracing_mode="fake")(dout, case.q, case.k, case.v, out, lse, sinks)
+        assert [str(d) for d in _lower(gm)] == ["triton -> fa3_triton.bwd"]
+        dq, dk, dv, _ = gm(dout, case.q, case.k, case.v, out, lse, sinks)
+        r = ref.attention_backward_reference(dout, case.q, case.k, case.v, bias_requires_grad=False, sinks=sinks,
+                                             **case.mask_kwargs())
+        for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), r):
+            torch.testing.assert_close(got, want, atol=ga, rtol=gr, msg=lambda m, n=name: f"{n}: " + m)
+
     # On CPU Triton's mutation analysis has no driver, so tensors_to_clone names every tensor argument;
     # on a GPU only the outputs (O, LSE; delta, dK, dV, dQ, dS) are cloned, then reinplaced by Inductor.
     def test_lowered_forward_graph_is_pinned(cpu_lowering):

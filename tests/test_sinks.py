@@ -185,6 +185,42 @@ def test_gpt_oss_sink_column_with_an_additive_causal_mask():
     check(GptOssAttention(), [q, k, v, mask], rewritten=1)
 
 
+class CastColumn(nn.Module):
+    """A sink column cast after its expand (`.to(scores.dtype)`, or a rounding round trip): the casts
+    move to the logits, so the op sees the values eager's softmax sees."""
+
+    def __init__(self, casts: tuple):
+        super().__init__()
+        self.sinks = nn.Parameter(torch.randn(H, generator=torch.Generator().manual_seed(5)) * 3)
+        self.casts = casts
+
+    def forward(self, q, k, v):
+        s = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * q.shape[-1] ** -0.5
+        col = self.sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
+        for dt in self.casts:
+            col = col.to(dt)
+        p = torch.softmax(torch.cat([s, col], -1), -1)[..., :-1]
+        return p @ v.repeat_interleave(2, 1)
+
+
+@pytest.mark.parametrize("casts", [(torch.float64,), (torch.float32, torch.float64), (torch.float16, torch.float64)],
+                         ids=["to_dtype", "round_trip_fp32", "round_trip_fp16"])
+def test_sink_column_cast_after_its_expand(casts):
+    q, k, v, _ = _inputs(torch.float64)
+    m = CastColumn(casts).double()
+    if torch.float16 in casts:
+        m.sinks.requires_grad_(False)
+    # With the fp16 round trip eager rounds each row's sink gradient to fp16 before the expand's sum (the
+    # rewrite rounds the sum): the sinks are frozen there, q, k and v's gradients still compared; outputs to fp64 rounding,
+    # which only holds if the round trip is kept (dropped, the fp16 rounding of the logits shows: ~5e-4).
+    res = check(m, [q, k, v], rewritten=1)
+    assert res.rewritten[0].call.args[-1] is not None
+    from conftest import Compiled
+
+    out = Compiled(m, inner="aot_eager")(q, k, v)
+    torch.testing.assert_close(out, m(q, k, v), atol=1e-12, rtol=1e-12)
+
+
 def test_sink_column_that_varies_per_query_is_not_a_sink():
     class PerQuery(nn.Module):
         def forward(self, q, k, v):

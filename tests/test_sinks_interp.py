@@ -75,6 +75,42 @@ else:
         assert torch.equal(res["lse"][:, :, :7], sinks.view(1, 2, 1).expand(2, 2, 7))
         assert torch.isfinite(res["dq"]).all()
 
+    @pytest.mark.parametrize("kw", [
+        dict(nq=40, nk=56, d=32, hq=4, hkv=2, layout="bshd", causal=True),
+        dict(nq=24, nk=24, d=16, hq=2, causal=True, diag_offset=-7),  # rows without keys: the sink alone
+    ], ids=["gqa_causal", "empty_rows"])
+    def test_sinks_tma_forward(kw, monkeypatch):
+        # The descriptor (TMA) forward has the same sink step as the pointer kernel.
+        monkeypatch.setenv("FA_COMPILE_TRITON_TMA", "1")
+        calls = []
+        real = tf._forward_tma
+        monkeypatch.setattr(tf, "_forward_tma", lambda *a, **k: calls.append(1) or real(*a, **k))
+        case = make_case(dtype=torch.float16, seed=5, **kw)
+        _check_with_sinks(case, (torch.randn(case.q.shape[1], generator=torch.Generator().manual_seed(2)) * 2)
+                          .to(torch.float16))
+        assert calls  # the TMA path ran
+
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+    @pytest.mark.parametrize("with_dlse", [False, True])
+    def test_sink_grad_kernel(dtype, with_dlse):
+        # The fused reduction against the reference formula, with rows whose lse is -inf (no key, sink -inf)
+        # and a query count that is not a multiple of the block.
+        from fa_compile.kernels.sink_grad import sink_grad
+
+        g = torch.Generator().manual_seed(11)
+        b, hq, nq, dv = 2, 3, 70, 24
+        out = torch.randn(b, nq, hq, dv, generator=g).to(dtype).transpose(1, 2)  # BSHD storage
+        dout = torch.randn(b, hq, nq, dv, generator=g).to(dtype)
+        lse = torch.randn(b, hq, nq, generator=g) + 2
+        sinks = torch.randn(hq, generator=g).to(dtype)
+        sinks[2] = float("-inf")
+        lse[:, 2, :5] = float("-inf")
+        dlse = torch.randn(b, hq, nq, generator=g) if with_dlse else None
+        got = sink_grad(sinks, lse, dout, out, dlse)
+        want = ref.sink_grad_reference(sinks, lse, dout, out, dlse)
+        assert got.dtype == sinks.dtype
+        torch.testing.assert_close(got, want, atol=1e-3 if dtype == torch.float16 else 1e-5, rtol=1e-3)
+
     def test_sinks_with_dropout():
         case = make_case(nq=21, nk=26, d=16, dropout_p=0.25, dtype=torch.float16)
         _check_with_sinks(case, torch.tensor([0.3, 1.7], dtype=torch.float16))

@@ -117,11 +117,11 @@ def decide(args: dispatch.AttentionArgs, forced: Optional[str], direction: str, 
 
         if not DECODE_MATH.reasons(args, direction):  # a decode step: its math, fused by Inductor
             return Decision(direction, "decode_math", target=DECODE_MATH.target(direction), refused=refused)
-    if args.sinks is not None:
-        # No compile-time lowering passes the sinks (the CPU flash op and the SDPA ops have none): the op
+    if args.sinks is not None and not getattr(LOWERINGS.get((args.q.device.type, name)), "takes_sinks", False):
+        # Only the lowered Triton ops take the sinks (the CPU flash op and the SDPA ops have none): the op
         # and its run-time dispatch keep the site.
-        return Decision(direction, name, reason="attention sinks: no compile-time lowering takes them; the op keeps "
-                        "its run-time dispatch", refused=refused)
+        return Decision(direction, name, reason=f"attention sinks: the lowering of kernel {name!r} does not take "
+                        "them; the op keeps its run-time dispatch", refused=refused)
     if args.q_pos is not None or args.q_seg is not None:
         # The lowered kernels (SDPA ops, the CPU flash op, the lowered Triton ops) take no run-time positions
         # or segment ids: the op and its run-time dispatch keep the site.

@@ -71,6 +71,8 @@ def _lower_node(graph: fx.Graph, node: fx.Node) -> Optional[choice.Decision]:
     names += [n for n in ("bias", "kv_lens") if b[n] is not None]
     if getattr(lowering, "takes_dropout_seed", False) and b["dropout_seed"] is not None:
         names.append("dropout_seed")  # last, after bias and kv_lens
+    if getattr(lowering, "takes_sinks", False) and b["sinks"] is not None:
+        names.append("sinks")  # after the seed
     if getattr(lowering, "takes_structure", False):
         names += [n for n in ("sinks", "q_pos", "q_seg", "k_seg") if b[n] is not None]
     try:
@@ -83,6 +85,7 @@ def _lower_node(graph: fx.Graph, node: fx.Node) -> Optional[choice.Decision]:
 
 
 _UNIFORM_ROW_GRAD = torch.ops.fa3.uniform_row_grad.default
+_ZERO_VALUED = (_UNIFORM_ROW_GRAD, torch.ops.fa3.filled_scores_grad.default)  # value 0, the gradient is the point
 
 
 def _zeros_for(graph: fx.Graph, node: fx.Node) -> None:
@@ -106,7 +109,7 @@ def lower_graph(graph: fx.Graph) -> list[choice.Decision]:
     _load_lowerings()
     out = []
     for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is _UNIFORM_ROW_GRAD:
+        if node.op == "call_function" and node.target in _ZERO_VALUED:
             _zeros_for(graph, node)
             continue
         if node.op != "call_function" or node.target not in (site_args.FORWARD, site_args.BACKWARD):

@@ -15,6 +15,8 @@ another member or something the straight-line form cannot reproduce: its TMA-des
 kernels (Hopper, 16-byte aligned strides; FA_COMPILE_TRITON_TMA=0 selects the pointer kernels),
 first-call tile tuning (FA_COMPILE_TUNE on Hopper), dynamic sizes. Dropout lowers: the node's seed
 tensor is an input of the replacement (`takes_dropout_seed`), so the mask is the op's counter hash.
+Attention sinks lower too (`takes_sinks`): the forward kernel's sink step; the backward kernels read P
+from the lse, which includes the sinks, and the sinks' own gradient stays the graph's arithmetic.
 
 On CPU the family runs under the Triton interpreter only; the lowering takes such sites (tests
 register it for ("cpu", "triton")), never Inductor, which cannot build a user kernel for the CPU.
@@ -113,7 +115,8 @@ SHORT_SCORES = 1024 * 1024
 
 class TritonLowering:
     same_kernel = True
-    takes_dropout_seed = True  # graph_pass passes the node's dropout_seed last (after bias, kv_lens)
+    takes_dropout_seed = True  # graph_pass passes the node's dropout_seed after bias and kv_lens
+    takes_sinks = True  # and then its sinks: the forward kernel has the sink step; the backward needs none
 
     def target(self, direction: str) -> str:
         return "fa3_triton.bwd" if direction == "backward" else "fa3_triton.fwd"
@@ -186,8 +189,8 @@ class TritonLowering:
         unpack = _optional_inputs(args)
 
         def fn(q, k, v, *rest):
-            bias, kv_lens, seed = unpack(q, rest)
-            out, lse = fwd(q, k, v, bias, kv_lens, seed, *s, config)
+            bias, kv_lens, seed, sinks = unpack(q, rest)
+            out, lse = fwd(q, k, v, bias, kv_lens, seed, *s, config, sinks)
             return conventions.finish(out, lse, None)  # the kernel writes empty rows itself
 
         return _functionalized(fn)
@@ -202,7 +205,7 @@ class TritonLowering:
         reduce_dbias = _family()._reduce_dbias
 
         def fn(dout, q, k, v, out, lse, *rest):
-            bias, kv_lens, seed = unpack(q, rest)
+            bias, kv_lens, seed, _sinks = unpack(q, rest)  # lse includes the sinks: P is exp(s - lse)
             dq, dk, dv, ds = bwd(dout, q, k, v, out, lse, bias, kv_lens, seed, *s, want_ds, dkdv_config, dq_config)
             if want_ds:
                 db = reduce_dbias(ds, bias)
@@ -221,19 +224,19 @@ def _site_scalars(args: dispatch.AttentionArgs) -> tuple:
 
 
 def _optional_inputs(args: dispatch.AttentionArgs) -> Callable:
-    """unpack(q, rest) -> (bias, kv_lens, dropout seed) from the replacement's trailing inputs (graph_pass
-    passes those the node has, in that order): kv_lens contiguous (the kernels index it by batch), the seed
-    on q's device (the kernels load it); the seed only with dropout."""
-    has = [args.bias is not None, args.kv_lens is not None, args.dropout_seed is not None]
+    """unpack(q, rest) -> (bias, kv_lens, dropout seed, sinks) from the replacement's trailing inputs
+    (graph_pass passes those the node has, in that order): kv_lens contiguous (the kernels index it by
+    batch), the seed on q's device (the kernels load it); the seed only with dropout."""
+    has = [args.bias is not None, args.kv_lens is not None, args.dropout_seed is not None, args.sinks is not None]
     dropout = float(args.dropout_p) > 0
 
     def unpack(q: Tensor, rest: tuple) -> tuple:
         it = iter(rest)
-        bias, kv_lens, seed = (next(it) if h else None for h in has)
+        bias, kv_lens, seed, sinks = (next(it) if h else None for h in has)
         if kv_lens is not None:
             kv_lens = kv_lens.contiguous()
         seed = seed.to(q.device) if (dropout and seed is not None) else None
-        return bias, kv_lens, seed
+        return bias, kv_lens, seed, sinks
 
     return unpack
 
