@@ -18,7 +18,6 @@ from torch import Tensor
 from .decode_reference import cache_view
 from .triton_family import device_reasons, interpreting, triton_available  # noqa: F401  (re-exported: decode.triton_available)
 
-LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 MAX_ROWS = 128  # G * Nq rows per program: one tile of the packed query group
 MAX_SPLITS = 64
@@ -114,14 +113,15 @@ def paged_decode(
     block_n: Optional[int] = None,
     out: Optional[Tensor] = None,
     lse: Optional[Tensor] = None,
-    workspace: Optional[tuple[Tensor, Tensor]] = None,
+    workspace: Optional[tuple[Tensor, ...]] = None,
     q_pos: Optional[Tensor] = None,
     diag_offset: Optional[int] = None,
     bias: Optional[tuple[Tensor, int, tuple[int, int, int, int]]] = None,
 ) -> tuple[Tensor, Tensor]:
     """(out [B, Nq, Hq, Dv] in q's dtype, lse [B, Hq, Nq] fp32). num_splits 0 chooses
-    (choose_num_splits); out / lse / workspace (fp32 [B*Hkv, S, G*Nq, Dv] and [B*Hkv, S, G*Nq]) may
-    be given, e.g. poisoned by tests. Inputs are assumed checked (fa_compile.paged).
+    (choose_num_splits); out / lse / workspace (fp32 [B*Hkv, S, G*Nq, Dv] and [B*Hkv, S, G*Nq] for the
+    splits' outputs and row maxima, optionally a third like the second for their row sums) may be
+    given, e.g. poisoned by tests. Inputs are assumed checked (fa_compile.paged).
 
     cache_seqlens may be None (every position of a contiguous cache is valid). q_pos (int [Nq] or
     [B|1, Nq]): token i admits keys j <= q_pos[b, i], and each sequence's valid range ends at its largest
@@ -155,13 +155,17 @@ def paged_decode(
     if splits > 1:
         if workspace is None:
             opart = torch.empty((b * hkv, splits, rows, dv), device=q.device, dtype=torch.float32)
-            lpart = torch.empty((b * hkv, splits, rows), device=q.device, dtype=torch.float32)
+            lpart, spart = torch.empty((2, b * hkv, splits, rows), device=q.device, dtype=torch.float32).unbind(0)
         else:
-            opart, lpart = workspace
+            opart, lpart = workspace[:2]
             if opart.shape != (b * hkv, splits, rows, dv) or lpart.shape != (b * hkv, splits, rows):
                 raise ValueError(f"workspace: expected shapes {(b * hkv, splits, rows, dv)} and {(b * hkv, splits, rows)}")
+            spart = torch.empty_like(lpart) if len(workspace) < 3 else workspace[2]
+            if spart.shape != lpart.shape:
+                raise ValueError(f"workspace: the row sums' shape must be {(b * hkv, splits, rows)}, "
+                                 f"got {tuple(spart.shape)}")
     else:
-        opart = lpart = lse
+        opart = lpart = spart = lse
     const = dict(PAGE=page if paged else 1, PAGED=paged, PAGE_TILES=paged and page % bn == 0, HAS_LEFTPAD=cache_leftpad is not None, IS_CAUSAL=bool(causal),
                  SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_DV=block_dv,
                  HAS_SEQLENS=cache_seqlens is not None)
@@ -179,13 +183,13 @@ def paged_decode(
     ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else _Null()
     with ctx:
         decode_partial_kernel[(splits, b * hkv)](
-            q, kc, vc, lens, leftpad, table, out, lse, opart, lpart,
+            q, kc, vc, lens, leftpad, table, out, lse, opart, lpart, spart,
             q.stride(0), q.stride(1), q.stride(2), q.stride(3),
             kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
             vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
             table.stride(0), table.stride(-1),
             out.stride(0), out.stride(1), out.stride(2),
-            hkv, g, nq, d, dv, capacity, splits, float(scale) * LOG2E,
+            hkv, g, nq, d, dv, capacity, splits, float(scale),
             **const,
         )
         if splits > 1:
@@ -193,7 +197,8 @@ def paged_decode(
             if not interpreting():
                 cconst.update(num_warps=4 if block_dv >= 128 else 2)
             decode_combine_kernel[(b * hkv * rows,)](
-                opart, lpart, out, lse, out.stride(0), out.stride(1), out.stride(2), hkv, g, nq, dv, splits, **cconst,
+                opart, lpart, spart, out, lse, out.stride(0), out.stride(1), out.stride(2), hkv, g, nq, dv, splits,
+                **cconst,
             )
     return out, lse
 
@@ -207,15 +212,17 @@ def attention_not_supported_reasons(args) -> list[str]:
     """Why the split-KV decode kernel cannot run these `torch.ops.fa3.attention` arguments (duck-typed
     AttentionArgs; metadata only, so fake tensors work): decode-shaped calls (Nq <= ATTENTION_MAX_Q) with
     masks it has, i.e. causal as a diagonal, kv_lens, q_pos and a float or bool bias of any broadcast.
-    Only calls with q_pos (a static-cache decode step): without it the peers or the tiled family,
-    which the compile-time lowering launches directly, serve decode shapes (candidates/__init__.py)."""
+    Only static-cache decode steps: calls with q_pos, or with kv_lens beside a bias (a data mask whose
+    key limit the rewrite read at run time, patterns/key_limit.py), whose reads end at each sequence's
+    limit; other decode calls go to the peers or the tiled family, which the compile-time lowering
+    launches directly (candidates/__init__.py)."""
     q, k, v = args.q, args.k, args.v
     nq = q.shape[2]
     if not isinstance(nq, int) or nq > ATTENTION_MAX_Q:
         return [f"{nq} query tokens: the decode kernel takes 1..{ATTENTION_MAX_Q} (the tiled kernel runs longer rows)"]
-    if getattr(args, "q_pos", None) is None:
-        return ["taken only with run-time positions (q_pos, a static-cache decode step); other decode calls go to "
-                "the peers or the tiled family"]
+    if getattr(args, "q_pos", None) is None and (args.kv_lens is None or args.bias is None):
+        return ["taken only for static-cache decode steps (run-time positions q_pos, or kv_lens with a bias); "
+                "other decode calls go to the peers or the tiled family"]
     r = not_supported_reasons(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None)
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         r.append("bfloat16 under the Triton interpreter (its bf16 dot is unreliable)")

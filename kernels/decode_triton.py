@@ -9,8 +9,10 @@ per key position, so any page size and any tile start work); no gathered copy is
 Each sequence splits its own valid range [start, end) into `splits` equal chunks (rounded up to
 BLOCK_N), so short sequences get short chunks and a split past the end of a sequence does no work.
 When the page size is a multiple of BLOCK_N, a tile lies within one page and reads one table entry.
-With one split the pass writes the final out / lse; otherwise partial results (normalised out and
-log2-domain lse per split) go to fp32 workspaces that the combine kernel reduces.
+With one split the pass writes the final out / lse; otherwise partial results (normalised out, row max
+and row sum per split) go to fp32 workspaces that the combine kernel reduces. Scores, row maxima and lse are in
+natural-log units (exp2 takes the difference times log2 e), so an additive finfo.min bias stays finite as
+in the reference: a row whose every key carries it is uniform over them, not empty, and its lse is exact.
 
 For `torch.ops.fa3.attention` (decode-shaped calls, kernels/decode.py attention_decode) the pass also
 takes the op's run-time positions (HAS_QPOS: token i admits keys j <= q_pos[b, i], and the valid range
@@ -26,13 +28,13 @@ import triton.language as tl
 
 @triton.jit
 def decode_partial_kernel(
-    Q, K, V, SEQLENS, LEFTPAD, TABLE, O, LSE, OPART, LPART,
+    Q, K, V, SEQLENS, LEFTPAD, TABLE, O, LSE, OPART, LPART, SPART,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kblk, stride_ktok, stride_kh, stride_kd,
     stride_vblk, stride_vtok, stride_vh, stride_vd,
     stride_tb, stride_tp,
     stride_ob, stride_on, stride_oh,
-    Hkv, G, Nq, D, DV, capacity, num_splits, qk_scale,
+    Hkv, G, Nq, D, DV, capacity, num_splits, sm_scale,
     PAGE: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, HAS_LEFTPAD: tl.constexpr, IS_CAUSAL: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -42,7 +44,7 @@ def decode_partial_kernel(
     HAS_SEQLENS: tl.constexpr = True,
 ):
     # Inductor's launcher types float arguments fp64; the math is fp32 (a dot's accumulator must stay fp32).
-    qk_scale = tl.cast(qk_scale, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
     split = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hkv
@@ -116,19 +118,19 @@ def decode_partial_kernel(
         k = tl.load(k_ptrs, mask=ok[None, :] & (offs_d[:, None] < D), other=0.0)
         qk = tl.dot(q, k)
         admit = ok[None, :] & (pos[None, :] <= row_lim[:, None])
-        s = qk * qk_scale
+        s = qk * sm_scale
         if BIAS_KIND != 0:
             bv = tl.load(bias_row[:, None] + pos[None, :].to(tl.int64) * stride_bn, mask=row_ok[:, None] & admit,
                          other=0)
-            if BIAS_KIND == 1:  # additive, natural-log units; a finfo.min fill overflows to -inf (masked)
-                s = s + bv.to(tl.float32) * 1.4426950408889634
+            if BIAS_KIND == 1:  # additive; a finfo.min fill stays finite, as in the reference
+                s = s + bv.to(tl.float32)
             else:
                 admit = admit & (bv != 0)
         s = tl.where(admit, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing admissible yet: exp2 stays 0
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2((s - m_use[:, None]) * 1.4426950408889634)
+        alpha = tl.math.exp2((m_i - m_use) * 1.4426950408889634)
         l_i = l_i * alpha + tl.sum(p, 1)
         v_ptrs = (V + blk[:, None] * stride_vblk + slot[:, None] * stride_vtok + v_head
                   + offs_dv[None, :] * stride_vd)
@@ -139,29 +141,30 @@ def decode_partial_kernel(
 
     empty = l_i == 0.0
     out = acc * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))[:, None]
-    lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
+    lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)) * 0.6931471805599453)
     if SPLIT:
-        # Workspaces [B * Hkv, splits, G * Nq, DV] and [B * Hkv, splits, G * Nq], row r as above.
+        # Workspaces [B * Hkv, splits, G * Nq, DV] and two of [B * Hkv, splits, G * Nq], row r as above.
         prow = (bh.to(tl.int64) * num_splits + split) * rows + offs_m
         tl.store(OPART + prow[:, None] * DV + offs_dv[None, :], out,
                  mask=row_ok[:, None] & (offs_dv[None, :] < DV))
-        tl.store(LPART + prow, lse2, mask=row_ok)
+        tl.store(LPART + prow, m_i, mask=row_ok)  # the split's row max and sum, not their lse: an
+        tl.store(SPART + prow, l_i, mask=row_ok)  # lse near finfo.min would round the sum away
     else:
         o_ptrs = (O + b.to(tl.int64) * stride_ob + tok[:, None].to(tl.int64) * stride_on
                   + head[:, None].to(tl.int64) * stride_oh + offs_dv[None, :])
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
         lse_ptrs = LSE + (b.to(tl.int64) * Hkv * G + head) * Nq + tok
-        tl.store(lse_ptrs, lse2 * 0.6931471805599453, mask=row_ok)
+        tl.store(lse_ptrs, lse, mask=row_ok)
 
 
 @triton.jit
 def decode_combine_kernel(
-    OPART, LPART, O, LSE,
+    OPART, LPART, SPART, O, LSE,
     stride_ob, stride_on, stride_oh,
     Hkv, G, Nq, DV, num_splits,
     BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """One program per (batch, kv head, packed row): out = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max)."""
+    """One program per (batch, kv head, packed row): out = sum_s w_s o_s / sum_s w_s, w_s = l_s e^(m_s - max)."""
     pid = tl.program_id(0)
     rows = G * Nq
     bh = pid // rows
@@ -174,17 +177,18 @@ def decode_combine_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     s_ok = offs_s < num_splits
     prow = (bh.to(tl.int64) * num_splits + offs_s) * rows + r
-    lse_s = tl.load(LPART + prow, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse_s, 0)
+    m_s = tl.load(LPART + prow, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(SPART + prow, mask=s_ok, other=0.0)
+    m = tl.max(m_s, 0)
     m_use = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.math.exp2(lse_s - m_use)  # an empty split (lse -inf) weighs 0
+    w = l_s * tl.math.exp2((m_s - m_use) * 1.4426950408889634)  # an empty split (m -inf, l 0) weighs 0
     total = tl.sum(w, 0)
     o_s = tl.load(OPART + prow[:, None] * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv[None, :] < DV),
                   other=0.0)
     o_s = tl.where(w[:, None] > 0.0, o_s, 0.0)
     empty = total == 0.0
     out = tl.sum(o_s * w[:, None], 0) * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, total))
-    lse = tl.where(empty, float("-inf"), (m_use + tl.math.log2(tl.where(empty, 1.0, total))) * 0.6931471805599453)
+    lse = tl.where(empty, float("-inf"), m_use + tl.math.log2(tl.where(empty, 1.0, total)) * 0.6931471805599453)
     o_ptrs = O + b.to(tl.int64) * stride_ob + tok.to(tl.int64) * stride_on + head.to(tl.int64) * stride_oh + offs_dv
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_dv < DV)
     tl.store(LSE + (b.to(tl.int64) * Hkv * G + head) * Nq + tok, lse)

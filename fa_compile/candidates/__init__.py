@@ -40,7 +40,11 @@ bf16, medians of triton.testing.do_bench:
   sequence's keys at its largest position + 1 and splits what remains so that small batches fill the
   GPU, where the tiled kernel runs one program per (query tile, head) over the keys in sequence. Without
   q_pos it stays out: those calls go to the peers or to our tiled family, which the compile-time lowering
-  launches without a run-time dispatch, and the split-KV kernel is not yet measured against them.
+  launches without a run-time dispatch, and the split-KV kernel is not yet measured against them. Calls
+  with kv_lens beside a bias (a data mask's key limit read at run time, patterns/key_limit.py) on a cache
+  over 2048 keys go to it ahead of cuDNN, which would read every key (promotion below; H200 2026-12-01,
+  one HF eager decode step, B8, 32/8 heads, d128, 16384 slots of which 4096 valid, CUDA-graph replay:
+  0.053 ms against 0.125 for the SDPA code under Inductor, benchmarks/key_limit.py).
 * mem-efficient last before the reference (slowest everywhere; forward only, see sdpa.py).
 * FA4: not installed on the lent H200, no measurement; after FA3 and opt-in only.
 * The reference path is last and takes everything.
@@ -88,6 +92,13 @@ def _key_lengths(args) -> bool:
     return args.kv_lens is not None
 
 
+def _limited_decode(args) -> bool:
+    """A decode step over a long cache with key lengths beside a bias (patterns/key_limit.py's limit)."""
+    nq, nk = common.static_int(args.q.shape[2]), common.static_int(args.k.shape[2])
+    return (nq is not None and nq <= 16 and nk is not None and nk > 2048
+            and args.kv_lens is not None and args.bias is not None)
+
+
 def _gluon_backward(args) -> bool:
     """Our Triton family's backward runs its Gluon kernel (kernels/gluon_bwd.py) for these inputs."""
     cap = common.device_capability(args.q.device)
@@ -104,6 +115,10 @@ PROMOTIONS = (
     Promotion("fa3", "cudnn", _key_lengths,
               "kv_lens: FA3 takes them natively (seqused_k), cuDNN through a bias built per call; static-cache "
               "decode (B2, 16/8 heads, 320 keys, d128): cuDNN 337 us of host time per call [O]"),
+    Promotion("decode", "cudnn", _limited_decode,
+              "decode with kv_lens and a bias: cuDNN folds both into one bias per call and reads every key, the "
+              "split-KV kernel stops at kv_lens: B8, 32/8 heads, d128, 4096 of 16384 slots valid, 0.053 ms vs "
+              "0.125 for SDPA code under Inductor (benchmarks/key_limit.py, H200)"),
     Promotion("flash", "triton", _decode,
               "decode (Nq = 1, 4096 keys, GQA 32/8): FA2 0.206 ms vs our Triton 0.587 ms [P]"),
     Promotion("triton", "flash", _gluon_backward,

@@ -122,11 +122,12 @@ def decide(args: dispatch.AttentionArgs, forced: Optional[str], direction: str, 
         # and its run-time dispatch keep the site.
         return Decision(direction, name, reason=f"attention sinks: the lowering of kernel {name!r} does not take "
                         "them; the op keeps its run-time dispatch", refused=refused)
-    if args.q_pos is not None or args.q_seg is not None:
-        # The lowered kernels (SDPA ops, the CPU flash op, the lowered Triton ops) take no run-time positions
-        # or segment ids: the op and its run-time dispatch keep the site.
-        return Decision(direction, name, reason="q_pos / segment ids: no compile-time lowering takes them; the op "
-                        "keeps its run-time dispatch", refused=refused)
+    if (args.q_pos is not None or args.q_seg is not None) and not getattr(
+            LOWERINGS.get((args.q.device.type, name)), "takes_structure", False):
+        # Only the decode kernel's lowering takes run-time positions (the SDPA ops, the CPU flash op and the
+        # lowered Triton ops have none): the op and its run-time dispatch keep the site.
+        return Decision(direction, name, reason=f"q_pos / segment ids: the lowering of kernel {name!r} does not take "
+                        "them; the op keeps its run-time dispatch", refused=refused)
     dyn = dynamic_dims(args)
     if dyn and args.q.device.type != "cpu":
         # On CUDA the order reads sizes (FA3 from 2048 tokens, FA2 for decode, head-dim limits): a
@@ -148,7 +149,7 @@ def decide(args: dispatch.AttentionArgs, forced: Optional[str], direction: str, 
 def describe(args: dispatch.AttentionArgs, forced: Optional[str] = None) -> str:
     """What the lowering makes of a site, forward (and backward when `args.needs_backward`), e.g.
     "forward reference -> aten._scaled_dot_product_flash_attention_for_cpu"; for explain()."""
-    from . import cpu_flash, decomposed, fa3, sdpa, triton  # noqa: F401  (register the lowerings)
+    from . import cpu_flash, decode, decomposed, fa3, sdpa, triton  # noqa: F401  (register the lowerings)
 
     parts = []
     with contextlib.suppress(Exception):

@@ -43,7 +43,7 @@ def capture_graphs() -> Iterator[list]:
 
 
 def _load_lowerings() -> None:
-    from . import cpu_flash, decomposed, fa3, sdpa, triton  # noqa: F401  (each registers itself)
+    from . import cpu_flash, decode, decomposed, fa3, sdpa, triton  # noqa: F401  (each registers itself)
 
 
 def _warn_once(node: fx.Node, decision: choice.Decision, err: Exception) -> None:

@@ -98,7 +98,7 @@ def settings_key() -> tuple:
 
     tf = _family()
     here = os.path.dirname(os.path.abspath(tf.__file__))
-    files = (os.path.join(here, "triton_family.py"), os.path.join(here, "triton_ops.py"))
+    files = tuple(os.path.join(here, f) for f in ("triton_family.py", "triton_ops.py", "decode.py", "decode_ops.py"))
     return (os.environ.get("FA_COMPILE_TRITON_TMA", "auto"), os.environ.get("FA_COMPILE_TRITON_LOWER", "auto"),
             tile_tuning.enabled(),
             repr(sorted(tf.CONFIG_OVERRIDE.items(), key=repr)), get_hash_for_files(files).hex())

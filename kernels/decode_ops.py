@@ -1,0 +1,83 @@
+"""The split-KV decode kernel (decode_triton.py) as a `torch.library.triton_op`, for the compile-time
+lowering (fa_compile/lowering/decode.py): Inductor launches its two kernels from the generated code.
+
+`fa3_decode::fwd` computes what kernels/decode.py's `attention_decode` does for `torch.ops.fa3.attention`
+(decode-shaped calls: 1..16 queries, a contiguous cache read through k / v's own strides, kv_lens, q_pos,
+a causal diagonal, a float or bool bias), with the number of splits and the key tile fixed by the caller
+(chosen at compile time from static shapes, as the run-time launcher chooses them). Every kernel
+parameter is passed, defaults included: torch 2.11's wrap_triton binds a kernel's arguments by position.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import triton_family as tf
+from .triton_ops import _bias_arg, _empty, _launcher
+
+NAMESPACE = "fa3_decode"
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+@torch.library.triton_op(f"{NAMESPACE}::fwd", mutates_args=())
+def fwd(
+    q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], kv_lens: Optional[Tensor], q_pos: Optional[Tensor],
+    scale: float, causal: bool, diag_offset: int, splits: int, block_n: int,
+) -> tuple[Tensor, Tensor]:
+    """(out [B, Hq, Nq, Dv] stored BSHD, lse [B, Hq, Nq] fp32) of the op's arguments (q [B, Hq, Nq, D],
+    k / v [B, Hkv, Nk, D]); `splits` >= 1 and `block_n` as kernels/decode.py plans them."""
+    from .decode_triton import decode_combine_kernel, decode_partial_kernel
+
+    if splits < 1 or block_n < 16:
+        raise ValueError(f"splits / block_n: expected >= 1 and >= 16, got {splits} / {block_n}")
+    b, hq, nq, d = q.shape
+    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
+    g = hq // hkv
+    out = _empty((b, hq, nq, dv), (nq * hq * dv, dv, hq * dv, 1), q.dtype, q.device)
+    lse = _empty((b, hq, nq), (hq * nq, nq, 1), torch.float32, q.device)
+    if b * hq * nq == 0:
+        return out, lse
+    rows = g * nq
+    block_d, block_dv = _pow2(d), _pow2(dv)
+    lens = kv_lens if kv_lens is not None else q
+    if splits > 1:
+        opart = _empty((b * hkv, splits, rows, dv), (splits * rows * dv, rows * dv, dv, 1), torch.float32, q.device)
+        lpart = _empty((b * hkv, splits, rows), (splits * rows, rows, 1), torch.float32, q.device)
+        spart = _empty((b * hkv, splits, rows), (splits * rows, rows, 1), torch.float32, q.device)
+    else:  # unused (SPLIT False); not `lse`: a functional HOP clones each argument, and aliases of one
+        opart = lpart = spart = q  # output would each write back their own copy
+    bt, bias_kind, bstr = _bias_arg(bias, b, hq, nq, nk)
+    kind = 0 if bt is None else (1 if bias_kind in (1, 3) else 2)
+    if q_pos is not None:
+        qp = q_pos.reshape(1, -1) if q_pos.dim() == 1 else q_pos
+        qpos = dict(QPOS=qp, stride_pb=0 if qp.shape[0] == 1 else qp.stride(0), stride_pm=qp.stride(1), HAS_QPOS=True)
+    else:
+        qpos = dict(QPOS=q, stride_pb=0, stride_pm=0, HAS_QPOS=False)
+    tune = {} if tf.interpreting() else dict(num_warps=4, num_stages=3 if block_n * max(block_d, block_dv) <= 64 * 128
+                                             else 2)
+    _launcher(decode_partial_kernel)[(splits, b * hkv, 1)](
+        q, k, v, lens, lens, lens, out, lse, opart, lpart, spart,
+        q.stride(0), q.stride(2), q.stride(1), q.stride(3),  # the kernel reads q as [B, Nq, Hq, D]
+        k.stride(0), k.stride(2), k.stride(1), k.stride(3),  # and the cache as [B, Nk, Hkv, D]
+        v.stride(0), v.stride(2), v.stride(1), v.stride(3),
+        0, 0,  # no page table
+        out.stride(0), out.stride(2), out.stride(1),
+        hkv, g, nq, d, dv, nk, splits, float(scale),
+        PAGE=1, PAGED=False, PAGE_TILES=False, HAS_LEFTPAD=False, IS_CAUSAL=False, SPLIT=splits > 1,
+        BLOCK_M=_pow2(rows), BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        **qpos, diag_offset=int(diag_offset), DIAG_CAUSAL=bool(causal),
+        BIAS=bt if bt is not None else q, stride_bb=bstr[0], stride_bh=bstr[1], stride_bm=bstr[2],
+        stride_bn=bstr[3], BIAS_KIND=kind, HAS_SEQLENS=kv_lens is not None, **tune,
+    )
+    if splits > 1:
+        ctune = {} if tf.interpreting() else dict(num_warps=4 if block_dv >= 128 else 2)
+        _launcher(decode_combine_kernel)[(b * hkv * rows, 1, 1)](
+            opart, lpart, spart, out, lse, out.stride(0), out.stride(2), out.stride(1), hkv, g, nq, dv, splits,
+            BLOCK_S=_pow2(splits, 2), BLOCK_DV=block_dv, **ctune,
+        )
+    return out, lse
