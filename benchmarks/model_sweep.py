@@ -216,6 +216,11 @@ MODELS: dict[str, Callable[[], Case]] = {
     "gpt_neo_recheck": lambda: decoder("GPTNeoConfig", "GPTNeoModel", "swept before; causal where() + added mask",
                                        attention_types=[[["global", "local"], 1]], window_size=4,
                                        resid_dropout=0.0, embed_dropout=0.0, attention_dropout=0.0),
+    # right padding: padded queries past their window see only padded keys in it but an earlier valid
+    # key, the rows where eager's fill cuts the gradient of the local layer's filled scores
+    "gpt_neo_right_pad": lambda: decoder("GPTNeoConfig", "GPTNeoModel", "right padding; window fill + added mask",
+                                         left_pad=False, attention_types=[[["global", "local"], 1]], window_size=2,
+                                         resid_dropout=0.0, embed_dropout=0.0, attention_dropout=0.0),
     "mpt": lambda: decoder("MptConfig", "MptModel", "alibi + finite fill (known miss)", n_layers=2, d_model=32,
                            n_heads=4, max_seq_len=64, vocab_size=VOCAB),
     "whisper": whisper,

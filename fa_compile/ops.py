@@ -40,8 +40,8 @@ softcap, dropout_p, dropout_seed, force_kernel, sinks, q_pos, q_seg, k_seg) -> (
 because the log-sum-exp is the only state they share (dropout excepted, whose mask is defined by
 `kernels/dropout_hash.py` for every kernel).
 
-`fa3::uniform_row_grad(q, k, v, scale)` is 0 with the gradient eager gives q and k from rows that an
-additive finfo.min mask masked entirely (patterns/emit.py, empty_rows "mean_v_add").
+`fa3::uniform_row_grad` and `fa3::filled_scores_grad` (row_fixups.py) are 0 with the gradient eager
+gives q and k from rows that an additive finfo.min mask masked entirely (patterns/emit.py).
 """
 from __future__ import annotations
 
@@ -426,7 +426,7 @@ class _AttentionFunction(torch.autograd.Function):
         db = db if ctx.bias_requires_grad else None
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[14]:
-            dsinks = _ref.sink_grad_reference(sinks, lse, dout, out, dlse)
+            dsinks = _sink_grad(sinks, lse, dout, out, dlse)
         # (q_pos, q_seg, k_seg are integer structure: no gradient)
         return dq, dk, dv, None, None, None, None, None, db, None, None, None, None, None, dsinks, None, None, None
 
@@ -491,71 +491,22 @@ def _attention_backward_autograd(*args) -> tuple[Tensor, Tensor, Tensor, Tensor]
 
 _LIB.impl("attention_backward", _attention_backward_autograd, "Autograd")
 
+def _sink_grad(sinks: Tensor, lse: Tensor, dout: Optional[Tensor], out: Tensor, dlse: Optional[Tensor]) -> Tensor:
+    """d sinks: one fused Triton reduction for real CUDA tensors run eagerly; the reference's torch ops
+    otherwise (CPU, fp64, and traced graphs, where Inductor fuses them)."""
+    eager_cuda = (out.is_cuda and dout is not None and out.dtype in (torch.float16, torch.bfloat16, torch.float32)
+                  and torch._C._len_torch_dispatch_stack() == 0 and not torch.compiler.is_compiling()
+                  and not any(torch._subclasses.fake_tensor.is_fake(t) for t in (out, dout, lse)))
+    if eager_cuda:
+        from .kernels import triton_family
 
-# fa3::uniform_row_grad: the gradient that an additive finfo.min mask passes to q and k from a fully
-# masked row (empty_rows "mean_v_add", see patterns/emit.py), as an op whose value is 0. Its autograd
-# saves only q, k, v (which fa3::attention saves anyway) and builds the fp32 terms in the backward:
-# written as graph arithmetic instead, the partitioner kept fp32 copies of q and k alive per layer.
-_LIB.define("uniform_row_grad(Tensor q, Tensor k, Tensor v, float scale) -> Tensor", tags=_TAGS)
+        if triton_family.triton_available() and not triton_family.device_reasons(out.device):
+            from .kernels.sink_grad import sink_grad
 
-
-def uniform_row_grad(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    """Zeros [B, Hq, Nq, Dv] in q's dtype (the value; the point is the gradient)."""
-    return q.new_zeros((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
-
-
-def _uniform_row_grad_fake(q, k, v, scale):
-    return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
-
-
-_LIB.impl("uniform_row_grad", uniform_row_grad, "CompositeExplicitAutograd")
-torch.library.register_fake("fa3::uniform_row_grad", _uniform_row_grad_fake, lib=_LIB)
-_UNIFORM_ROW_GRAD = torch.ops.fa3.uniform_row_grad.default
+            return sink_grad(sinks, lse, dout, out, dlse)
+    return _ref.sink_grad_reference(sinks, lse, dout, out, dlse)
 
 
-class _UniformRowGradFunction(torch.autograd.Function):
-    """g = scale * q @ C with C = mean_j k_j (v_j - mean(v))^T, v held constant, forward value 0: the
-    gradient of q and k from rows of softmax at uniform P = 1/Nk (ds_j = (dO . v_j - dO . mean(v)) / Nk).
-    Terms in fp32 (at least) so that nothing overflows for fp16 inputs."""
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-        with torch._C._AutoDispatchBelowAutograd():
-            zero = _UNIFORM_ROW_GRAD(q, k, v, scale)
-        ctx.save_for_backward(q, k, v)
-        ctx.scale = scale
-        return zero
-
-    @staticmethod
-    def backward(ctx, dg: Tensor):
-        q, k, v = ctx.saved_tensors
-        # bf16 matmuls accumulate in fp32 and cannot overflow: they run in bf16, as eager's own gradient
-        # does, instead of fp32 copies of q, k and v per layer; fp16 (range) and fp32 / fp64 keep fp32+.
-        f32 = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.promote_types(q.dtype, torch.float32)
-        b, hq, _, d = q.shape
-        hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
-        vf = v.to(torch.promote_types(v.dtype, torch.float32))
-        vc = (vf - vf.mean(dim=2, keepdim=True)).to(f32)  # centred in fp32 (a difference of close values)
-        dgf = dg.to(f32)
-        dq = dk = None
-        if ctx.needs_input_grad[0]:
-            c = torch.matmul(k.to(f32).transpose(-1, -2), vc) / torch.sym_max(nk, 1)  # [B, Hkv, D, Dv]; no keys: 0
-            if hq != hkv:
-                c = c.repeat_interleave(hq // hkv, dim=1)
-            dq = (torch.matmul(dgf, c.transpose(-1, -2)) * ctx.scale).to(q.dtype)
-        if ctx.needs_input_grad[1]:
-            dc = torch.matmul(q.to(f32).transpose(-1, -2), dgf) * ctx.scale  # [B, Hq, D, Dv]
-            if hq != hkv:
-                dc = dc.reshape(b, hkv, hq // hkv, d, dv).sum(dim=2)
-            dk = (torch.matmul(vc, dc.transpose(-1, -2)) / torch.sym_max(nk, 1)).to(k.dtype)
-        return dq, dk, None, None
-
-
-def _uniform_row_grad_autograd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        return _UniformRowGradFunction.apply(q, k, v, scale)
-    with torch._C._AutoDispatchBelowAutograd():
-        return _UNIFORM_ROW_GRAD(q, k, v, scale)
-
-
-_LIB.impl("uniform_row_grad", _uniform_row_grad_autograd, "Autograd")
+# The zero-valued ops that carry eager's gradient on fully masked rows (fa3::uniform_row_grad,
+# fa3::filled_scores_grad) live in row_fixups.py; importing it registers them on this library.
+from . import row_fixups  # noqa: E402,F401

@@ -100,15 +100,15 @@ def emit_attention(
     q_pos: Optional[fx.Node] = None,
     q_seg: Optional[fx.Node] = None,
     k_seg: Optional[fx.Node] = None,
+    filled: Optional[fx.Node] = None,
 ) -> tuple[fx.Node, fx.Node]:
     """Insert fa3.attention on q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D]; return (out node, op call node).
 
     empty_rows (see MaskSpec) keeps eager's value on rows where every key is masked, which the op
     itself returns as 0 with lse = -inf: "nan", "mean_v" and "mean_v_add" add an exact fix-up on those
     rows, "impossible" and "zero" add nothing; "unknown" is refused (the caller must not rewrite).
-    "mean_v_add" also keeps eager's gradient of q and k on those rows (see `_uniform_row_grad`); it
-    cannot with a softcap (tanh' of every score of the row), so the caller refuses that when q or k
-    needs a gradient.
+    "mean_v_add" also keeps eager's gradient of q and k on those rows (see `_uniform_row_grad`), through
+    the softcap too.
     "fill" (with `fill` = c, finite) keeps eager's value where every masked score was replaced by c,
     on every row; the masked keys are those the structure, kv_lens and a bool bias exclude. A mask
     constant along queries (key padding) becomes eager's own arithmetic (`_fill_masked_keys`); a band
@@ -122,10 +122,27 @@ def emit_attention(
     q_pos ([Nq] / [B, Nq]: query i admits keys j <= q_pos[b, i]) and q_seg / k_seg (same ids only) are
     run-time structure, ANDed with the rest; the fix-ups above build their keep-mask from them too.
 
+    filled (bool, broadcasting to [B, Hq, Nq, Nk]): entries of the float `bias` that hold a fill c <= -1e30
+    which eager wrote over the scores (where / masked_fill) before later 0-or-c' masks (c' <= 0) were
+    added; eager gives those scores no gradient, the op does. On a row that admits any other entry their
+    weight is exactly 0 (the row's lse >= -1e29 > c), so the gradients differ only on rows whose lse is
+    below -1e29 (every score absorbed, uniform weights); there fa3::filled_scores_grad, value 0, removes
+    the op's gradient through those entries (`_remove_filled_grad`). Needs no structure arguments besides
+    the bias, no dropout and no sinks (ValueError otherwise).
+
     Call inside `graph.inserting_before(...)` at a point where q, k, v, bias, kv_lens are defined.
     A scale held in a tensor node (learned temperature, 0-d tensor) is folded into q so the op's
     scale stays a Python float.
     """
+    if filled is not None and needs_qk_grad(q, k):
+        if bias is None or example_value(bias).dtype == torch.bool or dropout_p > 0 or sinks is not None or causal \
+                or window_left >= 0 or window_right >= 0 or kv_lens is not None \
+                or any(x is not None for x in (q_pos, q_seg, k_seg)):
+            raise ValueError("filled: eager's cut gradient of filled scores is kept for a float bias alone "
+                             "(no structure arguments, dropout or sinks)")
+        out, node = emit_attention(
+            graph, q, k, v, scale=scale, bias=bias, softcap=softcap, kernel=kernel, empty_rows=empty_rows, fill=fill)
+        return _remove_filled_grad(graph, out, node, filled), node
     if isinstance(scale, fx.Node):
         q = call(graph, torch.mul, q, scale)
         scale = 1.0
@@ -144,6 +161,11 @@ def emit_attention(
     if kv_lens is not None and _one_for_all(kv_lens, q):  # one length for every batch row (decode)
         kv_lens = call(graph, "expand", kv_lens, _size(graph, q, 0), method=True)
     runtime = dict(q_pos=q_pos, q_seg=q_seg, k_seg=k_seg)
+    from . import key_limit  # decode over a long cache: cut the keys past the bias's last admissible one
+
+    if key_limit.applies(q, k, bias, empty_rows=empty_rows, dropout_p=dropout_p):
+        kv_lens = key_limit.limit_keys(graph, q, k, v, bias, kv_lens, causal=causal, diag_offset=diag_offset,
+                                       window_left=window_left, window_right=window_right, **runtime)
     if empty_rows == "fill":
         if fill is None or not math.isfinite(fill):
             raise ValueError(f"fill: empty_rows 'fill' needs the finite fill value, got {fill!r}")
@@ -182,11 +204,28 @@ def emit_attention(
         if hq != hkv:
             fill = call(graph, torch.repeat_interleave, fill, hq // hkv, dim=1)
         if empty_rows == "mean_v_add" and needs_qk_grad(q, k):
-            if softcap:
-                raise ValueError("empty_rows: 'mean_v_add' cannot keep eager's gradient through a softcap")
-            fill = call(graph, torch.add, fill, _uniform_row_grad(graph, q, k, v, float(scale)))
+            fill = call(graph, torch.add, fill, _uniform_row_grad(graph, q, k, v, float(scale), float(softcap)))
         fill = call(graph, "to", fill, example_value(out).dtype, method=True)
     return call(graph, torch.where, empty, fill, out), node
+
+
+# A row whose lse is at least this admits an entry whose weight dwarfs a filled one (<= -1e30) to 0.
+FILLED_ROWS_LSE = -1e29
+
+
+def _remove_filled_grad(graph: fx.Graph, out: fx.Node, node: fx.Node, filled: fx.Node) -> fx.Node:
+    """out + 0 whose gradient removes, on the rows with lse < FILLED_ROWS_LSE, the op's gradient through
+    the `filled` entries of its bias (see emit_attention's `filled`). The correction reads the op's own
+    arguments (q after any folded scale, k, v, bias, softcap)."""
+    q, k, v, scale, bias, softcap = node.args[0], node.args[1], node.args[2], node.args[3], node.args[8], node.args[10]
+    lse = call(graph, operator.getitem, node, 1)
+    rows = call(graph, torch.logical_and, call(graph, operator.lt, lse, FILLED_ROWS_LSE),
+                call(graph, torch.isfinite, lse))
+    zero = call(graph, torch.ops.fa3.filled_scores_grad.default, q, k, v, bias, filled, float(scale), float(softcap))
+    zero = call(graph, torch.where, call(graph, torch.unsqueeze, rows, -1), zero, 0.0)
+    if example_value(zero).dtype != example_value(out).dtype:
+        zero = call(graph, "to", zero, example_value(out).dtype, method=True)
+    return call(graph, torch.add, out, zero)
 
 
 def needs_qk_grad(q: Any, k: Any) -> bool:
@@ -194,13 +233,17 @@ def needs_qk_grad(q: Any, k: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (example_value(q), example_value(k)))
 
 
-def _uniform_row_grad(graph: fx.Graph, q: fx.Node, k: fx.Node, v: fx.Node, scale: float) -> fx.Node:
+def _uniform_row_grad(graph: fx.Graph, q: fx.Node, k: fx.Node, v: fx.Node, scale: float,
+                      softcap: float = 0.0) -> fx.Node:
     """A zero [B, Hq, Nq, Dv] whose gradient is what eager gives q and k from a fully masked row whose
     scores all absorbed one additive mask value (s + finfo.min == finfo.min): the forward is uniform
     but the addition passes the gradient, so eager's backward is softmax's at P = 1/Nk:
-    ds_j = (dO . v_j - dO . mean(v)) / Nk. fa3::uniform_row_grad computes it (in fp32) in its backward
-    from q, k, v alone, which fa3::attention saves anyway: spelled out in the graph, the partitioner
-    kept its fp32 intermediates (q and k sized) alive per layer for backward."""
+    ds_j = (dO . v_j - dO . mean(v)) / Nk, then through the softcap's tanh' of each raw score when there
+    is one. fa3::uniform_row_grad computes it (in fp32) in its backward from q, k, v alone, which
+    fa3::attention saves anyway: spelled out in the graph, the partitioner kept its fp32 intermediates
+    (q and k sized) alive per layer for backward."""
+    if softcap:
+        return call(graph, torch.ops.fa3.uniform_row_grad.default, q, k, v, float(scale), float(softcap))
     return call(graph, torch.ops.fa3.uniform_row_grad.default, q, k, v, float(scale))
 
 

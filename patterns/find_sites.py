@@ -999,9 +999,12 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
                         tv.dim() == 2 and not known_one(tv.shape[0])
                         and not known_eq(tv.shape[0], tensor_of(qo).shape[0]))):
                     raise Miss(f"{name} does not map to the op's batch axis")
-            if spec.empty_rows == "mean_v_add" and scores.softcap and emit.needs_qk_grad(qo, ko):
-                raise Miss("fully masked rows: eager's gradient there passes through the softcap of every "
-                           "score (an additive mask absorbed them), which the rewrite cannot keep")
+            filled = spec.filled
+            if filled is not None and emit.needs_qk_grad(qo, ko):
+                if probs.dropout_p > 0 or sink is not None:
+                    raise Miss("a fill before an additive mask with dropout or sinks: eager's cut gradient of the "
+                               "filled scores on fully masked rows cannot be kept there")
+                filled = b.bias_to_op(filled)
             sink_arg = None
             if sink is not None:
                 if nb != 2 or layout.mode != "std" or not (known_eq(tensor_of(qo).shape[1], bd[1])):
@@ -1012,7 +1015,7 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
                 graph, qo, ko, vo, scale=scale, causal=spec.causal, diag_offset=spec.diag_offset,
                 window_left=spec.window_left, window_right=spec.window_right, bias=bias, kv_lens=kv_lens,
                 softcap=scores.softcap, dropout_p=probs.dropout_p, kernel=options.kernel, empty_rows=spec.empty_rows,
-                fill=spec.fill, sinks=sink_arg, **runtime,
+                fill=spec.fill, sinks=sink_arg, filled=filled, **runtime,
             )
             o.made.append(out)
             res = b.out_from_op(out, q_padded)

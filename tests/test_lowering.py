@@ -102,9 +102,11 @@ def test_lowered_to_cpu_flash_matches_eager(case):
     _compare(got, want, s["dtype"])
     decisions = [r.decision for r in records()[n_before:]]
     # (the lse's own gradient, zero here, may add a second backward call: every call is lowered)
+    # a float bias keeps the op's backward (aten's CPU flash backward is wrong on rows of finfo.min)
+    bwd = None if case == "float_bias_empty_rows" else "aten._scaled_dot_product_flash_attention_for_cpu_backward"
     assert {(d.direction, d.kernel, d.target) for d in decisions} == {
         ("forward", "reference", "aten._scaled_dot_product_flash_attention_for_cpu"),
-        ("backward", "reference", "aten._scaled_dot_product_flash_attention_for_cpu_backward"),
+        ("backward", "reference", bwd),
     }, [str(d) for d in decisions]
     assert torch.isneginf(got[1]).any() == torch.isneginf(want[1]).any()
 

@@ -110,7 +110,7 @@ class Rewriter:
                 out, _ = emit_attention(g, q, k, v, scale=scale, causal=spec.causal, diag_offset=spec.diag_offset,
                                         window_left=spec.window_left, window_right=spec.window_right, bias=spec.bias,
                                         kv_lens=spec.kv_lens, empty_rows=spec.empty_rows,
-                                        fill=spec.fill)
+                                        fill=spec.fill, filled=spec.filled)
             pv.replace_all_uses_with(out)
         g.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or masks._is_inplace(n))
         g.lint()
@@ -1422,8 +1422,8 @@ def _legacy_fill_then_add(subsumed: bool):
 @pytest.mark.parametrize("subsumed", [False, True])
 def test_finite_fill_passed_as_additive_bias_keeps_eager_gradient(subsumed):
     """Passing masked_fill(T, finfo.min) as + where(T, finfo.min, 0) gives the filled scores softmax's
-    gradient on a fully masked row (uniform there), eager's fill gives them none: refused in a graph that
-    needs gradients, unless a later added mask masks every filled entry too (their sum is -inf)."""
+    gradient on a fully masked row (uniform there), eager's fill gives them none: exact when a later added
+    mask masks every filled entry too (their sum is -inf), else through MaskSpec.filled (emit removes it)."""
     fn = _legacy_fill_then_add(subsumed)
     q, k, v = (t.requires_grad_() for t in qkv(nq=6, nk=6, d=4, seed=9))
     am = torch.ones(2, 6)
@@ -1432,10 +1432,7 @@ def test_finite_fill_passed_as_additive_bias_keeps_eager_gradient(subsumed):
     got = torch.compile(fn, backend=rw, fullgraph=True)(q, k, v, am)
     ref = fn(q, k, v, am)
     torch.testing.assert_close(got, ref, **TOL[torch.float32])
-    if subsumed:
-        assert isinstance(rw.spec, MaskSpec), rw.spec
-    else:
-        assert isinstance(rw.spec, str) and "filled scores get no gradient" in rw.spec, rw.spec
+    assert isinstance(rw.spec, MaskSpec) and (rw.spec.filled is None) == subsumed, rw.spec
     dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(10))
     for name, a, b in zip("qkv", torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
         torch.testing.assert_close(a, b, **TOL[torch.float32], msg=name)

@@ -23,7 +23,10 @@ from ..kernels.reference import attention_reference
 from . import choice, conventions
 
 DECODE_MAX_QUERIES = 16
-DECODE_MAX_KEYS = 2048  # beyond, the fused kernels' single pass over the cache is worth their launch
+# Beyond, the fused kernels' single pass over the cache is worth their launch. patterns/key_limit.py's
+# MIN_KEYS is the same bound: past it a data mask's key limit becomes kv_lens, which this math (over
+# every key) would not shorten but the split-KV decode kernel's reads stop at.
+DECODE_MAX_KEYS = 2048
 _STRUCTURE = ("sinks", "q_pos", "q_seg", "k_seg")
 DEVICES = ("cuda",)  # CPU sites have aten's CPU flash kernel or the reference op (tests add "cpu")
 

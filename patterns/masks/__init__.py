@@ -72,7 +72,15 @@ fill and a separate additive float mask added after it) are refused unless prove
 unless every fill is -inf, or <= ABSORB_LIMIT (fp32/bf16 finfo.min) and the very first term:
 then every term is passed as one additive float bias (fill -> where(T, c, 0)), which is eager's
 arithmetic (legacy GPT-2: where(causal, s, finfo.min) + (1 - m) * finfo.min), at the cost of an
-N x N bias.
+N x N bias (in the scores' dtype for fp64, so c stays exact; refused where c, or c plus later mask
+values, is finite beyond fp32's range: such a row's lse would not fit the op's fp32 lse). Eager's fill
+cuts the filled scores' gradient, the bias does not: that differs only on rows where the filled
+entries keep a weight (every score absorbed, e.g. GPT-Neo's local layer on a query whose window keys
+are all padding but an earlier key is not). In a training graph it stays exact when a later 0-or-c'
+mask covers every filled entry with c + c' = -inf (weight 0 on both sides), or, when every later term
+is a 0-or-c' mask (c' <= 0) or a -inf fill, through MaskSpec.filled: emit removes the op's gradient
+through the filled entries on the rows whose lse is below -1e29 (fa3::filled_scores_grad). A later
+float bias of any other kind is refused.
 An additive float mask that is not proven to be 0-or-c is passed untouched as the op's float bias;
 the op adds it in fp32, which is eager's own arithmetic (exact for fp32 scores). Known limit: with
 fp16 scores and such an untouched fp16 mask of huge negative values (e.g. BERT's

@@ -1,6 +1,7 @@
 """The entry point: analyze_mask tries the plans a site's terms admit, most structured first."""
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Optional, Union
 
@@ -81,12 +82,21 @@ def _analyze(gm, terms, *, batch, q_len, k_len, scores_dtype, insert_before, sdp
                 continue
             if t.c != -math.inf and (t.c > ABSORB_LIMIT or i > 0):
                 return None
-            if t.c != -math.inf and not fill_gradient_kept(i):
-                refusals.append("a finite fill mixed with an additive mask: on a fully masked row eager's "
-                                "filled scores get no gradient, the op's bias would pass one (training graph)")
+            if t.c != -math.inf and not _within_lse_range(t.c, [infos[j].c for j in range(i + 1, len(infos))
+                                                                if is_mask_add(j)], scores_dtype):
+                refusals.append(f"a fill {t.c:g} with additive masks whose sum on a fully masked row lies beyond "
+                                "the op's fp32 log-sum-exp (fp64 scores)")
                 return None
+            if t.c != -math.inf and not fill_gradient_kept(i):
+                if not later_masks_only(i):
+                    refusals.append("a finite fill mixed with an additive float bias: on a fully masked row "
+                                    "eager's filled scores get no gradient, the op's bias would pass one "
+                                    "(training graph)")
+                    return None
+                filled.append((terms[i].tensor, t.op == "fill"))  # emit removes the op's gradient there
             node = terms[i].tensor
-            item = ("where", node, t.c, t.op == "fill")  # masked where node is True for fill, False otherwise
+            # masked where node is True for fill, False otherwise; in the scores' dtype (fp64 keeps c exact)
+            item = ("where", node, t.c, t.op == "fill", scores_dtype)
             out.append(_TermInfo("add", 0.0, keep=None, extra=(item,), converted=False))
         return out
 
@@ -107,12 +117,21 @@ def _analyze(gm, terms, *, batch, q_len, k_len, scores_dtype, insert_before, sdp
                 return True
         return False
 
+    def later_masks_only(i: int) -> bool:
+        # every later term is a 0-or-c' mask (c' <= 0) or a -inf fill: a filled entry is then <= c in the
+        # op's bias, so it keeps a weight only on rows whose lse is about c (emit_attention's `filled`)
+        return all((is_mask_add(j) and infos[j].c <= 0) or (infos[j].op in ("fill", "where")
+                                                            and infos[j].c == -math.inf)
+                   for j in range(i + 1, len(infos)))
+
     refusals: list = []
+    filled: list = []  # (mask node, True where it is the filled entries) of the additive attempt
     attempts = [infos]
     if any(is_mask_add(i) for i in range(len(infos))):
         attempts.append(untouched_adds(infos))
     if any(t.keep is not None and t.keep.structural for t in attempts[-1]):
         attempts.append(destructured(attempts[-1]))
+    add_only = None
     if any(t.op in ("fill", "where", "bool") for t in infos) and len(infos) > 1:
         add_only = additive(infos)
         if add_only is not None:
@@ -123,6 +142,8 @@ def _analyze(gm, terms, *, batch, q_len, k_len, scores_dtype, insert_before, sdp
         if isinstance(plan, str):
             reason = reason or plan
             continue
+        if attempt is add_only and filled:
+            plan["filled"] = filled[0]
         em = _Emitter(gm, insert_before)
         try:
             return _emit_spec(em, plan, batch, q_len, k_len)
@@ -141,6 +162,21 @@ def _needs_grad(node: Any) -> bool:
     if isinstance(v, (tuple, list)):
         v = next((x for x in v if isinstance(x, torch.Tensor)), None)
     return not isinstance(v, torch.Tensor) or v.requires_grad  # unknown: assume it does
+
+
+def _within_lse_range(c: float, later: list, dtype: torch.dtype) -> bool:
+    """c plus any subset of the later additive mask values (in eager's order) is -inf or within fp32's
+    range in `dtype`: a row of such values (uniform in eager) has an lse the op's fp32 lse holds, so it
+    is not read as an empty row."""
+    lim = torch.finfo(torch.float32).max
+    for picks in itertools.product((False, True), repeat=len(later)):
+        total = torch.tensor(c, dtype=dtype)
+        for a, pick in zip(later, picks):
+            if pick:
+                total = total + torch.tensor(a, dtype=dtype)
+        if not (torch.isneginf(total) or total.abs() <= lim):
+            return False
+    return True
 
 
 def _sum_is_neg_inf(c1: float, c2: float, dtype: torch.dtype) -> bool:

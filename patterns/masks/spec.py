@@ -175,11 +175,15 @@ def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len) -> MaskSpec:
             if not em.before(m):
                 raise _Fail(f"mask {m.name} is computed after the site")
             node = em.call("to", m, dt, method=True)
-        elif isinstance(node, tuple):  # ("where", bool node, c, masked_when_true): a fill as an additive float
-            _, m, c, masked_when_true = node
+        elif isinstance(node, tuple):  # ("where", bool node, c, masked_when_true, dtype): a fill as an additive float
+            _, m, c, masked_when_true, dt = node
             if not em.before(m):
                 raise _Fail(f"mask {m.name} is computed after the site")
-            node = em.call(torch.where, m, c, 0.0) if masked_when_true else em.call(torch.where, m, 0.0, c)
+            if dt == torch.float64:  # c exactly as eager's fp64 scores hold it (torch.where of two numbers is fp32)
+                filled = m if masked_when_true else em.call(torch.logical_not, m)
+                node = em.call("masked_fill", em.call(torch.zeros_like, m, dtype=dt), filled, c, method=True)
+            else:
+                node = em.call(torch.where, m, c, 0.0) if masked_when_true else em.call(torch.where, m, 0.0, c)
         elif not em.before(node):
             raise _Fail(f"mask {node.name} is computed after the site")
         float_bias = node if float_bias is None else em.call(operator.add, float_bias, node)
@@ -194,6 +198,13 @@ def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len) -> MaskSpec:
         kinds.append("bias")
     if spec.bias is not None and len(_shape(spec.bias) or ()) > 4:
         raise _Fail("residual mask has more than 4 dims")
+    if plan.get("filled") is not None:
+        node, when_true = plan["filled"]
+        if not em.before(node):
+            raise _Fail(f"mask {node.name} is computed after the site")
+        if spec.bias is None or _dtype(spec.bias) == torch.bool:
+            raise _Fail("filled scores without the float bias that holds them")
+        spec.filled = node if when_true else em.call(torch.logical_not, node)
     spec.kind = "+".join(kinds) if kinds else "none"
     if spec.kind == "none":
         spec.empty_rows, spec.fill = "impossible", None
