@@ -62,6 +62,11 @@ class CpuFlash:
         nk = c.static_int(args.k.shape[2]) if not choice._symbolic(args.k.shape[2]) else -1
         if nk == 0:
             r.append(f"{what}: no keys (Nk = 0)")
+        # no queries (or an empty batch / head axis): the kernel stops the process (SIGFPE, torch 2.13)
+        empty = [name for name, n in (("B", args.q.shape[0]), ("Hq", args.q.shape[1]), ("Nq", args.q.shape[2]))
+                 if not choice._symbolic(n) and c.static_int(n) == 0]
+        if empty:
+            r.append(f"{what}: {', '.join(empty)} = 0 (the op's exact trivial path runs instead)")
         hq, hkv = args.q.shape[1], args.k.shape[1]
         if hq != hkv and (choice._symbolic(hq) or choice._symbolic(hkv)):
             r.append(f"{what}: GQA with symbolic head counts")

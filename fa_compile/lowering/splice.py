@@ -24,9 +24,12 @@ def _fake_mode(vals: Sequence):
 
 
 def _strides_match(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Equal strides wherever they matter (a dimension of size 1 may have any stride)."""
+    """Equal strides wherever they matter (a dimension of size 1 may have any stride, and a tensor with
+    no elements any strides at all: they address no memory)."""
     if got.dim() != want.dim() or got.dtype != want.dtype:
         return False
+    if any(statically_known_true(size == 0) for size in want.shape):
+        return all(statically_known_true(x == y) for x, y in zip(got.shape, want.shape))
     for size, a, b in zip(want.shape, got.stride(), want.stride()):
         if statically_known_true(size <= 1):
             continue
