@@ -67,6 +67,15 @@ def sm_count(device: torch.device) -> int:
     return 8
 
 
+def launch_options(block_n: int, block_d: int, block_dv: int) -> tuple[dict, dict]:
+    """(partial pass, combine) launch options on a GPU: warps and pipeline stages (none under the
+    interpreter). Shared by the run-time launcher and the lowered op (decode_ops.py)."""
+    if interpreting():
+        return {}, {}
+    return (dict(num_warps=4, num_stages=3 if block_n * max(block_d, block_dv) <= 64 * 128 else 2),
+            dict(num_warps=4 if block_dv >= 128 else 2))
+
+
 def pick_block_n(block_d: int, page: Optional[int]) -> int:
     """Keys per tile: 64 for head dims up to 128 (32 above, for registers)."""
     return 64 if block_d <= 128 else 32
@@ -178,8 +187,8 @@ def paged_decode(
         bt, kind, bstr = bias
         const.update(BIAS=bt, stride_bb=bstr[0], stride_bh=bstr[1], stride_bm=bstr[2], stride_bn=bstr[3],
                      BIAS_KIND=kind)
-    if not interpreting():
-        const.update(num_warps=4, num_stages=3 if bn * max(block_d, block_dv) <= 64 * 128 else 2)
+    partial_opts, combine_opts = launch_options(bn, block_d, block_dv)
+    const.update(partial_opts)
     ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else _Null()
     with ctx:
         decode_partial_kernel[(splits, b * hkv)](
@@ -193,9 +202,7 @@ def paged_decode(
             **const,
         )
         if splits > 1:
-            cconst = dict(BLOCK_S=_pow2(splits, 2), BLOCK_DV=block_dv)
-            if not interpreting():
-                cconst.update(num_warps=4 if block_dv >= 128 else 2)
+            cconst = dict(BLOCK_S=_pow2(splits, 2), BLOCK_DV=block_dv, **combine_opts)
             decode_combine_kernel[(b * hkv * rows,)](
                 opart, lpart, spart, out, lse, out.stride(0), out.stride(1), out.stride(2), hkv, g, nq, dv, splits,
                 **cconst,

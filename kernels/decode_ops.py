@@ -14,14 +14,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import triton_family as tf
+from .decode import _pow2, launch_options
 from .triton_ops import _bias_arg, _empty, _launcher
 
 NAMESPACE = "fa3_decode"
-
-
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
 @torch.library.triton_op(f"{NAMESPACE}::fwd", mutates_args=())
@@ -58,8 +54,7 @@ def fwd(
         qpos = dict(QPOS=qp, stride_pb=0 if qp.shape[0] == 1 else qp.stride(0), stride_pm=qp.stride(1), HAS_QPOS=True)
     else:
         qpos = dict(QPOS=q, stride_pb=0, stride_pm=0, HAS_QPOS=False)
-    tune = {} if tf.interpreting() else dict(num_warps=4, num_stages=3 if block_n * max(block_d, block_dv) <= 64 * 128
-                                             else 2)
+    tune, ctune = launch_options(block_n, block_d, block_dv)
     _launcher(decode_partial_kernel)[(splits, b * hkv, 1)](
         q, k, v, lens, lens, lens, out, lse, opart, lpart, spart,
         q.stride(0), q.stride(2), q.stride(1), q.stride(3),  # the kernel reads q as [B, Nq, Hq, D]
@@ -75,7 +70,6 @@ def fwd(
         stride_bn=bstr[3], BIAS_KIND=kind, HAS_SEQLENS=kv_lens is not None, **tune,
     )
     if splits > 1:
-        ctune = {} if tf.interpreting() else dict(num_warps=4 if block_dv >= 128 else 2)
         _launcher(decode_combine_kernel)[(b * hkv * rows, 1, 1)](
             opart, lpart, spart, out, lse, out.stride(0), out.stride(2), out.stride(1), hkv, g, nq, dv, splits,
             BLOCK_S=_pow2(splits, 2), BLOCK_DV=block_dv, **ctune,
