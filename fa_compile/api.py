@@ -55,6 +55,11 @@ def attention(
     q_pos: Optional[Tensor] = None,
     q_seg: Optional[Tensor] = None,
     k_seg: Optional[Tensor] = None,
+    fp8: bool = False,
+    q_descale: Optional[Tensor] = None,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ):
     """Fused attention. q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] ("bhsd") or [B, N, H, D] ("bshd").
 
@@ -74,6 +79,13 @@ def attention(
     q_seg, k_seg: int32/int64 [B, Nq] / [B, Nk] (or [Nq] / [Nk]), together: query i admits key j only
     if their ids are equal (packed variable-length sequences; ids may come in any order). Both are
     ANDed with causal, window, bias and kv_lens, in either layout (they index positions, not heads).
+    fp8: True quantizes bf16 / fp16 q, k, v to float8_e4m3fn on the fly (per-block scales, K smoothed)
+    for the FP8 kernel: faster on Hopper, results within FP8's error, not bf16's. Inference only: with
+    a gradient wanted, or features the FP8 kernel lacks (softcap, dropout, sinks, q_pos, segments), or
+    no FP8 kernel on this device, the exact bf16 / fp16 attention runs instead.
+    q, k, v in float8_e4m3fn (quantized elsewhere) always take the FP8 path: q_descale / k_descale /
+    v_descale are fp32 [B, H] factors (FA3's convention: the real value is the fp8 value times the
+    descale; None = 1), out_dtype the result's dtype (default bfloat16); no backward.
     The result has q's layout; with return_lse also the fp32 log-sum-exp [B, Hq, Nq].
     Bad arguments raise a TypeError or ValueError that names the argument.
     """
@@ -117,6 +129,28 @@ def attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     else:
         _check_number("scale", scale)
+    if not isinstance(fp8, bool):
+        raise TypeError(f"fp8: expected a bool, got {type(fp8).__name__}")
+    from .fp8 import FP8_DTYPES  # noqa: PLC0415
+
+    quantized = q.dtype in FP8_DTYPES or k.dtype in FP8_DTYPES or v.dtype in FP8_DTYPES
+    descales = (q_descale, k_descale, v_descale, out_dtype)
+    if quantized or (fp8 and _fp8_applies(q, k, v, bias, softcap, dropout_p, sinks, q_pos, q_seg, k_seg, kernel)):
+        if quantized:
+            for name, bad in (("softcap", softcap != 0), ("dropout_p", dropout_p != 0), ("sinks", sinks is not None),
+                              ("q_pos", q_pos is not None), ("q_seg", q_seg is not None),
+                              ("k_seg", k_seg is not None), ("kernel", kernel is not None)):
+                if bad:
+                    raise ValueError(f"{name}: not supported with float8_e4m3fn inputs (the FP8 kernel takes causal, "
+                                     f"window, bias and kv_lens)")
+        out, lse = torch.ops.fa3.attention_fp8(q, k, v, float(scale), bool(causal), offset, wl, wr, bias, kv_lens,
+                                               *descales)
+        if layout == "bshd":
+            out = out.transpose(1, 2)
+        return (out, lse) if return_lse else out
+    for name, d in zip(("q_descale", "k_descale", "v_descale", "out_dtype"), descales):
+        if d is not None:
+            raise ValueError(f"{name}: applies to float8_e4m3fn inputs only; q is {q.dtype}")
     seed = None
     if dropout_p > 0:
         seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=q.device)
@@ -127,3 +161,14 @@ def attention(
     if layout == "bshd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
+
+
+def _fp8_applies(q: Tensor, k: Tensor, v: Tensor, bias, softcap, dropout_p, sinks, q_pos, q_seg, k_seg,
+                 kernel) -> bool:
+    """fp8=True on bf16 / fp16 inputs: only for an inference call without features the FP8 kernel lacks
+    (otherwise the exact op runs: FP8 is a speed request, never a reason to fail or to drop a feature)."""
+    if kernel is not None or softcap != 0 or dropout_p != 0 or any(t is not None for t in (sinks, q_pos, q_seg, k_seg)):
+        return False
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias)):
+        return False
+    return q.dtype in (torch.float16, torch.bfloat16)

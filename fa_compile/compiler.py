@@ -26,6 +26,7 @@ class BackendConfig:
     options: dict = field(default_factory=dict)  # Inductor config patches
     tune: bool = False  # time the eligible kernels at compile time (this backend's graphs only)
     lower: bool = True  # lower each fa3 node to its kernel's own call in the post-grad graph (inductor only)
+    fp8: Optional[bool] = None  # FP8 attention at eligible inference sites; None: FA_COMPILE_FP8 decides
 
     def __post_init__(self) -> None:
         if self.inner not in INNER_COMPILERS:
@@ -34,9 +35,11 @@ class BackendConfig:
             raise ValueError(f"mode, options: only apply to inner='inductor', not {self.inner!r}")
 
 
-def run_pass(gm: fx.GraphModule, kernel: Optional[str] = None, record: bool = True) -> list:
+def run_pass(gm: fx.GraphModule, kernel: Optional[str] = None, record: bool = True,
+             fp8: Optional[bool] = None) -> list:
     """Rewrite `gm` in place (once) and return the site reports; with `record`, counts them and logs
-    them when FA_COMPILE_LOG=1 (the backend records only once its inner compile kept the graph)."""
+    them when FA_COMPILE_LOG=1 (the backend records only once its inner compile kept the graph).
+    fp8: FP8 attention at the sites that can take it (fa_compile/fp8.py); None reads FA_COMPILE_FP8."""
     from . import ops  # noqa: F401  (registers torch.ops.fa3 before the pass emits it)
     from . import paged  # noqa: F401  (registers torch.ops.fa3.paged_attention, emitted for paged caches)
     from .patterns.pipeline import rewrite_attention
@@ -45,6 +48,10 @@ def run_pass(gm: fx.GraphModule, kernel: Optional[str] = None, record: bool = Tr
     if gm.meta.get(_DONE):
         return []
     reports = rewrite_attention(gm, PassOptions(kernel=kernel, paged_check=paged_refusal))
+    if config.fp8_requested() if fp8 is None else fp8:
+        from .fp8 import convert_sites
+
+        convert_sites(gm, reports)
     gm.meta[_DONE] = True
     if record:
         record_reports(reports)
@@ -147,14 +154,19 @@ def _inner_compile(cfg: BackendConfig, gm: fx.GraphModule, example_inputs: Seque
         patches.update(torch._inductor.list_mode_options(chosen_mode))
     patches.update(cfg.options)
     patches.update(options or {})
-    if not cfg.lower or config.killed():
+    from . import ops
+
+    if not cfg.lower or config.killed() or ops._CP_HOOK is not None:  # context parallel: the ring needs the op
         return compile_fx(gm, example_inputs, config_patches=patches)
     import torch._inductor.config as inductor_config
+    from .distributed.context import guard_compiled
 
     current = patches.get("post_grad_custom_pre_pass", inductor_config.post_grad_custom_pre_pass)
     lowering = _lowering_pass(current, cfg.tune or None)
     try:
-        return compile_fx(gm, example_inputs, config_patches=dict(patches, post_grad_custom_pre_pass=lowering))
+        # (lowered kernels would attend to one shard: under context_parallel, gm runs with the op instead)
+        compiled = compile_fx(gm, example_inputs, config_patches=dict(patches, post_grad_custom_pre_pass=lowering))
+        return guard_compiled(compiled, gm)
     except Exception as e:
         # A lowered kernel call that Inductor cannot compile: the graph again with the fa3 op kept
         # (its run-time dispatch), so a lowering never fails a compile. AOTAutograd traced copies of
@@ -174,6 +186,7 @@ def backend(
     options: Optional[dict] = None,
     tune: bool = False,
     lower: bool = True,
+    fp8: Optional[bool] = None,
 ) -> Callable:
     """A configured backend for `torch.compile(model, backend=fa_compile.backend(...))`.
 
@@ -185,20 +198,23 @@ def backend(
     for this backend's graphs only.
     lower: under inner="inductor", replace each fa3 op in the post-grad graphs by the call of the kernel
     chosen for it at compile time (fa_compile/lowering/); False keeps the op and its run-time dispatch.
+    fp8: True runs every inference site the FP8 kernel takes in FP8 (Q, K, V and P rounded to e4m3: results
+    change by more than rounding; `explain()` says per site whether and why not); False never; None
+    (the default) follows FA_COMPILE_FP8. Float8 inputs take the FP8 op whatever this says.
     """
     if kernel is not None:  # a misspelt kernel fails here, not at the first call of the compiled model
         from .dispatch import check_kernel_name
 
         check_kernel_name(kernel, "kernel")
     cfg = BackendConfig(inner=inner, kernel=kernel, mode=mode, options=dict(options or {}), tune=bool(tune),
-                        lower=bool(lower))
+                        lower=bool(lower), fp8=None if fp8 is None else bool(fp8))
 
     def fa3_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str] = None, options: Optional[dict] = None):
         """The torch.compile backend: rewrite attention in `gm`, then compile it with the inner compiler."""
         from . import tuning
 
         with tuning.scoped(cfg.tune or None):
-            reports = [] if config.killed() else run_pass(gm, cfg.kernel, record=False)
+            reports = [] if config.killed() else run_pass(gm, cfg.kernel, record=False, fp8=cfg.fp8)
             try:
                 compiled = _inner_compile(cfg, gm, example_inputs, mode, options)
             except Exception as e:  # our op inside a HOP body the inner compiler rejects: those bodies as traced
@@ -244,9 +260,10 @@ class PreGradRewritePass(CustomGraphPass):
         from . import patterns as _patterns
 
         patterns = os.path.dirname(os.path.abspath(_patterns.__file__))
-        files = [__file__] + sorted(os.path.join(root, f) for root, _dirs, fs in os.walk(patterns) for f in fs
+        files = [__file__, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp8.py")] + sorted(os.path.join(root, f) for root, _dirs, fs in os.walk(patterns) for f in fs
                                     if f.endswith(".py"))
-        key = repr((get_hash_for_files(tuple(files)).hex(), _source_hash(), config.killed(), chained))
+        key = repr((get_hash_for_files(tuple(files)).hex(), _source_hash(), config.killed(), config.fp8_requested(),
+                    chained))
         return hashlib.sha256(key.encode()).hexdigest()
 
 

@@ -61,3 +61,8 @@ def killed() -> bool:
 
 def log_enabled() -> bool:
     return _flag("FA_COMPILE_LOG") in _TRUE
+
+
+def fp8_requested() -> bool:
+    """FA_COMPILE_FP8=1: FP8 attention for every eligible inference site (opt-in; changes results)."""
+    return _flag("FA_COMPILE_FP8") in _TRUE

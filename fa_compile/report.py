@@ -71,6 +71,9 @@ def _kernel_row(site) -> SiteRow:
     row = SiteRow(site)
     if site.rewritten and getattr(site.call, "target", None) is torch.ops.fa3.paged_attention.default:
         return _paged_row(row, site.call)
+    if site.rewritten and site.fp8 == "used":
+        row.kernel_fwd = "fp8"  # fa3.attention_fp8: the FP8 kernel, inference only (fa_compile/fp8.py)
+        return row
     args = _args_of_call(site.call) if site.rewritten else None
     if args is not None:
         forced = site.call.args[13] if len(site.call.args) > 13 else None
@@ -116,6 +119,9 @@ class ExplainReport:
             shapes = " / ".join("x".join(str(d) for d in sh) if sh else "?" for sh in (s.q_shape, s.k_shape, s.v_shape))
             kern = "" if not s.rewritten else (row.kernel_fwd or "?") + (f" / {row.kernel_bwd}" if row.kernel_bwd else "")
             why = (s.where + (f"; {s.cache}" if s.cache else "")) if s.rewritten else f"{s.reason}  [{s.where}]"
+            fixups = getattr(s.call, "meta", {}).get("fa_compile_fixups", []) if s.rewritten else []
+            if fixups:
+                why += "; with " + ", ".join(fixups)
             lines.append((str(i), "rewritten" if s.rewritten else "MISSED", s.form, shapes, dtype_name(s.dtype), s.mask,
                           s.gqa or "", kern, why))
         widths = [max(len(h), *(len(l[c]) for l in lines)) if lines else len(h) for c, h in enumerate(head)]
@@ -143,17 +149,29 @@ class ExplainReport:
             out += [f"  {name} ({', '.join(dirs)}): {why}" for (name, why), dirs in merged.items()]
         return "\n".join(out)
 
+    def fp8_lines(self) -> str:
+        """With FP8 asked for: the sites that got it, and why each other site did not."""
+        groups: dict = {}
+        for i, row in enumerate(self.rows):
+            if row.site.rewritten and row.site.fp8:
+                groups.setdefault(row.site.fp8, []).append(i)
+        return "\n".join(f"fp8 at site{'s' if len(sites) > 1 else ''} {', '.join(map(str, sites))}: {text}"
+                         for text, sites in groups.items())
+
     def __str__(self) -> str:
         from .lowering import explain_lines  # what each site's kernel call becomes at compile time
 
-        notes = "\n".join(filter(None, (self.kernels_passed_over(), explain_lines(self.rows))))
+        notes = "\n".join(filter(None, (self.kernels_passed_over(), self.fp8_lines(), explain_lines(self.rows))))
         return self.table() + ("\n" + notes if notes else "")
 
     __repr__ = __str__
 
 
-def explain(model_or_fn: Callable, *args: Any, kernel: Optional[str] = None, **kwargs: Any) -> ExplainReport:
+def explain(model_or_fn: Callable, *args: Any, kernel: Optional[str] = None, fp8: Optional[bool] = None,
+            **kwargs: Any) -> ExplainReport:
     """Trace `model_or_fn(*args, **kwargs)` with Dynamo, run the pass, and report every site.
+
+    kernel / fp8: as `fa_compile.backend(kernel=..., fp8=...)` (fp8=None follows FA_COMPILE_FP8).
 
     The call runs once (the rewritten graph, eagerly); nothing the user compiled elsewhere is reset.
     """
@@ -162,7 +180,7 @@ def explain(model_or_fn: Callable, *args: Any, kernel: Optional[str] = None, **k
     reports: list = []
 
     def capture(gm, example_inputs):
-        reports.extend(run_pass(gm, kernel))
+        reports.extend(run_pass(gm, kernel, fp8=fp8))
         return gm.forward
 
     compiled = torch.compile(model_or_fn, backend=capture)

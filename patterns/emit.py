@@ -142,6 +142,7 @@ def emit_attention(
                              "(no structure arguments, dropout or sinks)")
         out, node = emit_attention(
             graph, q, k, v, scale=scale, bias=bias, softcap=softcap, kernel=kernel, empty_rows=empty_rows, fill=fill)
+        note_fixup(node, "filled scores' gradient removed (fa3.filled_scores_grad)")
         return _remove_filled_grad(graph, out, node, filled), node
     if isinstance(scale, fx.Node):
         q = call(graph, torch.mul, q, scale)
@@ -163,7 +164,8 @@ def emit_attention(
     runtime = dict(q_pos=q_pos, q_seg=q_seg, k_seg=k_seg)
     from . import key_limit  # decode over a long cache: cut the keys past the bias's last admissible one
 
-    if key_limit.applies(q, k, bias, empty_rows=empty_rows, dropout_p=dropout_p):
+    limited = key_limit.applies(q, k, bias, empty_rows=empty_rows, dropout_p=dropout_p)
+    if limited:
         kv_lens = key_limit.limit_keys(graph, q, k, v, bias, kv_lens, causal=causal, diag_offset=diag_offset,
                                        window_left=window_left, window_right=window_right, **runtime)
     if empty_rows == "fill":
@@ -181,6 +183,8 @@ def emit_attention(
         graph, fa3_attention_op(), q, k, v, float(scale), bool(causal), diag_offset, int(window_left),
         int(window_right), bias, kv_lens, float(softcap), float(dropout_p), seed, kernel, *extra,
     )
+    if limited:
+        note_fixup(node, "key limit read from the mask at run time")
     out = call(graph, operator.getitem, node, 0)
     nk = example_value(k).shape[2]
     if empty_rows in ("impossible", "zero") or (isinstance(nk, int) and nk == 0):
@@ -204,9 +208,17 @@ def emit_attention(
         if hq != hkv:
             fill = call(graph, torch.repeat_interleave, fill, hq // hkv, dim=1)
         if empty_rows == "mean_v_add" and needs_qk_grad(q, k):
+            note_fixup(node, "exact gradient of fully masked rows (fa3.uniform_row_grad)")
             fill = call(graph, torch.add, fill, _uniform_row_grad(graph, q, k, v, float(scale), float(softcap)))
         fill = call(graph, "to", fill, example_value(out).dtype, method=True)
     return call(graph, torch.where, empty, fill, out), node
+
+
+FIXUPS = "fa_compile_fixups"  # node.meta key: what emit added around the op call, for explain()
+
+
+def note_fixup(node: fx.Node, what: str) -> None:
+    node.meta.setdefault(FIXUPS, []).append(what)
 
 
 # A row whose lse is at least this admits an entry whose weight dwarfs a filled one (<= -1e30) to 0.

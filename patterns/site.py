@@ -29,6 +29,7 @@ class SiteReport:
     dropout_p: float = 0.0
     scale: Any = None
     cache: str = ""  # "paged: ..." (`call` is fa3.paged_attention, reading a pool in place), or why gathered K/V stay
+    fp8: str = ""  # with FP8 asked for: "used" (`call` is fa3.attention_fp8) or "not used: why"; else ""
     call: Any = field(default=None, repr=False)
 
 

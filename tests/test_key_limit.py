@@ -116,6 +116,18 @@ def test_decode_data_mask_gets_the_last_admissible_key(spelling):
     assert lengths_passed(fn, args) == [limits]
 
 
+def test_explain_names_the_key_limit():
+    import fa_compile
+
+    args = qkv(grad=False) + [as_additive(keep_mask())]
+    torch._dynamo.reset()
+    report = fa_compile.explain(additive, *args)
+    assert "with key limit read from the mask at run time" in report.table(), report.table()
+    torch._dynamo.reset()
+    short = qkv(nq=32, grad=False) + [as_additive(keep_mask(nq=32))]  # a prefill: no limit
+    assert "key limit" not in fa_compile.explain(additive, *short).table()
+
+
 @pytest.mark.parametrize("spelling", ["additive", "where_min"])
 def test_queries_of_a_step_share_the_limit_and_an_empty_query_row_keeps_eager(spelling):
     # Four query tokens (a speculative step); in batch row 0 the first token admits no key at all.

@@ -97,6 +97,7 @@ def test_softcap_left_padding_layer_parameter_gradients(dtype):
     torch._dynamo.reset()
     report = fa_compile.explain(layer, x, keep)
     assert len(report.rows) == 1 and len(report.rewritten) == 1, str(report)
+    assert "with exact gradient of fully masked rows (fa3.uniform_row_grad)" in report.table(), report.table()
     torch._dynamo.reset()
     out = torch.compile(layer, backend="fa3")(x, keep)
     ref = layer(x, keep)
