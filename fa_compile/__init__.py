@@ -31,6 +31,7 @@ import importlib
 from typing import Any
 
 from . import hf as _hf
+from .distributed import sharding as _sharding
 
 __version__ = "0.1.0"
 
@@ -41,6 +42,8 @@ _LAZY = {
     "ExplainReport": ("report", "ExplainReport"),
     "attention": ("api", "attention"),
     "paged_attention": ("paged", "paged_attention"),
+    "context_parallel": ("distributed.context", "context_parallel"),
+    "context_parallel_unshard": ("distributed.context", "context_parallel_unshard"),
 }
 
 __all__ = [*_LAZY, "__version__"]
@@ -60,3 +63,4 @@ def __dir__() -> list:
 
 
 _hf.install()  # attn_implementation="fa3" for transformers, registered when (or once) it is imported
+_sharding.install()  # DTensor sharding rules of the fa3 ops, registered once DTensor and the ops are imported

@@ -113,6 +113,8 @@ def _dequantized(t: Tensor, descale: Optional[Tensor]) -> Tensor:
 def _attention_fp8(q, k, v, scale, causal=False, diag_offset=0, window_left=-1, window_right=-1, bias=None,
                    kv_lens=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     ops.check_scalars(scale, 0.0, 0.0, None, window_left, window_right)
+    if ops._CP_HOOK is not None:  # (the ring runs fa3.attention; this op would attend to one shard)
+        raise RuntimeError("fa3.attention_fp8: not supported under fa_compile.context_parallel; leave fp8 off there")
     out_dt = check_fp8_args(q, k, v, bias, kv_lens, q_descale, k_descale, v_descale, out_dtype)
     if not kernel_reasons(q, k, v, causal, window_left, window_right, bias, kv_lens):
         from .kernels import fp8 as _kernel  # noqa: PLC0415

@@ -46,6 +46,7 @@ gives q and k from rows that an additive finfo.min mask masked entirely (pattern
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -55,6 +56,12 @@ from . import dispatch
 from .kernels import reference as _ref
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Set by fa_compile.distributed.context while context parallelism is active: the kernel entry points
+# below then run ring attention over the sequence shards (eager calls and compiled graphs alike).
+_CP_HOOK = None
+# lse storages produced by ring attention, by data pointer: their backward must ring too, so outside the
+# context attention_backward refuses them instead of computing a local-shard gradient.
+_RING_LSE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
 def check_args(
@@ -258,6 +265,9 @@ def attention(
     """The kernel behind `torch.ops.fa3.attention` on real tensors: checks (memoised with the choice
     of kernel on the inputs' metadata and scalars), dispatch, and the output conventions."""
     check_scalars(scale, softcap, dropout_p, dropout_seed, window_left, window_right)
+    if _CP_HOOK is not None:  # inside fa_compile.context_parallel: ring attention (distributed/ring.py)
+        return _CP_HOOK.forward(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
+                                softcap, dropout_p, dropout_seed, force_kernel, sinks, q_pos, q_seg, k_seg)
     if kv_lens is not None and not kv_lens.is_contiguous():
         kv_lens = kv_lens.contiguous()  # kernels index it by batch (an expanded [1] length, say)
     args = dispatch.AttentionArgs(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
@@ -311,6 +321,14 @@ def attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dbias); dbias is an empty tensor unless bias_requires_grad. The sinks' own gradient
     is not among them (see the module docstring): `sinks` is here for kernels that recompute P."""
+    if _RING_LSE and _CP_HOOK is None and _RING_LSE.get(lse.data_ptr()) is lse.untyped_storage():
+        raise RuntimeError("lse: this is the backward of a ring-attention forward (fa_compile.context_parallel), "
+                           "run outside the context, where it would see only this rank's shards; call backward "
+                           "inside the context")
+    if _CP_HOOK is not None:
+        return _CP_HOOK.backward(dout, q, k, v, out, lse, scale, causal, diag_offset, window_left, window_right, bias,
+                                 kv_lens, softcap, dropout_p, dropout_seed, bias_requires_grad, force_kernel, sinks,
+                                 q_pos, q_seg, k_seg)
     if kv_lens is not None and not kv_lens.is_contiguous():
         kv_lens = kv_lens.contiguous()
     args = dispatch.AttentionArgs(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
@@ -418,7 +436,7 @@ class _AttentionFunction(torch.autograd.Function):
             # d lse_i / d s_ij = P_ij, so dS gains dlse_i * P_ij. Every backward kernel computes
             # dS = P * (dO V^T - rowsum(dO * O)): with V' = 0, O' = e_0 and dO' = -dlse * e_0 that is
             # exactly dlse * P (dropout and softcap included), so any kernel's backward serves.
-            d_out, o = _AttentionFunction._lse_grad_operands(q, v, dlse)
+            d_out, o = _AttentionFunction._lse_grad_operands(q, v, dlse, lse)
             gq, gk, _, gb = grads(d_out, o, torch.zeros_like(v))
             dq = gq if dq is None else dq + gq
             dk = gk if dk is None else dk + gk
@@ -431,9 +449,21 @@ class _AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, db, None, None, None, None, None, dsinks, None, None, None
 
     @staticmethod
-    def _lse_grad_operands(q: Tensor, v: Tensor, dlse: Tensor) -> tuple[Tensor, Tensor]:
+    def _lse_grad_operands(q: Tensor, v: Tensor, dlse: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
         """(dO', O') in out's BSHD layout: dO'[..., 0] = -dlse and O'[..., 0] = 1, zero elsewhere, so that
         rowsum(dO' * O') = -dlse."""
+        if type(lse) is not Tensor and hasattr(lse, "device_mesh"):  # a DTensor: built on the shards of lse
+            from torch.distributed.tensor import DTensor  # (DTensor has no rule for the slice writes below)
+
+            mesh, places = lse.device_mesh, lse.placements
+            local = dlse.redistribute(mesh, places).to_local()
+            b, hq, nq = local.shape
+            d_out = local.new_zeros((b, nq, hq, v.shape[3]), dtype=q.dtype).transpose(1, 2)
+            o = torch.zeros_like(d_out)
+            d_out[..., 0] = -local.to(d_out.dtype)
+            o[..., 0] = 1
+            return tuple(DTensor.from_local(t, mesh, places, run_check=False, shape=(*lse.shape, v.shape[3]),
+                                            stride=_bshd_strides(q, v)) for t in (d_out, o))
         d_out, o = _out_like(q, v).zero_(), _out_like(q, v).zero_()
         d_out[..., 0] = -dlse.to(d_out.dtype)
         o[..., 0] = 1

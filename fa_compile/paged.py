@@ -335,6 +335,10 @@ _LIB.define(
 def _paged_impl(q, k_cache, v_cache, cache_seqlens, page_table=None, cache_leftpad=None, *, scale, causal=False,
                 layout="bshd", num_splits=0, force_kernel=None):
     check_scalars(scale, num_splits)
+    from . import ops
+
+    if ops._CP_HOOK is not None:  # a KV cache is not a sequence shard: attending to it alone would be wrong
+        raise RuntimeError("fa3.paged_attention: not supported under fa_compile.context_parallel")
     a = PagedArgs(q, k_cache, v_cache, cache_seqlens, page_table, cache_leftpad, float(scale), bool(causal), layout,
                   int(num_splits))
     cand = choose(a, force_kernel)  # checks the tensors' metadata (memoised)

@@ -38,12 +38,18 @@ def example_value(node: Any) -> Any:
 def _fake_mode(values: list):
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     # The values' own mode first: on torch 2.13 the backend's graph carries example values of a fresh
     # fake mode while TracingContext still holds Dynamo's, and detect_fake_mode prefers the latter.
     for v in values:
         if isinstance(v, FakeTensor):
             return v.fake_mode
+        if is_traceable_wrapper_subclass(v):  # a DTensor: the mode of the fake tensors it wraps
+            inner = [getattr(v, name) for name in v.__tensor_flatten__()[0]]
+            mode = _fake_mode(inner)
+            if mode is not None:
+                return mode
     return detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
 
 

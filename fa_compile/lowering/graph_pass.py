@@ -175,9 +175,9 @@ class LoweringPass(CustomGraphPass):
         self.lowered = 0  # fa3 nodes this pass object replaced (all graphs it ran on)
 
     def __call__(self, graph: fx.Graph) -> None:
-        from .. import config, tuning
+        from .. import config, ops, tuning
 
-        if not config.killed():
+        if not config.killed() and ops._CP_HOOK is None:  # under context_parallel the op runs the ring
             with tuning.scoped(self.tune):
                 self.lowered += sum(d.lowered for d in lower_graph(graph))
         if self.chained is not None:
@@ -187,8 +187,8 @@ class LoweringPass(CustomGraphPass):
         keyed, chained = chained_uuid(self.chained)
         if not keyed:
             return None
-        from .. import config, tuning
+        from .. import config, ops, tuning
 
         with tuning.scoped(self.tune):
-            key = repr((_source_hash(), _settings_key(), config.killed(), chained))
+            key = repr((_source_hash(), _settings_key(), config.killed(), chained, ops._CP_HOOK is None))
         return hashlib.sha256(key.encode()).hexdigest()
