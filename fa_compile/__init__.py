@@ -4,6 +4,7 @@
     torch.compile(model, backend=fa_compile.backend(inner="aot_eager", kernel="reference"))
     print(fa_compile.explain(model, *example_inputs))   # what was rewritten, what was not and why
     out = fa_compile.attention(q, k, v, causal=True)    # the fused op, called directly
+    torch.compile(model, backend=fa_compile.backend(fp8=True))  # FP8 attention at inference sites (opt-in)
     AutoModel.from_config(cfg, attn_implementation="fa3")  # Hugging Face: the op, no compile needed
 
 Public names (`__all__`):
@@ -14,11 +15,15 @@ Public names (`__all__`):
     attention     fused attention with FlashAttention-style arguments
     paged_attention  decode attention against a contiguous or paged KV cache, read in place
                   (FA3 flash_attn_with_kvcache conventions; registers torch.ops.fa3.paged_attention)
+    context_parallel  shard the sequence across a device mesh: every fa3.attention inside runs ring
+                  attention over the shards, forward and backward (fa_compile/distributed/)
+    context_parallel_unshard  gather sequence shards made under context_parallel back in order
     __version__
 
 Environment: FA_COMPILE=1 applies the rewrite to a plain `torch.compile(model)`; FA_COMPILE=0 turns
 it off everywhere; FA_COMPILE_LOG=1 prints the site table at compile time; FA_COMPILE_KERNEL=name
 forces a kernel; FA_COMPILE_TUNE=1 times the eligible kernels per shape bucket and caches the winner.
+FA_COMPILE_FP8=1 runs every eligible inference site in FP8 (as backend(fp8=True)).
 `python -m fa_compile` lists the kernels this machine can run.
 
 The package is imported at `import torch` (entry point group `torch.backends`) only to read

@@ -1,0 +1,46 @@
+"""Constants and tile choices shared by the FP8 kernel's launcher, quantization and emulation."""
+from __future__ import annotations
+
+from torch import Tensor
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# Defaults, from the emulated accuracy report (benchmarks/fp8_accuracy.py --emulate, d128, N 1024, rel. L2 vs
+# fp32): K smoothing takes a shared K offset from 21% to 5.2% (the Gaussian floor); the Hadamard rotation takes
+# outlier channels (x20..50) from 20% to 7.3% and changes nothing on Gaussian inputs; Q smoothing changes
+# nothing anywhere (within 0.001), so it stays off (it costs a [blocks, Nk] fp32 term per head).
+SMOOTH_Q_DEFAULT = False
+HADAMARD_DEFAULT = True
+# Q.Kᵀ in int8 (quantize.py): emulated, Gaussian 5.2% -> 3.8%, outliers 7.3% -> 3.2%; off until its speed on
+# Hopper is measured (benchmarks/fp8_kernels.py, column fp8_int8qk).
+QK_INT8_DEFAULT = False
+# Two-level P.V accumulation (each key block's product summed fresh, then added in fp32): SageAttention2's
+# remedy for the FP8 wgmma's reduced-precision accumulator; its cost is untimed here (the --sweep times it).
+TWO_LEVEL_DEFAULT = True
+
+# Head dims the kernel takes (q and v alike): e4m3 tensor-core products reduce over 32 elements at a time.
+HEAD_DIMS = (32, 64, 128, 256)
+
+
+def default_blocks(head_dim: int, interpreter: bool = False) -> tuple[int, int]:
+    """(block_m, block_n): the kernel's tiles, which are also the Q and K scale blocks.
+
+    Hopper: 128 query rows (two warpgroups of 64) by 128 keys up to d128, 64 keys at d256 (shared memory).
+    The interpreter: 16 x 16, so that tiny test shapes cross several blocks."""
+    if interpreter:
+        return 16, 16
+    return (128, 128) if head_dim <= 128 else (128, 64)
+
+
+def structural_ok(rows: Tensor, cols: Tensor, n_lim, diag_offset: int, window_left: int, window_right: int,
+                  causal: bool) -> Tensor:
+    """Admissible (row, col) pairs (broadcasting tensors), as triton_common.structural_ok."""
+    dd = cols - rows - diag_offset
+    ok = cols < n_lim
+    if causal:
+        ok = ok & (dd <= 0)
+    if window_left >= 0:
+        ok = ok & (dd >= -window_left)
+    if window_right >= 0:
+        ok = ok & (dd <= window_right)
+    return ok
