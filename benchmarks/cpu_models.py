@@ -1,5 +1,6 @@
-"""CPU model benchmark: small Hugging Face GPT-2 and BERT, eager attention code under fa3 against
-the same models' SDPA code under Inductor, forward (no grad) and one training step.
+"""CPU model benchmark: small Hugging Face decoders, encoders and a vision model, eager attention code
+under fa3 against the same models' SDPA code under Inductor, forward (no grad) and one training step;
+with --generate, greedy generate() tokens/s with a static cache.
 
 Variants, measured in one run and in turn (each timing round runs every variant once, so drift on
 a shared machine touches all alike):
@@ -9,8 +10,13 @@ a shared machine touches all alike):
 Models (random weights, fp32, base models without a language-model head):
   gpt2  4 layers, hidden 256, 4 heads, B4 x 256 tokens (causal)
   bert  4 layers, hidden 256, 4 heads, B8 x 128 tokens, the last 64 tokens of half the batch padded
+  llama 4 layers, hidden 256, 4 / 2 heads (GQA), B4 x 256 tokens (causal, rotary)
+  vit   4 layers, hidden 256, 4 heads, B8 images of 64 x 64 in 8 x 8 patches (65 tokens)
+  --generate: Llama as above with a language-model head, B2, prompt 64, 32 new tokens, static cache,
+  `model.forward` compiled with the variant's backend (the README's recipe)
 
-    python benchmarks/cpu_models.py [--rounds 5] [--reps 5] [--models gpt2,bert] [--threads 1] [--json out.json]
+    python benchmarks/cpu_models.py [--rounds 5] [--reps 5] [--models gpt2,bert,llama,vit] [--threads 1]
+                                    [--generate] [--json out.json]
 Prints median ms per variant and the ratio to sdpa+inductor (lower is better).
 """
 from __future__ import annotations
@@ -27,24 +33,37 @@ SPECS = {
     "gpt2": dict(B=4, N=256, cfg=dict(n_embd=256, n_layer=4, n_head=4, vocab_size=1024, n_positions=512)),
     "bert": dict(B=8, N=128, cfg=dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
                                       vocab_size=1024, max_position_embeddings=512)),
+    "llama": dict(B=4, N=256, cfg=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                                       num_key_value_heads=2, vocab_size=1024, max_position_embeddings=512)),
+    "vit": dict(B=8, N=65, cfg=dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
+                                    image_size=64, patch_size=8)),
 }
+GENERATE = dict(B=2, prompt=64, new=32)
 VARIANTS = ("eager+fa3", "eager+fa3-nolower", "sdpa+inductor")
 
 
 def build(kind: str, attn: str):
-    from transformers import BertConfig, BertModel, GPT2Config, GPT2Model
+    import transformers as tf
 
     torch.manual_seed(0)
+    cfg = SPECS[kind]["cfg"]
     if kind == "gpt2":
-        return GPT2Model(GPT2Config(**SPECS[kind]["cfg"], attn_implementation=attn))
-    return BertModel(BertConfig(**SPECS[kind]["cfg"], attn_implementation=attn), add_pooling_layer=False)
+        return tf.GPT2Model(tf.GPT2Config(**cfg, attn_implementation=attn))
+    if kind == "llama":
+        return tf.LlamaModel(tf.LlamaConfig(**cfg, attn_implementation=attn))
+    if kind == "vit":
+        return tf.ViTModel(tf.ViTConfig(**cfg, attn_implementation=attn), add_pooling_layer=False)
+    return tf.BertModel(tf.BertConfig(**cfg, attn_implementation=attn), add_pooling_layer=False)
 
 
 def inputs(kind: str) -> dict:
     spec = SPECS[kind]
     g = torch.Generator().manual_seed(1)
+    if kind == "vit":
+        size = spec["cfg"]["image_size"]
+        return dict(pixel_values=torch.randn(spec["B"], 3, size, size, generator=g))
     ids = torch.randint(0, 1024, (spec["B"], spec["N"]), generator=g)
-    if kind == "gpt2":
+    if kind in ("gpt2", "llama"):
         return dict(input_ids=ids)
     mask = torch.ones_like(ids)
     mask[: spec["B"] // 2, spec["N"] // 2:] = 0
@@ -85,6 +104,47 @@ def step_fns(kind: str, variant: str) -> tuple[Callable, Callable]:
     return forward, train
 
 
+def generate_fn(variant: str) -> Callable:
+    """Greedy generate() with a static cache, `model.forward` compiled with the variant's backend."""
+    import transformers as tf
+
+    attn = "sdpa" if variant.startswith("sdpa") else "eager"
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(**SPECS["llama"]["cfg"], attn_implementation=attn, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0)
+    model = tf.LlamaForCausalLM(cfg).eval()
+    model.forward = torch.compile(model.forward, backend=backend(variant))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 1024, (GENERATE["B"], GENERATE["prompt"]), generator=g)
+
+    def run():
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GENERATE["new"],
+                                  min_new_tokens=GENERATE["new"], do_sample=False, cache_implementation="static")
+
+    return run
+
+
+def generate_main(variants: list, rounds: int) -> dict:
+    fns = {v: generate_fn(v) for v in variants}
+    outs = {v: (fn(), fn())[1] for v, fn in fns.items()}  # compile, warm up
+    ref = outs.get("sdpa+inductor", next(iter(outs.values())))
+    times: dict = {v: [] for v in variants}
+    for _ in range(rounds):
+        for v in variants:
+            t0 = time.perf_counter()
+            fns[v]()
+            times[v].append(GENERATE["B"] * GENERATE["new"] / (time.perf_counter() - t0))
+    med = {v: statistics.median(ts) for v, ts in times.items()}
+    print(f"generate: Llama (as above), B{GENERATE['B']}, prompt {GENERATE['prompt']}, {GENERATE['new']} new, "
+          f"static cache, {rounds} rounds, median tokens/s (higher is better)")
+    for v in variants:
+        same = "same tokens as sdpa+inductor" if torch.equal(outs[v], ref) else "TOKENS DIFFER from sdpa+inductor"
+        ratio = f"  ratio to sdpa+inductor: {med[v] / med['sdpa+inductor']:.2f}x" if "sdpa+inductor" in med else ""
+        print(f"  {v:18s} {med[v]:8.1f} tokens/s{ratio}  ({same})")
+    return dict(tokens_per_s=med, all=times)
+
+
 def timed(fn: Callable, reps: int) -> float:
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -104,6 +164,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="timing rounds (each times every variant in turn)")
     ap.add_argument("--reps", type=int, default=5, help="calls per timing")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--generate", action="store_true", help="also time generate() (Llama, static cache)")
     ap.add_argument("--threads", type=int, default=None,
                     help="intra-op threads (torch.set_num_threads); 1 on a loaded machine, where each OpenMP "
                          "barrier of a parallel kernel waits for a descheduled thread")
@@ -114,7 +175,7 @@ def main(argv=None) -> int:
     from fa_compile.lowering import records
 
     results = {}
-    for kind in args.models.split(","):
+    for kind in filter(None, args.models.split(",")):
         # One reset per model, none between its variants: all variants share Hugging Face's forward
         # wrapper (one code object, one Dynamo cache), and a reset there would drop the earlier
         # variants' compiled entries, so their first timed call would recompile.
@@ -145,6 +206,9 @@ def main(argv=None) -> int:
             ratios = "" if base is None else "  ratio to sdpa+inductor: " + " / ".join(
                 f"{med[v][p] / base[p]:.2f}x" for p in ("forward", "train"))
             print(f"  {v:18s} forward {med[v]['forward']:8.2f}  train step {med[v]['train']:8.2f}{ratios}")
+    if args.generate:
+        torch._dynamo.reset()
+        results["generate"] = generate_main(variants, args.rounds)
     if args.json:
         meta = dict(torch=torch.__version__, threads=torch.get_num_threads(), date=time.strftime("%Y-%m-%d"))
         with open(args.json, "w") as f:

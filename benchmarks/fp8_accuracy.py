@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--emulate", action="store_true", help="ours through fp8_reference on the CPU")
     ap.add_argument("--n", type=int, default=None, help="sequence length (default 4096; 1024 with --emulate)")
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--no-llama", action="store_true", help="skip the end-to-end Llama rows (benchmarks/fp8_llama.py)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     a = ap.parse_args()
     if not a.emulate and not torch.cuda.is_available():
@@ -136,7 +137,19 @@ def main() -> None:
     rows = kernel_rows(device, a.emulate, n=n, causal=a.causal)
     print_table(rows)
     res = {"device": "cpu (emulated)" if a.emulate else torch.cuda.get_device_name(), "N": n, "d": 128,
-           "causal": a.causal, "rows": rows, "seconds": round(time.time() - t0, 1)}
+           "causal": a.causal, "rows": rows}
+    if not a.emulate and not a.no_llama:  # end to end: logits and cross-entropy of a small Llama with FP8 attention
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            "fp8_llama", os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp8_llama.py"))
+        llama = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(llama)
+        res["llama"] = llama.model_rows(device)
+        for r in res["llama"]:
+            print(f"llama | {r['variant']:<26} | rel L2 logits {r['rel_l2']:.3e} | cosine {r['cosine']:.6f} | "
+                  f"CE {r['ce']:.4f} ({r['d_ce']:+.2e}) | fp8 sites {r.get('fp8_sites', '-')}")
+    res["seconds"] = round(time.time() - t0, 1)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "fp8_accuracy.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -117,7 +117,9 @@ def test_lse_is_logsumexp_and_empty_rows_are_zero():
     s = (q.double() @ k.double().transpose(-2, -1)) * 0.5
     keep = (torch.arange(3)[None, :] - torch.arange(6)[:, None]) <= -3
     ref_lse = torch.logsumexp(s.masked_fill(~keep, -math.inf), -1)
-    torch.testing.assert_close(lse.double(), ref_lse)
+    # lse is fp32 (its documented dtype): compared at fp32's tolerance, since the order of its fp32 sums
+    # may follow the machine's thread count
+    torch.testing.assert_close(lse, ref_lse.float())
     assert torch.isneginf(lse[..., :3]).all() and (out[:, :, :3] == 0).all()
 
 
