@@ -28,6 +28,9 @@ CASES = {
     "odd_shards_contiguous": (1, 2, 2, 10, 4, True, (-1, -1), False, False, 0.0, False),  # W=2: 5 per rank
     "odd_chunks_causal": (1, 2, 2, 12, 4, True, (-1, -1), True, True, 0.0, False),  # W=2: chunks of 3
     "softcap_sinks": (1, 2, 2, 16, 8, True, (-1, -1), False, True, 5.0, True),
+    # packed sequences: segment ids sharded with the tokens, sorted (documents) or in any order
+    "segments_causal": (2, 2, 1, 16, 8, True, (-1, -1), False, True, 0.0, False, "sorted"),
+    "segments_unsorted": (2, 2, 2, 16, 8, False, (-1, -1), True, False, 0.0, False, "unsorted"),
 }
 CASES_4 = {
     "dense": CASES["dense"],
@@ -60,7 +63,7 @@ def _run_eager_case(rank: int, world: int, mesh, spec: tuple, seed: int) -> None
     import fa_compile
     from fa_compile.distributed.context import shard
 
-    b, hq, hkv, n, d, causal, window, with_lens, lb, softcap, with_sinks = spec
+    b, hq, hkv, n, d, causal, window, with_lens, lb, softcap, with_sinks, *segs = spec
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, hq, n, d, generator=g)
     k = torch.randn(b, hkv, n, d, generator=g)
@@ -69,18 +72,25 @@ def _run_eager_case(rank: int, world: int, mesh, spec: tuple, seed: int) -> None
     lens = torch.tensor([n - 5 - i for i in range(b)], dtype=torch.int32) if with_lens else None
     sinks = torch.randn(hq, generator=g) if with_sinks else None
     kw = dict(causal=causal, window=window, kv_lens=lens, softcap=softcap)
+    ids = None
+    if segs:  # [B, n] ids: documents of random lengths (sorted), or random ids in 3 values
+        ids = torch.randint(0, 3, (b, n), generator=g)
+        if segs[0] == "sorted":
+            ids = ids.sort(dim=1).values
 
-    def run(q, k, v, dout):
+    def run(q, k, v, dout, seg=None):
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         s = sinks.detach().requires_grad_() if sinks is not None else None
-        out = fa_compile.attention(*leaves, sinks=s, **kw)
+        out = fa_compile.attention(*leaves, sinks=s, q_seg=seg, k_seg=seg, **kw)
         out.backward(dout)
         return out.detach(), [t.grad for t in leaves], (s.grad if s is not None else None)
 
-    ref_out, ref_grads, ref_dsinks = run(q, k, v, dout)
+    ref_out, ref_grads, ref_dsinks = run(q, k, v, dout, ids)
     bufs = [t.clone() for t in (q, k, v, dout)]
-    with fa_compile.context_parallel(mesh, buffers=bufs, buffer_seq_dims=(2, 2, 2, 2), load_balance=lb):
-        out, grads, dsinks = run(*bufs)
+    seg_buf = [ids.clone()] if ids is not None else []
+    with fa_compile.context_parallel(mesh, buffers=bufs + seg_buf, buffer_seq_dims=(2, 2, 2, 2, 1)[:4 + len(seg_buf)],
+                                     load_balance=lb):
+        out, grads, dsinks = run(*bufs, seg_buf[0] if seg_buf else None)
         full = fa_compile.context_parallel_unshard(mesh, [out], [2], load_balance=lb)[0]
     _check("out", out, shard(ref_out, 2, world, rank, lb))
     _check("out unsharded", full, ref_out)

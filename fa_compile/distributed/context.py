@@ -19,8 +19,10 @@ Rules while active:
   context; causal, diag_offset and window are read in global positions, kv_lens holds global lengths.
 - the global sequence length must be a multiple of 2W (load balance) or W: sharding refuses others
   with a ValueError naming the buffer (pad the batch to such a length; padded keys masked by kv_lens).
-- a data bias, q_pos, q_seg / k_seg and dropout raise a clear error (their values index local
-  positions); sinks are exact (their gradient is each rank's share, like every weight's under CP).
+- q_seg / k_seg (packed sequences) are the local shards of the ids, in the context's layout (shard the
+  ids buffer with the tokens): the key ids travel around the ring with their K/V shard;
+- a data bias, q_pos and dropout raise a clear error (their values index local positions); sinks are
+  exact (their gradient is each rank's share, like every weight's under CP).
 - the backward must run inside the context too (as with torch's): outside it the op's backward
   would see only the local shards, so it raises a RuntimeError for an lse the ring produced.
 - the partial results are merged with the op's fp32 lse, so float64 inputs are exact to fp32
@@ -75,8 +77,6 @@ class _RingHook:
                              "entries index local positions of one shard); express it as causal / window / kv_lens")
         if q_pos is not None:
             raise ValueError("q_pos: not supported under context_parallel (positions index local keys)")
-        if q_seg is not None or k_seg is not None:
-            raise ValueError("q_seg, k_seg: segment ids are not supported under context_parallel")
         if dropout_p > 0:
             raise ValueError("dropout_p: attention dropout is not supported under context_parallel (its mask is "
                              "keyed by local positions)")
@@ -94,7 +94,7 @@ class _RingHook:
         self._check(q, k, bias, dropout_p, q_pos, q_seg, k_seg)
         with _suspended():
             out, lse = ring_forward(self.layout, self._structure(causal, diag_offset, window_left, window_right),
-                                    q, k, v, scale, kv_lens, softcap, force_kernel, sinks)
+                                    q, k, v, scale, kv_lens, softcap, force_kernel, sinks, q_seg, k_seg)
         if lse.numel():  # its backward must ring too: ops.attention_backward refuses it outside the context
             from .. import ops
 
@@ -109,7 +109,7 @@ class _RingHook:
         self._check(q, k, bias, dropout_p, q_pos, q_seg, k_seg)
         with _suspended():
             dq, dk, dv = ring_backward(self.layout, self._structure(causal, diag_offset, window_left, window_right),
-                                       dout, q, k, v, out, lse, scale, kv_lens, softcap, force_kernel)
+                                       dout, q, k, v, out, lse, scale, kv_lens, softcap, force_kernel, q_seg, k_seg)
         return dq, dk, dv, q.new_empty((0,))
 
 

@@ -170,11 +170,18 @@ def _merge(out_acc: Tensor, lse_acc: Tensor, o: Tensor, l: Tensor) -> None:
     lse_acc.copy_(new)
 
 
+def _slice_seg(seg: Optional[Tensor], lo: int, hi: int) -> Optional[Tensor]:
+    """Positions lo:hi of segment ids ([N] or [B, N]), contiguous for the kernels."""
+    return None if seg is None else seg[..., lo:hi].contiguous()
+
+
 def ring_forward(layout: Layout, s: Structure, q: Tensor, k: Tensor, v: Tensor, scale: float,
                  kv_lens: Optional[Tensor], softcap: float, force_kernel: Optional[str],
-                 sinks: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+                 sinks: Optional[Tensor], q_seg: Optional[Tensor] = None,
+                 k_seg: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, Nq, Dv] in q's dtype, lse [B, Hq, Nq] fp32) of the local queries against the whole
-    sequence. `sinks` join the merged denominator once, after the ring."""
+    sequence. `sinks` join the merged denominator once, after the ring. Segment ids (local shards in
+    the context's layout, as q and k) travel with their K/V shard: a block's keys keep their own ids."""
     from .. import ops
 
     b, hq, nq, _ = q.shape
@@ -182,17 +189,19 @@ def ring_forward(layout: Layout, s: Structure, q: Tensor, k: Tensor, v: Tensor, 
     out_acc = torch.zeros((b, hq, nq, dv), dtype=_acc_dtype(q.dtype), device=q.device)
     lse_acc = torch.full((b, hq, nq), _NEG_INF, dtype=torch.float32, device=q.device)
     q_segs = layout.segments(layout.rank, nq)
-    kv = [k.contiguous(), v.contiguous()]
+    kv = [k.contiguous(), v.contiguous()] + ([k_seg.contiguous()] if k_seg is not None else [])
     for step in range(layout.world):
         shift = _Shift(layout, kv, tag=0) if step + 1 < layout.world else None
         src = (layout.rank - step) % layout.world
-        kk, vv = kv
+        kk, vv = kv[0], kv[1]
+        ks = kv[2] if k_seg is not None else None
         for blk in plan_blocks(s, q_segs, layout.segments(src, kk.shape[2])):
             o, l = ops.attention(
                 q[:, :, blk.q0:blk.q1], kk[:, :, blk.k0:blk.k1], vv[:, :, blk.k0:blk.k1], scale,
                 not blk.full and s.causal, blk.diag_offset if not blk.full else 0,
                 -1 if blk.full else s.window_left, -1 if blk.full else s.window_right, None,
-                _block_kv_lens(kv_lens, blk), softcap, 0.0, None, force_kernel)
+                _block_kv_lens(kv_lens, blk), softcap, 0.0, None, force_kernel, None, None,
+                _slice_seg(q_seg, blk.q0, blk.q1), _slice_seg(ks, blk.k0, blk.k1))
             _merge(out_acc[:, :, blk.q0:blk.q1], lse_acc[:, :, blk.q0:blk.q1], o, l)
         if shift is not None:
             kv = shift.wait()
@@ -207,7 +216,8 @@ def ring_forward(layout: Layout, s: Structure, q: Tensor, k: Tensor, v: Tensor, 
 
 def _block_backward(s: Structure, blk: Block, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                     lse: Tensor, scale: float, kv_lens: Optional[Tensor], softcap: float,
-                    force_kernel: Optional[str]) -> tuple[Tensor, Tensor, Tensor]:
+                    force_kernel: Optional[str], q_seg: Optional[Tensor] = None,
+                    k_seg: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """One block's (dq, dk, dv) with P = exp(s - lse) for the global lse of its rows.
 
     Fused backward kernels read P that way from the lse they are given: they get the global one,
@@ -221,27 +231,30 @@ def _block_backward(s: Structure, blk: Block, dout: Tensor, q: Tensor, k: Tensor
     causal = not blk.full and s.causal
     off = blk.diag_offset if not blk.full else 0
     wl, wr = (-1, -1) if blk.full else (s.window_left, s.window_right)
-    args = dispatch.AttentionArgs(q, k, v, scale, causal, off, wl, wr, None, kv_lens, softcap, needs_backward=True)
+    args = dispatch.AttentionArgs(q, k, v, scale, causal, off, wl, wr, None, kv_lens, softcap, needs_backward=True,
+                                  q_seg=q_seg, k_seg=k_seg)
     kernel = dispatch.select_backward(args, force_kernel).name
     lse = lse.contiguous()
     if kernel != "reference":
         try:
             return ops.attention_backward(dout, q, k, v, out, lse, scale, causal, off, wl, wr, None, kv_lens,
-                                          softcap, 0.0, None, False, kernel)[:3]
+                                          softcap, 0.0, None, False, kernel, None, None, q_seg, k_seg)[:3]
         except Exception as e:  # a limit its reasons missed: the reference, exact as below (dispatch's own rule)
             if force_kernel is not None:
                 raise
             dispatch._warn_once(kernel, "backward", e, "reference")
-    _, lse_b = ops.attention(q, k, v, scale, causal, off, wl, wr, None, kv_lens, softcap, 0.0, None, force_kernel)
+    _, lse_b = ops.attention(q, k, v, scale, causal, off, wl, wr, None, kv_lens, softcap, 0.0, None, force_kernel,
+                             None, None, q_seg, k_seg)
     w = torch.where(torch.isneginf(lse_b), torch.zeros_like(lse_b), torch.exp(lse_b - lse))
     d_scaled = dout * w.unsqueeze(-1).to(dout.dtype)
     return ops.attention_backward(d_scaled, q, k, v, out, lse_b, scale, causal, off, wl, wr, None, kv_lens, softcap,
-                                  0.0, None, False, "reference")[:3]
+                                  0.0, None, False, "reference", None, None, q_seg, k_seg)[:3]
 
 
 def ring_backward(layout: Layout, s: Structure, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                   lse: Tensor, scale: float, kv_lens: Optional[Tensor], softcap: float,
-                  force_kernel: Optional[str]) -> tuple[Tensor, Tensor, Tensor]:
+                  force_kernel: Optional[str], q_seg: Optional[Tensor] = None,
+                  k_seg: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of the local shards, given the global out and lse of the local queries."""
     from .. import ops
 
@@ -249,20 +262,22 @@ def ring_backward(layout: Layout, s: Structure, dout: Tensor, q: Tensor, k: Tens
     acc = _acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     q_segs = layout.segments(layout.rank, nq)
-    kv = [k.contiguous(), v.contiguous()]
+    kv = [k.contiguous(), v.contiguous()] + ([k_seg.contiguous()] if k_seg is not None else [])
     dkv: Optional[list[Tensor]] = None  # the accumulator of the shard computed last step
     for step in range(layout.world):
         kv_shift = _Shift(layout, kv, tag=0) if step + 1 < layout.world else None
-        acc_shift = _Shift(layout, dkv, tag=2) if dkv is not None else None
+        acc_shift = _Shift(layout, dkv, tag=3) if dkv is not None else None
         src = (layout.rank - step) % layout.world
-        kk, vv = kv
+        kk, vv = kv[0], kv[1]
+        ks = kv[2] if k_seg is not None else None
         dk = torch.zeros(kk.shape, dtype=acc, device=kk.device)
         dv = torch.zeros(vv.shape, dtype=acc, device=vv.device)
         for blk in plan_blocks(s, q_segs, layout.segments(src, kk.shape[2])):
             gq, gk, gv = _block_backward(
                 s, blk, dout[:, :, blk.q0:blk.q1], q[:, :, blk.q0:blk.q1], kk[:, :, blk.k0:blk.k1],
                 vv[:, :, blk.k0:blk.k1], out[:, :, blk.q0:blk.q1], lse[:, :, blk.q0:blk.q1], scale,
-                _block_kv_lens(kv_lens, blk), softcap, force_kernel)
+                _block_kv_lens(kv_lens, blk), softcap, force_kernel, _slice_seg(q_seg, blk.q0, blk.q1),
+                _slice_seg(ks, blk.k0, blk.k1))
             dq[:, :, blk.q0:blk.q1] += gq
             dk[:, :, blk.k0:blk.k1] += gk
             dv[:, :, blk.k0:blk.k1] += gv
@@ -274,5 +289,5 @@ def ring_backward(layout: Layout, s: Structure, dout: Tensor, q: Tensor, k: Tens
         if kv_shift is not None:
             kv = kv_shift.wait()
     if layout.world > 1:  # the last shard computed here belongs to the next rank: hand its gradient on
-        dkv = _Shift(layout, dkv, tag=2).wait()
+        dkv = _Shift(layout, dkv, tag=3).wait()
     return (torch.empty_like(q).copy_(dq), torch.empty_like(k).copy_(dkv[0]), torch.empty_like(v).copy_(dkv[1]))
