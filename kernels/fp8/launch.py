@@ -71,20 +71,6 @@ def fp8_reasons(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor] = None, 
     return reasons
 
 
-def _bias4(bias: Optional[Tensor], b: int, h: int, nq: int, nk: int):
-    """(tensor, kind, strides of its broadcast [B, Hq, Nq, Nk] view): as triton_family._bias4."""
-    if bias is None:
-        return None, 0, (0, 0, 0, 0)
-    t = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)) if bias.dim() < 4 else bias
-    kind = 2 if t.dtype == torch.bool else 1
-    if kind == 2:
-        t = t.view(torch.uint8)
-    t = t.expand(b, h, nq, nk)
-    if t.stride(2) == 0:
-        kind += 2
-    return t, kind, tuple(t.stride())
-
-
 def pick_config(head_dim: int, device: torch.device) -> tuple[int, int, int, int]:
     """(block_m, block_n, num_warps, num_stages) for the head-dim block on this device."""
     hit = CONFIG_OVERRIDE.get(head_dim)
@@ -185,6 +171,8 @@ def fp8_forward(
     if qz.block_m != bm or qz.block_n != bn:
         raise ValueError(f"quantized blocks {qz.block_m}x{qz.block_n} differ from the kernel's {bm}x{bn}")
     nq_pad, nk_pad = qz.q8.shape[2], qz.k8.shape[2]
+    from ..triton_family import _bias4  # the bf16 kernels' bias convention, shared
+
     bias_t, bias_kind, bstr = _bias4(bias, b, hq, nq, nk)
     vs = qz.v_scale
     use_tma = _use_tma(q.device)
