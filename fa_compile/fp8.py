@@ -129,7 +129,7 @@ def _attention_fp8(q, k, v, scale, causal=False, diag_offset=0, window_left=-1, 
     else:  # no FP8 kernel for these inputs: the exact bf16 / fp16 attention
         out, lse = torch.ops.fa3.attention(q, k, v, scale, causal, diag_offset, window_left, window_right, bias,
                                            kv_lens)
-    if out.dtype != out_dt or out.stride() != _bshd_strides(q, v):
+    if out.dtype != out_dt or out.stride() != ops._bshd_strides(q, v):
         res = _out(q, v, out_dt)
         res.copy_(out)
         out = res
@@ -146,12 +146,6 @@ def _out(q: Tensor, v: Tensor, dtype: torch.dtype) -> Tensor:
     """[B, Hq, Nq, Dv] with BSHD storage, as the bf16 op returns it."""
     b, hq, nq, _ = q.shape
     return q.new_empty((b, nq, hq, v.shape[3]), dtype=dtype).transpose(1, 2)
-
-
-def _bshd_strides(q: Tensor, v: Tensor) -> tuple:
-    b, hq, nq, _ = q.shape
-    dv = v.shape[3]
-    return (nq * hq * dv, dv, hq * dv, 1)
 
 
 def _attention_fp8_fake(q, k, v, scale, causal=False, diag_offset=0, window_left=-1, window_right=-1, bias=None,

@@ -43,6 +43,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
+from . import ops  # (its context-parallel hook: a KV cache is not rung)
 from .kernels import decode as _decode
 from .kernels.decode_reference import cache_view, paged_attention_reference
 
@@ -335,8 +336,6 @@ _LIB.define(
 def _paged_impl(q, k_cache, v_cache, cache_seqlens, page_table=None, cache_leftpad=None, *, scale, causal=False,
                 layout="bshd", num_splits=0, force_kernel=None):
     check_scalars(scale, num_splits)
-    from . import ops
-
     if ops._CP_HOOK is not None:  # a KV cache is not a sequence shard: attending to it alone would be wrong
         raise RuntimeError("fa3.paged_attention: not supported under fa_compile.context_parallel")
     a = PagedArgs(q, k_cache, v_cache, cache_seqlens, page_table, cache_leftpad, float(scale), bool(causal), layout,
