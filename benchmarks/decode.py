@@ -16,6 +16,9 @@ Times: triton.testing.do_bench_cudagraph (host launch cost excluded; do_bench wh
 
 Run on a GPU machine:  python benchmarks/decode.py [--nq 1] [--out DIR]   (about a minute)
 Prints the table and writes decode.json to --out (default $OUT or /tmp).
+`--sweep` instead times our kernel alone over launch configurations (keys per tile, warps, pipeline
+stages, splits) on the same shapes plus a static cache with a quarter of its slots valid, and writes
+decode-sweep.json: what `kernels/decode.py`'s choices are pinned from.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import json
 import os
 import sys
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -183,13 +186,87 @@ def print_table(rows: list[dict]) -> None:
                 print(f"    {c}: {r[c + '_error']}")
 
 
+SWEEP_CASES = [  # (batch, valid length, capacity, page or None)
+    (32, 4096, 4096, 16),
+    (8, 32768, 32768, 64),
+    (128, 2048, 2048, 16),
+    (8, 4096, 16384, None),  # a static cache four times longer than its valid part
+]
+
+
+def sweep(nq: int, rep: int = 40, only: Optional[list[int]] = None, out: Optional[str] = None) -> list[dict]:
+    """Our kernel alone over (block_n, warps, stages, splits); the default choice timed alongside."""
+    from triton.testing import do_bench_cudagraph
+
+    results = []
+    orig_opts = decode.launch_options
+    cases = SWEEP_CASES if only is None else [SWEEP_CASES[i] for i in only]
+    for b, valid, cap, page in cases:
+        x = make_inputs(b, cap, page or 16, nq)
+        q = x["q"]
+        kk, vv, table = (x["kp"], x["vp"], x["table"]) if page else (x["k"], x["v"], None)
+        lens = torch.full((b,), valid, device="cuda", dtype=torch.int32)
+        kv_bytes = 2 * b * valid * HKV * D * 2
+        ref, _ = paged_attention_reference(q.float(), x["kp"].float(), x["vp"].float(), lens, x["table"],
+                                           scale=D ** -0.5, causal=nq > 1)
+        default_bn = decode.pick_block_n(128, page)
+        s0 = decode.plan_splits(0, b, HKV, cap, q.device, default_bn)
+        configs = [(None, None, None, 0)]
+        for bn, w, st in ((32, 2, 2), (64, 2, 2), (64, 4, 2), (64, 4, 3), (128, 4, 3)):
+            for sp in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
+                configs.append((bn, w, st, sp))
+        case = dict(batch=b, valid=valid, capacity=cap, page=page, nq=nq, default_splits=s0, default_block_n=default_bn,
+                    runs=[])
+        for bn, w, st, sp in configs:
+            if bn is not None:
+                decode.launch_options = lambda *_a, w=w, st=st: (dict(num_warps=w, num_stages=st), dict(num_warps=4))
+            try:
+                fn = lambda: decode.paged_decode(q, kk, vv, lens, table, scale=D ** -0.5, causal=nq > 1,
+                                                 num_splits=sp, block_n=bn)
+                err = (fn()[0].float() - ref).abs().max().item()
+                ms = do_bench_cudagraph(fn, rep=rep, return_mode="median")
+                case["runs"].append(dict(block_n=bn, warps=w, stages=st, splits=sp, ms=ms, err=err,
+                                         tbps=kv_bytes / (ms * 1e-3) / 1e12))
+            except Exception as e:
+                case["runs"].append(dict(block_n=bn, warps=w, stages=st, splits=sp, error=f"{type(e).__name__}: {str(e)[:100]}"))
+            finally:
+                decode.launch_options = orig_opts
+            r = case["runs"][-1]
+            print(f"  B{b} {valid}/{cap} p{page} bn {bn} w {w} st {st} sp {sp}: "
+                  + (f"{r['tbps']:.2f} TB/s {r['ms'] * 1e3:.1f} us err {r['err']:.1e}" if "ms" in r else r["error"]),
+                  flush=True)
+        ok = sorted((r for r in case["runs"] if "ms" in r and r["err"] < 2e-2), key=lambda r: r["ms"])
+        dflt = case["runs"][0]
+        print(f"B{b} valid {valid} / {cap} page {page}: default (bn {default_bn}, splits {s0}) "
+              f"{dflt.get('tbps', float('nan')):.2f} TB/s; best:")
+        for r in ok[:6]:
+            print(f"    bn {r['block_n']} warps {r['warps']} stages {r['stages']} splits {r['splits']}: "
+                  f"{r['tbps']:.2f} TB/s ({r['ms'] * 1e3:.1f} us, err {r['err']:.1e})")
+        bad = [r for r in case["runs"] if "error" in r or r.get("err", 0) >= 2e-2]
+        if bad:
+            print(f"    {len(bad)} configs failed or were wrong, e.g. {bad[0]}")
+        results.append(case)
+        if out:  # after every case, so a run cut short keeps what it measured
+            with open(os.path.join(out, "decode-sweep.json"), "w") as f:
+                json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cases=results), f, indent=1)
+        del x
+        torch.cuda.empty_cache()
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--nq", type=int, default=1, help="query tokens per sequence (1: plain decode)")
+    p.add_argument("--sweep", action="store_true", help="time our kernel over launch configurations instead")
+    p.add_argument("--cases", default="", help="with --sweep: indices into SWEEP_CASES, comma-separated")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
+    if a.sweep:
+        os.makedirs(a.out, exist_ok=True)
+        sweep(a.nq, only=[int(i) for i in a.cases.split(",")] if a.cases else None, out=a.out)
+        return
     fa3 = fa3_module()
     t0 = time.time()
     rows = []

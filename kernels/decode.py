@@ -24,7 +24,10 @@ MAX_SPLITS = 64
 # A split reads at least this many keys: fewer and the combine's traffic and the launch tail cost
 # more than the extra parallelism gains.
 MIN_KEYS_PER_SPLIT = 256
-# Programs per SM for a memory-bound pass: enough resident programs to keep loads in flight.
+# Programs per SM for a memory-bound pass: enough resident programs to keep loads in flight. The
+# splits bring the program count up to, never past, this many per SM: one full wave. A count just over
+# it leaves a second, nearly empty wave (H200, B8 x 32k page 64, 8 kv heads: 9 splits 3.2 TB/s, 8
+# splits 4.4; B32 x 4k page 16: 3 splits 3.5, 2 splits 4.1; benchmarks/decode.py --sweep, 2026-12-02).
 PROGRAMS_PER_SM = 4
 
 
@@ -39,8 +42,8 @@ def choose_num_splits(batch: int, kv_heads: int, max_len: int, num_sms: int, *, 
                       max_splits: int = MAX_SPLITS) -> int:
     """Splits of each sequence's keys so that B * Hkv * splits programs fill the GPU.
 
-    No split when B * Hkv programs already fill `programs_per_sm` waves' worth of SMs; otherwise as
-    many as bring the count there, but never so many that a split gets fewer than `min_keys` keys (or
+    No split when B * Hkv programs already fill `programs_per_sm` programs per SM; otherwise as many
+    as bring the count up to that (rounded down: one wave, no tail), but never so many that a split gets fewer than `min_keys` keys (or
     one tile) of the longest possible sequence `max_len` (the cache's capacity: lengths live on the
     device, and reading them would cost a sync). Each sequence then splits its own valid length.
     """
@@ -51,7 +54,7 @@ def choose_num_splits(batch: int, kv_heads: int, max_len: int, num_sms: int, *, 
     if programs >= target:
         return 1
     by_len = max(1, max_len // max(min_keys, block_n))
-    s = min(-(-target // programs), by_len, max_splits)
+    s = min(target // programs, by_len, max_splits)
     return max(1, s)
 
 
@@ -72,8 +75,8 @@ def launch_options(block_n: int, block_d: int, block_dv: int) -> tuple[dict, dic
     interpreter). Shared by the run-time launcher and the lowered op (decode_ops.py)."""
     if interpreting():
         return {}, {}
-    return (dict(num_warps=4, num_stages=3 if block_n * max(block_d, block_dv) <= 64 * 128 else 2),
-            dict(num_warps=4 if block_dv >= 128 else 2))
+    # Two stages: three were slower on every swept shape at 64 keys per tile (H200, --sweep, 2026-12-02).
+    return dict(num_warps=4, num_stages=2), dict(num_warps=4 if block_dv >= 128 else 2)
 
 
 def pick_block_n(block_d: int, page: Optional[int]) -> int:

@@ -254,8 +254,8 @@ if not IN_CHILD:
     def test_choose_num_splits():
         f = decode.choose_num_splits
         assert f(128, 8, 2048, 132) == 1  # 1024 programs fill the SMs already
-        assert f(32, 8, 4096, 132) == 3  # 256 programs: up to 4 per SM
-        assert f(8, 8, 32768, 132) == 9
+        assert f(32, 8, 4096, 132) == 2  # 256 programs: up to 4 per SM, never past (528)
+        assert f(8, 8, 32768, 132) == 8
         assert f(1, 1, 1 << 20, 132) == decode.MAX_SPLITS
         assert f(1, 1, 300, 132) == 1  # too short to split (fewer than MIN_KEYS_PER_SPLIT keys a split)
         assert f(1, 1, 1024, 132) == 1024 // decode.MIN_KEYS_PER_SPLIT

@@ -80,7 +80,7 @@ def pick_config(head_dim: int, device: torch.device) -> tuple[int, int, int, int
         bm, bn = default_blocks(head_dim, interpreter=True)
         return bm, bn, 4, 1
     bm, bn = default_blocks(head_dim)
-    return bm, bn, 8, (3 if head_dim <= 128 else 2)
+    return (bm, bn, 4, 3) if head_dim <= 128 else (bm, bn, 8, 2)
 
 
 def _use_tma(device: torch.device) -> bool:

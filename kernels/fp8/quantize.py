@@ -89,10 +89,16 @@ def _matmul_fp32(a: Tensor, b: Tensor) -> Tensor:
         torch.backends.cuda.matmul.allow_tf32 = prev
 
 
+def scale_of(amax: Tensor, qmax: float) -> Tensor:
+    """amax / qmax correctly rounded (1 where amax is 0). Divided by a tensor, not a Python number: CUDA
+    divides by a scalar as a product with its reciprocal, which can differ in the last bit from the
+    fused kernels' div_rn (and from the CPU)."""
+    return torch.where(amax > 0, amax / torch.full_like(amax, qmax), torch.ones_like(amax))
+
+
 def block_scales(x: Tensor, block: int, qmax: float = FP8_MAX) -> Tensor:
     """[..., N_pad, D] -> [..., N_pad / block] fp32: amax / qmax per block of rows, 1 where the block is zero."""
-    amax = x.unflatten(-2, (-1, block)).abs().amax(dim=(-2, -1))
-    return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    return scale_of(x.unflatten(-2, (-1, block)).abs().amax(dim=(-2, -1)), qmax)
 
 
 def to_int8(x: Tensor, scale: Tensor) -> Tensor:
@@ -196,7 +202,7 @@ def quantize(
     qmax, cast = (INT8_MAX, to_int8) if qk_int8 else (FP8_MAX, to_fp8)
     qs, ks = block_scales(qf, block_m, qmax), block_scales(kf, block_n, qmax)
     vamax = vf.abs().amax(dim=2)  # [B, Hk, Dv]
-    vs = torch.where(vamax > 0, vamax / FP8_MAX, torch.ones_like(vamax))
+    vs = scale_of(vamax, FP8_MAX)
     return Quantized(
         q8=cast(qf, qs.repeat_interleave(block_m, dim=2)[..., None]),
         k8=cast(kf, ks.repeat_interleave(block_n, dim=2)[..., None]),

@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .kernel import to_e4m3
-from .quantize import FP8, FP8_MAX, Quantized, _matmul_fp32, hadamard_matrix, valid_keys
+from .quantize import FP8, FP8_MAX, Quantized, _matmul_fp32, hadamard_matrix, scale_of, valid_keys
 
 KV_CHUNK = 1024  # keys per stats program
 
@@ -34,15 +34,21 @@ def _interpreting() -> bool:
 
 
 @triton.jit
-def _quant_block(x, QK_INT8: tl.constexpr, EMULATE_CVT: tl.constexpr):
-    """(values, scale) of one block: e4m3 with scale amax / 448, or int8 with amax / 127 (round half to even
-    by adding and subtracting 1.5 * 2^23); an all-zero block has scale 1."""
+def _quant_block_int8(x):
+    """(values, scale) of one block in int8: scale amax / 127, round half to even by adding and subtracting
+    1.5 * 2^23; an all-zero block has scale 1."""
     amax = tl.max(tl.max(tl.abs(x), 1), 0)
-    if QK_INT8:
-        s = tl.where(amax > 0, tl.math.div_rn(amax, 127.0), 1.0)
-        y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -127.0), 127.0)
-        y = (y + 12582912.0) - 12582912.0
-        return y.to(tl.int8), s
+    s = tl.where(amax > 0, tl.math.div_rn(amax, 127.0), 1.0)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -127.0), 127.0)
+    y = (y + 12582912.0) - 12582912.0
+    return y.to(tl.int8), s
+
+
+@triton.jit
+def _quant_block_e4m3(x, EMULATE_CVT: tl.constexpr):
+    """(values, scale) of one block in e4m3: scale amax / 448; an all-zero block has scale 1. (Two
+    functions, not one with a constexpr branch: Triton wants one return type per function.)"""
+    amax = tl.max(tl.max(tl.abs(x), 1), 0)
     s = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
     return to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, s), -448.0), 448.0), EMULATE_CVT), s
 
@@ -106,7 +112,10 @@ def _kv_quant_kernel(
     k = k.to(tl.float32)
     if KSMOOTH:
         k = tl.where(ok[:, None], k - tl.load(KMEAN + bh.to(tl.int64) * D + offs_d)[None, :], 0.0)
-    k8, s = _quant_block(k, QK_INT8, EMULATE_CVT)
+    if QK_INT8:
+        k8, s = _quant_block_int8(k)
+    else:
+        k8, s = _quant_block_e4m3(k, EMULATE_CVT)
     tl.store(K8 + (bh.to(tl.int64) * Nk_pad + offs_n[:, None]) * D + offs_d[None, :], k8)
     tl.store(KS + pid, s)
     v = tl.load(V + b.to(tl.int64) * sv_b + h.to(tl.int64) * sv_h + offs_n[:, None].to(tl.int64) * sv_n
@@ -144,7 +153,10 @@ def _q_quant_kernel(
         mean = tl.math.div_rn(tl.sum(q, 0), cnt)
         tl.store(QMEAN + pid.to(tl.int64) * D + offs_d, mean)
         q = tl.where(ok[:, None], q - mean[None, :], 0.0)
-    q8, s = _quant_block(q, QK_INT8, EMULATE_CVT)
+    if QK_INT8:
+        q8, s = _quant_block_int8(q)
+    else:
+        q8, s = _quant_block_e4m3(q, EMULATE_CVT)
     tl.store(Q8 + (bh.to(tl.int64) * Nq_pad + offs_m[:, None]) * D + offs_d[None, :], q8)
     tl.store(QS + pid, s)
 
@@ -194,7 +206,7 @@ def quantize_triton(
                 k_mean = _matmul_fp32(k_mean, r.float())
             k_mean = k_mean.contiguous()
         vamax = vmax.amax(1).view(b, hk, dv)
-        vs = torch.where(vamax > 0, vamax / FP8_MAX, torch.ones_like(vamax)).contiguous()
+        vs = scale_of(vamax, FP8_MAX).contiguous()
         qk_dtype = torch.int8 if qk_int8 else FP8
         k8 = torch.empty((b, hk, nk_pad, d), device=dev, dtype=qk_dtype)
         v8t = torch.empty((b, hk, dv, nk_pad), device=dev, dtype=FP8)
