@@ -1,12 +1,13 @@
 """FP8 attention accuracy: relative L2 error and cosine similarity of the output against an fp32 reference.
 
-Inputs (bf16, [B, H, N, d] with d 128; the reference is fp32 attention on the same bf16 values):
+Inputs (bf16, [B, H, N, d] with d 128 or --d; the reference is fp32 attention on the same bf16 values):
 - gaussian: q, k, v ~ N(0, 1);
 - k_offset: the same with a K offset shared by every token (a per-channel vector of std 8);
 - outliers: as real LLM activations, a few q / k channels x20..50, a large K offset shared by every
   token (a per-channel vector of std 8) and V with a mean per channel and two channels x20.
 Rows: our bf16 forward, ours FP8 as plain cast (per-block scales, no smoothing), + K smoothing,
-+ Q smoothing, K smoothing + Hadamard (the default), the same with int8 Q.Kᵀ (qk_int8), the FA3-style
++ Q smoothing, K smoothing + Hadamard (the default), the same with int8 Q.Kᵀ (qk_int8) and with a
+one-level P.V accumulation (two_level=False: what it costs on the GPU), the FA3-style
 method on our kernel (e4m3 cast of q / k / v with unit descales), and FA3's own FP8 (plain cast) when
 `flash_attn_interface` imports.
 
@@ -37,6 +38,8 @@ VARIANTS = {
     "fp8 + K + Q smoothing": dict(smooth_q=True, hadamard=False),
     "fp8 + K smoothing + Hadamard (default)": dict(hadamard=True),
     "int8 Q.K + K smoothing + Hadamard": dict(hadamard=True, qk_int8=True),
+    # the same as the default in the emulation (exact sums); on the GPU, P.V in one FP8 wgmma chain
+    "default, one-level P.V accumulation": dict(hadamard=True, two_level=False),
 }
 
 
@@ -126,6 +129,7 @@ def main() -> None:
     ap.add_argument("--emulate", action="store_true", help="ours through fp8_reference on the CPU")
     ap.add_argument("--n", type=int, default=None, help="sequence length (default 4096; 1024 with --emulate)")
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--d", type=int, default=128, help="head dim")
     ap.add_argument("--no-llama", action="store_true", help="skip the end-to-end Llama rows (benchmarks/fp8_llama.py)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     a = ap.parse_args()
@@ -134,9 +138,9 @@ def main() -> None:
     device = "cpu" if a.emulate else "cuda"
     n = a.n or (1024 if a.emulate else 4096)
     t0 = time.time()
-    rows = kernel_rows(device, a.emulate, n=n, causal=a.causal)
+    rows = kernel_rows(device, a.emulate, n=n, d=a.d, causal=a.causal)
     print_table(rows)
-    res = {"device": "cpu (emulated)" if a.emulate else torch.cuda.get_device_name(), "N": n, "d": 128,
+    res = {"device": "cpu (emulated)" if a.emulate else torch.cuda.get_device_name(), "N": n, "d": a.d,
            "causal": a.causal, "rows": rows}
     if not a.emulate and not a.no_llama:  # end to end: logits and cross-entropy of a small Llama with FP8 attention
         import importlib.util

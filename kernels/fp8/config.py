@@ -15,8 +15,19 @@ HADAMARD_DEFAULT = True
 # Hopper is measured (benchmarks/fp8_kernels.py, column fp8_int8qk).
 QK_INT8_DEFAULT = False
 # Two-level P.V accumulation (each key block's product summed fresh, then added in fp32): SageAttention2's
-# remedy for the FP8 wgmma's reduced-precision accumulator; its cost is untimed here (the --sweep times it).
+# remedy for the FP8 wgmma's reduced-precision accumulator. On the H200 (2026-12-02, N 4096) it changed
+# nothing measurable (benchmarks/fp8_accuracy.py, rel. L2 vs fp32 equal to 4 digits with and without, on
+# Gaussian, K-offset and outlier inputs, d128 and d256), while its second accumulator costs registers: at
+# d256 the kernel runs 924 / 886 TFLOP/s without it against 624 / 613 with it (fp8_kernels.py --sweep,
+# non-causal / causal). So it is off at d256; at d <= 128 it stays on (without it only the causal tile was
+# faster, 764 against 683; the non-causal case was not timed at the chosen tile).
 TWO_LEVEL_DEFAULT = True
+TWO_LEVEL_MAX_HEAD_DIM = 128
+
+
+def two_level_default(head_dim: int) -> bool:
+    """The default of fp8_forward's `two_level` for a head-dim block (see TWO_LEVEL_DEFAULT)."""
+    return TWO_LEVEL_DEFAULT and head_dim <= TWO_LEVEL_MAX_HEAD_DIM
 
 # Head dims the kernel takes (q and v alike): e4m3 tensor-core products reduce over 32 elements at a time.
 HEAD_DIMS = (32, 64, 128, 256)

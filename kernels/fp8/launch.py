@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .config import (
-    HADAMARD_DEFAULT, HEAD_DIMS, LOG2E, QK_INT8_DEFAULT, SMOOTH_Q_DEFAULT, TWO_LEVEL_DEFAULT, default_blocks,
+    HADAMARD_DEFAULT, HEAD_DIMS, LOG2E, QK_INT8_DEFAULT, SMOOTH_Q_DEFAULT, default_blocks, two_level_default,
 )
 from .quantize import FP8, Quantized, quantize
 
@@ -145,9 +145,9 @@ def fp8_forward(
     smooth_q = SMOOTH_Q_DEFAULT if smooth_q is None else smooth_q
     hadamard = HADAMARD_DEFAULT if hadamard is None else hadamard
     qk_int8 = QK_INT8_DEFAULT if qk_int8 is None else qk_int8
-    two_level = TWO_LEVEL_DEFAULT if two_level is None else two_level
     b, hq, nq, d = q.shape
     hk, nk, dv = k.shape[1], k.shape[2], v.shape[3]
+    two_level = two_level_default(max(d, dv)) if two_level is None else two_level
     if hk == 0 or hq % hk:
         raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({hk})")
     odt = out_dtype or (torch.bfloat16 if q.dtype == FP8 else q.dtype)

@@ -73,7 +73,13 @@ def _hadamard_cpu(d: int, seed: int) -> Tensor:
 
 
 def hadamard_matrix(d: int, device, seed: int = 0, dtype: torch.dtype = torch.float32) -> Tensor:
-    """R [D, D] = diag(random signs) H_D, entries +-1 (exact in any float dtype), R Rᵀ = D I; fixed signs."""
+    """R [D, D] = diag(random signs) H_D, entries +-1 (exact in any float dtype), R Rᵀ = D I; fixed signs.
+    Kept per device: a copy from host memory on every call would stall the host until the GPU caught up."""
+    return _hadamard_on(d, seed, str(torch.device(device)), dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _hadamard_on(d: int, seed: int, device: str, dtype: torch.dtype) -> Tensor:
     return _hadamard_cpu(d, seed).to(device=device, dtype=dtype)
 
 
