@@ -152,7 +152,7 @@ def test_failure_on_one_site_keeps_the_others(monkeypatch):
     def fail(*args, **kwargs):
         raise Injected("injected failure in the glue")
 
-    monkeypatch.setattr(find_sites, "_needs_contiguous", fail)
+    monkeypatch.setattr(find_sites.rewrite, "_needs_contiguous", fail)
     res = check(two_sites, qkv())
     assert [r.form for r in res.rewritten] == ["sdpa"]
     assert any("injected failure in the glue" in r for r in res.reasons), res.reasons
@@ -175,7 +175,7 @@ def test_failure_escaping_a_step_restores_the_traced_graph(where, monkeypatch):
 
         monkeypatch.setattr(fused_calls, "_visit", visit_then_fail)
     elif where == "softmax sites":
-        monkeypatch.setattr(find_sites, "Regions", boom)
+        monkeypatch.setattr(find_sites.rewrite, "Regions", boom)
     else:
         real_finish = pipeline._finish
 
@@ -191,5 +191,5 @@ def test_failure_escaping_a_step_restores_the_traced_graph(where, monkeypatch):
 
 
 def test_failure_escaping_a_step_with_inductor(monkeypatch):
-    monkeypatch.setattr(find_sites, "Regions", lambda gm: (_ for _ in ()).throw(Injected("injected")))
+    monkeypatch.setattr(find_sites.rewrite, "Regions", lambda gm: (_ for _ in ()).throw(Injected("injected")))
     check(two_sites, qkv(), inner="inductor", rewritten=0)

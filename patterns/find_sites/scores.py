@@ -1,0 +1,351 @@
+"""Walking back from a softmax to its Q·Kᵀ: the scale, softcap and mask terms in between (the
+"back" step of find_sites)."""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from ..canonicalize import (
+    arg, constant_value, is_finite_number, is_inplace, is_symbolic_scalar, kind, reads_only_metadata, tensor_of,
+)
+from ..layout import Contraction, contraction, identity
+from ..mult_mask import match_mult_mask
+from ..shapes import known_eq, known_one
+from ..site import MaskTerm
+
+
+class Miss(Exception):
+    """The site is left alone; the message is the reason explain() shows."""
+
+
+@dataclass
+class Scores:
+    contraction: Contraction
+    scale: float = 1.0  # Python-number part of the scale
+    factors: list = field(default_factory=list)  # [(node, "mul" | "div", batch dims)]: symbolic / tensor factors
+    softcap: float = 0.0
+    terms: list = field(default_factory=list)  # MaskTerm, outermost first
+    term_batches: list = field(default_factory=list)  # the scores' batch dims where each term is applied
+    nodes: list = field(default_factory=list)  # the chain, softmax input first (all single-user)
+    clamped: bool = False  # max(s, finfo.min) after the masks: fully masked rows average V, never NaN
+
+
+def _operand_roles(node: fx.Node, cur_shape) -> tuple[Any, Any]:
+    """(chain operand, other operand) of a binary op: the chain is the tensor with the full scores shape."""
+    a, b = node.args[0], arg(node, 1, "other")
+    ta, tb = tensor_of(a), tensor_of(b)
+    full = lambda t: t is not None and t.dim() == len(cur_shape) and all(known_eq(x, y) for x, y in zip(t.shape, cur_shape))  # noqa: E731
+    if full(ta) and not full(tb):
+        return a, b
+    if full(tb) and not full(ta):
+        return b, a
+    if full(ta) and full(tb):
+        return a, b  # both full: the caller decides (add: the one reaching a contraction)
+    return None, None
+
+
+def _reaches_contraction(node: Any, budget: Optional[list] = None) -> bool:
+    """A cheap probe (at most 64 nodes): does an affine path (casts, scales, adds, fills) lead to a contraction?"""
+    budget = [64] if budget is None else budget
+    budget[0] -= 1
+    if budget[0] < 0 or not isinstance(node, fx.Node) or tensor_of(node) is None:
+        return False
+    if contraction(node) is not None:
+        return True
+    k = kind(node)
+    if k in ("cast", "identity", "masked_fill", "tanh"):
+        return _reaches_contraction(node.args[0], budget)
+    if k in ("mul", "div", "add", "sub", "where"):
+        return any(_reaches_contraction(a, budget) for a in node.args[:3] if isinstance(a, fx.Node))
+    return False
+
+
+def _scale_factor(x: Any, scores_shape) -> Optional[tuple[str, Any]]:
+    """("num", float) | ("node", node) for a valid scale operand; None if it is not a scale."""
+    if is_finite_number(x):
+        return "num", float(x)
+    if is_symbolic_scalar(x):
+        return "node", x
+    t = tensor_of(x)
+    if t is None or not t.dtype.is_floating_point:
+        return None
+    c = constant_value(x)
+    if c is not None and math.isfinite(c):
+        return "num", c
+    if t.dim() > len(scores_shape):
+        return None
+    if t.dim() == 0 or (t.dim() >= 1 and known_one(t.shape[-1])):
+        return "node", x  # constant along the key axis: folds into q
+    return None
+
+
+def _softcap_at(node: fx.Node) -> Optional[tuple[float, fx.Node, list]]:
+    """mul(tanh(div(y, c)), c) (either operand order, or y * (1/c) inside) -> (c, y, [tanh, inner])."""
+    if kind(node) != "mul":
+        return None
+    a, b = node.args[0], arg(node, 1, "other")
+    t, c = (a, b) if kind(a) == "tanh" else (b, a)
+    if kind(t) != "tanh" or not is_finite_number(c) or c <= 0:
+        return None
+    inner = t.args[0]
+    ki = kind(inner)
+    if ki not in ("mul", "div"):
+        return None
+    x, y = inner.args[0], arg(inner, 1, "other")
+    if ki == "mul" and is_finite_number(x):
+        x, y = y, x
+    if not isinstance(x, fx.Node) or not is_finite_number(y) or y == 0:
+        return None
+    d = float(y) if ki == "div" else 1.0 / float(y)
+    if not math.isclose(d, float(c), rel_tol=1e-6):
+        return None
+    return float(c), x, [t, inner]
+
+
+def _regroups_batch(node: fx.Node) -> bool:
+    """A view/reshape that keeps the last two dims and only regroups the batch dims."""
+    src = node.args[0] if node.args else None
+    a, b = tensor_of(src), tensor_of(node)
+    return a is not None and b is not None and a.dim() >= 2 and b.dim() >= 2 and \
+        known_eq(a.shape[-1], b.shape[-1]) and known_eq(a.shape[-2], b.shape[-2])
+
+
+def _outer_scaled(term: MaskTerm, phase: str, scale: float, factors: list, softcap: float, t: torch.Tensor) -> MaskTerm:
+    """A mask applied before a Python-number scale c: eager scales it too, so the op gets fill * c
+    (computed in the scores' dtype, as eager does) or bias * c; "scaled" terms are multiplied at rewrite."""
+    if phase == "mask":
+        return term
+    if softcap:
+        raise Miss("a mask is applied to the scores before the softcap")
+    if factors or scale <= 0:
+        raise Miss("a mask is applied to the scores before a tensor or non-positive scale")
+    if term.op in ("fill", "where", "fill_zero"):
+        return MaskTerm(term.op, term.tensor, float(torch.tensor(term.fill, dtype=t.dtype) * scale))
+    return MaskTerm(term.op + "_scaled", term.tensor, scale)
+
+
+def _clamp_min_of(node: fx.Node, t: torch.Tensor) -> Optional[fx.Node]:
+    """x when node is torch.max(x, c) / torch.maximum(x, c) with c = finfo(dtype).min (a 0-d constant)."""
+    if node.op not in ("call_function", "call_method"):
+        return None
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if name not in ("max", "maximum") or len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    if node.op == "call_function" and getattr(node.target, "__module__", "") not in ("torch", None) and \
+            node.target not in (torch.max, torch.maximum):
+        return None
+    if not isinstance(b, fx.Node) or tensor_of(b) is None or tensor_of(b).dim() != 0:
+        return None  # torch.max(x, int) is a reduction
+    if constant_value(b) != float(torch.finfo(t.dtype).min) or tensor_of(a) is None:
+        return None
+    return a
+
+
+def _row_max_of(m: Any, s: Any) -> Optional[fx.Node]:
+    """The max/amax node when m is s.amax(-1, keepdim=True) or s.max(-1, keepdim=True)[0] (detached or not)."""
+    while isinstance(m, fx.Node) and m.op == "call_method" and m.target == "detach":
+        m = m.args[0]
+    if not isinstance(m, fx.Node) or tensor_of(s) is None:
+        return None
+    if m.target is operator.getitem and m.args[1] == 0:
+        m = m.args[0]
+        names = ("max",)
+    else:
+        names = ("amax",)
+    name = m.target if m.op == "call_method" else getattr(m.target, "__name__", "")
+    if name not in names or not m.args or m.args[0] is not s:
+        return None
+    dim, keep = arg(m, 1, "dim"), arg(m, 2, "keepdim", False)
+    nd = tensor_of(s).dim()
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    if not isinstance(dim, int) or dim % nd != nd - 1 or keep is not True:
+        return None
+    return m
+
+
+def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None) -> Scores:
+    """From the softmax input back to the Q·Kᵀ contraction (gm: the graph, for proofs of mask values)."""
+    scale, factors, softcap, terms, nodes, batches = 1.0, [], 0.0, [], [], []
+    row_max_users: set = set()  # max/amax nodes reading a chain node only to subtract its row max
+    clamped = False
+    phase = "mask"  # outermost first: mask terms -> softcap -> scale
+    shifted = False
+    cur = x
+    for _ in range(128):
+        c = contraction(cur)
+        if c is not None:
+            break
+        t = tensor_of(cur)
+        if t is None:
+            raise Miss(f"scores are not a tensor computed in the graph ({cur})")
+        nodes.append(cur)
+        if is_inplace(cur) and isinstance(cur.args[0], fx.Node) and len(cur.args[0].users) != 1:
+            raise Miss(f"the scores are modified in place and also read elsewhere ({cur.name})")
+        k = kind(cur)
+        if k in ("cast", "identity"):
+            cur = cur.args[0]
+            continue
+        lo = _clamp_min_of(cur, t)
+        if lo is not None:
+            # max(s, finfo.min) turns -inf into finfo.min (finite values are all >= it): masks applied
+            # before it keep eager's finite-fill semantics (fully masked rows average V)
+            if terms or phase != "mask":
+                raise Miss("the scores are clamped after a mask or before the scale")
+            clamped = True
+            cur = lo
+            continue
+        if k == "reshape" and _regroups_batch(cur):
+            cur = cur.args[0]  # batch dims regrouped ([B*H, N, N] <-> [B, H, N, N]); rows and keys kept
+            continue
+        if k == "mul":
+            cap = _softcap_at(cur)
+            if cap is not None:
+                if phase == "scale":
+                    raise Miss("the softcapped scores are scaled again (not expressible as the op's scale and softcap)")
+                if shifted:
+                    raise Miss("a constant is added to the scores before the softcap")
+                softcap, cur = cap[0], cap[1]
+                nodes.extend(cap[2])
+                phase = "scale"
+                continue
+        if k in ("mul", "div"):
+            chain, other = _operand_roles(cur, t.shape)
+            if chain is None or (k == "div" and chain is not cur.args[0]):
+                raise Miss(f"scores are divided by, not into, the scale ({cur.name})" if k == "div" and chain is not None
+                           else f"scores are multiplied elementwise by a tensor ({cur.name}); not a scale")
+            ot = tensor_of(other)
+            if ot is not None and ot.dim() == t.dim() and all(known_eq(a, b) for a, b in zip(ot.shape, t.shape)):
+                raise Miss(f"scores are multiplied elementwise by a tensor ({cur.name}); not a scale")
+            f = _scale_factor(other, t.shape)
+            if f is None:
+                raise Miss(f"scores are {'multiplied' if k == 'mul' else 'divided'} by a tensor that varies along the key axis ({cur.name})")
+            phase = "scale"
+            if f[0] == "num":
+                if k == "div":
+                    if f[1] == 0:
+                        raise Miss("scores are divided by zero")
+                    scale /= f[1]
+                else:
+                    scale *= f[1]
+            else:
+                factors.append((f[1], k, list(t.shape[:-2])))
+            cur = chain
+            continue
+        if k in ("add", "sub"):
+            if cur.kwargs.get("alpha", 1) != 1:
+                raise Miss(f"scores are added with alpha != 1 ({cur.name})")
+            mm = match_mult_mask(cur, t.dtype)
+            if mm is not None:  # s * m + (1 - m) * c: masked_fill(m == 0, c) when m is 0 / 1
+                if tensor_of(mm.mask).requires_grad:
+                    raise Miss(f"the scores are multiplied by a mask that needs a gradient ({mm.mask.name}); "
+                               "eager gives it one, a mask of the op does not")
+                from ..masks import zero_one
+
+                if gm is None or not zero_one(gm, mm.mask):
+                    raise Miss(f"the scores are multiplied by {mm.mask.name} and (1 - {mm.mask.name}) * c added: "
+                               f"{mm.mask.name} is not proven to hold only 0 and 1, the values that make it a mask")
+                terms.append(_outer_scaled(MaskTerm("fill_zero", mm.mask, mm.fill), phase, scale, factors, softcap, t))
+                batches.append(list(t.shape[:-2]))
+                nodes.append(mm.product)
+                cur = mm.scores
+                continue
+            a, b = cur.args[0], arg(cur, 1, "other")
+            if k == "sub" and is_finite_number(b) and isinstance(a, fx.Node):
+                shifted = True  # a constant shift: softmax is invariant to it
+                cur = a
+                continue
+            if k == "add" and (is_finite_number(a) or is_finite_number(b)):
+                shifted = True
+                cur = b if is_finite_number(a) else a
+                continue
+            if k == "sub" and _row_max_of(b, a):
+                shifted = True  # s - rowmax(s): the usual stabilisation, softmax is invariant to it
+                row_max_users.add(_row_max_of(b, a))
+                cur = a
+                continue
+            if k == "sub":
+                if not (isinstance(a, fx.Node) and _reaches_contraction(a)) or tensor_of(b) is None:
+                    raise Miss(f"the scores are subtracted from a tensor ({cur.name})")
+                terms.append(_outer_scaled(MaskTerm("sub", b), phase, scale, factors, softcap, t))  # "add" of -b
+                batches.append(list(t.shape[:-2]))
+                cur = a
+                continue
+            chain, other = _operand_roles(cur, t.shape)
+            if chain is None:
+                chain, other = (a, b) if _reaches_contraction(a) else (b, a)
+            elif tensor_of(other) is not None and tensor_of(other).dim() == t.dim() and all(
+                    known_eq(p, q) for p, q in zip(tensor_of(other).shape, t.shape)):
+                if not _reaches_contraction(chain) and _reaches_contraction(other):
+                    chain, other = other, chain
+            terms.append(_outer_scaled(MaskTerm("add", other), phase, scale, factors, softcap, t))
+            batches.append(list(t.shape[:-2]))
+            cur = chain
+            continue
+        if k == "masked_fill":
+            mask, value = arg(cur, 1, "mask"), arg(cur, 2, "value")
+            fill = constant_value(value)
+            if fill is None:
+                raise Miss(f"masked_fill with a value that is not a constant ({cur.name})")
+            terms.append(_outer_scaled(MaskTerm("fill", mask, fill), phase, scale, factors, softcap, t))
+            batches.append(list(t.shape[:-2]))
+            cur = cur.args[0]
+            continue
+        if k == "where" and len(cur.args) == 3:
+            cond, a, b = cur.args
+            ca, cb = constant_value(a), constant_value(b)
+            if cb is not None and isinstance(a, fx.Node) and tensor_of(a) is not None and ca is None:
+                term, nxt = MaskTerm("where", cond, cb), a
+            elif ca is not None and isinstance(b, fx.Node) and tensor_of(b) is not None and cb is None:
+                term, nxt = MaskTerm("fill", cond, ca), b
+            else:
+                raise Miss(f"torch.where on the scores without a constant fill ({cur.name})")
+            terms.append(_outer_scaled(term, phase, scale, factors, softcap, t))
+            batches.append(list(t.shape[:-2]))
+            cur = nxt
+            continue
+        raise Miss(f"scores are not a Q·Kᵀ contraction (reached {_describe(cur)})")
+    else:
+        raise Miss("scores chain too long")
+    if c.spelling == "einsum" and c.out_perm != identity(len(c.out_perm)):
+        raise Miss("the einsum's scores are not laid out [batch..., query, key]")
+    if c.spelling in ("baddbmm", "linear"):  # out = beta * addend + alpha * lhs · rhs
+        if not is_finite_number(c.beta) or not (is_finite_number(c.alpha) or is_symbolic_scalar(c.alpha)):
+            raise Miss(f"{c.spelling} with a non-constant alpha or beta")
+        outer, outer_factors = scale, len(factors)  # what the walk found applied after the contraction
+        if is_finite_number(c.alpha):
+            scale *= float(c.alpha)
+        else:  # a SymFloat alpha (e.g. d ** -0.5 under dynamic shapes): folded into q
+            factors.append((c.alpha, "mul", list(tensor_of(c.node).shape[:-2])))
+        if c.beta != 0:
+            if softcap or outer_factors:
+                raise Miss(f"{c.spelling}'s added input is softcapped or scaled by a tensor afterwards")
+            # beta * addend, times the number scale applied afterwards, is an additive bias of the scores
+            w = float(c.beta) * outer
+            terms.append(MaskTerm("add", c.addend) if w == 1 else MaskTerm("add_scaled", c.addend, w))
+            batches.append(list(tensor_of(c.node).shape[:-2]))
+    for n in nodes + [c.node]:
+        bad = [u for u in n.users if is_inplace(u) and u.args and u.args[0] is n and u not in nodes]
+        if bad:
+            raise Miss(f"the scores are modified in place ({bad[0].name})")
+        # `x.type_as(n)`, `torch.ones_like(n)`, `n.size(-1)` read only n's dtype / shape: not a use of its values
+        users = [u for u in n.users if not reads_only_metadata(u, n) and u not in row_max_users]
+        if len(users) != 1:
+            raise Miss(f"the scores ({n.name}) are also used outside the attention")
+    if clamped:
+        terms = [MaskTerm(t.op, t.tensor, float(torch.finfo(tensor_of(x).dtype).min))
+                 if t.op in ("fill", "where", "fill_zero") and t.fill == -math.inf else t for t in terms]
+    return Scores(c, scale, factors, softcap, terms, batches, nodes, clamped)
+
+
+def _describe(n: Any) -> str:
+    if not isinstance(n, fx.Node):
+        return repr(n)
+    tgt = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+    return f"{tgt} ({n.name})"
