@@ -43,9 +43,10 @@ def choose_num_splits(batch: int, kv_heads: int, max_len: int, num_sms: int, *, 
     """Splits of each sequence's keys so that B * Hkv * splits programs fill the GPU.
 
     No split when B * Hkv programs already fill `programs_per_sm` programs per SM; otherwise as many
-    as bring the count up to that (rounded down: one wave, no tail), but never so many that a split gets fewer than `min_keys` keys (or
-    one tile) of the longest possible sequence `max_len` (the cache's capacity: lengths live on the
-    device, and reading them would cost a sync). Each sequence then splits its own valid length.
+    as bring the count up to that (rounded down: one wave, no tail), but never so many that a split
+    gets fewer than `min_keys` keys (or one tile) of the longest possible sequence `max_len` (the
+    cache's capacity: lengths live on the device, and reading them would cost a sync). Each sequence
+    then splits its own valid length.
     """
     programs = batch * kv_heads
     if programs <= 0 or max_len <= 0 or num_sms <= 0:

@@ -90,9 +90,8 @@ def _kv_stats_kernel(
 
 @triton.jit
 def _kv_finalize_kernel(
-    KSUM, VMAX, KVLENS, R, KMEAN, VSCALE, Nk, n_chunks,
+    KSUM, VMAX, KVLENS, R, KMEAN, VSCALE, Hk, Nk, n_chunks,
     D: tl.constexpr, DV: tl.constexpr, HAS_KVLEN: tl.constexpr, KSMOOTH: tl.constexpr, HADAMARD: tl.constexpr,
-    HK: tl.constexpr,
 ):
     """Per (batch, kv head): K mean = sum of the chunk sums / valid keys (at least 1), times R when
     rotating; V scale per channel = amax / 448 (1 where the channel is all zero)."""
@@ -109,7 +108,7 @@ def _kv_finalize_kernel(
             ksum += tl.load(KSUM + (bh.to(tl.int64) * n_chunks + c) * D + offs_d)
         cnt = Nk
         if HAS_KVLEN:
-            cnt = tl.maximum(tl.minimum(tl.load(KVLENS + bh // HK).to(tl.int32), Nk), 0)
+            cnt = tl.maximum(tl.minimum(tl.load(KVLENS + bh // Hk).to(tl.int32), Nk), 0)
         mean = tl.math.div_rn(ksum, tl.maximum(cnt, 1).to(tl.float32))
         if HADAMARD:  # mean R as a broadcast product (one row: no tensor-core tile to fill)
             rot = tl.load(R + offs_d[:, None] * D + offs_d[None, :]).to(tl.float32)
@@ -232,8 +231,8 @@ def quantize_triton(
         k_mean = torch.empty((b, hk, d), **f32) if smooth_k else None
         vs = torch.empty((b, hk, dv), **f32)
         _kv_finalize_kernel[(b * hk,)](
-            ksum, vmax, kvl, r_arg, k_mean if k_mean is not None else vs, vs, nk, n_chunks,
-            D=d, DV=dv, HAS_KVLEN=kv_lens is not None, KSMOOTH=bool(smooth_k), HADAMARD=bool(hadamard), HK=hk,
+            ksum, vmax, kvl, r_arg, k_mean if k_mean is not None else vs, vs, hk, nk, n_chunks,
+            D=d, DV=dv, HAS_KVLEN=kv_lens is not None, KSMOOTH=bool(smooth_k), HADAMARD=bool(hadamard),
             **({} if emulate else {"num_warps": 4}),
         )
         qk_dtype = torch.int8 if qk_int8 else FP8
