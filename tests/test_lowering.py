@@ -157,10 +157,32 @@ def forward(self, primals_1, primals_2, primals_3):
     _scaled_dot_product_flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(primals_1, primals_2, primals_3, 0.0, True, scale = 0.35355339059327373)
     getitem_2 = _scaled_dot_product_flash_attention_for_cpu[0]
     getitem_3 = _scaled_dot_product_flash_attention_for_cpu[1];  _scaled_dot_product_flash_attention_for_cpu = None
-    copy_strided = torch.ops.prims.copy_strided.default(getitem_2, [512, 8, 32, 1]);  getitem_2 = None
-    copy_strided_1 = torch.ops.prims.copy_strided.default(getitem_3, [64, 16, 1]);  getitem_3 = None
+    isnan = torch.ops.aten.isnan.default(primals_1)
+    any_1 = torch.ops.aten.any.dim(isnan, -1);  isnan = None
+    isnan_1 = torch.ops.aten.isnan.default(primals_2)
+    view = torch.ops.aten.view.default(isnan_1, [2, 4, 128]);  isnan_1 = None
+    any_2 = torch.ops.aten.any.dim(view, -1);  view = None
+    unsqueeze = torch.ops.aten.unsqueeze.default(any_2, 2);  any_2 = None
+    expand = torch.ops.aten.expand.default(unsqueeze, [2, 4, 1]);  unsqueeze = None
+    clone_1 = torch.ops.aten.clone.default(expand, memory_format = torch.contiguous_format);  expand = None
+    view_1 = torch.ops.aten.view.default(clone_1, [2, 4]);  clone_1 = None
+    unsqueeze_1 = torch.ops.aten.unsqueeze.default(view_1, 2);  view_1 = None
+    eq = torch.ops.aten.eq.Scalar(getitem_3, 0)
+    bitwise_and = torch.ops.aten.bitwise_and.Tensor(unsqueeze_1, eq);  unsqueeze_1 = eq = None
+    eq_1 = torch.ops.aten.eq.Scalar(getitem_2, 0)
+    logical_not = torch.ops.aten.logical_not.default(eq_1);  eq_1 = None
+    any_3 = torch.ops.aten.any.dim(logical_not, -1);  logical_not = None
+    logical_not_1 = torch.ops.aten.logical_not.default(any_3);  any_3 = None
+    bitwise_and_1 = torch.ops.aten.bitwise_and.Tensor(bitwise_and, logical_not_1);  bitwise_and = logical_not_1 = None
+    bitwise_or = torch.ops.aten.bitwise_or.Tensor(any_1, bitwise_and_1);  any_1 = bitwise_and_1 = None
+    unsqueeze_2 = torch.ops.aten.unsqueeze.default(bitwise_or, -1)
+    scalar_tensor = torch.ops.aten.scalar_tensor.default(nan, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+    where = torch.ops.aten.where.self(unsqueeze_2, scalar_tensor, getitem_2);  unsqueeze_2 = scalar_tensor = getitem_2 = None
+    scalar_tensor_1 = torch.ops.aten.scalar_tensor.default(nan, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+    where_1 = torch.ops.aten.where.self(bitwise_or, scalar_tensor_1, getitem_3);  bitwise_or = scalar_tensor_1 = getitem_3 = None
+    copy_strided = torch.ops.prims.copy_strided.default(where, [512, 8, 32, 1]);  where = None
     clone = torch.ops.aten.clone.default(copy_strided, memory_format = torch.contiguous_format)
-    return (clone, primals_1, primals_2, primals_3, copy_strided, copy_strided_1)""")
+    return (clone, primals_1, primals_2, primals_3, copy_strided, where_1)""")
     expecttest.assert_expected_inline(graphs[1].strip(), """\
 def forward(self, primals_1, primals_2, primals_3, getitem, getitem_1, tangents_1):
     _scaled_dot_product_flash_attention_for_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(tangents_1, primals_1, primals_2, primals_3, getitem, getitem_1, 0.0, True, scale = 0.35355339059327373);  tangents_1 = primals_1 = primals_2 = primals_3 = getitem = getitem_1 = None
@@ -186,17 +208,41 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
     bitwise_not = torch.ops.aten.bitwise_not.default(arg3_1);  arg3_1 = None
     scalar_tensor = torch.ops.aten.scalar_tensor.default(-inf, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
     where = torch.ops.aten.where.self(bitwise_not, scalar_tensor, full);  bitwise_not = scalar_tensor = full = None
-    _scaled_dot_product_flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(arg0_1, arg1_1, arg2_1, attn_mask = where, scale = 0.35355339059327373);  arg0_1 = arg1_1 = arg2_1 = None
-    getitem_2 = _scaled_dot_product_flash_attention_for_cpu[0];  _scaled_dot_product_flash_attention_for_cpu = None
+    _scaled_dot_product_flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(arg0_1, arg1_1, arg2_1, attn_mask = where, scale = 0.35355339059327373);  arg2_1 = None
+    getitem_2 = _scaled_dot_product_flash_attention_for_cpu[0]
+    getitem_3 = _scaled_dot_product_flash_attention_for_cpu[1];  _scaled_dot_product_flash_attention_for_cpu = None
     eq = torch.ops.aten.eq.Scalar(where, -inf);  where = None
     bitwise_not_1 = torch.ops.aten.bitwise_not.default(eq);  eq = None
     any_1 = torch.ops.aten.any.dim(bitwise_not_1, -1);  bitwise_not_1 = None
     bitwise_not_2 = torch.ops.aten.bitwise_not.default(any_1);  any_1 = None
     expand = torch.ops.aten.expand.default(bitwise_not_2, [2, 4, 16]);  bitwise_not_2 = None
-    unsqueeze = torch.ops.aten.unsqueeze.default(expand, -1);  expand = None
-    scalar_tensor_2 = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-    where_2 = torch.ops.aten.where.self(unsqueeze, scalar_tensor_2, getitem_2);  unsqueeze = scalar_tensor_2 = getitem_2 = None
-    copy_strided = torch.ops.prims.copy_strided.default(where_2, [512, 8, 32, 1]);  where_2 = None
+    isnan = torch.ops.aten.isnan.default(arg0_1);  arg0_1 = None
+    any_2 = torch.ops.aten.any.dim(isnan, -1);  isnan = None
+    isnan_1 = torch.ops.aten.isnan.default(arg1_1);  arg1_1 = None
+    view = torch.ops.aten.view.default(isnan_1, [2, 4, 128]);  isnan_1 = None
+    any_3 = torch.ops.aten.any.dim(view, -1);  view = None
+    unsqueeze = torch.ops.aten.unsqueeze.default(any_3, 2);  any_3 = None
+    expand_1 = torch.ops.aten.expand.default(unsqueeze, [2, 4, 1]);  unsqueeze = None
+    clone = torch.ops.aten.clone.default(expand_1, memory_format = torch.contiguous_format);  expand_1 = None
+    view_1 = torch.ops.aten.view.default(clone, [2, 4]);  clone = None
+    unsqueeze_1 = torch.ops.aten.unsqueeze.default(view_1, 2);  view_1 = None
+    eq_1 = torch.ops.aten.eq.Scalar(getitem_3, 0);  getitem_3 = None
+    bitwise_and = torch.ops.aten.bitwise_and.Tensor(unsqueeze_1, eq_1);  unsqueeze_1 = eq_1 = None
+    eq_2 = torch.ops.aten.eq.Scalar(getitem_2, 0)
+    logical_not = torch.ops.aten.logical_not.default(eq_2);  eq_2 = None
+    any_4 = torch.ops.aten.any.dim(logical_not, -1);  logical_not = None
+    logical_not_1 = torch.ops.aten.logical_not.default(any_4);  any_4 = None
+    bitwise_and_1 = torch.ops.aten.bitwise_and.Tensor(bitwise_and, logical_not_1);  bitwise_and = logical_not_1 = None
+    bitwise_or = torch.ops.aten.bitwise_or.Tensor(any_2, bitwise_and_1);  any_2 = bitwise_and_1 = None
+    bitwise_not_3 = torch.ops.aten.bitwise_not.default(expand)
+    bitwise_and_2 = torch.ops.aten.bitwise_and.Tensor(bitwise_or, bitwise_not_3);  bitwise_or = bitwise_not_3 = None
+    unsqueeze_2 = torch.ops.aten.unsqueeze.default(bitwise_and_2, -1);  bitwise_and_2 = None
+    scalar_tensor_1 = torch.ops.aten.scalar_tensor.default(nan, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+    where_1 = torch.ops.aten.where.self(unsqueeze_2, scalar_tensor_1, getitem_2);  unsqueeze_2 = scalar_tensor_1 = getitem_2 = None
+    unsqueeze_3 = torch.ops.aten.unsqueeze.default(expand, -1);  expand = None
+    scalar_tensor_4 = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+    where_4 = torch.ops.aten.where.self(unsqueeze_3, scalar_tensor_4, where_1);  unsqueeze_3 = scalar_tensor_4 = where_1 = None
+    copy_strided = torch.ops.prims.copy_strided.default(where_4, [512, 8, 32, 1]);  where_4 = None
     return (copy_strided,)""")
 
 

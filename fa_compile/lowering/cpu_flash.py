@@ -6,6 +6,9 @@ dim for Q, K and V; is_causal aligned top-left; attn_mask additive in q's dtype,
 [B, H, Nq, Nk]; logsumexp [B, H, Nq], natural log, fp32 (fp64 for fp64 inputs), stored [B, Nq, H];
 out with q's dimension order. A row whose keys are all masked gets out 0 and lse 0, so the op's
 -inf is put back from the mask (`conventions.empty_rows`). Its backward takes the same lse.
+A row whose scores are all NaN (a NaN in its query, or in every key it admits) gets the same out 0 and
+lse 0 from the kernel, where the op's reference gives NaN: such rows are put back to NaN
+(`_nan_rows`), so a NaN input is never turned into a finite number.
 
 What it cannot express exactly keeps the op, as do a forced kernel="reference" and an enclosing
 sdpa_kernel() without SDPBackend.FLASH_ATTENTION (SDPA's CPU flash path honours it too): softcap, sliding windows, dropout (ours is a counter
@@ -31,6 +34,20 @@ def _repeat_kv(t: Tensor, groups: int) -> Tensor:
         return t
     b, h, n, d = t.shape
     return t.unsqueeze(2).expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
+
+
+def _nan_rows(q: Tensor, k: Tensor, out: Tensor, lse: Tensor, empty, groups: int) -> Tensor:
+    """[B, Hq, Nq] bool: the rows the reference makes NaN that the kernel returned as out 0, lse 0.
+
+    The kernel takes a row's max over finite scores only, so a row with none (all NaN, or NaN and
+    -inf) ends as if it were empty. A NaN query element makes every score of its row NaN; a row whose
+    admitted keys all hold a NaN shows as the kernel's empty-row result (lse 0 and out 0) in a head
+    whose keys hold a NaN. Structurally empty rows stay the op's empty rows (finish)."""
+    qnan = torch.isnan(q).any(-1)
+    knan = torch.isnan(k).flatten(2).any(-1).repeat_interleave(groups, dim=1)[..., None]  # [B, Hq, 1]
+    dead = knan & (lse == 0) & (out == 0).all(-1)
+    rows = qnan | dead
+    return rows if empty is None else rows & ~empty
 
 
 class CpuFlash:
@@ -97,7 +114,11 @@ class CpuFlash:
             kv_lens = rest[-1] if has_lens else None
             mask = conventions.additive_mask(q, k, bias, kv_lens)
             out, lse = _FWD(q, _repeat_kv(k, groups), _repeat_kv(v, groups), 0.0, causal, attn_mask=mask, scale=scale)
-            return conventions.finish(out, lse, conventions.empty_rows(q, k, mask, kv_lens, causal, bias))
+            empty = conventions.empty_rows(q, k, mask, kv_lens, causal, bias)
+            nan = _nan_rows(q, k, out, lse, empty, groups)
+            out = out.masked_fill(nan.unsqueeze(-1), float("nan"))
+            lse = lse.masked_fill(nan, float("nan"))
+            return conventions.finish(out, lse, empty)
 
         return fn
 
