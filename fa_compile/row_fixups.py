@@ -8,13 +8,16 @@ on those rows only) and the missing gradient as its backward:
 
 - fa3::uniform_row_grad(q, k, v, scale, softcap=0.0): softmax's gradient at P = 1/Nk to q and k
   (through the softcap's tanh' when softcap > 0: fa3::uniform_row_grad_backward, dense on the rows
-  whose incoming gradient is nonzero).
+  whose incoming gradient is nonzero; on CPU the same op without a softcap, which returns zeros at
+  once when no row's incoming gradient is nonzero, the usual case).
 - fa3::filled_scores_grad(q, k, v, bias, filled, scale, softcap=0.0): minus the op's gradient through
   the entries a fill (where / masked_fill) wrote before an additive mask, which eager's fill cuts.
 
 After AOTAutograd the forwards become constant zeros (fa_compile/lowering/graph_pass.py).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -61,13 +64,15 @@ def _live_query_positions(dg: Tensor) -> Tensor:
 
 def uniform_row_grad_backward(dg: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float,
                               softcap: float) -> tuple[Tensor, Tensor]:
-    """(dq, dk) of uniform_row_grad with a softcap: on a row at uniform P = 1/Nk the score gradient is
-    ds_ij = dg_i . (v_j - mean(v)) / Nk, and the raw score's d raw_ij = ds_ij * (1 - tanh(raw_ij / softcap)^2)
-    with raw_ij = scale * q_i . k_j; dq_i = scale * sum_j d raw_ij k_j, dk_j = scale * sum_i d raw_ij q_i
-    (summed over the query heads of a group). Only query positions where some dg row is nonzero are
-    computed (a zero dg row contributes nothing), in blocks of positions, in fp32 (fp64 for fp64)."""
-    if not softcap > 0:
-        raise ValueError(f"softcap: uniform_row_grad_backward needs softcap > 0, got {softcap!r}")
+    """(dq, dk) of uniform_row_grad: on a row at uniform P = 1/Nk the score gradient is
+    ds_ij = dg_i . (v_j - mean(v)) / Nk, and with a softcap the raw score's
+    d raw_ij = ds_ij * (1 - tanh(raw_ij / softcap)^2) with raw_ij = scale * q_i . k_j (without one,
+    d raw_ij = ds_ij); dq_i = scale * sum_j d raw_ij k_j, dk_j = scale * sum_i d raw_ij q_i (summed over
+    the query heads of a group). Only query positions where some dg row is nonzero are computed (a zero
+    dg row contributes nothing; none nonzero: zeros at once), in fp32 (fp64 for fp64): with a softcap
+    densely, in blocks of positions; without one by the factorized form of `_uniform_grads`."""
+    if not softcap >= 0:
+        raise ValueError(f"softcap: uniform_row_grad_backward needs softcap >= 0, got {softcap!r}")
     b, hq, nq, d = q.shape
     hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
     if hq % max(hkv, 1) != 0:
@@ -81,6 +86,9 @@ def uniform_row_grad_backward(dg: Tensor, q: Tensor, k: Tensor, v: Tensor, scale
     rows = _live_query_positions(dg)
     if rows.numel() == 0:
         return dq.to(q.dtype), dk.to(k.dtype)
+    if softcap == 0:
+        gq, gk = _uniform_grads(dg, q, k, v, scale, acc, True, True)
+        return gq, gk
     kf = k.to(acc)
     vf = v.to(acc)
     vc = vf - vf.mean(dim=2, keepdim=True)  # centred in fp32+ (a difference of close values)
@@ -125,26 +133,42 @@ class _UniformRowGradFunction(torch.autograd.Function):
         if ctx.softcap > 0:
             dq, dk = _UNIFORM_ROW_GRAD_BACKWARD(dg, q, k, v, ctx.scale, ctx.softcap)
             return (dq if ctx.needs_input_grad[0] else None), (dk if ctx.needs_input_grad[1] else None), None, None, None
+        if q.device.type == "cpu":
+            # dg is 0 except on fully masked rows, which most batches have none of: on CPU, where a
+            # data-dependent check costs no device sync, one opaque op skips the terms then (the four
+            # matmuls cost ~3% of a padded BERT training step in a single-threaded CPU profile).
+            dq, dk = _UNIFORM_ROW_GRAD_BACKWARD(dg, q, k, v, ctx.scale, 0.0)
+            return (dq if ctx.needs_input_grad[0] else None), (dk if ctx.needs_input_grad[1] else None), None, None, None
         # bf16 matmuls accumulate in fp32 and cannot overflow: they run in bf16, as eager's own gradient
         # does, instead of fp32 copies of q, k and v per layer; fp16 (range) and fp32 / fp64 keep fp32+.
         f32 = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.promote_types(q.dtype, torch.float32)
-        b, hq, _, d = q.shape
-        hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
-        vf = v.to(torch.promote_types(v.dtype, torch.float32))
-        vc = (vf - vf.mean(dim=2, keepdim=True)).to(f32)  # centred in fp32 (a difference of close values)
-        dgf = dg.to(f32)
-        dq = dk = None
-        if ctx.needs_input_grad[0]:
-            c = torch.matmul(k.to(f32).transpose(-1, -2), vc) / torch.sym_max(nk, 1)  # [B, Hkv, D, Dv]; no keys: 0
-            if hq != hkv:
-                c = c.repeat_interleave(hq // hkv, dim=1)
-            dq = (torch.matmul(dgf, c.transpose(-1, -2)) * ctx.scale).to(q.dtype)
-        if ctx.needs_input_grad[1]:
-            dc = torch.matmul(q.to(f32).transpose(-1, -2), dgf) * ctx.scale  # [B, Hq, D, Dv]
-            if hq != hkv:
-                dc = dc.reshape(b, hkv, hq // hkv, d, dv).sum(dim=2)
-            dk = (torch.matmul(vc, dc.transpose(-1, -2)) / torch.sym_max(nk, 1)).to(k.dtype)
+        dq, dk = _uniform_grads(dg, q, k, v, ctx.scale, f32, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return dq, dk, None, None, None
+
+
+def _uniform_grads(dg: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, f32: torch.dtype, need_q: bool,
+                   need_k: bool) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """(dq, dk) of uniform_row_grad without a softcap, factorized over the keys (no [Nq, Nk] term):
+    dq_i = scale * dg_i . C^T with C = sum_j k_j (v_j - mean(v))^T / Nk, and
+    dk_j = (v_j - mean(v)) . (scale * sum_i q_i dg_i^T)^T / Nk, summed over the query heads of a group.
+    Matmuls in `f32`; the centring in fp32 or wider (a difference of close values)."""
+    b, hq, _, d = q.shape
+    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
+    vf = v.to(torch.promote_types(v.dtype, torch.float32))
+    vc = (vf - vf.mean(dim=2, keepdim=True)).to(f32)
+    dgf = dg.to(f32)
+    dq = dk = None
+    if need_q:
+        c = torch.matmul(k.to(f32).transpose(-1, -2), vc) / torch.sym_max(nk, 1)  # [B, Hkv, D, Dv]; no keys: 0
+        if hq != hkv:
+            c = c.repeat_interleave(hq // hkv, dim=1)
+        dq = (torch.matmul(dgf, c.transpose(-1, -2)) * scale).to(q.dtype)
+    if need_k:
+        dc = torch.matmul(q.to(f32).transpose(-1, -2), dgf) * scale  # [B, Hq, D, Dv]
+        if hq != hkv:
+            dc = dc.reshape(b, hkv, hq // hkv, d, dv).sum(dim=2)
+        dk = (torch.matmul(vc, dc.transpose(-1, -2)) / torch.sym_max(nk, 1)).to(k.dtype)
+    return dq, dk
 
 
 def _uniform_row_grad_autograd(q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float = 0.0) -> Tensor:

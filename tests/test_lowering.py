@@ -157,22 +157,22 @@ def forward(self, primals_1, primals_2, primals_3):
     _scaled_dot_product_flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(primals_1, primals_2, primals_3, 0.0, True, scale = 0.35355339059327373)
     getitem_2 = _scaled_dot_product_flash_attention_for_cpu[0]
     getitem_3 = _scaled_dot_product_flash_attention_for_cpu[1];  _scaled_dot_product_flash_attention_for_cpu = None
-    isnan = torch.ops.aten.isnan.default(primals_1)
-    any_1 = torch.ops.aten.any.dim(isnan, -1);  isnan = None
-    isnan_1 = torch.ops.aten.isnan.default(primals_2)
-    view = torch.ops.aten.view.default(isnan_1, [2, 4, 128]);  isnan_1 = None
-    any_2 = torch.ops.aten.any.dim(view, -1);  view = None
-    unsqueeze = torch.ops.aten.unsqueeze.default(any_2, 2);  any_2 = None
+    ne = torch.ops.aten.ne.Tensor(primals_1, primals_1)
+    any_1 = torch.ops.aten.any.dim(ne, -1);  ne = None
+    ne_1 = torch.ops.aten.ne.Tensor(primals_2, primals_2)
+    any_2 = torch.ops.aten.any.dim(ne_1, -1);  ne_1 = None
+    any_3 = torch.ops.aten.any.dim(any_2, -1);  any_2 = None
+    unsqueeze = torch.ops.aten.unsqueeze.default(any_3, 2);  any_3 = None
     expand = torch.ops.aten.expand.default(unsqueeze, [2, 4, 1]);  unsqueeze = None
     clone_1 = torch.ops.aten.clone.default(expand, memory_format = torch.contiguous_format);  expand = None
-    view_1 = torch.ops.aten.view.default(clone_1, [2, 4]);  clone_1 = None
-    unsqueeze_1 = torch.ops.aten.unsqueeze.default(view_1, 2);  view_1 = None
+    view = torch.ops.aten.view.default(clone_1, [2, 4]);  clone_1 = None
+    unsqueeze_1 = torch.ops.aten.unsqueeze.default(view, 2);  view = None
     eq = torch.ops.aten.eq.Scalar(getitem_3, 0)
     bitwise_and = torch.ops.aten.bitwise_and.Tensor(unsqueeze_1, eq);  unsqueeze_1 = eq = None
     eq_1 = torch.ops.aten.eq.Scalar(getitem_2, 0)
     logical_not = torch.ops.aten.logical_not.default(eq_1);  eq_1 = None
-    any_3 = torch.ops.aten.any.dim(logical_not, -1);  logical_not = None
-    logical_not_1 = torch.ops.aten.logical_not.default(any_3);  any_3 = None
+    any_4 = torch.ops.aten.any.dim(logical_not, -1);  logical_not = None
+    logical_not_1 = torch.ops.aten.logical_not.default(any_4);  any_4 = None
     bitwise_and_1 = torch.ops.aten.bitwise_and.Tensor(bitwise_and, logical_not_1);  bitwise_and = logical_not_1 = None
     bitwise_or = torch.ops.aten.bitwise_or.Tensor(any_1, bitwise_and_1);  any_1 = bitwise_and_1 = None
     unsqueeze_2 = torch.ops.aten.unsqueeze.default(bitwise_or, -1)
@@ -216,22 +216,22 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
     any_1 = torch.ops.aten.any.dim(bitwise_not_1, -1);  bitwise_not_1 = None
     bitwise_not_2 = torch.ops.aten.bitwise_not.default(any_1);  any_1 = None
     expand = torch.ops.aten.expand.default(bitwise_not_2, [2, 4, 16]);  bitwise_not_2 = None
-    isnan = torch.ops.aten.isnan.default(arg0_1);  arg0_1 = None
-    any_2 = torch.ops.aten.any.dim(isnan, -1);  isnan = None
-    isnan_1 = torch.ops.aten.isnan.default(arg1_1);  arg1_1 = None
-    view = torch.ops.aten.view.default(isnan_1, [2, 4, 128]);  isnan_1 = None
-    any_3 = torch.ops.aten.any.dim(view, -1);  view = None
-    unsqueeze = torch.ops.aten.unsqueeze.default(any_3, 2);  any_3 = None
+    ne = torch.ops.aten.ne.Tensor(arg0_1, arg0_1);  arg0_1 = None
+    any_2 = torch.ops.aten.any.dim(ne, -1);  ne = None
+    ne_1 = torch.ops.aten.ne.Tensor(arg1_1, arg1_1);  arg1_1 = None
+    any_3 = torch.ops.aten.any.dim(ne_1, -1);  ne_1 = None
+    any_4 = torch.ops.aten.any.dim(any_3, -1);  any_3 = None
+    unsqueeze = torch.ops.aten.unsqueeze.default(any_4, 2);  any_4 = None
     expand_1 = torch.ops.aten.expand.default(unsqueeze, [2, 4, 1]);  unsqueeze = None
     clone = torch.ops.aten.clone.default(expand_1, memory_format = torch.contiguous_format);  expand_1 = None
-    view_1 = torch.ops.aten.view.default(clone, [2, 4]);  clone = None
-    unsqueeze_1 = torch.ops.aten.unsqueeze.default(view_1, 2);  view_1 = None
+    view = torch.ops.aten.view.default(clone, [2, 4]);  clone = None
+    unsqueeze_1 = torch.ops.aten.unsqueeze.default(view, 2);  view = None
     eq_1 = torch.ops.aten.eq.Scalar(getitem_3, 0);  getitem_3 = None
     bitwise_and = torch.ops.aten.bitwise_and.Tensor(unsqueeze_1, eq_1);  unsqueeze_1 = eq_1 = None
     eq_2 = torch.ops.aten.eq.Scalar(getitem_2, 0)
     logical_not = torch.ops.aten.logical_not.default(eq_2);  eq_2 = None
-    any_4 = torch.ops.aten.any.dim(logical_not, -1);  logical_not = None
-    logical_not_1 = torch.ops.aten.logical_not.default(any_4);  any_4 = None
+    any_5 = torch.ops.aten.any.dim(logical_not, -1);  logical_not = None
+    logical_not_1 = torch.ops.aten.logical_not.default(any_5);  any_5 = None
     bitwise_and_1 = torch.ops.aten.bitwise_and.Tensor(bitwise_and, logical_not_1);  bitwise_and = logical_not_1 = None
     bitwise_or = torch.ops.aten.bitwise_or.Tensor(any_2, bitwise_and_1);  any_2 = bitwise_and_1 = None
     bitwise_not_3 = torch.ops.aten.bitwise_not.default(expand)

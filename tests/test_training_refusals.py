@@ -143,6 +143,40 @@ def test_uniform_row_grad_softcap_op_matches_reference(hq, hkv, live):
     assert dq.dtype == q.dtype and dk.dtype == k.dtype
 
 
+@pytest.mark.parametrize("hq,hkv,live", [(4, 4, "some"), (4, 2, "some"), (6, 1, "all"), (4, 2, "none")])
+def test_uniform_row_grad_cpu_backward_skips_dead_rows(hq, hkv, live, monkeypatch):
+    """On CPU the gradient without a softcap comes from fa3::uniform_row_grad_backward (softcap 0), which
+    returns zeros without any matmul when no row of dg is nonzero, and the factorized terms otherwise:
+    both equal softmax's backward at uniform P in fp64, on every element."""
+    import fa_compile.row_fixups as ops
+
+    gen = torch.Generator().manual_seed(hq * 7 + hkv)
+    q = torch.randn(2, hq, 5, 8, dtype=torch.float32, generator=gen, requires_grad=True)
+    k = torch.randn(2, hkv, 7, 8, dtype=torch.float32, generator=gen, requires_grad=True)
+    v = torch.randn(2, hkv, 7, 3, dtype=torch.float32, generator=gen)
+    dg = torch.randn(2, hq, 5, 3, dtype=torch.float32, generator=gen)
+    if live == "some":
+        dg = dg * (torch.rand(2, hq, 5, 1, generator=gen) < 0.3)
+    elif live == "none":
+        dg = torch.zeros_like(dg)
+    calls = []
+    real = ops._uniform_grads
+    monkeypatch.setattr(ops, "_uniform_grads", lambda *a: calls.append(1) or real(*a))
+    out = torch.ops.fa3.uniform_row_grad(q, k, v, 0.7)
+    dq, dk = torch.autograd.grad(out, (q, k), dg)
+    assert len(calls) == (0 if live == "none" else 1)
+    g = hq // hkv
+    qd, kd = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    vc = v.double() - v.double().mean(dim=2, keepdim=True)
+    raw = qd @ kd.repeat_interleave(g, dim=1).transpose(-1, -2) * 0.7
+    ds = dg.double() @ vc.repeat_interleave(g, dim=1).transpose(-1, -2) / k.shape[2]
+    rq, rk = torch.autograd.grad((raw * ds).sum(), (qd, kd))
+    torch.testing.assert_close(dq.double(), rq, **TOL[torch.float32])
+    torch.testing.assert_close(dk.double(), rk, **TOL[torch.float32])
+    if live == "none":
+        assert not dq.any() and not dk.any()
+
+
 def test_uniform_row_grad_softcap_op_blocks_and_no_keys(monkeypatch):
     """Query positions split over several blocks give the same sums; no keys give zero gradients."""
     import fa_compile.row_fixups as ops

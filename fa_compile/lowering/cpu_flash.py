@@ -43,8 +43,10 @@ def _nan_rows(q: Tensor, k: Tensor, out: Tensor, lse: Tensor, empty, groups: int
     -inf) ends as if it were empty. A NaN query element makes every score of its row NaN; a row whose
     admitted keys all hold a NaN shows as the kernel's empty-row result (lse 0 and out 0) in a head
     whose keys hold a NaN. Structurally empty rows stay the op's empty rows (finish)."""
-    qnan = torch.isnan(q).any(-1)
-    knan = torch.isnan(k).flatten(2).any(-1).repeat_interleave(groups, dim=1)[..., None]  # [B, Hq, 1]
+    # x != x is isnan(x), written so that Inductor's CPU code compares whole vectors (its isnan is a
+    # scalar loop per element there); k reduced over D, then N, so each loop reads a contiguous row
+    qnan = q.ne(q).any(-1)
+    knan = k.ne(k).any(-1).any(-1).repeat_interleave(groups, dim=1)[..., None]  # [B, Hq, 1]
     dead = knan & (lse == 0) & (out == 0).all(-1)
     rows = qnan | dead
     return rows if empty is None else rows & ~empty
