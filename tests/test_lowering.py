@@ -145,6 +145,42 @@ def _causal_attn(q, k, v):
     return torch.softmax(s, dim=-1) @ v
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", ["q_inf", "q_neg_inf", "q_inf_first_row", "k_inf_every_key", "k_nan_one_key"])
+def test_non_finite_inputs_give_eagers_nan_rows_through_the_cpu_kernel(case, dtype):
+    """aten's CPU flash kernel takes a row's max over finite scores only: a row whose admitted scores are
+    all non-finite (an infinite query element, or a key component infinite in every key) came out as an
+    empty row (out 0), where eager's softmax gives NaN. Every element is compared with eager, NaN positions
+    included, causal (the first row has one key) and not. (The op's reference keeps its own contract
+    there: a row whose every score is -inf is an empty row, whatever made it so.)"""
+    q, k, v = _inputs(b=1, hq=2, hkv=2, nq=6, nk=6, d=8, dtype=dtype, seed=3)
+    if case == "q_inf":
+        q[0, 0, 2, 3] = float("inf")
+    elif case == "q_neg_inf":
+        q[0, 1, 4, 0] = float("-inf")
+    elif case == "q_inf_first_row":
+        q[0, :, 0, 5] = float("inf")
+    elif case == "k_inf_every_key":
+        k[0, 0, :, 3] = float("inf")  # rows with q[..., 3] < 0 score -inf on every key
+    else:
+        k[0, 1, 2, 1] = float("nan")
+    for causal in (False, True):
+        def fn(q, k, v):
+            return fa_compile.attention(q, k, v, causal=causal)
+
+        torch._dynamo.reset()
+        n_before = len(records())
+        with torch.no_grad():
+            got = torch.compile(fn, backend="fa3", fullgraph=True)(q, k, v)
+            eager = (_causal_attn if causal else lambda q, k, v: torch.softmax(
+                q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1) @ v)(q.float(), k.float(), v.float())
+        assert [r.decision.target for r in records()[n_before:]] == [
+            "aten._scaled_dot_product_flash_attention_for_cpu"], records()[n_before:]
+        assert eager.isnan().any(), "the case must produce NaN rows in eager"
+        assert torch.equal(got.isnan(), eager.isnan()), (causal, got.isnan().any(-1), eager.isnan().any(-1))
+        torch.testing.assert_close(got.float(), eager, **TOL[dtype], equal_nan=True)
+
+
 def test_lowered_training_graphs_are_pinned():
     q, k, v = (t.requires_grad_() for t in _inputs())
     torch._dynamo.reset()
@@ -157,9 +193,11 @@ def forward(self, primals_1, primals_2, primals_3):
     _scaled_dot_product_flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(primals_1, primals_2, primals_3, 0.0, True, scale = 0.35355339059327373)
     getitem_2 = _scaled_dot_product_flash_attention_for_cpu[0]
     getitem_3 = _scaled_dot_product_flash_attention_for_cpu[1];  _scaled_dot_product_flash_attention_for_cpu = None
-    ne = torch.ops.aten.ne.Tensor(primals_1, primals_1)
+    sub = torch.ops.aten.sub.Tensor(primals_1, primals_1)
+    sub_1 = torch.ops.aten.sub.Tensor(primals_2, primals_2)
+    ne = torch.ops.aten.ne.Tensor(sub, sub);  sub = None
     any_1 = torch.ops.aten.any.dim(ne, -1);  ne = None
-    ne_1 = torch.ops.aten.ne.Tensor(primals_2, primals_2)
+    ne_1 = torch.ops.aten.ne.Tensor(sub_1, sub_1);  sub_1 = None
     any_2 = torch.ops.aten.any.dim(ne_1, -1);  ne_1 = None
     any_3 = torch.ops.aten.any.dim(any_2, -1);  any_2 = None
     unsqueeze = torch.ops.aten.unsqueeze.default(any_3, 2);  any_3 = None
@@ -216,9 +254,11 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
     any_1 = torch.ops.aten.any.dim(bitwise_not_1, -1);  bitwise_not_1 = None
     bitwise_not_2 = torch.ops.aten.bitwise_not.default(any_1);  any_1 = None
     expand = torch.ops.aten.expand.default(bitwise_not_2, [2, 4, 16]);  bitwise_not_2 = None
-    ne = torch.ops.aten.ne.Tensor(arg0_1, arg0_1);  arg0_1 = None
+    sub = torch.ops.aten.sub.Tensor(arg0_1, arg0_1);  arg0_1 = None
+    sub_1 = torch.ops.aten.sub.Tensor(arg1_1, arg1_1);  arg1_1 = None
+    ne = torch.ops.aten.ne.Tensor(sub, sub);  sub = None
     any_2 = torch.ops.aten.any.dim(ne, -1);  ne = None
-    ne_1 = torch.ops.aten.ne.Tensor(arg1_1, arg1_1);  arg1_1 = None
+    ne_1 = torch.ops.aten.ne.Tensor(sub_1, sub_1);  sub_1 = None
     any_3 = torch.ops.aten.any.dim(ne_1, -1);  ne_1 = None
     any_4 = torch.ops.aten.any.dim(any_3, -1);  any_3 = None
     unsqueeze = torch.ops.aten.unsqueeze.default(any_4, 2);  any_4 = None

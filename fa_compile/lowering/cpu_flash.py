@@ -39,16 +39,19 @@ def _repeat_kv(t: Tensor, groups: int) -> Tensor:
 def _nan_rows(q: Tensor, k: Tensor, out: Tensor, lse: Tensor, empty, groups: int) -> Tensor:
     """[B, Hq, Nq] bool: the rows the reference makes NaN that the kernel returned as out 0, lse 0.
 
-    The kernel takes a row's max over finite scores only, so a row with none (all NaN, or NaN and
-    -inf) ends as if it were empty. A NaN query element makes every score of its row NaN; a row whose
-    admitted keys all hold a NaN shows as the kernel's empty-row result (lse 0 and out 0) in a head
-    whose keys hold a NaN. Structurally empty rows stay the op's empty rows (finish)."""
-    # x != x is isnan(x), written so that Inductor's CPU code compares whole vectors (its isnan is a
-    # scalar loop per element there); k reduced over D, then N, so each loop reads a contiguous row
-    qnan = q.ne(q).any(-1)
-    knan = k.ne(k).any(-1).any(-1).repeat_interleave(groups, dim=1)[..., None]  # [B, Hq, 1]
-    dead = knan & (lse == 0) & (out == 0).all(-1)
-    rows = qnan | dead
+    The kernel takes a row's max over finite scores only, so a row with none ends as if it were empty.
+    A non-finite query element (NaN or +-inf) makes every score of its row NaN or infinite, and softmax
+    over such a row NaN (inf - inf, or a row of -inf); a row whose admitted scores are all non-finite
+    through its keys shows as the kernel's empty-row result (lse 0 and out 0) in a head whose keys hold
+    a non-finite value. Structurally empty rows stay the op's empty rows (finish)."""
+    # x - x is NaN exactly where x is NaN or infinite (0 elsewhere), and y != y is isnan(y), written so
+    # that Inductor's CPU code compares whole vectors (its isnan / isfinite are scalar loops there); k is
+    # reduced over D, then N, so each loop reads a contiguous row.
+    dq, dk = q - q, k - k
+    qbad = dq.ne(dq).any(-1)
+    kbad = dk.ne(dk).any(-1).any(-1).repeat_interleave(groups, dim=1)[..., None]  # [B, Hq, 1]
+    dead = kbad & (lse == 0) & (out == 0).all(-1)
+    rows = qbad | dead
     return rows if empty is None else rows & ~empty
 
 
