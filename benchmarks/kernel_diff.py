@@ -34,14 +34,19 @@ def kernels_per_step(name: str, attn: str, backend: str, train: bool, steps: int
             with torch.no_grad():
                 f(**kw)
 
-    for _ in range(3):
-        step()
+    return cuda_kernels(step, steps)
+
+
+def cuda_kernels(fn, calls: int, warmup: int = 3) -> dict[str, tuple[float, int]]:
+    """{kernel name: (GPU µs per call of fn, launches per call)} over `calls` profiled calls after `warmup`."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
-    return {e.key: (e.self_device_time_total / steps, e.count // steps) for e in prof.key_averages()
+    return {e.key: (e.self_device_time_total / calls, e.count // calls) for e in prof.key_averages()
             if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0}
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.attention
@@ -22,6 +24,9 @@ os.environ.setdefault("FA_COMPILE_TRITON_TMA", "0")  # the pointer kernels, as t
 import fa_compile  # noqa: E402
 from fa_compile.kernels import triton_family as tf  # noqa: E402
 from fa_compile.kernels.triton_family import BlockConfig as C  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_diff import cuda_kernels  # noqa: E402
 
 B, H, N, D = 32, 16, 512, 64
 DKDV = [C(64, 64, 4, 2), C(64, 64, 4, 3), C(32, 64, 4, 2), C(64, 128, 4, 2), C(64, 128, 8, 2), C(128, 64, 8, 2),
@@ -34,15 +39,8 @@ FWD = [C(128, 64, 4, 3, qreg=True), C(64, 64, 4, 2), C(128, 128, 8, 2), C(64, 12
 
 
 def kernel_us(fn, iters: int = 10) -> dict[str, float]:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    return {e.key[:60]: e.self_device_time_total / iters for e in prof.key_averages()
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0}
+    """{kernel name (60 characters): GPU µs per call of fn}."""
+    return {key[:60]: us for key, (us, _) in cuda_kernels(fn, iters).items()}
 
 
 def attention_kernels(r: dict[str, float]) -> str:

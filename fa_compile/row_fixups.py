@@ -87,8 +87,7 @@ def uniform_row_grad_backward(dg: Tensor, q: Tensor, k: Tensor, v: Tensor, scale
     if rows.numel() == 0:
         return dq.to(q.dtype), dk.to(k.dtype)
     if softcap == 0:
-        gq, gk = _uniform_grads(dg, q, k, v, scale, acc, True, True)
-        return gq, gk
+        return _uniform_grads(dg, q, k, v, scale, acc, True, True)
     kf = k.to(acc)
     vf = v.to(acc)
     vc = vf - vf.mean(dim=2, keepdim=True)  # centred in fp32+ (a difference of close values)
@@ -130,14 +129,11 @@ class _UniformRowGradFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dg: Tensor):
         q, k, v = ctx.saved_tensors
-        if ctx.softcap > 0:
+        # Without a softcap, dg is 0 except on fully masked rows, which most batches have none of: on CPU,
+        # where a data-dependent check costs no device sync, the opaque op skips the terms then (their four
+        # matmuls cost ~3% of a padded BERT training step in a single-threaded CPU profile).
+        if ctx.softcap > 0 or q.device.type == "cpu":
             dq, dk = _UNIFORM_ROW_GRAD_BACKWARD(dg, q, k, v, ctx.scale, ctx.softcap)
-            return (dq if ctx.needs_input_grad[0] else None), (dk if ctx.needs_input_grad[1] else None), None, None, None
-        if q.device.type == "cpu":
-            # dg is 0 except on fully masked rows, which most batches have none of: on CPU, where a
-            # data-dependent check costs no device sync, one opaque op skips the terms then (the four
-            # matmuls cost ~3% of a padded BERT training step in a single-threaded CPU profile).
-            dq, dk = _UNIFORM_ROW_GRAD_BACKWARD(dg, q, k, v, ctx.scale, 0.0)
             return (dq if ctx.needs_input_grad[0] else None), (dk if ctx.needs_input_grad[1] else None), None, None, None
         # bf16 matmuls accumulate in fp32 and cannot overflow: they run in bf16, as eager's own gradient
         # does, instead of fp32 copies of q, k and v per layer; fp16 (range) and fp32 / fp64 keep fp32+.

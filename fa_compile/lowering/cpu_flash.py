@@ -47,9 +47,9 @@ def _nan_rows(q: Tensor, k: Tensor, out: Tensor, lse: Tensor, empty, groups: int
     # x - x is NaN exactly where x is NaN or infinite (0 elsewhere), and y != y is isnan(y), written so
     # that Inductor's CPU code compares whole vectors (its isnan / isfinite are scalar loops there); k is
     # reduced over D, then N, so each loop reads a contiguous row.
-    dq, dk = q - q, k - k
-    qbad = dq.ne(dq).any(-1)
-    kbad = dk.ne(dk).any(-1).any(-1).repeat_interleave(groups, dim=1)[..., None]  # [B, Hq, 1]
+    q0, k0 = q - q, k - k
+    qbad = q0.ne(q0).any(-1)
+    kbad = k0.ne(k0).any(-1).any(-1).repeat_interleave(groups, dim=1)[..., None]  # [B, Hq, 1]
     dead = kbad & (lse == 0) & (out == 0).all(-1)
     rows = qbad | dead
     return rows if empty is None else rows & ~empty
