@@ -227,13 +227,23 @@ def attention_not_supported_reasons(args) -> list[str]:
     key limit the rewrite read at run time, patterns/key_limit.py), whose reads end at each sequence's
     limit; other decode calls go to the peers or the tiled family, which the compile-time lowering
     launches directly (candidates/__init__.py)."""
-    q, k, v = args.q, args.k, args.v
-    nq = q.shape[2]
+    nq = args.q.shape[2]
     if not isinstance(nq, int) or nq > ATTENTION_MAX_Q:
         return [f"{nq} query tokens: the decode kernel takes 1..{ATTENTION_MAX_Q} (the tiled kernel runs longer rows)"]
     if getattr(args, "q_pos", None) is None and (args.kv_lens is None or args.bias is None):
         return ["taken only for static-cache decode steps (run-time positions q_pos, or kv_lens with a bias); "
                 "other decode calls go to the peers or the tiled family"]
+    return kernel_not_supported_reasons(args)
+
+
+def kernel_not_supported_reasons(args) -> list[str]:
+    """What the split-KV decode kernel itself cannot compute in these decode-shaped (Nq <= ATTENTION_MAX_Q)
+    arguments, whatever the run-time dispatch order (the compile-time lowering of decode steps reads this
+    alone: fa_compile/lowering/decode.py)."""
+    q, k, v = args.q, args.k, args.v
+    nq = q.shape[2]
+    if not isinstance(nq, int) or nq > ATTENTION_MAX_Q:
+        return [f"{nq} query tokens: the decode kernel takes 1..{ATTENTION_MAX_Q}"]
     r = not_supported_reasons(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None)
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         r.append("bfloat16 under the Triton interpreter (its bf16 dot is unreliable)")

@@ -65,7 +65,7 @@ def fwd(
         hkv, g, nq, d, dv, nk, splits, float(scale),
         PAGE=1, PAGED=False, PAGE_TILES=False, HAS_LEFTPAD=False, IS_CAUSAL=False, SPLIT=splits > 1,
         BLOCK_M=_pow2(rows), BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        **qpos, diag_offset=int(diag_offset), DIAG_CAUSAL=bool(causal),
+        **qpos, diag_offset=diag_offset, DIAG_CAUSAL=bool(causal),  # (a SymInt under dynamic shapes)
         BIAS=bt if bt is not None else q, stride_bb=bstr[0], stride_bh=bstr[1], stride_bm=bstr[2],
         stride_bn=bstr[3], BIAS_KIND=kind, HAS_SEQLENS=kv_lens is not None, **tune,
     )

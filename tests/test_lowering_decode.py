@@ -172,3 +172,101 @@ combine grid=[(48, 1, 1)] num_splits=2""")
         why = low.reasons(dispatch.AttentionArgs(q, k, v, case.scale, q_pos=case.q_pos), "forward")
         assert len(why) == 1 and "dynamic" in why[0], why
         assert triton_ops.NAMESPACE != decode_ops.NAMESPACE
+
+    # Decode steps at compile time: every decode-shaped inference site the kernel can compute is lowered to
+    # it (choice.decide asks before the decode-step math and dispatch's order), with or without the
+    # static-cache arguments the run-time dispatch order asks for, and at a symbolic cache length.
+
+    @pytest.fixture
+    def cpu_steps(monkeypatch, cpu_lowering):
+        monkeypatch.setattr(decode_lowering, "STEP_DEVICES", ("cuda", "cpu"))
+
+    STEP_CASES = {
+        "float_bias_gqa": lambda: make_case(b=2, hq=8, hkv=2, nq=1, nk=77, d=32, bias_shape=(2, 1, 1, 77),
+                                            needs_backward=False),
+        "causal_bottom_right_mha": lambda: make_case(b=3, hq=4, nq=2, nk=301, d=16, causal=True, diag_offset=299,
+                                                     needs_backward=False),
+        "no_mask_bshd": lambda: make_case(b=2, hq=4, hkv=2, nq=1, nk=130, d=64, layout="bshd",
+                                          needs_backward=False),
+        "bool_mask_per_query": lambda: make_case(b=2, hq=4, hkv=4, nq=3, nk=50, d=16, bias_shape=(2, 4, 3, 50),
+                                                 bias_bool=True, needs_backward=False),
+    }
+
+    def _step_site(case, tracing_mode="fake"):
+        """An fa3 node as the rewrite emits it for a decode step (no forced kernel)."""
+        names = [n for n in ("bias", "kv_lens") if getattr(case, n) is not None]
+        causal = case.causal
+
+        def fwd(q, k, v, *rest):
+            t = dict(zip(names, rest))
+            # the causal diagonal of a decode step, bottom-right: read from the sizes (symbolic when they are)
+            off = k.shape[2] - q.shape[2] if causal else 0
+            return torch.ops.fa3.attention(q, k, v, case.scale, causal, off, -1, -1, t.get("bias"), t.get("kv_lens"),
+                                           0.0, 0.0, None, None)
+
+        inputs = [case.q, case.k, case.v, *[getattr(case, n) for n in names]]
+        return make_fx(fwd, tracing_mode=tracing_mode)(*inputs), inputs
+
+    @pytest.mark.parametrize("name", list(STEP_CASES))
+    def test_decode_steps_lower_to_the_kernel(name, cpu_steps, poisoned):
+        case = STEP_CASES[name]()
+        gm, inputs = _step_site(case)
+        decisions = graph_pass.lower_graph(gm.graph)
+        gm.recompile()
+        assert [str(d) for d in decisions] == ["decode -> fa3_decode.fwd"]
+        assert all(r[0] != "decode" for r in decisions[0].refused)  # the run-time order rule is not a refusal here
+        out, lse = gm(*inputs)
+        want, want_lse = ref.attention_reference(case.q, case.k, case.v, **case.mask_kwargs())
+        torch.testing.assert_close(out, want, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
+
+    def test_decode_steps_at_a_symbolic_cache_length(cpu_steps, poisoned):
+        # Traced once with Nk symbolic (as Dynamo's dynamic shapes give a growing DynamicCache): lowered,
+        # the splits planned from the traced length, and exact at shorter and longer caches, causal included.
+        from torch._dynamo.source import ConstantSource
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+        case = make_case(b=2, hq=8, hkv=2, nq=1, nk=1100, d=32, causal=True, diag_offset=1099, needs_backward=False)
+        mode = FakeTensorMode(shape_env=ShapeEnv())
+        ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.STATIC, DimDynamic.STATIC, DimDynamic.DYNAMIC,
+                                                      DimDynamic.STATIC])
+        with mode:
+            static = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.STATIC] * 4)
+            case.q = mode.from_tensor(case.q, source=ConstantSource("q"), symbolic_context=static)
+            case.k, case.v = (mode.from_tensor(t, source=ConstantSource(n), symbolic_context=ctx)
+                              for n, t in (("k", case.k), ("v", case.v)))
+            gm, _ = _step_site(case, tracing_mode="real")
+        assert any(isinstance(n.meta.get("val"), torch.SymInt) for n in gm.graph.nodes)
+        decisions = graph_pass.lower_graph(gm.graph)
+        gm.recompile()
+        assert [str(d) for d in decisions] == ["decode -> fa3_decode.fwd"]
+        grids = [n.kwargs["grid"] for n in gm.graph.nodes if n.target is FUNCTIONAL]
+        assert grids[0] == [(4, 4, 1)], grids  # 1100 keys: 4 splits on the interpreter's pretend 8 SMs
+        for nk in (1, 45, 300, 1100, 2000):
+            c = make_case(b=2, hq=8, hkv=2, nq=1, nk=nk, d=32, causal=True, diag_offset=nk - 1, seed=nk,
+                          needs_backward=False)
+            out, lse = gm(c.q, c.k, c.v)
+            want, want_lse = ref.attention_reference(c.q, c.k, c.v, **c.mask_kwargs())
+            torch.testing.assert_close(out, want, atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
+
+    def test_decode_steps_the_kernel_refuses_go_on(cpu_steps):
+        # softcap, a window, training, more than 16 queries, the switch: not the kernel's (the decode-step
+        # math, where it applies, or dispatch's order takes them; decomposed.py's own tests).
+        low = decode_lowering.DECODE_LOWERING
+        c = STEP_CASES["float_bias_gqa"]()
+        base = dict(q=c.q, k=c.k, v=c.v, scale=c.scale)
+        assert low.step_reasons(dispatch.AttentionArgs(**base), "forward") == []
+        assert "softcap" in " ".join(low.step_reasons(dispatch.AttentionArgs(**base, softcap=30.0), "forward"))
+        assert "window" in " ".join(low.step_reasons(dispatch.AttentionArgs(**base, window_left=8), "forward"))
+        assert "inference" in " ".join(low.step_reasons(dispatch.AttentionArgs(**base, needs_backward=True),
+                                                        "forward"))
+        long_q = make_case(b=1, hq=2, nq=17, nk=40, d=16, needs_backward=False)
+        assert "query tokens" in " ".join(low.step_reasons(
+            dispatch.AttentionArgs(q=long_q.q, k=long_q.k, v=long_q.v, scale=0.25), "forward"))
+        os.environ["FA_COMPILE_DECODE_KERNEL"] = "0"
+        try:
+            assert "off" in " ".join(low.step_reasons(dispatch.AttentionArgs(**base), "forward"))
+        finally:
+            del os.environ["FA_COMPILE_DECODE_KERNEL"]

@@ -41,3 +41,38 @@ def test_decode_step_with_a_data_mask_is_lowered(nq):
     got = torch.compile(_step, backend="fa3")(q, k, v, mask)
     want = _step(q.float(), k.float(), v.float(), mask.float())
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def _gpt2_step(q, k, v):
+    """GPT-2-style causal decode over a cache that grows (its own causal buffer sliced bottom-right)."""
+    nq, nk = q.shape[2], k.shape[2]
+    causal = torch.ones(nk, nk, dtype=torch.bool, device=q.device).tril()[nk - nq:nk, :nk]
+    s = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    s = torch.where(causal, s, torch.finfo(s.dtype).min)
+    return torch.softmax(s, dim=-1) @ v
+
+
+def test_decode_steps_take_the_kernel_at_every_cache_length():
+    # A growing cache as Dynamo's automatic dynamic shapes see it (Hugging Face's DynamicCache): the second
+    # length recompiles with a symbolic Nk, and every step is lowered to the decode kernel (no decode-step
+    # math, no run-time dispatch), every element against fp32.
+    torch._dynamo.reset()
+    from fa_compile.lowering import records
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    b, h, d, dt = 4, 16, 64, torch.bfloat16
+    q = torch.randn(b, h, 1, d, device="cuda", dtype=dt, generator=g)
+    kv = torch.randn(2, b, h, 3000, d, device="cuda", dtype=dt, generator=g)
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    f = torch.compile(_gpt2_step, backend="fa3")
+    n = len(records())
+    # (no cache hits: the lowering pass must run for its decisions to be recorded)
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        for nk in (17, 256, 1000, 2999):
+            got = f(q, kv[0, :, :, :nk], kv[1, :, :, :nk])
+            want = _gpt2_step(q.float(), kv[0, :, :, :nk].float(), kv[1, :, :, :nk].float())
+            torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    decisions = [str(r.decision) for r in records()[n:]]
+    assert decisions and all(x == "decode -> fa3_decode.fwd" for x in decisions), decisions

@@ -113,9 +113,13 @@ def decide(args: dispatch.AttentionArgs, forced: Optional[str], direction: str, 
     if name.startswith("none"):
         return Decision(direction, "none", reason=name, refused=refused)
     if dispatch.forced_kernel(forced) is None:
+        from .decode import DECODE_LOWERING
         from .decomposed import DECODE_MATH
 
-        if not DECODE_MATH.reasons(args, direction):  # a decode step: its math, fused by Inductor
+        if not DECODE_LOWERING.step_reasons(args, direction):  # a decode step: one fused launch (two with splits)
+            refused = [r for r in refused if r[0] != "decode"]  # (its run-time order rule does not apply here)
+            return Decision(direction, "decode", target=DECODE_LOWERING.target(direction), refused=refused)
+        if not DECODE_MATH.reasons(args, direction):  # what the kernel refuses: its math, fused by Inductor
             return Decision(direction, "decode_math", target=DECODE_MATH.target(direction), refused=refused)
     if args.sinks is not None and not getattr(LOWERINGS.get((args.q.device.type, name)), "takes_sinks", False):
         # Only the lowered Triton ops take the sinks (the CPU flash op and the SDPA ops have none): the op

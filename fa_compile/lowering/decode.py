@@ -1,13 +1,22 @@
-"""CUDA: our split-KV decode kernel (dispatch's "decode" candidate) as the `fa3_decode::fwd` triton_op of
-kernels/decode_ops.py, so Inductor launches its kernels from the generated code (and CUDA graphs capture
-them) instead of the fa3 op's run-time dispatch, which costs more host time than a decode step's GPU work.
+"""CUDA: our split-KV decode kernel as the `fa3_decode::fwd` triton_op of kernels/decode_ops.py, so Inductor
+launches its kernels from the generated code (and CUDA graphs capture them) instead of the fa3 op's run-time
+dispatch, which costs more host time than a decode step's GPU work.
 
-The candidate takes static-cache decode steps (1..16 queries with run-time positions q_pos, or kv_lens
-beside a bias: a data mask's key limit, patterns/key_limit.py), forward only. The splits and the key tile
-are fixed here from static shapes by the launcher's own rule (kernels/decode.py plan_splits, which never
-reads the lengths: they live on the device), so the lowered call runs what the run-time dispatch would.
-Dynamic sizes keep the op (the splits depend on the cache length). On CPU the kernels run under the
-Triton interpreter only; tests register the lowering for ("cpu", "decode").
+Two ways in:
+- dispatch's "decode" candidate (static-cache decode steps: q_pos, or kv_lens beside a bias) is lowered
+  here like any kernel;
+- at compile time every decode-shaped inference site (1..16 queries, forward only) that the kernel can
+  compute comes here first (`step_reasons`, read by choice.decide before the decode-step math and the
+  peers): in a step whose GPU work is microseconds, one fused launch (two with splits) costs less host
+  time than the math's matmuls, casts and softmax or an SDPA op's call (generate() on the H200:
+  benchmarks/generate_steps.py, BENCHMARKS.md). FA_COMPILE_DECODE_KERNEL=0 turns that off.
+
+The splits and the key tile are fixed here by the launcher's own rule (kernels/decode.py plan_splits,
+which never reads the lengths: they live on the device). A cache length that is symbolic (Hugging Face's
+DynamicCache grows it every step: dynamic=True or Dynamo's automatic dynamic shapes) is fine: the kernel
+divides each sequence's own length among the splits at run time, so the count planned from the
+length's hint (or bound) is exact at every length, only less even. Other symbolic sizes keep the op.
+On CPU the kernels run under the Triton interpreter only; tests register the lowering for ("cpu", "decode").
 """
 from __future__ import annotations
 
@@ -18,6 +27,32 @@ import torch
 
 from .. import dispatch
 from . import choice, conventions
+
+
+# Symbolic sizes the kernel takes: the cache length (the grid is planned from B and Hkv).
+_KEY_LENGTH_DIMS = ("k.shape[2]", "v.shape[2]", "diag_offset")
+STEP_DEVICES = ("cuda",)  # decode steps lowered to the kernel by default (tests add "cpu" under the interpreter)
+
+
+def _length_hint(n) -> int:
+    """A static length, or a symbolic one's upper bound where finite, else its hint (the example value)."""
+    if not choice._symbolic(n):
+        return int(n)
+    from .decomposed import _hint
+
+    upper = _hint(n)
+    if upper is not None:
+        return upper
+    try:
+        return int(n.node.hint)
+    except Exception:
+        return 0  # no hint: plan_splits gives one split
+
+
+def _bottom_right(args: dispatch.AttentionArgs) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(args.diag_offset == args.k.shape[2] - args.q.shape[2]))
 
 
 class DecodeLowering:
@@ -40,18 +75,35 @@ class DecodeLowering:
             return [f"{what}: device {dev}"]
         if dev == "cuda" and os.environ.get("FA_COMPILE_TRITON_LOWER", "auto") == "0":
             return [f"{what} is off (FA_COMPILE_TRITON_LOWER=0)"]
-        dyn = choice.dynamic_dims(args)
+        dyn = [n for n in choice.dynamic_dims(args) if n not in _KEY_LENGTH_DIMS]
         if dyn:
-            return [f"{what} fixes the splits from static sizes; dynamic here: {', '.join(dyn)}"]
+            return [f"{what} fixes its launch grid from static sizes; dynamic here: {', '.join(dyn)}"]
+        if choice._symbolic(args.diag_offset) and not _bottom_right(args):
+            return [f"{what}: a symbolic diagonal offset other than Nk - Nq"]
         if args.sinks is not None or args.q_seg is not None:
             return [f"{what}: no sinks or segment ids"]
         return []
 
-    def _plan(self, args: dispatch.AttentionArgs) -> tuple[int, int]:
-        """(splits, keys per tile): kernels/decode.py's choice for a contiguous cache of Nk slots."""
+    def step_reasons(self, args: dispatch.AttentionArgs, direction: str) -> list[str]:
+        """Why a site is not lowered to this kernel as a decode step (choice.decide asks before the
+        decode-step math and dispatch's order); [] when it is."""
         from ..kernels import decode
 
-        b, hkv, nk = int(args.q.shape[0]), int(args.k.shape[1]), int(args.k.shape[2])
+        what = "the decode kernel for decode steps"
+        if os.environ.get("FA_COMPILE_DECODE_KERNEL", "1") == "0":
+            return [f"{what} is off (FA_COMPILE_DECODE_KERNEL=0)"]
+        if args.q.device.type not in STEP_DEVICES:
+            return [f"{what}: CUDA only"]
+        if direction != "forward" or args.needs_backward:
+            return [f"{what}: inference only (no gradient)"]
+        return decode.kernel_not_supported_reasons(args) or self.reasons(args, direction)
+
+    def _plan(self, args: dispatch.AttentionArgs) -> tuple[int, int]:
+        """(splits, keys per tile): kernels/decode.py's choice for a contiguous cache of Nk slots (a
+        symbolic Nk: its upper bound, else its hint)."""
+        from ..kernels import decode
+
+        b, hkv, nk = int(args.q.shape[0]), int(args.k.shape[1]), _length_hint(args.k.shape[2])
         d, dv = int(args.q.shape[3]), int(args.v.shape[3])
         bn = decode.pick_block_n(max(decode._pow2(d), decode._pow2(dv)), None)
         return decode.plan_splits(0, b, hkv, nk, args.q.device, bn), bn
@@ -62,14 +114,18 @@ class DecodeLowering:
 
         splits, bn = self._plan(args)
         has = [args.bias is not None, args.kv_lens is not None, args.q_pos is not None]
-        scale, causal, diag = float(args.scale), bool(args.causal), int(args.diag_offset)
+        scale, causal = float(args.scale), bool(args.causal)
+        # A symbolic offset (reasons() admits Nk - Nq only) is read from the traced sizes, not from the
+        # node's SymInt: the traced graph must compute it from its own inputs.
+        diag = None if choice._symbolic(args.diag_offset) else int(args.diag_offset)
 
         def fn(q, k, v, *rest):
             it = iter(rest)
             bias, kv_lens, q_pos = (next(it) if h else None for h in has)
             if kv_lens is not None:
                 kv_lens = kv_lens.contiguous()
-            out, lse = decode_ops.fwd(q, k, v, bias, kv_lens, q_pos, scale, causal, diag, splits, bn)
+            off = k.shape[2] - q.shape[2] if diag is None else diag
+            out, lse = decode_ops.fwd(q, k, v, bias, kv_lens, q_pos, scale, causal, off, splits, bn)
             return conventions.finish(out, lse, None)  # the kernel writes empty rows itself
 
         from torch._subclasses.functional_tensor import dispatch_functionalize

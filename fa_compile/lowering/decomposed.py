@@ -1,4 +1,7 @@
-"""CUDA, decode-sized sites: the op's reference math as graph ops, which Inductor fuses with the model.
+"""CUDA, decode-sized sites the decode kernel does not take: the op's reference math as graph ops, which
+Inductor fuses with the model. (choice.decide asks the decode kernel's lowering first, lowering/decode.py:
+one launch costs less host time than this math's matmuls, casts and softmax; this form serves what that
+kernel cannot compute: softcap, windows, sinks, segment ids, or a length bound it cannot plan.)
 
 A decode step (a few query tokens against a short cache) does microseconds of GPU work per call, so
 its cost is host time and launches: a fused kernel's call plus the output conventions around it cost
