@@ -22,7 +22,6 @@ import cProfile
 import json
 import os
 import pstats
-import statistics
 import sys
 import time
 from pathlib import Path

@@ -227,13 +227,11 @@ def attention_not_supported_reasons(args) -> list[str]:
     key limit the rewrite read at run time, patterns/key_limit.py), whose reads end at each sequence's
     limit; other decode calls go to the peers or the tiled family, which the compile-time lowering
     launches directly (candidates/__init__.py)."""
-    nq = args.q.shape[2]
-    if not isinstance(nq, int) or nq > ATTENTION_MAX_Q:
-        return [f"{nq} query tokens: the decode kernel takes 1..{ATTENTION_MAX_Q} (the tiled kernel runs longer rows)"]
-    if getattr(args, "q_pos", None) is None and (args.kv_lens is None or args.bias is None):
-        return ["taken only for static-cache decode steps (run-time positions q_pos, or kv_lens with a bias); "
-                "other decode calls go to the peers or the tiled family"]
-    return kernel_not_supported_reasons(args)
+    r = kernel_not_supported_reasons(args)
+    if r or getattr(args, "q_pos", None) is not None or (args.kv_lens is not None and args.bias is not None):
+        return r
+    return ["taken only for static-cache decode steps (run-time positions q_pos, or kv_lens with a bias); "
+            "other decode calls go to the peers or the tiled family"]
 
 
 def kernel_not_supported_reasons(args) -> list[str]:
@@ -243,7 +241,7 @@ def kernel_not_supported_reasons(args) -> list[str]:
     q, k, v = args.q, args.k, args.v
     nq = q.shape[2]
     if not isinstance(nq, int) or nq > ATTENTION_MAX_Q:
-        return [f"{nq} query tokens: the decode kernel takes 1..{ATTENTION_MAX_Q}"]
+        return [f"{nq} query tokens: the decode kernel takes 1..{ATTENTION_MAX_Q} (the tiled kernel runs longer rows)"]
     r = not_supported_reasons(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None)
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         r.append("bfloat16 under the Triton interpreter (its bf16 dot is unreliable)")

@@ -201,21 +201,17 @@ def forward(self, primals_1, primals_2, primals_3):
     any_2 = torch.ops.aten.any.dim(ne_1, -1);  ne_1 = None
     any_3 = torch.ops.aten.any.dim(any_2, -1);  any_2 = None
     unsqueeze = torch.ops.aten.unsqueeze.default(any_3, 2);  any_3 = None
-    expand = torch.ops.aten.expand.default(unsqueeze, [2, 4, 1]);  unsqueeze = None
-    clone_1 = torch.ops.aten.clone.default(expand, memory_format = torch.contiguous_format);  expand = None
-    view = torch.ops.aten.view.default(clone_1, [2, 4]);  clone_1 = None
-    unsqueeze_1 = torch.ops.aten.unsqueeze.default(view, 2);  view = None
     eq = torch.ops.aten.eq.Scalar(getitem_3, 0)
-    bitwise_and = torch.ops.aten.bitwise_and.Tensor(unsqueeze_1, eq);  unsqueeze_1 = eq = None
+    bitwise_and = torch.ops.aten.bitwise_and.Tensor(unsqueeze, eq);  unsqueeze = eq = None
     eq_1 = torch.ops.aten.eq.Scalar(getitem_2, 0)
     logical_not = torch.ops.aten.logical_not.default(eq_1);  eq_1 = None
     any_4 = torch.ops.aten.any.dim(logical_not, -1);  logical_not = None
     logical_not_1 = torch.ops.aten.logical_not.default(any_4);  any_4 = None
     bitwise_and_1 = torch.ops.aten.bitwise_and.Tensor(bitwise_and, logical_not_1);  bitwise_and = logical_not_1 = None
     bitwise_or = torch.ops.aten.bitwise_or.Tensor(any_1, bitwise_and_1);  any_1 = bitwise_and_1 = None
-    unsqueeze_2 = torch.ops.aten.unsqueeze.default(bitwise_or, -1)
+    unsqueeze_1 = torch.ops.aten.unsqueeze.default(bitwise_or, -1)
     scalar_tensor = torch.ops.aten.scalar_tensor.default(nan, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-    where = torch.ops.aten.where.self(unsqueeze_2, scalar_tensor, getitem_2);  unsqueeze_2 = scalar_tensor = getitem_2 = None
+    where = torch.ops.aten.where.self(unsqueeze_1, scalar_tensor, getitem_2);  unsqueeze_1 = scalar_tensor = getitem_2 = None
     scalar_tensor_1 = torch.ops.aten.scalar_tensor.default(nan, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
     where_1 = torch.ops.aten.where.self(bitwise_or, scalar_tensor_1, getitem_3);  bitwise_or = scalar_tensor_1 = getitem_3 = None
     copy_strided = torch.ops.prims.copy_strided.default(where, [512, 8, 32, 1]);  where = None
@@ -262,12 +258,8 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
     any_3 = torch.ops.aten.any.dim(ne_1, -1);  ne_1 = None
     any_4 = torch.ops.aten.any.dim(any_3, -1);  any_3 = None
     unsqueeze = torch.ops.aten.unsqueeze.default(any_4, 2);  any_4 = None
-    expand_1 = torch.ops.aten.expand.default(unsqueeze, [2, 4, 1]);  unsqueeze = None
-    clone = torch.ops.aten.clone.default(expand_1, memory_format = torch.contiguous_format);  expand_1 = None
-    view = torch.ops.aten.view.default(clone, [2, 4]);  clone = None
-    unsqueeze_1 = torch.ops.aten.unsqueeze.default(view, 2);  view = None
     eq_1 = torch.ops.aten.eq.Scalar(getitem_3, 0);  getitem_3 = None
-    bitwise_and = torch.ops.aten.bitwise_and.Tensor(unsqueeze_1, eq_1);  unsqueeze_1 = eq_1 = None
+    bitwise_and = torch.ops.aten.bitwise_and.Tensor(unsqueeze, eq_1);  unsqueeze = eq_1 = None
     eq_2 = torch.ops.aten.eq.Scalar(getitem_2, 0)
     logical_not = torch.ops.aten.logical_not.default(eq_2);  eq_2 = None
     any_5 = torch.ops.aten.any.dim(logical_not, -1);  logical_not = None
@@ -276,12 +268,12 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
     bitwise_or = torch.ops.aten.bitwise_or.Tensor(any_2, bitwise_and_1);  any_2 = bitwise_and_1 = None
     bitwise_not_3 = torch.ops.aten.bitwise_not.default(expand)
     bitwise_and_2 = torch.ops.aten.bitwise_and.Tensor(bitwise_or, bitwise_not_3);  bitwise_or = bitwise_not_3 = None
-    unsqueeze_2 = torch.ops.aten.unsqueeze.default(bitwise_and_2, -1);  bitwise_and_2 = None
+    unsqueeze_1 = torch.ops.aten.unsqueeze.default(bitwise_and_2, -1);  bitwise_and_2 = None
     scalar_tensor_1 = torch.ops.aten.scalar_tensor.default(nan, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-    where_1 = torch.ops.aten.where.self(unsqueeze_2, scalar_tensor_1, getitem_2);  unsqueeze_2 = scalar_tensor_1 = getitem_2 = None
-    unsqueeze_3 = torch.ops.aten.unsqueeze.default(expand, -1);  expand = None
+    where_1 = torch.ops.aten.where.self(unsqueeze_1, scalar_tensor_1, getitem_2);  unsqueeze_1 = scalar_tensor_1 = getitem_2 = None
+    unsqueeze_2 = torch.ops.aten.unsqueeze.default(expand, -1);  expand = None
     scalar_tensor_4 = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-    where_4 = torch.ops.aten.where.self(unsqueeze_3, scalar_tensor_4, where_1);  unsqueeze_3 = scalar_tensor_4 = where_1 = None
+    where_4 = torch.ops.aten.where.self(unsqueeze_2, scalar_tensor_4, where_1);  unsqueeze_2 = scalar_tensor_4 = where_1 = None
     copy_strided = torch.ops.prims.copy_strided.default(where_4, [512, 8, 32, 1]);  where_4 = None
     return (copy_strided,)""")
 

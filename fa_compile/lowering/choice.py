@@ -8,6 +8,7 @@ the node's FakeTensors. Lowering it is a second question answered by the kernel'
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
@@ -56,6 +57,33 @@ def register(device_type: str, kernel: str, lowering: Lowering) -> None:
 
 def _symbolic(x) -> bool:
     return isinstance(x, torch.SymInt) and x.node.maybe_as_int() is None
+
+
+def upper_bound(n) -> Optional[int]:
+    """A static size, or a symbolic one's upper bound where it has a finite one (None otherwise)."""
+    if not _symbolic(n):
+        return int(n)
+    try:
+        from torch.fx.experimental.symbolic_shapes import has_free_symbols
+
+        if has_free_symbols(n):
+            upper = n.node.shape_env.bound_sympy(n.node.expr).upper
+            return int(upper) if upper.is_finite else None
+    except Exception:
+        return None
+    return None
+
+
+def decode_step_gate(what: str, switch: str, devices: tuple, args: dispatch.AttentionArgs, direction: str) -> list[str]:
+    """The refusals both decode-step lowerings share (the kernel's, lowering/decode.py, and the math's,
+    lowering/decomposed.py): their environment switch, their devices, inference only."""
+    if os.environ.get(switch, "1") == "0":
+        return [f"{what} is off ({switch}=0)"]
+    if args.q.device.type not in devices:
+        return [f"{what} is lowered on CUDA only"]
+    if direction != "forward" or args.needs_backward:
+        return [f"{what} is for inference (no gradient)"]
+    return []
 
 
 def dynamic_dims(args: dispatch.AttentionArgs) -> list[str]:

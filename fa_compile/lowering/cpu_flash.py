@@ -49,7 +49,10 @@ def _nan_rows(q: Tensor, k: Tensor, out: Tensor, lse: Tensor, empty, groups: int
     # reduced over D, then N, so each loop reads a contiguous row.
     q0, k0 = q - q, k - k
     qbad = q0.ne(q0).any(-1)
-    kbad = k0.ne(k0).any(-1).any(-1).repeat_interleave(groups, dim=1)[..., None]  # [B, Hq, 1]
+    kbad = k0.ne(k0).any(-1).any(-1)
+    if groups > 1:
+        kbad = kbad.repeat_interleave(groups, dim=1)
+    kbad = kbad[..., None]  # [B, Hq, 1]
     dead = kbad & (lse == 0) & (out == 0).all(-1)
     rows = qbad | dead
     return rows if empty is None else rows & ~empty

@@ -36,11 +36,7 @@ STEP_DEVICES = ("cuda",)  # decode steps lowered to the kernel by default (tests
 
 def _length_hint(n) -> int:
     """A static length, or a symbolic one's upper bound where finite, else its hint (the example value)."""
-    if not choice._symbolic(n):
-        return int(n)
-    from .decomposed import _hint
-
-    upper = _hint(n)
+    upper = choice.upper_bound(n)
     if upper is not None:
         return upper
     try:
@@ -90,13 +86,8 @@ class DecodeLowering:
         from ..kernels import decode
 
         what = "the decode kernel for decode steps"
-        if os.environ.get("FA_COMPILE_DECODE_KERNEL", "1") == "0":
-            return [f"{what} is off (FA_COMPILE_DECODE_KERNEL=0)"]
-        if args.q.device.type not in STEP_DEVICES:
-            return [f"{what}: CUDA only"]
-        if direction != "forward" or args.needs_backward:
-            return [f"{what}: inference only (no gradient)"]
-        return decode.kernel_not_supported_reasons(args) or self.reasons(args, direction)
+        return (choice.decode_step_gate(what, "FA_COMPILE_DECODE_KERNEL", STEP_DEVICES, args, direction)
+                or decode.kernel_not_supported_reasons(args) or self.reasons(args, direction))
 
     def _plan(self, args: dispatch.AttentionArgs) -> tuple[int, int]:
         """(splits, keys per tile): kernels/decode.py's choice for a contiguous cache of Nk slots (a

@@ -18,10 +18,7 @@ turns it off (the site then goes to its dispatch kernel, lowered or not).
 """
 from __future__ import annotations
 
-import os
-
 from .. import dispatch
-from ..candidates import common as c
 from ..kernels.reference import attention_reference
 from . import choice, conventions
 
@@ -34,24 +31,6 @@ _STRUCTURE = ("sinks", "q_pos", "q_seg", "k_seg")
 DEVICES = ("cuda",)  # CPU sites have aten's CPU flash kernel or the reference op (tests add "cpu")
 
 
-def _hint(n) -> int | None:
-    """A static size, or a symbolic one's upper bound where it has one (None: unbounded)."""
-    v = c.static_int(n) if not choice._symbolic(n) else None
-    if v is not None:
-        return v
-    try:
-        from torch.fx.experimental.symbolic_shapes import has_free_symbols
-
-        node = n.node
-        if has_free_symbols(n):
-            vr = node.shape_env.bound_sympy(node.expr)
-            upper = vr.upper
-            return int(upper) if upper.is_finite else None
-    except Exception:
-        return None
-    return None
-
-
 class DecodeMath:
     same_kernel = False
     takes_structure = True  # graph_pass passes sinks, q_pos, q_seg, k_seg after bias and kv_lens
@@ -61,17 +40,13 @@ class DecodeMath:
 
     def reasons(self, args: dispatch.AttentionArgs, direction: str) -> list[str]:
         what = "the decode-step math"
-        if os.environ.get("FA_COMPILE_DECODE_MATH", "1") == "0":
-            return [f"{what} is off (FA_COMPILE_DECODE_MATH=0)"]
-        if args.q.device.type not in DEVICES:
-            return [f"{what} is lowered on CUDA only"]
-        if direction != "forward" or args.needs_backward:
-            return [f"{what} is for inference (no gradient)"]
-        r = []
+        r = choice.decode_step_gate(what, "FA_COMPILE_DECODE_MATH", DEVICES, args, direction)
+        if r:
+            return r
         if args.dropout_p > 0:
             r.append(f"{what} has no dropout")
-        nq = _hint(args.q.shape[2])
-        nk = _hint(args.k.shape[2])
+        nq = choice.upper_bound(args.q.shape[2])
+        nk = choice.upper_bound(args.k.shape[2])
         if nq is None or nq > DECODE_MAX_QUERIES:
             r.append(f"{what}: Nq {args.q.shape[2]} above {DECODE_MAX_QUERIES} (or unbounded)")
         if nk is None or nk > DECODE_MAX_KEYS:
