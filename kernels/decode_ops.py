@@ -18,19 +18,24 @@ from .decode import _pow2, launch_options
 from .triton_ops import _bias_arg, _empty, _launcher
 
 NAMESPACE = "fa3_decode"
+# What `fwd` writes on a row that admits no key (the op's own value is 0): see fa_compile/lowering/empty_rows.py.
+EMPTY_FILLS = {"zero": 0, "nan": 1, "mean_v": 2}
 
 
 @torch.library.triton_op(f"{NAMESPACE}::fwd", mutates_args=())
 def fwd(
     q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], kv_lens: Optional[Tensor], q_pos: Optional[Tensor],
-    scale: float, causal: bool, diag_offset: int, splits: int, block_n: int,
+    scale: float, causal: bool, diag_offset: int, splits: int, block_n: int, empty_fill: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, Nq, Dv] stored BSHD, lse [B, Hq, Nq] fp32) of the op's arguments (q [B, Hq, Nq, D],
-    k / v [B, Hkv, Nk, D]); `splits` >= 1 and `block_n` as kernels/decode.py plans them."""
+    k / v [B, Hkv, Nk, D]); `splits` >= 1 and `block_n` as kernels/decode.py plans them. `empty_fill`: out
+    on rows that admit no key, 0 the op's zeros, 1 NaN, 2 the mean of v over all Nk keys (lse stays -inf)."""
     from .decode_triton import decode_combine_kernel, decode_partial_kernel
 
     if splits < 1 or block_n < 16:
         raise ValueError(f"splits / block_n: expected >= 1 and >= 16, got {splits} / {block_n}")
+    if empty_fill not in EMPTY_FILLS.values():
+        raise ValueError(f"empty_fill: expected one of {sorted(EMPTY_FILLS.values())}, got {empty_fill}")
     b, hq, nq, d = q.shape
     hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
     g = hq // hkv
@@ -40,6 +45,8 @@ def fwd(
         return out, lse
     rows = g * nq
     block_d, block_dv = _pow2(d), _pow2(dv)
+    # Unused pointer arguments get q: a tensor passed twice would be realized once per argument by
+    # Inductor (kv_lens as SEQLENS, LEFTPAD and TABLE cost two extra launches per layer).
     lens = kv_lens if kv_lens is not None else q
     if splits > 1:
         opart = _empty((b * hkv, splits, rows, dv), (splits * rows * dv, rows * dv, dv, 1), torch.float32, q.device)
@@ -56,7 +63,7 @@ def fwd(
         qpos = dict(QPOS=q, stride_pb=0, stride_pm=0, HAS_QPOS=False)
     tune, ctune = launch_options(block_n, block_d, block_dv)
     _launcher(decode_partial_kernel)[(splits, b * hkv, 1)](
-        q, k, v, lens, lens, lens, out, lse, opart, lpart, spart,
+        q, k, v, lens, q, q, out, lse, opart, lpart, spart,
         q.stride(0), q.stride(2), q.stride(1), q.stride(3),  # the kernel reads q as [B, Nq, Hq, D]
         k.stride(0), k.stride(2), k.stride(1), k.stride(3),  # and the cache as [B, Nk, Hkv, D]
         v.stride(0), v.stride(2), v.stride(1), v.stride(3),
@@ -67,11 +74,13 @@ def fwd(
         BLOCK_M=_pow2(rows), BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         **qpos, diag_offset=diag_offset, DIAG_CAUSAL=bool(causal),  # (a SymInt under dynamic shapes)
         BIAS=bt if bt is not None else q, stride_bb=bstr[0], stride_bh=bstr[1], stride_bm=bstr[2],
-        stride_bn=bstr[3], BIAS_KIND=kind, HAS_SEQLENS=kv_lens is not None, **tune,
+        stride_bn=bstr[3], BIAS_KIND=kind, HAS_SEQLENS=kv_lens is not None, EMPTY_FILL=empty_fill, **tune,
     )
     if splits > 1:
         _launcher(decode_combine_kernel)[(b * hkv * rows, 1, 1)](
             opart, lpart, spart, out, lse, out.stride(0), out.stride(2), out.stride(1), hkv, g, nq, dv, splits,
-            BLOCK_S=_pow2(splits, 2), BLOCK_DV=block_dv, **ctune,
+            BLOCK_S=_pow2(splits, 2), BLOCK_DV=block_dv,
+            V=v, stride_vb=v.stride(0), stride_vtok=v.stride(2), stride_vh=v.stride(1), stride_vd=v.stride(3),
+            capacity=nk, EMPTY_FILL=empty_fill, BLOCK_N=block_n, **ctune,
         )
     return out, lse

@@ -18,7 +18,9 @@ For `torch.ops.fa3.attention` (decode-shaped calls, kernels/decode.py attention_
 takes the op's run-time positions (HAS_QPOS: token i admits keys j <= q_pos[b, i], and the valid range
 ends at max over the tokens of q_pos + 1, so the splits divide what is valid, not the capacity), its
 diagonal (DIAG_CAUSAL: j <= i + diag_offset) and a bias of any broadcast (BIAS_KIND 1 float, 2 bool keep-
-mask; strides per batch, query head, token and key, 0 on broadcast dims).
+mask; strides per batch, query head, token and key, 0 on broadcast dims), and writes eager's value on rows
+that admit no key itself (EMPTY_FILL: NaN, or the mean of V over the whole cache) where the compile-time
+lowering found the op's empty-row fix-up after it (fa_compile/lowering/empty_rows.py).
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def decode_partial_kernel(
     QPOS=None, stride_pb=0, stride_pm=0, HAS_QPOS: tl.constexpr = False,
     diag_offset=0, DIAG_CAUSAL: tl.constexpr = False,
     BIAS=None, stride_bb=0, stride_bh=0, stride_bm=0, stride_bn=0, BIAS_KIND: tl.constexpr = 0,
-    HAS_SEQLENS: tl.constexpr = True,
+    HAS_SEQLENS: tl.constexpr = True, EMPTY_FILL: tl.constexpr = 0,
 ):
     # Inductor's launcher types float arguments fp64; the math is fp32 (a dot's accumulator must stay fp32).
     sm_scale = tl.cast(sm_scale, tl.float32)
@@ -142,6 +144,15 @@ def decode_partial_kernel(
     empty = l_i == 0.0
     out = acc * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)) * 0.6931471805599453)
+    # Rows that admit no key (with splits the combine does this): EMPTY_FILL 0 keeps the op's 0, 1 writes
+    # NaN (eager's softmax over -inf fills), 2 the mean of V over the whole cache (over equal finite fills).
+    if not SPLIT and EMPTY_FILL == 1:
+        out = tl.where(empty[:, None], float("nan"), out)
+    if not SPLIT and EMPTY_FILL == 2:
+        any_empty = tl.max((empty & row_ok).to(tl.int32), 0) > 0
+        vmean = _mean_v(any_empty, V + b.to(tl.int64) * stride_vblk + v_head, stride_vtok, stride_vd, capacity, DV,
+                        BLOCK_N, BLOCK_DV)
+        out = tl.where(empty[:, None], vmean[None, :], out)
     if SPLIT:
         # Workspaces [B * Hkv, splits, G * Nq, DV] and two of [B * Hkv, splits, G * Nq], row r as above.
         prow = (bh.to(tl.int64) * num_splits + split) * rows + offs_m
@@ -158,13 +169,32 @@ def decode_partial_kernel(
 
 
 @triton.jit
+def _mean_v(any_empty, V_HEAD, stride_vtok, stride_vd, capacity, DV, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """[BLOCK_DV] fp32: the mean of V over all `capacity` keys of one (contiguous) cache head, eager's
+    softmax-weighted sum over a row of equal finite fills; read only when `any_empty` (zero trips else)."""
+    offs_dv = tl.arange(0, BLOCK_DV)
+    n_fill = tl.where(any_empty, capacity, 0)
+    vsum = tl.zeros([BLOCK_DV], tl.float32)
+    for f0 in range(0, n_fill, BLOCK_N):
+        pos = f0 + tl.arange(0, BLOCK_N)
+        vt = tl.load(V_HEAD + pos[:, None].to(tl.int64) * stride_vtok + offs_dv[None, :] * stride_vd,
+                     mask=(pos[:, None] < capacity) & (offs_dv[None, :] < DV), other=0.0)
+        vsum += tl.sum(vt.to(tl.float32), 0)
+    return vsum / tl.maximum(capacity, 1).to(tl.float32)
+
+
+@triton.jit
 def decode_combine_kernel(
     OPART, LPART, SPART, O, LSE,
     stride_ob, stride_on, stride_oh,
     Hkv, G, Nq, DV, num_splits,
     BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    V=None, stride_vb=0, stride_vtok=0, stride_vh=0, stride_vd=0, capacity=0,
+    EMPTY_FILL: tl.constexpr = 0, BLOCK_N: tl.constexpr = 64,
 ):
-    """One program per (batch, kv head, packed row): out = sum_s w_s o_s / sum_s w_s, w_s = l_s e^(m_s - max)."""
+    """One program per (batch, kv head, packed row): out = sum_s w_s o_s / sum_s w_s, w_s = l_s e^(m_s - max).
+    With EMPTY_FILL (as in the partial pass; contiguous caches only) V, its strides ([B, Nk, Hkv, D] order)
+    and `capacity` give the fill of a row that admits no key."""
     pid = tl.program_id(0)
     rows = G * Nq
     bh = pid // rows
@@ -189,6 +219,11 @@ def decode_combine_kernel(
     empty = total == 0.0
     out = tl.sum(o_s * w[:, None], 0) * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, total))
     lse = tl.where(empty, float("-inf"), m_use + tl.math.log2(tl.where(empty, 1.0, total)) * 0.6931471805599453)
+    if EMPTY_FILL == 1:
+        out = tl.where(empty, float("nan"), out)
+    if EMPTY_FILL == 2:
+        out = tl.where(empty, _mean_v(empty, V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh,
+                                      stride_vtok, stride_vd, capacity, DV, BLOCK_N, BLOCK_DV), out)
     o_ptrs = O + b.to(tl.int64) * stride_ob + tok.to(tl.int64) * stride_on + head.to(tl.int64) * stride_oh + offs_dv
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_dv < DV)
     tl.store(LSE + (b.to(tl.int64) * Hkv * G + head) * Nq + tok, lse)

@@ -95,6 +95,129 @@ else:
         torch.testing.assert_close(out, o2, atol=tol, rtol=tol)
         torch.testing.assert_close(lse, l2, atol=1e-5, rtol=1e-5)
 
+    # Rows that admit no key: eager's value written by the kernel itself (empty_fill), not by graph ops after it.
+
+    def _empty_rows_case(dtype=torch.float16):
+        case = make_case(b=3, hq=8, hkv=2, nq=2, nk=150, d=16, dtype=dtype, seed=9, needs_backward=False,
+                         kv_lens=[150, 0, 90])  # batch 1: no key at all
+        keep = torch.rand(3, 8, 2, 150, generator=torch.Generator().manual_seed(10)) > 0.5
+        keep[0, 3, 1] = False  # one row of one head
+        keep[2, :, 0] = False  # token 0 of batch 2, in every head
+        case.bias = keep
+        case.v = case.v + 1.0  # a mean far from 0: a wrong count of keys shows
+        return case
+
+    def _eager_fill(case, kind, out, lse):
+        """The reference out with emit's fix-up applied (what eager gives on rows with no key)."""
+        g = case.q.shape[1] // case.k.shape[1]
+        if kind == "nan":
+            fill = torch.full_like(out, float("nan"))
+        else:
+            fill = torch.mean(case.v, dim=2, keepdim=True).repeat_interleave(g, dim=1).to(out.dtype)
+        return torch.where(torch.isneginf(lse).unsqueeze(-1), fill, out)
+
+    @pytest.fixture
+    def finite_poison(monkeypatch):
+        """Outputs and workspaces start as 12345 (a NaN poison would hide a missing NaN write)."""
+        def fill_empty(shape, stride, dtype, device):
+            return torch.empty_strided(shape, stride, dtype=dtype, device=device).fill_(12345.0)
+
+        monkeypatch.setattr(decode_ops, "_empty", fill_empty)
+
+    @pytest.mark.parametrize("splits", [1, 3])
+    @pytest.mark.parametrize("kind", ["nan", "mean_v"])
+    def test_op_writes_eagers_value_on_rows_with_no_key(kind, splits, finite_poison):
+        case = _empty_rows_case()
+        out, lse = decode_ops.fwd(case.q, case.k, case.v, case.bias, case.kv_lens, None, case.scale, False, 0,
+                                  splits, 16, decode_ops.EMPTY_FILLS[kind])
+        want, want_lse = ref.attention_reference(case.q, case.k, case.v, **case.mask_kwargs())
+        empty = torch.isneginf(want_lse)
+        assert 0 < int(empty.sum()) < empty.numel()
+        torch.testing.assert_close(out, _eager_fill(case, kind, want, want_lse), atol=2e-3, rtol=2e-3, equal_nan=True)
+        torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)  # -inf stays on those rows
+
+    def test_op_rejects_an_unknown_fill():
+        case = _empty_rows_case()
+        with pytest.raises(ValueError, match="empty_fill"):
+            decode_ops.fwd(case.q, case.k, case.v, case.bias, case.kv_lens, None, case.scale, False, 0, 1, 16, 3)
+
+    def _emitted_step(case, kind, repeat="interleave", extra_use=False):
+        """The post-grad form of a decode step with emit's empty-row fix-up: emit_attention's graph, traced
+        to ATen with Inductor's decompositions (what the lowering pass sees after AOTAutograd). `repeat`
+        "repeat" spells the head repeat as .repeat (not emit's: wrong head order for GQA); `extra_use`
+        also returns the op's own out."""
+        import torch.fx as fx
+        from torch._inductor.decomposition import select_decomp_table
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from fa_compile.patterns import emit
+
+        inputs = [case.q, case.k, case.v, case.bias, case.kv_lens]
+        mode = FakeTensorMode()
+        g = fx.Graph()
+        nodes = []
+        for name, t in zip(("q", "k", "v", "bias", "kv_lens"), inputs):
+            n = g.placeholder(name)
+            n.meta["example_value"] = mode.from_tensor(t)
+            nodes.append(n)
+        if repeat == "interleave" and not extra_use:
+            out, _ = emit.emit_attention(g, *nodes[:3], scale=case.scale, bias=nodes[3], kv_lens=nodes[4],
+                                         empty_rows=kind)
+            g.output(out)
+        else:  # spelled by hand: forms emit does not produce, which the fold must leave alone
+            q, k, v, bias, kv_lens = nodes
+            op = g.call_function(torch.ops.fa3.attention.default,
+                                 (q, k, v, case.scale, False, 0, -1, -1, bias, kv_lens, 0.0, 0.0, None, None))
+            o, lse = (g.call_function(__import__("operator").getitem, (op, i)) for i in (0, 1))
+            hg = case.q.shape[1] // case.k.shape[1]
+            mean = g.call_function(torch.mean, (v,), dict(dim=2, keepdim=True))
+            fill = g.call_method("repeat", (mean, 1, hg, 1, 1)) if repeat == "repeat" else \
+                g.call_function(torch.repeat_interleave, (mean, hg), dict(dim=1))
+            cond = g.call_function(torch.unsqueeze, (g.call_function(torch.isneginf, (lse,)), -1))
+            res = g.call_function(torch.where, (cond, fill, o))
+            g.output((res, o) if extra_use else res)
+        gm = fx.GraphModule({}, g)
+        return make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*inputs), inputs
+
+    @pytest.mark.parametrize("kind", ["nan", "mean_v"])
+    def test_emits_fixup_is_folded_into_the_kernel(kind, cpu_steps, finite_poison):
+        case = _empty_rows_case()
+        gm, inputs = _emitted_step(case, kind)
+        want = gm(*inputs)  # the op (reference kernel) and the fix-up as graph ops
+        decisions = graph_pass.lower_graph(gm.graph)
+        gm.recompile()
+        what = "NaN" if kind == "nan" else "mean of V"
+        assert [str(d) for d in decisions] == [f"decode -> fa3_decode.fwd (empty rows: {what} written by the kernel)"]
+        left = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+        assert not any(x in t for t in left for x in ("where", "mean", "eq", "isneginf")), left
+        fills = [n.args[1] for n in gm.graph.nodes if n.target is torch.ops.aten.full.default]
+        assert not any(v != v for v in fills), fills  # (the poison's 12345 fills stay; no NaN fill does)
+        kernels = [n.kwargs["kwargs"].get("EMPTY_FILL") for n in gm.graph.nodes if n.target is FUNCTIONAL]
+        assert kernels[0] == decode_ops.EMPTY_FILLS[kind]
+        torch.testing.assert_close(gm(*inputs), want, atol=2e-3, rtol=2e-3, equal_nan=True)
+
+    @pytest.mark.parametrize("form", ["repeat", "extra_use"])
+    def test_fixups_in_other_forms_stay_graph_ops(form, cpu_steps, poisoned):
+        # .repeat tiles the heads (query head h reads kv head h % Hkv, not h // G), and an out that is read
+        # elsewhere needs the op's zeros: either way the fix-up stays, and the numbers are eager's.
+        case = _empty_rows_case()
+        gm, inputs = _emitted_step(case, "mean_v", repeat="repeat" if form == "repeat" else "interleave",
+                                   extra_use=form == "extra_use")
+        want = gm(*inputs)
+        decisions = graph_pass.lower_graph(gm.graph)
+        gm.recompile()
+        assert [str(d) for d in decisions] == ["decode -> fa3_decode.fwd"]
+        torch.testing.assert_close(gm(*inputs), want, atol=2e-3, rtol=2e-3, equal_nan=True)
+
+    def test_kv_lens_is_passed_once(cpu_lowering):
+        # A tensor passed as several kernel arguments is realized once per argument by Inductor: kv_lens
+        # goes to SEQLENS only (LEFTPAD and TABLE are unused without paging).
+        gm, _ = _site(CASES["float_bias_kv_lens"]())
+        graph_pass.lower_graph(gm.graph)
+        lens_node = [n for n in gm.graph.nodes if n.op == "placeholder"][4]
+        (partial,) = [n for n in gm.graph.nodes if n.target is FUNCTIONAL and "Q" in n.kwargs["kwargs"]]
+        assert [k for k, a in partial.kwargs["kwargs"].items() if a is lens_node] == ["SEQLENS"]
+
     def test_op_rejects_a_bad_plan():
         case = _q_pos_case()
         with pytest.raises(ValueError, match="splits"):
@@ -141,10 +264,10 @@ else:
                 kernel = "partial" if "Q" in kw else "combine"
                 calls.append(f"{kernel} grid={n.kwargs['grid']} " + " ".join(
                     f"{k}={kw[k]}" for k in ("num_splits", "SPLIT", "BLOCK_N", "HAS_QPOS", "DIAG_CAUSAL", "BIAS_KIND",
-                                            "HAS_SEQLENS") if k in kw))
+                                            "HAS_SEQLENS", "EMPTY_FILL") if k in kw))
         expecttest.assert_expected_inline("\n".join(calls), """\
-partial grid=[(2, 4, 1)] num_splits=2 SPLIT=True BLOCK_N=64 HAS_QPOS=True DIAG_CAUSAL=False BIAS_KIND=0 HAS_SEQLENS=False
-combine grid=[(48, 1, 1)] num_splits=2""")
+partial grid=[(2, 4, 1)] num_splits=2 SPLIT=True BLOCK_N=64 HAS_QPOS=True DIAG_CAUSAL=False BIAS_KIND=0 HAS_SEQLENS=False EMPTY_FILL=0
+combine grid=[(48, 1, 1)] num_splits=2 BLOCK_N=64 EMPTY_FILL=0""")
 
     def test_describe_names_the_decode_op(cpu_lowering):
         case = _q_pos_case()

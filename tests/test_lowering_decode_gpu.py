@@ -76,3 +76,44 @@ def test_decode_steps_take_the_kernel_at_every_cache_length():
             torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
     decisions = [str(r.decision) for r in records()[n:]]
     assert decisions and all(x == "decode -> fa3_decode.fwd" for x in decisions), decisions
+
+
+def _filled_step(q, k, v, keep, fill):
+    """A decode step whose mask is data (a key-padding `keep` over the cache): masked_fill with `fill` before
+    the softmax. A row with no kept key is the mean of V over the whole cache (finite fill) or NaN (-inf)."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~keep, torch.finfo(s.dtype).min if fill == "min" else float("-inf"))
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+@pytest.mark.parametrize("nk", [300, 4096])
+@pytest.mark.parametrize("fill", ["min", "-inf"])
+def test_empty_rows_are_written_by_the_decode_kernel(fill, nk):
+    # emit's fix-up for rows that admit no key (mean of V, or NaN) is folded into the kernel (no reduction
+    # over the cache, no `where` launch): every element against fp32 eager, the empty rows included, with
+    # one split (300 keys) and with the combine (4096).
+    torch._dynamo.reset()
+    from fa_compile.lowering import records
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    b, hq, hkv, d, dt = 3, 16, 4, 128, torch.bfloat16
+    q = torch.randn(b, hq, 1, d, device="cuda", dtype=dt, generator=gen)
+    k = torch.randn(b, hkv, nk, d, device="cuda", dtype=dt, generator=gen)
+    v = torch.randn(b, hkv, nk, d, device="cuda", dtype=dt, generator=gen) + 1.0
+    keep = torch.zeros(b, 1, 1, nk, dtype=torch.bool, device="cuda")
+    keep[0, ..., : nk // 2] = True
+    keep[2, ..., 5:] = True  # batch row 1 keeps nothing
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    n = len(records())
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        got = torch.compile(_filled_step, backend="fa3")(q, k, v, keep, fill)
+    want = _filled_step(q.float(), k.float(), v.float(), keep, fill)
+    assert bool(torch.isnan(want[1]).all()) == (fill == "-inf")
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2, equal_nan=True)
+    what = "mean of V" if fill == "min" else "NaN"
+    decisions = [str(r.decision) for r in records()[n:]]
+    assert decisions == [f"decode -> fa3_decode.fwd (empty rows: {what} written by the kernel)"], decisions

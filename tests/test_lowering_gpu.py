@@ -100,11 +100,16 @@ def test_lowered_kernel_matches_the_op(case):
         assert all(d.kernel == expect for d in decisions), [str(d) for d in decisions]
 
 
-def test_triton_family_keeps_the_op():
+@pytest.mark.parametrize("switch", ["auto", "0"])
+def test_triton_family_lowering_follows_its_switch(switch, monkeypatch):
+    # A forced Triton kernel at a short length (Nq x Nk <= 1024 x 1024: the pointer kernels) is lowered to
+    # fa3_triton's ops by default, and keeps the op with FA_COMPILE_TRITON_LOWER=0; the numbers match
+    # either way, forward and backward.
     from fa_compile.kernels import triton_family as tf
 
     if not tf.triton_available():
         pytest.skip("triton not installed")
+    monkeypatch.setenv("FA_COMPILE_TRITON_LOWER", switch)
     q, k, v = _inputs()
     fn = lambda q, k, v: fa_compile.attention(q, k, v, causal=True, return_lse=True, kernel="triton")
     w = torch.randn(2, 4, 256, 64, device="cuda")
@@ -114,7 +119,8 @@ def test_triton_family_keeps_the_op():
     for a, b in zip(got, _run(fn, q, k, v, w)):
         torch.testing.assert_close(a, b, **TOL)
     decisions = [r.decision for r in records()[n:]]
-    assert decisions and not any(d.lowered for d in decisions)
+    assert decisions and all(d.kernel == "triton" for d in decisions), [str(d) for d in decisions]
+    assert all(d.lowered == (switch == "auto") for d in decisions), [str(d) for d in decisions]
 
 
 def test_dynamic_sizes_keep_the_op_on_cuda():

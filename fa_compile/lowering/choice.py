@@ -37,6 +37,7 @@ class Decision:
     target: Optional[str] = None
     reason: str = ""
     refused: list = field(default_factory=list)
+    folded: str = ""  # an output fix-up the lowered kernel computes itself (lowering/empty_rows.py)
 
     @property
     def lowered(self) -> bool:
@@ -44,7 +45,7 @@ class Decision:
 
     def __str__(self) -> str:
         if self.lowered:
-            return f"{self.kernel} -> {self.target}"
+            return f"{self.kernel} -> {self.target}" + (f" ({self.folded})" if self.folded else "")
         return f"{self.kernel} (fa3 op, run-time dispatch: {self.reason})"
 
 

@@ -21,7 +21,7 @@ On CPU the kernels run under the Triton interpreter only; tests register the low
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -54,6 +54,7 @@ def _bottom_right(args: dispatch.AttentionArgs) -> bool:
 class DecodeLowering:
     same_kernel = True
     takes_structure = True  # graph_pass passes sinks, q_pos, q_seg, k_seg (those present) after bias and kv_lens
+    fills_empty_rows = True  # forward_fn takes empty_fill: the kernel writes emit's empty-row fix-up (empty_rows.py)
 
     def target(self, direction: str) -> str:
         return "fa3_decode.fwd"
@@ -99,10 +100,14 @@ class DecodeLowering:
         bn = decode.pick_block_n(max(decode._pow2(d), decode._pow2(dv)), None)
         return decode.plan_splits(0, b, hkv, nk, args.q.device, bn), bn
 
-    def forward_fn(self, args: dispatch.AttentionArgs) -> Callable:
-        """fn(q, k, v[, bias][, kv_lens][, q_pos]) -> (out, lse) in the op's conventions, traced functionalized."""
+    def forward_fn(self, args: dispatch.AttentionArgs, empty_fill: str = "zero",
+                   out_strides: Optional[tuple] = None) -> Callable:
+        """fn(q, k, v[, bias][, kv_lens][, q_pos]) -> (out, lse) in the op's conventions, traced functionalized;
+        out holds `empty_fill` ("zero", the op's own; "nan"; "mean_v") on rows that admit no key, and has
+        `out_strides` where given (the fix-up's output it stands for; the op's BSHD strides otherwise)."""
         from ..kernels import decode_ops
 
+        fill = decode_ops.EMPTY_FILLS[empty_fill]
         splits, bn = self._plan(args)
         has = [args.bias is not None, args.kv_lens is not None, args.q_pos is not None]
         scale, causal = float(args.scale), bool(args.causal)
@@ -116,8 +121,9 @@ class DecodeLowering:
             if kv_lens is not None:
                 kv_lens = kv_lens.contiguous()
             off = k.shape[2] - q.shape[2] if diag is None else diag
-            out, lse = decode_ops.fwd(q, k, v, bias, kv_lens, q_pos, scale, causal, off, splits, bn)
-            return conventions.finish(out, lse, None)  # the kernel writes empty rows itself
+            out, lse = decode_ops.fwd(q, k, v, bias, kv_lens, q_pos, scale, causal, off, splits, bn, fill)
+            out, lse = conventions.finish(out, lse, None)  # the kernel writes empty rows itself
+            return (out if out_strides is None else conventions.with_strides(out, out_strides)), lse
 
         from torch._subclasses.functional_tensor import dispatch_functionalize
 

@@ -13,7 +13,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .. import dispatch
-from . import choice, site_args, splice
+from . import choice, empty_rows, site_args, splice
 
 _RECORDS: list = []
 _CAPTURE: list = []  # lists that `capture_graphs()` fills with the lowered graphs' code
@@ -75,12 +75,26 @@ def _lower_node(graph: fx.Graph, node: fx.Node) -> Optional[choice.Decision]:
         names.append("sinks")  # after the seed
     if getattr(lowering, "takes_structure", False):
         names += [n for n in ("sinks", "q_pos", "q_seg", "k_seg") if b[n] is not None]
+    # A kernel that writes eager's value on rows with no admissible key takes emit's fix-up after the op.
+    fixup = None
+    if not backward and getattr(lowering, "fills_empty_rows", False):
+        fixup = empty_rows.find_fixup(node, b["v"])
     try:
-        fn = lowering.backward_fn(args) if backward else lowering.forward_fn(args)
-        splice.replace_node(graph, node, fn, [b[n] for n in names])
+        if backward:
+            fn = lowering.backward_fn(args)
+        elif fixup is not None:  # the out the `where` gave: its strides
+            want = [fixup[1].meta["val"], node.meta["val"][1]]
+            fn = lowering.forward_fn(args, empty_fill=fixup[0], out_strides=tuple(want[0].stride()))
+        else:
+            fn = lowering.forward_fn(args)
+        new = splice.replace_node(graph, node, fn, [b[n] for n in names], want if fixup is not None else None)
     except Exception as e:
         _warn_once(node, decision, e)
         return choice.Decision(direction, decision.kernel, reason=f"lowering failed: {type(e).__name__}: {str(e)[:120]}")
+    if fixup is not None:  # the `where` now reads the kernel's out, which already holds its value
+        kind, where = fixup
+        where.replace_all_uses_with(new[0])
+        decision.folded = f"empty rows: {'NaN' if kind == 'nan' else 'mean of V'} written by the kernel"
     return decision
 
 
@@ -142,6 +156,10 @@ def _source_hash() -> str:
             os.path.join(parent, f) for f in ("dispatch.py", "ops.py", "row_fixups.py", "tuning.py", "config.py"))
         cands = os.path.join(parent, "candidates")
         _FILES += tuple(sorted(os.path.join(cands, f) for f in os.listdir(cands) if f.endswith(".py")))
+        from .. import kernels  # the kernels' op wrappers, traced into the lowered graphs
+
+        kdir = os.path.dirname(os.path.abspath(kernels.__file__))
+        _FILES += tuple(os.path.join(kdir, f) for f in ("decode.py", "decode_ops.py", "decode_triton.py", "triton_ops.py"))
     return get_hash_for_files(_FILES).hex()
 
 

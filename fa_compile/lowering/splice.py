@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -38,15 +38,17 @@ def _strides_match(got: torch.Tensor, want: torch.Tensor) -> bool:
     return all(statically_known_true(x == y) for x, y in zip(got.shape, want.shape))
 
 
-def replace_node(graph: fx.Graph, node: fx.Node, fn: Callable, inputs: Sequence[fx.Node]) -> list[fx.Node]:
+def replace_node(graph: fx.Graph, node: fx.Node, fn: Callable, inputs: Sequence[fx.Node],
+                 want: Optional[Sequence[torch.Tensor]] = None) -> list[fx.Node]:
     """Replace `node` (a multi-output op used through getitem) by `fn(*inputs)` traced with make_fx.
 
     `fn` returns one tensor per output of the node, each with the node's own output sizes, strides
     and dtype (checked: a mismatch raises SpliceError and leaves the graph untouched), so every user
-    sees exactly the tensors it was traced with.
+    sees exactly the tensors it was traced with. `want` replaces the node's outputs in that check where
+    the caller rewires some users itself (a fix-up the replacement computes).
     """
     vals = [n.meta["val"] for n in inputs]
-    outs = node.meta.get("val")
+    outs = node.meta.get("val") if want is None else want
     if not isinstance(outs, (tuple, list)):
         raise SpliceError("the node has no output FakeTensors")
     users = list(node.users)

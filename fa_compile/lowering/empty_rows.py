@@ -1,0 +1,160 @@
+"""The empty-row fix-ups of patterns/emit.py, recognized after AOTAutograd, for a lowered kernel that writes
+eager's value on those rows itself.
+
+The op returns 0 (lse -inf) on a row that admits no key; where eager computes something else, emit adds
+`where(isneginf(lse)[..., None], fill, out)` after the op, with `fill` a NaN tensor (softmax over -inf
+fills) or the mean of V over all keys, repeated over the query heads of each KV head (softmax over equal
+finite fills). In a decode step those are launches of their own (a reduction over the cache and a
+`where`) around a kernel of a few microseconds. The decode kernel can write either value itself
+(kernels/decode_ops.py `empty_fill`), so the lowering looks for the fix-up here, in the post-grad
+(decomposed ATen) form it has on the torch versions the project supports, and takes it only when:
+  - the op's out and lse feed nothing but the fix-up (nothing else reads the op's own zeros);
+  - the mean is over dim 2 of the op's own v, keepdim, and the repeat over heads is the
+    unsqueeze(2) / expand / clone / view chain of `repeat_interleave(dim=1)` (kv head h // G for query
+    head h), which is the kernel's own head order;
+  - the `where` has the op's out's dtype and shape; the lowered out takes the `where`'s strides (a copy
+    in the replacement where they differ: only with more than one query token), so its users see the
+    tensor they were traced with.
+Anything else keeps the fix-up as graph ops: exact either way.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import Optional
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+aten, prims = torch.ops.aten, torch.ops.prims
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_CONVERT = (prims.convert_element_type.default, aten._to_copy.default)
+
+
+def _val(n) -> Optional[torch.Tensor]:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _same(a, b) -> bool:
+    return statically_known_true(a == b)
+
+
+def _sole_user(n: fx.Node) -> Optional[fx.Node]:
+    users = list(n.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _getitems(node: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
+    got: dict = {}
+    for u in node.users:
+        if u.op != "call_function" or u.target is not operator.getitem or u.args[1] in got:
+            return None
+        got[u.args[1]] = u
+    if set(got) != {0, 1}:
+        return None
+    return got[0], got[1]
+
+
+def _is_neginf_test(n: fx.Node, lse: fx.Node) -> bool:
+    if n.op != "call_function" or n.args[0] is not lse:
+        return False
+    if n.target is aten.isneginf.default:
+        return True
+    return n.target is aten.eq.Scalar and n.args[1] == float("-inf")
+
+
+# Ops that move or copy the elements of a tensor without changing their values (full_like of a BSHD out
+# traces to full -> permute -> clone).
+_LAYOUT = _VIEWS + _CONVERT + (aten.permute.default, aten.clone.default, aten.expand.default,
+                               aten.unsqueeze.default, aten.squeeze.dim)
+
+
+def _is_nan_full(n: fx.Node) -> bool:
+    """`n` holds NaN in every element: aten.full(NaN), through layout ops only."""
+    while n.op == "call_function" and n.target in _LAYOUT and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    if n.op != "call_function" or n.target is not aten.full.default:
+        return False
+    value = n.args[1]
+    return isinstance(value, float) and math.isnan(value)
+
+
+def _strip_converts(n: fx.Node) -> fx.Node:
+    while isinstance(n, fx.Node) and n.op == "call_function" and n.target in _CONVERT:
+        n = n.args[0]
+    return n
+
+
+def _is_mean_v(fill: fx.Node, v: fx.Node) -> bool:
+    """`fill` is mean(v, dim=2, keepdim) (casts allowed), repeated over the query heads of each KV head
+    as repeat_interleave(dim=1) decomposes: unsqueeze(2) -> expand [B, Hkv, G, 1, Dv] -> clone -> view."""
+    vv, fv = _val(v), _val(fill)
+    if vv is None or fv is None or vv.dim() != 4 or fv.dim() != 4:
+        return False
+    n = _strip_converts(fill)
+    if n.op == "call_function" and n.target in _VIEWS:
+        clone = _strip_converts(n.args[0])
+        if clone.op != "call_function" or clone.target is not aten.clone.default:
+            return False
+        exp = clone.args[0]
+        if exp.op != "call_function" or exp.target is not aten.expand.default:
+            return False
+        uns = exp.args[0]
+        if uns.op != "call_function" or uns.target is not aten.unsqueeze.default or uns.args[1] not in (2, -3):
+            return False
+        ev, uv = _val(exp), _val(uns)
+        if ev is None or uv is None or uv.dim() != 5 or ev.dim() != 5:
+            return False
+        # [B, Hkv, 1, 1, Dv] -> [B, Hkv, G, 1, Dv]: only dim 2 grows; the view merges (Hkv, G) into Hq
+        if not all(_same(ev.shape[i], uv.shape[i]) for i in (0, 1, 3, 4)) or not _same(uv.shape[2], 1):
+            return False
+        if not _same(ev.shape[1] * ev.shape[2], fv.shape[1]):
+            return False
+        n = _strip_converts(uns.args[0])
+    if n.op != "call_function" or n.target is not aten.mean.dim:
+        return False
+    dims = n.args[1]
+    keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+    if n.args[0] is not v or not keep or list(dims) not in ([2], [-2]):
+        return False
+    mv = _val(n)
+    return mv is not None and mv.dim() == 4 and all(_same(mv.shape[i], vv.shape[i]) for i in (0, 1, 3))
+
+
+def find_fixup(node: fx.Node, v: fx.Node) -> Optional[tuple[str, fx.Node]]:
+    """(kind "nan" / "mean_v", the `where` node) when the fa3.attention `node`'s outputs feed only emit's
+    empty-row fix-up in the form above (v: the op's v argument); None otherwise."""
+    pair = _getitems(node)
+    if pair is None:
+        return None
+    out, lse = pair
+    test = _sole_user(lse)
+    if test is None or not _is_neginf_test(test, lse):
+        return None
+    cond = _sole_user(test)
+    if cond is None or cond.op != "call_function" or cond.target is not aten.unsqueeze.default \
+            or cond.args[1] not in (-1, 3):
+        return None
+    where = _sole_user(cond)
+    if where is None or where.op != "call_function" or where.target is not aten.where.self:
+        return None
+    if where.args[0] is not cond or where.args[2] is not out or _sole_user(out) is not where:
+        return None
+    fill = where.args[1]
+    if not isinstance(fill, fx.Node):
+        return None
+    if _is_nan_full(fill):
+        kind = "nan"
+    elif _is_mean_v(fill, v):
+        kind = "mean_v"
+    else:
+        return None
+    ov, wv = _val(out), _val(where)
+    if ov is None or wv is None or ov.dtype != wv.dtype or ov.dim() != wv.dim():
+        return None
+    if not all(_same(a, b) for a, b in zip(ov.shape, wv.shape)):
+        return None
+    return kind, where
