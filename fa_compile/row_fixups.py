@@ -78,16 +78,21 @@ def uniform_row_grad_backward(dg: Tensor, q: Tensor, k: Tensor, v: Tensor, scale
     if hq % max(hkv, 1) != 0:
         raise ValueError(f"k: {hkv} key heads do not divide the {hq} query heads")
     acc = torch.promote_types(q.dtype, torch.float32)
+    if b * hq * nq * nk * d == 0:  # no keys: nothing to weigh; no head dim: scores 0
+        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), torch.zeros(k.shape, dtype=k.dtype, device=k.device)
+    if softcap == 0:
+        # One reduction decides (NaN counts as nonzero): most batches have no fully masked row, and this
+        # op runs per layer in every backward (on CPU; CUDA takes the sync-free terms instead).
+        if not bool(dg.any()):
+            return torch.zeros(q.shape, dtype=q.dtype, device=q.device), torch.zeros(k.shape, dtype=k.dtype,
+                                                                                       device=k.device)
+        return _uniform_grads(dg, q, k, v, scale, acc, True, True)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-    if b * hq * nq * nk * d == 0:
-        return dq.to(q.dtype), dk.to(k.dtype)  # no keys: nothing to weigh; no head dim: scores 0
     g = hq // hkv
     rows = _live_query_positions(dg)
     if rows.numel() == 0:
         return dq.to(q.dtype), dk.to(k.dtype)
-    if softcap == 0:
-        return _uniform_grads(dg, q, k, v, scale, acc, True, True)
     kf = k.to(acc)
     vf = v.to(acc)
     vc = vf - vf.mean(dim=2, keepdim=True)  # centred in fp32+ (a difference of close values)

@@ -123,7 +123,7 @@ def _softcap_reference(dg, q, k, v, scale, cap):
     return torch.autograd.grad((s * ds).sum(), (qd, kd))
 
 
-@pytest.mark.parametrize("hq,hkv,live", [(4, 4, "some"), (4, 2, "some"), (6, 1, "all"), (4, 2, "none")])
+@pytest.mark.parametrize("hq,hkv,live", [(4, 4, "some"), (4, 2, "some"), (6, 1, "all"), (4, 2, "none"), (4, 2, "nan")])
 def test_uniform_row_grad_softcap_op_matches_reference(hq, hkv, live):
     gen = torch.Generator().manual_seed(hq * 10 + hkv)
     q = torch.randn(2, hq, 5, 8, dtype=torch.float32, generator=gen, requires_grad=True)
@@ -143,7 +143,7 @@ def test_uniform_row_grad_softcap_op_matches_reference(hq, hkv, live):
     assert dq.dtype == q.dtype and dk.dtype == k.dtype
 
 
-@pytest.mark.parametrize("hq,hkv,live", [(4, 4, "some"), (4, 2, "some"), (6, 1, "all"), (4, 2, "none")])
+@pytest.mark.parametrize("hq,hkv,live", [(4, 4, "some"), (4, 2, "some"), (6, 1, "all"), (4, 2, "none"), (4, 2, "nan")])
 def test_uniform_row_grad_cpu_backward_skips_dead_rows(hq, hkv, live, monkeypatch):
     """On CPU the gradient without a softcap comes from fa3::uniform_row_grad_backward (softcap 0), which
     returns zeros without any matmul when no row of dg is nonzero, and the factorized terms otherwise:
@@ -159,6 +159,9 @@ def test_uniform_row_grad_cpu_backward_skips_dead_rows(hq, hkv, live, monkeypatc
         dg = dg * (torch.rand(2, hq, 5, 1, generator=gen) < 0.3)
     elif live == "none":
         dg = torch.zeros_like(dg)
+    elif live == "nan":  # a NaN is not a zero: it must reach the gradients as in eager
+        dg = torch.zeros_like(dg)
+        dg[0, 1, 2, 0] = float("nan")
     calls = []
     real = ops._uniform_grads
     monkeypatch.setattr(ops, "_uniform_grads", lambda *a: calls.append(1) or real(*a))
@@ -171,8 +174,10 @@ def test_uniform_row_grad_cpu_backward_skips_dead_rows(hq, hkv, live, monkeypatc
     raw = qd @ kd.repeat_interleave(g, dim=1).transpose(-1, -2) * 0.7
     ds = dg.double() @ vc.repeat_interleave(g, dim=1).transpose(-1, -2) / k.shape[2]
     rq, rk = torch.autograd.grad((raw * ds).sum(), (qd, kd))
-    torch.testing.assert_close(dq.double(), rq, **TOL[torch.float32])
-    torch.testing.assert_close(dk.double(), rk, **TOL[torch.float32])
+    torch.testing.assert_close(dq.double(), rq, equal_nan=live == "nan", **TOL[torch.float32])
+    torch.testing.assert_close(dk.double(), rk, equal_nan=live == "nan", **TOL[torch.float32])
+    if live == "nan":
+        assert dq.isnan().any() and dk.isnan().any()
     if live == "none":
         assert not dq.any() and not dk.any()
 
