@@ -181,6 +181,37 @@ def test_non_finite_inputs_give_eagers_nan_rows_through_the_cpu_kernel(case, dty
         torch.testing.assert_close(got.float(), eager, **TOL[dtype], equal_nan=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("mask", ["bool_bias", "kv_lens", "bool_bias_gqa"])
+def test_a_nan_key_the_mask_excludes_reaches_no_row_through_the_cpu_kernel(mask, dtype):
+    """The CPU kernel adds its mask: a bool bias or kv_lens reach it as -inf, and the NaN score of a key
+    they exclude gave NaN + (-inf) = NaN in every row of the head, where the op, like eager's
+    masked_fill / where, gives that key weight 0. Rows that exclude the key must match the op (the
+    reference) on every element, rows that admit it be NaN as there. Found by the adversarial fuzzer."""
+    hkv = 1 if mask == "bool_bias_gqa" else 2
+    q, k, v = _inputs(b=2, hq=2, hkv=hkv, nq=6, nk=7, d=8, dtype=dtype, seed=5)
+    k[:, 0, 4, 2] = float("nan")  # key 4 of head 0 (kv_lens: batch 0 excludes it, batch 1 admits it)
+    keep = torch.rand(2, 1, 6, 7, generator=torch.Generator().manual_seed(6)) > 0.3
+    keep[0, 0, :3, 4] = False  # rows 0..2 exclude the key, the others may admit it
+    keep[..., 0] = True  # no row without keys
+    kw = dict(kv_lens=torch.tensor([4, 7])) if mask == "kv_lens" else dict(bias=keep)
+
+    def fn(q, k, v):
+        return fa_compile.attention(q, k, v, **kw)
+
+    torch._dynamo.reset()
+    n_before = len(records())
+    with torch.no_grad():
+        got = torch.compile(fn, backend="fa3", fullgraph=True)(q, k, v)
+        want = fn(q, k, v)  # the op's reference
+    assert [r.decision.target for r in records()[n_before:]] == [
+        "aten._scaled_dot_product_flash_attention_for_cpu"], records()[n_before:]
+    rows = want.isnan().any(-1)
+    assert rows.any() and not rows.all(), "the case must have rows that admit the key and rows that do not"
+    assert torch.equal(got.isnan(), want.isnan()), (got.isnan().any(-1), rows)
+    torch.testing.assert_close(got, want, **TOL[dtype], equal_nan=True)
+
+
 def test_lowered_training_graphs_are_pinned():
     q, k, v = (t.requires_grad_() for t in _inputs())
     torch._dynamo.reset()
@@ -242,39 +273,55 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
     bitwise_not = torch.ops.aten.bitwise_not.default(arg3_1);  arg3_1 = None
     scalar_tensor = torch.ops.aten.scalar_tensor.default(-inf, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
     where = torch.ops.aten.where.self(bitwise_not, scalar_tensor, full);  bitwise_not = scalar_tensor = full = None
-    _scaled_dot_product_flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(arg0_1, arg1_1, arg2_1, attn_mask = where, scale = 0.35355339059327373);  arg2_1 = None
+    ne = torch.ops.aten.ne.Tensor(arg1_1, arg1_1)
+    any_1 = torch.ops.aten.any.dim(ne, -1);  ne = None
+    unsqueeze = torch.ops.aten.unsqueeze.default(any_1, -1)
+    scalar_tensor_1 = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+    where_1 = torch.ops.aten.where.self(unsqueeze, scalar_tensor_1, arg1_1);  unsqueeze = scalar_tensor_1 = None
+    unsqueeze_1 = torch.ops.aten.unsqueeze.default(any_1, 2);  any_1 = None
+    eq = torch.ops.aten.eq.Scalar(where, -inf)
+    bitwise_not_1 = torch.ops.aten.bitwise_not.default(eq);  eq = None
+    bitwise_and = torch.ops.aten.bitwise_and.Tensor(unsqueeze_1, bitwise_not_1);  bitwise_not_1 = None
+    any_2 = torch.ops.aten.any.dim(bitwise_and, -1);  bitwise_and = None
+    scalar_tensor_2 = torch.ops.aten.scalar_tensor.default(-inf, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+    where_2 = torch.ops.aten.where.self(unsqueeze_1, scalar_tensor_2, where);  unsqueeze_1 = scalar_tensor_2 = None
+    expand = torch.ops.aten.expand.default(any_2, [2, 4, 16]);  any_2 = None
+    _scaled_dot_product_flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(arg0_1, where_1, arg2_1, attn_mask = where_2, scale = 0.35355339059327373);  where_1 = arg2_1 = where_2 = None
     getitem_2 = _scaled_dot_product_flash_attention_for_cpu[0]
     getitem_3 = _scaled_dot_product_flash_attention_for_cpu[1];  _scaled_dot_product_flash_attention_for_cpu = None
-    eq = torch.ops.aten.eq.Scalar(where, -inf);  where = None
-    bitwise_not_1 = torch.ops.aten.bitwise_not.default(eq);  eq = None
-    any_1 = torch.ops.aten.any.dim(bitwise_not_1, -1);  bitwise_not_1 = None
-    bitwise_not_2 = torch.ops.aten.bitwise_not.default(any_1);  any_1 = None
-    expand = torch.ops.aten.expand.default(bitwise_not_2, [2, 4, 16]);  bitwise_not_2 = None
+    eq_1 = torch.ops.aten.eq.Scalar(where, -inf);  where = None
+    bitwise_not_2 = torch.ops.aten.bitwise_not.default(eq_1);  eq_1 = None
+    any_3 = torch.ops.aten.any.dim(bitwise_not_2, -1);  bitwise_not_2 = None
+    bitwise_not_3 = torch.ops.aten.bitwise_not.default(any_3);  any_3 = None
+    expand_1 = torch.ops.aten.expand.default(bitwise_not_3, [2, 4, 16]);  bitwise_not_3 = None
     sub = torch.ops.aten.sub.Tensor(arg0_1, arg0_1);  arg0_1 = None
     sub_1 = torch.ops.aten.sub.Tensor(arg1_1, arg1_1);  arg1_1 = None
-    ne = torch.ops.aten.ne.Tensor(sub, sub);  sub = None
-    any_2 = torch.ops.aten.any.dim(ne, -1);  ne = None
-    ne_1 = torch.ops.aten.ne.Tensor(sub_1, sub_1);  sub_1 = None
-    any_3 = torch.ops.aten.any.dim(ne_1, -1);  ne_1 = None
-    any_4 = torch.ops.aten.any.dim(any_3, -1);  any_3 = None
-    unsqueeze = torch.ops.aten.unsqueeze.default(any_4, 2);  any_4 = None
-    eq_1 = torch.ops.aten.eq.Scalar(getitem_3, 0);  getitem_3 = None
-    bitwise_and = torch.ops.aten.bitwise_and.Tensor(unsqueeze, eq_1);  unsqueeze = eq_1 = None
-    eq_2 = torch.ops.aten.eq.Scalar(getitem_2, 0)
-    logical_not = torch.ops.aten.logical_not.default(eq_2);  eq_2 = None
-    any_5 = torch.ops.aten.any.dim(logical_not, -1);  logical_not = None
-    logical_not_1 = torch.ops.aten.logical_not.default(any_5);  any_5 = None
-    bitwise_and_1 = torch.ops.aten.bitwise_and.Tensor(bitwise_and, logical_not_1);  bitwise_and = logical_not_1 = None
-    bitwise_or = torch.ops.aten.bitwise_or.Tensor(any_2, bitwise_and_1);  any_2 = bitwise_and_1 = None
-    bitwise_not_3 = torch.ops.aten.bitwise_not.default(expand)
-    bitwise_and_2 = torch.ops.aten.bitwise_and.Tensor(bitwise_or, bitwise_not_3);  bitwise_or = bitwise_not_3 = None
-    unsqueeze_1 = torch.ops.aten.unsqueeze.default(bitwise_and_2, -1);  bitwise_and_2 = None
-    scalar_tensor_1 = torch.ops.aten.scalar_tensor.default(nan, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-    where_1 = torch.ops.aten.where.self(unsqueeze_1, scalar_tensor_1, getitem_2);  unsqueeze_1 = scalar_tensor_1 = getitem_2 = None
-    unsqueeze_2 = torch.ops.aten.unsqueeze.default(expand, -1);  expand = None
-    scalar_tensor_4 = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-    where_4 = torch.ops.aten.where.self(unsqueeze_2, scalar_tensor_4, where_1);  unsqueeze_2 = scalar_tensor_4 = where_1 = None
-    copy_strided = torch.ops.prims.copy_strided.default(where_4, [512, 8, 32, 1]);  where_4 = None
+    ne_1 = torch.ops.aten.ne.Tensor(sub, sub);  sub = None
+    any_4 = torch.ops.aten.any.dim(ne_1, -1);  ne_1 = None
+    ne_2 = torch.ops.aten.ne.Tensor(sub_1, sub_1);  sub_1 = None
+    any_5 = torch.ops.aten.any.dim(ne_2, -1);  ne_2 = None
+    any_6 = torch.ops.aten.any.dim(any_5, -1);  any_5 = None
+    unsqueeze_2 = torch.ops.aten.unsqueeze.default(any_6, 2);  any_6 = None
+    eq_2 = torch.ops.aten.eq.Scalar(getitem_3, 0);  getitem_3 = None
+    bitwise_and_1 = torch.ops.aten.bitwise_and.Tensor(unsqueeze_2, eq_2);  unsqueeze_2 = eq_2 = None
+    eq_3 = torch.ops.aten.eq.Scalar(getitem_2, 0)
+    logical_not = torch.ops.aten.logical_not.default(eq_3);  eq_3 = None
+    any_7 = torch.ops.aten.any.dim(logical_not, -1);  logical_not = None
+    logical_not_1 = torch.ops.aten.logical_not.default(any_7);  any_7 = None
+    bitwise_and_2 = torch.ops.aten.bitwise_and.Tensor(bitwise_and_1, logical_not_1);  bitwise_and_1 = logical_not_1 = None
+    bitwise_or = torch.ops.aten.bitwise_or.Tensor(any_4, bitwise_and_2);  any_4 = bitwise_and_2 = None
+    bitwise_not_4 = torch.ops.aten.bitwise_not.default(expand_1)
+    bitwise_and_3 = torch.ops.aten.bitwise_and.Tensor(bitwise_or, bitwise_not_4);  bitwise_or = bitwise_not_4 = None
+    bitwise_not_5 = torch.ops.aten.bitwise_not.default(expand_1)
+    bitwise_and_4 = torch.ops.aten.bitwise_and.Tensor(expand, bitwise_not_5);  expand = bitwise_not_5 = None
+    bitwise_or_1 = torch.ops.aten.bitwise_or.Tensor(bitwise_and_3, bitwise_and_4);  bitwise_and_3 = bitwise_and_4 = None
+    unsqueeze_3 = torch.ops.aten.unsqueeze.default(bitwise_or_1, -1);  bitwise_or_1 = None
+    scalar_tensor_3 = torch.ops.aten.scalar_tensor.default(nan, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+    where_3 = torch.ops.aten.where.self(unsqueeze_3, scalar_tensor_3, getitem_2);  unsqueeze_3 = scalar_tensor_3 = getitem_2 = None
+    unsqueeze_4 = torch.ops.aten.unsqueeze.default(expand_1, -1);  expand_1 = None
+    scalar_tensor_6 = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+    where_6 = torch.ops.aten.where.self(unsqueeze_4, scalar_tensor_6, where_3);  unsqueeze_4 = scalar_tensor_6 = where_3 = None
+    copy_strided = torch.ops.prims.copy_strided.default(where_6, [512, 8, 32, 1]);  where_6 = None
     return (copy_strided,)""")
 
 
