@@ -182,7 +182,7 @@ def test_non_finite_inputs_give_eagers_nan_rows_through_the_cpu_kernel(case, dty
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("mask", ["bool_bias", "kv_lens", "bool_bias_gqa"])
+@pytest.mark.parametrize("mask", ["bool_bias", "kv_lens", "bool_bias_gqa", "bool_bias_causal"])
 def test_a_nan_key_the_mask_excludes_reaches_no_row_through_the_cpu_kernel(mask, dtype):
     """The CPU kernel adds its mask: a bool bias or kv_lens reach it as -inf, and the NaN score of a key
     they exclude gave NaN + (-inf) = NaN in every row of the head, where the op, like eager's
@@ -195,6 +195,8 @@ def test_a_nan_key_the_mask_excludes_reaches_no_row_through_the_cpu_kernel(mask,
     keep[0, 0, :3, 4] = False  # rows 0..2 exclude the key, the others may admit it
     keep[..., 0] = True  # no row without keys
     kw = dict(kv_lens=torch.tensor([4, 7])) if mask == "kv_lens" else dict(bias=keep)
+    if mask == "bool_bias_causal":  # rows 0..3 exclude key 4 by the diagonal too, whatever the bias says
+        kw["causal"] = True
 
     def fn(q, k, v):
         return fa_compile.attention(q, k, v, **kw)
@@ -310,12 +312,10 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
     logical_not_1 = torch.ops.aten.logical_not.default(any_7);  any_7 = None
     bitwise_and_2 = torch.ops.aten.bitwise_and.Tensor(bitwise_and_1, logical_not_1);  bitwise_and_1 = logical_not_1 = None
     bitwise_or = torch.ops.aten.bitwise_or.Tensor(any_4, bitwise_and_2);  any_4 = bitwise_and_2 = None
+    bitwise_or_1 = torch.ops.aten.bitwise_or.Tensor(bitwise_or, expand);  bitwise_or = expand = None
     bitwise_not_4 = torch.ops.aten.bitwise_not.default(expand_1)
-    bitwise_and_3 = torch.ops.aten.bitwise_and.Tensor(bitwise_or, bitwise_not_4);  bitwise_or = bitwise_not_4 = None
-    bitwise_not_5 = torch.ops.aten.bitwise_not.default(expand_1)
-    bitwise_and_4 = torch.ops.aten.bitwise_and.Tensor(expand, bitwise_not_5);  expand = bitwise_not_5 = None
-    bitwise_or_1 = torch.ops.aten.bitwise_or.Tensor(bitwise_and_3, bitwise_and_4);  bitwise_and_3 = bitwise_and_4 = None
-    unsqueeze_3 = torch.ops.aten.unsqueeze.default(bitwise_or_1, -1);  bitwise_or_1 = None
+    bitwise_and_3 = torch.ops.aten.bitwise_and.Tensor(bitwise_or_1, bitwise_not_4);  bitwise_or_1 = bitwise_not_4 = None
+    unsqueeze_3 = torch.ops.aten.unsqueeze.default(bitwise_and_3, -1);  bitwise_and_3 = None
     scalar_tensor_3 = torch.ops.aten.scalar_tensor.default(nan, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
     where_3 = torch.ops.aten.where.self(unsqueeze_3, scalar_tensor_3, getitem_2);  unsqueeze_3 = scalar_tensor_3 = getitem_2 = None
     unsqueeze_4 = torch.ops.aten.unsqueeze.default(expand_1, -1);  expand_1 = None

@@ -63,13 +63,19 @@ def empty_rows(q: Tensor, k: Tensor, mask: Optional[Tensor], kv_lens: Optional[T
         return None
     if bias is None:
         return (kv_lens <= 0).view(b, 1, 1).expand(b, hq, nq)
+    return (~admitted(q, k, mask, causal).any(dim=-1)).expand(b, hq, nq)
+
+
+def admitted(q: Tensor, k: Tensor, mask: Tensor, causal: bool) -> Tensor:
+    """Bool, broadcasting to [B, Hq, Nq, Nk]: the keys an additive mask and a top-left causal bound admit
+    (the mask's own broadcast shape, the causal bound by index comparison, nothing materialised)."""
     keep = ~torch.isneginf(mask)
     if causal:
-        nk = k.shape[2]
+        nq, nk = q.shape[2], k.shape[2]
         i = torch.arange(nq, device=q.device).view(nq, 1)
         j = torch.arange(nk, device=q.device).view(1, nk)
         keep = keep & (j <= i)
-    return (~keep.any(dim=-1)).expand(b, hq, nq)
+    return keep
 
 
 def finish(out: Tensor, lse: Tensor, empty: Optional[Tensor]) -> tuple[Tensor, Tensor]:

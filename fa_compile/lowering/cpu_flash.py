@@ -39,14 +39,14 @@ def _repeat_kv(t: Tensor, groups: int) -> Tensor:
     return t.unsqueeze(2).expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
 
 
-def _nan_rows(q: Tensor, k: Tensor, out: Tensor, lse: Tensor, empty, groups: int) -> Tensor:
+def _nan_rows(q: Tensor, k: Tensor, out: Tensor, lse: Tensor, groups: int) -> Tensor:
     """[B, Hq, Nq] bool: the rows the reference makes NaN that the kernel returned as out 0, lse 0.
 
     The kernel takes a row's max over finite scores only, so a row with none ends as if it were empty.
     A non-finite query element (NaN or +-inf) makes every score of its row NaN or infinite, and softmax
     over such a row NaN (inf - inf, or a row of -inf); a row whose admitted scores are all non-finite
     through its keys shows as the kernel's empty-row result (lse 0 and out 0) in a head whose keys hold
-    a non-finite value. Structurally empty rows stay the op's empty rows (finish)."""
+    a non-finite value. The caller leaves structurally empty rows out (they stay the op's empty rows)."""
     # x - x is NaN exactly where x is NaN or infinite (0 elsewhere), and y != y is isnan(y), written so
     # that Inductor's CPU code compares whole vectors (its isnan / isfinite are scalar loops there); k is
     # reduced over D, then N, so each loop reads a contiguous row.
@@ -57,11 +57,10 @@ def _nan_rows(q: Tensor, k: Tensor, out: Tensor, lse: Tensor, empty, groups: int
         kbad = kbad.repeat_interleave(groups, dim=1)
     kbad = kbad[..., None]  # [B, Hq, 1]
     dead = kbad & (lse == 0) & (out == 0).all(-1)
-    rows = qbad | dead
-    return rows if empty is None else rows & ~empty
+    return qbad | dead
 
 
-def _without_nan_keys(q: Tensor, k: Tensor, mask: Tensor, groups: int) -> tuple[Tensor, Tensor, Tensor]:
+def _without_nan_keys(q: Tensor, k: Tensor, mask: Tensor, causal: bool, groups: int) -> tuple[Tensor, Tensor, Tensor]:
     """(k, mask, rows) for a mask the op applies by exclusion (a bool bias, kv_lens), which the kernel adds:
     the NaN score of a key holding a NaN that the mask excludes would give NaN + (-inf) = NaN and poison
     every row of the head, where the op (and eager's masked_fill / where) gives that key weight 0. So
@@ -72,7 +71,7 @@ def _without_nan_keys(q: Tensor, k: Tensor, mask: Tensor, groups: int) -> tuple[
     kbad = k.ne(k).any(-1)  # [B, Hkv, Nk]: a NaN element
     k = k.masked_fill(kbad.unsqueeze(-1), 0)
     bad = (kbad.repeat_interleave(groups, dim=1) if groups > 1 else kbad).unsqueeze(2)  # [B, Hq, 1, Nk]
-    rows = (bad & ~torch.isneginf(mask)).any(-1)  # admitted by the mask and holding a NaN
+    rows = (bad & conventions.admitted(q, k, mask, causal)).any(-1)  # admitted and holding a NaN
     return k, mask.masked_fill(bad, NEG_INF), rows.expand(q.shape[0], q.shape[1], q.shape[2])
 
 
@@ -143,13 +142,15 @@ class CpuFlash:
             mask = conventions.additive_mask(q, k, bias, kv_lens)
             kk, kmask, bad_rows = k, mask, None
             if excludes:
-                kk, kmask, bad_rows = _without_nan_keys(q, k, mask, groups)
+                kk, kmask, bad_rows = _without_nan_keys(q, k, mask, causal, groups)
             out, lse = _FWD(q, _repeat_kv(kk, groups), _repeat_kv(v, groups), 0.0, causal, attn_mask=kmask,
                             scale=scale)
             empty = conventions.empty_rows(q, k, mask, kv_lens, causal, bias)
-            nan = _nan_rows(q, k, out, lse, empty, groups)
+            nan = _nan_rows(q, k, out, lse, groups)
             if bad_rows is not None:
-                nan = nan | (bad_rows if empty is None else bad_rows & ~empty)
+                nan = nan | bad_rows
+            if empty is not None:  # structurally empty rows stay the op's empty rows (finish)
+                nan = nan & ~empty
             out = out.masked_fill(nan.unsqueeze(-1), float("nan"))
             lse = lse.masked_fill(nan, float("nan"))
             return conventions.finish(out, lse, empty)

@@ -79,15 +79,15 @@ def _lower_node(graph: fx.Graph, node: fx.Node) -> Optional[choice.Decision]:
     fixup = None
     if not backward and getattr(lowering, "fills_empty_rows", False):
         fixup = empty_rows.find_fixup(node, b["v"])
+    want = None if fixup is None else [fixup[1].meta["val"], node.meta["val"][1]]  # out: what the `where` gave
     try:
         if backward:
             fn = lowering.backward_fn(args)
-        elif fixup is not None:  # the out the `where` gave: its strides
-            want = [fixup[1].meta["val"], node.meta["val"][1]]
-            fn = lowering.forward_fn(args, empty_fill=fixup[0], out_strides=tuple(want[0].stride()))
-        else:
+        elif fixup is None:
             fn = lowering.forward_fn(args)
-        new = splice.replace_node(graph, node, fn, [b[n] for n in names], want if fixup is not None else None)
+        else:
+            fn = lowering.forward_fn(args, empty_fill=fixup[0], out_strides=tuple(want[0].stride()))
+        new = splice.replace_node(graph, node, fn, [b[n] for n in names], want)
     except Exception as e:
         _warn_once(node, decision, e)
         return choice.Decision(direction, decision.kernel, reason=f"lowering failed: {type(e).__name__}: {str(e)[:120]}")
