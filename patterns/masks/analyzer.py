@@ -267,8 +267,11 @@ class _Analyzer:
         return _Opaque(n)
 
     def _op_to(self, n):
+        src, dst = _dtype(n.args[0]), _dtype(n)
         x = self.value(n.args[0])
-        return self._convert(n, x, _dtype(n.args[0]), _dtype(n))
+        if isinstance(x, _Opaque) and src == torch.bool and dst is not None and dst != torch.bool:
+            x = self.keep(n.args[0])  # a bool input as 0/1 numbers: (1.0 - keep.to(dt)) * c is a 0-or-c mask
+        return self._convert(n, x, src, dst)
 
     _op_type = _op_type_as = _op_float = _op_half = _op_bfloat16 = _op_double = _op_bool = _op_long = _op_to
     _op_int = _op_to
