@@ -276,19 +276,16 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
     scalar_tensor = torch.ops.aten.scalar_tensor.default(-inf, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
     where = torch.ops.aten.where.self(bitwise_not, scalar_tensor, full);  bitwise_not = scalar_tensor = full = None
     ne = torch.ops.aten.ne.Tensor(arg1_1, arg1_1)
-    any_1 = torch.ops.aten.any.dim(ne, -1);  ne = None
-    unsqueeze = torch.ops.aten.unsqueeze.default(any_1, -1)
+    any_1 = torch.ops.aten.any.dim(ne, -1)
     scalar_tensor_1 = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-    where_1 = torch.ops.aten.where.self(unsqueeze, scalar_tensor_1, arg1_1);  unsqueeze = scalar_tensor_1 = None
-    unsqueeze_1 = torch.ops.aten.unsqueeze.default(any_1, 2);  any_1 = None
+    where_1 = torch.ops.aten.where.self(ne, scalar_tensor_1, arg1_1);  ne = scalar_tensor_1 = None
+    unsqueeze = torch.ops.aten.unsqueeze.default(any_1, 2);  any_1 = None
     eq = torch.ops.aten.eq.Scalar(where, -inf)
     bitwise_not_1 = torch.ops.aten.bitwise_not.default(eq);  eq = None
-    bitwise_and = torch.ops.aten.bitwise_and.Tensor(unsqueeze_1, bitwise_not_1);  bitwise_not_1 = None
+    bitwise_and = torch.ops.aten.bitwise_and.Tensor(unsqueeze, bitwise_not_1);  unsqueeze = bitwise_not_1 = None
     any_2 = torch.ops.aten.any.dim(bitwise_and, -1);  bitwise_and = None
-    scalar_tensor_2 = torch.ops.aten.scalar_tensor.default(-inf, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-    where_2 = torch.ops.aten.where.self(unsqueeze_1, scalar_tensor_2, where);  unsqueeze_1 = scalar_tensor_2 = None
     expand = torch.ops.aten.expand.default(any_2, [2, 4, 16]);  any_2 = None
-    _scaled_dot_product_flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(arg0_1, where_1, arg2_1, attn_mask = where_2, scale = 0.35355339059327373);  where_1 = arg2_1 = where_2 = None
+    _scaled_dot_product_flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(arg0_1, where_1, arg2_1, attn_mask = where, scale = 0.35355339059327373);  where_1 = arg2_1 = None
     getitem_2 = _scaled_dot_product_flash_attention_for_cpu[0]
     getitem_3 = _scaled_dot_product_flash_attention_for_cpu[1];  _scaled_dot_product_flash_attention_for_cpu = None
     eq_1 = torch.ops.aten.eq.Scalar(where, -inf);  where = None
@@ -303,9 +300,9 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
     ne_2 = torch.ops.aten.ne.Tensor(sub_1, sub_1);  sub_1 = None
     any_5 = torch.ops.aten.any.dim(ne_2, -1);  ne_2 = None
     any_6 = torch.ops.aten.any.dim(any_5, -1);  any_5 = None
-    unsqueeze_2 = torch.ops.aten.unsqueeze.default(any_6, 2);  any_6 = None
+    unsqueeze_1 = torch.ops.aten.unsqueeze.default(any_6, 2);  any_6 = None
     eq_2 = torch.ops.aten.eq.Scalar(getitem_3, 0);  getitem_3 = None
-    bitwise_and_1 = torch.ops.aten.bitwise_and.Tensor(unsqueeze_2, eq_2);  unsqueeze_2 = eq_2 = None
+    bitwise_and_1 = torch.ops.aten.bitwise_and.Tensor(unsqueeze_1, eq_2);  unsqueeze_1 = eq_2 = None
     eq_3 = torch.ops.aten.eq.Scalar(getitem_2, 0)
     logical_not = torch.ops.aten.logical_not.default(eq_3);  eq_3 = None
     any_7 = torch.ops.aten.any.dim(logical_not, -1);  logical_not = None
@@ -315,13 +312,13 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
     bitwise_or_1 = torch.ops.aten.bitwise_or.Tensor(bitwise_or, expand);  bitwise_or = expand = None
     bitwise_not_4 = torch.ops.aten.bitwise_not.default(expand_1)
     bitwise_and_3 = torch.ops.aten.bitwise_and.Tensor(bitwise_or_1, bitwise_not_4);  bitwise_or_1 = bitwise_not_4 = None
-    unsqueeze_3 = torch.ops.aten.unsqueeze.default(bitwise_and_3, -1);  bitwise_and_3 = None
-    scalar_tensor_3 = torch.ops.aten.scalar_tensor.default(nan, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-    where_3 = torch.ops.aten.where.self(unsqueeze_3, scalar_tensor_3, getitem_2);  unsqueeze_3 = scalar_tensor_3 = getitem_2 = None
-    unsqueeze_4 = torch.ops.aten.unsqueeze.default(expand_1, -1);  expand_1 = None
-    scalar_tensor_6 = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-    where_6 = torch.ops.aten.where.self(unsqueeze_4, scalar_tensor_6, where_3);  unsqueeze_4 = scalar_tensor_6 = where_3 = None
-    copy_strided = torch.ops.prims.copy_strided.default(where_6, [512, 8, 32, 1]);  where_6 = None
+    unsqueeze_2 = torch.ops.aten.unsqueeze.default(bitwise_and_3, -1);  bitwise_and_3 = None
+    scalar_tensor_2 = torch.ops.aten.scalar_tensor.default(nan, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+    where_2 = torch.ops.aten.where.self(unsqueeze_2, scalar_tensor_2, getitem_2);  unsqueeze_2 = scalar_tensor_2 = getitem_2 = None
+    unsqueeze_3 = torch.ops.aten.unsqueeze.default(expand_1, -1);  expand_1 = None
+    scalar_tensor_5 = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+    where_5 = torch.ops.aten.where.self(unsqueeze_3, scalar_tensor_5, where_2);  unsqueeze_3 = scalar_tensor_5 = where_2 = None
+    copy_strided = torch.ops.prims.copy_strided.default(where_5, [512, 8, 32, 1]);  where_5 = None
     return (copy_strided,)""")
 
 

@@ -142,6 +142,14 @@ class SdpaCandidate:
         q, k, v = (c.last_dim_contiguous(t) for t in (args.q, args.k, args.v))
         b, hq, nq = q.shape[0], q.shape[1], q.shape[2]
         causal = c.effective_causal(args)
+        bad_rows = None
+        if self.kind != "flash" and (args.kv_lens is not None or (args.bias is not None and args.bias.dtype == torch.bool)):
+            # a mask the op applies by exclusion, which the kernel adds: a NaN key must not poison the rows
+            # that exclude it (NaN + -inf); see lowering/conventions.without_nan_keys
+            from ..lowering import conventions
+
+            mask = conventions.additive_mask(q, k, args.bias, args.kv_lens)
+            k, bad_rows = conventions.without_nan_keys(q, k, mask, causal, q.shape[1] // k.shape[1])
         if self.kind == "flash":
             res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=args.scale)
             out, lse = res[0], res[1]
@@ -151,6 +159,9 @@ class SdpaCandidate:
         else:
             res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, self._bias(args), True, 0.0, causal, scale=args.scale)
             out, lse = res[0], res[1][:, :, :nq]
+        if bad_rows is not None:  # rows that admit a key, never empty ones
+            out = out.masked_fill(bad_rows.unsqueeze(-1), float("nan"))
+            lse = lse.masked_fill(bad_rows, float("nan"))
         return c.finish_forward(out, lse, c.may_have_empty_rows(args))
 
     def backward(self, args, dout: Tensor, out: Tensor, lse: Tensor):

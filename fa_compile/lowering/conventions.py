@@ -78,6 +78,22 @@ def admitted(q: Tensor, k: Tensor, mask: Tensor, causal: bool) -> Tensor:
     return keep
 
 
+def without_nan_keys(q: Tensor, k: Tensor, mask: Tensor, causal: bool, groups: int) -> tuple[Tensor, Tensor]:
+    """(k, rows) for a mask the op applies by exclusion (a bool bias, kv_lens) that a kernel receives added:
+    a key holding a NaN would give NaN + (-inf) = NaN on the rows that exclude it and poison them, where the
+    op (and eager's masked_fill / where) gives that key weight 0. So NaN elements are zeroed (the mask still
+    excludes their keys where it did), and `rows` [B, Hq, Nq] are the rows that admit such a key, which the
+    caller makes NaN (a NaN element makes that row's score NaN whatever the query). An infinite element is
+    left to the kernel: its score is +-inf or NaN depending on the query, so zeroing it would change rows
+    that admit it (a -inf score weighs 0 there)."""
+    nan = k != k
+    kbad = nan.any(-1)  # [B, Hkv, Nk]
+    k = k.masked_fill(nan, 0)
+    bad = (kbad.repeat_interleave(groups, dim=1) if groups > 1 else kbad).unsqueeze(2)  # [B, Hq, 1, Nk]
+    rows = (bad & admitted(q, k, mask, causal)).any(-1)  # the mask's own broadcast shape over Nq
+    return k, rows.expand(q.shape[0], q.shape[1], q.shape[2])
+
+
 def finish(out: Tensor, lse: Tensor, empty: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """fp32 lse, -inf and out 0 on empty rows, out BSHD-strided, lse contiguous."""
     lse = lse.to(torch.float32)

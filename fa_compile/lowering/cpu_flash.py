@@ -9,8 +9,8 @@ out with q's dimension order. A row whose keys are all masked gets out 0 and lse
 A row whose scores are all NaN (a NaN in its query, or in every key it admits) gets the same out 0 and
 lse 0 from the kernel, where the op's reference gives NaN: such rows are put back to NaN
 (`_nan_rows`), so a NaN input is never turned into a finite number. The kernel adds its mask, so a key
-holding a NaN that a bool bias or kv_lens excludes would poison every row (NaN + -inf): such keys are
-zeroed and excluded for the kernel, and the rows that admit them made NaN (`_without_nan_keys`).
+holding a NaN that a bool bias or kv_lens excludes would poison every row (NaN + -inf): its NaN elements
+are zeroed for the kernel, and the rows that admit it made NaN (`conventions.without_nan_keys`).
 
 What it cannot express exactly keeps the op, as do a forced kernel="reference" and an enclosing
 sdpa_kernel() without SDPBackend.FLASH_ATTENTION (SDPA's CPU flash path honours it too): softcap, sliding windows, dropout (ours is a counter
@@ -25,7 +25,6 @@ from torch import Tensor
 from .. import dispatch
 from ..candidates import common as c
 from . import choice, conventions
-from .conventions import NEG_INF
 
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -58,21 +57,6 @@ def _nan_rows(q: Tensor, k: Tensor, out: Tensor, lse: Tensor, groups: int) -> Te
     kbad = kbad[..., None]  # [B, Hq, 1]
     dead = kbad & (lse == 0) & (out == 0).all(-1)
     return qbad | dead
-
-
-def _without_nan_keys(q: Tensor, k: Tensor, mask: Tensor, causal: bool, groups: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(k, mask, rows) for a mask the op applies by exclusion (a bool bias, kv_lens), which the kernel adds:
-    the NaN score of a key holding a NaN that the mask excludes would give NaN + (-inf) = NaN and poison
-    every row of the head, where the op (and eager's masked_fill / where) gives that key weight 0. So
-    such keys are zeroed and excluded from every row, and `rows` [B, Hq, Nq] are the rows that admit
-    one, which the caller makes NaN (a NaN element makes that row's score NaN whatever the query).
-    An infinite element is left to the kernel: its score is +-inf or NaN depending on the query, so
-    zeroing it would change rows that admit it (a -inf score weighs 0 there)."""
-    kbad = k.ne(k).any(-1)  # [B, Hkv, Nk]: a NaN element
-    k = k.masked_fill(kbad.unsqueeze(-1), 0)
-    bad = (kbad.repeat_interleave(groups, dim=1) if groups > 1 else kbad).unsqueeze(2)  # [B, Hq, 1, Nk]
-    rows = (bad & conventions.admitted(q, k, mask, causal)).any(-1)  # admitted and holding a NaN
-    return k, mask.masked_fill(bad, NEG_INF), rows.expand(q.shape[0], q.shape[1], q.shape[2])
 
 
 class CpuFlash:
@@ -133,17 +117,17 @@ class CpuFlash:
         scale, causal = float(args.scale), self._causal(args)
         has_bias, has_lens = args.bias is not None, args.kv_lens is not None
         groups = int(args.q.shape[1]) // int(args.k.shape[1])
-        # masks the op applies by exclusion, which the kernel receives added: see _without_nan_keys
+        # masks the op applies by exclusion, which the kernel receives added: see conventions.without_nan_keys
         excludes = has_lens or (has_bias and args.bias.dtype == torch.bool)
 
         def fn(q, k, v, *rest):
             bias = rest[0] if has_bias else None
             kv_lens = rest[-1] if has_lens else None
             mask = conventions.additive_mask(q, k, bias, kv_lens)
-            kk, kmask, bad_rows = k, mask, None
+            kk, bad_rows = k, None
             if excludes:
-                kk, kmask, bad_rows = _without_nan_keys(q, k, mask, causal, groups)
-            out, lse = _FWD(q, _repeat_kv(kk, groups), _repeat_kv(v, groups), 0.0, causal, attn_mask=kmask,
+                kk, bad_rows = conventions.without_nan_keys(q, k, mask, causal, groups)
+            out, lse = _FWD(q, _repeat_kv(kk, groups), _repeat_kv(v, groups), 0.0, causal, attn_mask=mask,
                             scale=scale)
             empty = conventions.empty_rows(q, k, mask, kv_lens, causal, bias)
             nan = _nan_rows(q, k, out, lse, groups)

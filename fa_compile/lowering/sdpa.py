@@ -25,9 +25,9 @@ def _last_dim_contiguous(t: Tensor) -> Tensor:
     return t if statically_known_true(t.stride(-1) == 1) else t.contiguous()
 
 
-def _bias(q: Tensor, k: Tensor, bias, kv_lens) -> "Tensor | None":
+def _bias(q: Tensor, k: Tensor, bias, kv_lens, mask: "Tensor | None" = None) -> "Tensor | None":
     b, hq, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    mask = conventions.additive_mask(q, k, bias, kv_lens)
+    mask = conventions.additive_mask(q, k, bias, kv_lens) if mask is None else mask
     if mask is None:
         return None
     nk_i = c.static_int(nk)
@@ -71,25 +71,35 @@ class SdpaLowering:
         causal = c.effective_causal(args)
         maybe_empty = c.may_have_empty_rows(args)
         has_bias, has_lens = args.bias is not None, args.kv_lens is not None
+        # masks the op applies by exclusion, which cuDNN / mem-efficient receive added (conventions.without_nan_keys)
+        excludes = kind != "flash" and (has_lens or (has_bias and args.bias.dtype == torch.bool))
+        groups = int(args.q.shape[1]) // int(args.k.shape[1]) if excludes else 1
 
         def fn(q, k, v, *rest):
             bias = rest[0] if has_bias else None
             kv_lens = rest[-1] if has_lens else None
             b, hq, nq = q.shape[0], q.shape[1], q.shape[2]
+            mask, bad_rows = None, None
+            if excludes:
+                mask = conventions.additive_mask(q, k, bias, kv_lens)
+                k, bad_rows = conventions.without_nan_keys(q, k, mask, bool(causal), groups)
             q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
             if kind == "flash":
                 res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
                 out, lse = res[0], res[1]
             elif kind == "cudnn":
-                res = aten._scaled_dot_product_cudnn_attention(q, k, v, _bias(q, k, bias, kv_lens), True, 0.0, causal,
-                                                               False, scale=scale)
+                res = aten._scaled_dot_product_cudnn_attention(q, k, v, _bias(q, k, bias, kv_lens, mask), True, 0.0,
+                                                               causal, False, scale=scale)
                 out, lse = res[0], res[1].reshape(b, hq, nq)
             else:
-                res = aten._scaled_dot_product_efficient_attention(q, k, v, _bias(q, k, bias, kv_lens), True, 0.0,
-                                                                   causal, scale=scale)
+                res = aten._scaled_dot_product_efficient_attention(q, k, v, _bias(q, k, bias, kv_lens, mask), True,
+                                                                   0.0, causal, scale=scale)
                 out, lse = res[0], res[1][:, :, :nq]
             lse = lse.to(torch.float32)
             empty = torch.isinf(lse) if maybe_empty else None
+            if bad_rows is not None:  # rows that admit a key, never empty ones
+                out = out.masked_fill(bad_rows.unsqueeze(-1), float("nan"))
+                lse = lse.masked_fill(bad_rows, float("nan"))
             return conventions.finish(out, lse, empty)
 
         return fn
