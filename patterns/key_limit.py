@@ -89,21 +89,30 @@ def limit_keys(graph: fx.Graph, q: fx.Node, k: fx.Node, v: fx.Node, bias: fx.Nod
     bv = example_value(b4)
     nk = example_value(k).shape[2]
     j1 = call(graph, operator.add, _arange(graph, k, 2), 1)  # [Nk]: 1 + j
+    keep = None
+    if bv.dtype != torch.bool:
+        keep = _keep_mask(graph, q, v, causal=causal, diag_offset=diag_offset, window_left=window_left,
+                          window_right=window_right, bias=None, kv_lens=kv_lens, q_pos=q_pos, q_seg=q_seg,
+                          k_seg=k_seg)
+    # generate()'s mask of one query, [B, 1, 1, Nk]: both reductions below then run over the same [B, Nk],
+    # which Inductor computes in one kernel (reduced over dims 1 and 2 first, they were two kernels)
+    rows_of_one = keep is None and all(isinstance(n, int) and n == 1 for n in bv.shape[1:3])
+    if rows_of_one:
+        b4 = call(graph, operator.getitem, b4, (slice(None), 0, 0))
     if bv.dtype == torch.bool:
         admissible = b4
     else:
         t = absorb_threshold(bv.dtype)
         admissible = call(graph, torch.logical_not, call(graph, operator.le, b4, t))  # NaN stays
-    seen = call(graph, torch.any, admissible, (1, 2))  # [Bm, Nk]: some head and query admits key j
+    # [Bm, Nk]: some head and query admits key j
+    seen = admissible if rows_of_one else call(graph, torch.any, admissible, (1, 2))
     limit = call(graph, torch.amax, call(graph, torch.where, seen, j1, 0), -1)  # [Bm] int64, 0: none
     if bv.dtype != torch.bool:
         good = call(graph, operator.ge, b4, absorb_threshold(bv.dtype) / 2)
-        keep = _keep_mask(graph, q, v, causal=causal, diag_offset=diag_offset, window_left=window_left,
-                          window_right=window_right, bias=None, kv_lens=kv_lens, q_pos=q_pos, q_seg=q_seg,
-                          k_seg=k_seg)
         if keep is not None:
             good = call(graph, torch.logical_and, good, keep)
-        every_row = call(graph, torch.all, call(graph, torch.any, good, -1), (1, 2))  # [Bx]
+        rows_good = call(graph, torch.any, good, -1)  # [Bx] or [Bx, Hx, Nqx]
+        every_row = rows_good if rows_of_one else call(graph, torch.all, rows_good, (1, 2))  # [Bx]
         limit = call(graph, torch.where, every_row, limit, nk)
     if kv_lens is not None:
         limit = call(graph, torch.minimum, limit, call(graph, "to", kv_lens, torch.int64, method=True))

@@ -192,24 +192,23 @@ def forward(self, L_k_ : torch.Tensor, L_q_ : torch.Tensor, L_mask_ : torch.Tens
     l_v_ = L_v_
     arange = torch.arange(2100, device = device(type='cpu'))
     add_1 = arange + 1;  arange = None
-    le = l_mask_ <= -1e+30
+    getitem = l_mask_[(slice(None, None, None), 0, 0)]
+    le = getitem <= -1e+30
     logical_not = torch.logical_not(le);  le = None
-    any_1 = torch.any(logical_not, (1, 2));  logical_not = None
-    where = torch.where(any_1, add_1, 0);  any_1 = add_1 = None
+    where = torch.where(logical_not, add_1, 0);  logical_not = add_1 = None
     amax = torch.amax(where, -1);  where = None
-    ge = l_mask_ >= -5e+29
-    any_2 = torch.any(ge, -1);  ge = None
-    all_1 = torch.all(any_2, (1, 2));  any_2 = None
-    where_1 = torch.where(all_1, amax, 2100);  all_1 = amax = None
+    ge = getitem >= -5e+29;  getitem = None
+    any_1 = torch.any(ge, -1);  ge = None
+    where_1 = torch.where(any_1, amax, 2100);  any_1 = amax = None
     clamp = where_1.clamp(0, 2100);  where_1 = None
     to = clamp.to(torch.int32);  clamp = None
     attention_default = torch.ops.fa3.attention.default(l_q_, l_k_, l_v_, 0.35355339059327373, False, 0, -1, -1, l_mask_, to, 0.0, 0.0, None, None);  l_q_ = l_k_ = l_v_ = l_mask_ = to = None
-    getitem = attention_default[0]
-    getitem_1 = attention_default[1];  attention_default = None
-    isneginf = torch.isneginf(getitem_1);  getitem_1 = None
+    getitem_1 = attention_default[0]
+    getitem_2 = attention_default[1];  attention_default = None
+    isneginf = torch.isneginf(getitem_2);  getitem_2 = None
     unsqueeze = torch.unsqueeze(isneginf, -1);  isneginf = None
-    full_like = torch.full_like(getitem, nan)
-    where_2 = torch.where(unsqueeze, full_like, getitem);  unsqueeze = full_like = getitem = None
+    full_like = torch.full_like(getitem_1, nan)
+    where_2 = torch.where(unsqueeze, full_like, getitem_1);  unsqueeze = full_like = getitem_1 = None
     return (where_2,)""")
 
 
