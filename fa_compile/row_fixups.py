@@ -78,14 +78,13 @@ def uniform_row_grad_backward(dg: Tensor, q: Tensor, k: Tensor, v: Tensor, scale
     if hq % max(hkv, 1) != 0:
         raise ValueError(f"k: {hkv} key heads do not divide the {hq} query heads")
     acc = torch.promote_types(q.dtype, torch.float32)
-    if b * hq * nq * nk * d == 0:  # no keys: nothing to weigh; no head dim: scores 0
-        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), torch.zeros(k.shape, dtype=k.dtype, device=k.device)
+    # no keys: nothing to weigh; no head dim: scores 0. Without a softcap one reduction decides (NaN counts
+    # as nonzero): most batches have no fully masked row, and this op runs per layer in every backward (on
+    # CPU; CUDA takes the sync-free terms instead).
+    if b * hq * nq * nk * d == 0 or (softcap == 0 and not bool(dg.any())):
+        return torch.zeros_like(q, memory_format=torch.contiguous_format), \
+            torch.zeros_like(k, memory_format=torch.contiguous_format)
     if softcap == 0:
-        # One reduction decides (NaN counts as nonzero): most batches have no fully masked row, and this
-        # op runs per layer in every backward (on CPU; CUDA takes the sync-free terms instead).
-        if not bool(dg.any()):
-            return torch.zeros(q.shape, dtype=q.dtype, device=q.device), torch.zeros(k.shape, dtype=k.dtype,
-                                                                                       device=k.device)
         return _uniform_grads(dg, q, k, v, scale, acc, True, True)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)

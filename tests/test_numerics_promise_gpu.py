@@ -35,21 +35,25 @@ _i = torch.arange(N)
 _lens = torch.tensor([J, N])  # batch 0 excludes key J, batch 1 admits it
 
 
-STRUCTURES = ["bool_bias", "key_padding_bias", "kv_lens", "causal", "causal_kv_lens"]
-
-
 def _structures() -> dict:
-    """name -> (op keyword arguments, [B, N] bool: the rows that admit key J)."""
+    """name -> (op keyword arguments, CPU tensors; [B, N] bool: the rows that admit key J)."""
     rows_all = torch.ones(B, N, dtype=torch.bool)
     keep = (_i.view(N, 1) % 3 != 0) | (_i.view(1, N) != J)  # rows i % 3 == 0 exclude key J
     pad = _i.view(1, N) < _lens.view(B, 1)  # [B, Nk] key padding
     return {
-        "bool_bias": (dict(bias=keep.cuda()), (_i % 3 != 0).expand(B, N)),
-        "key_padding_bias": (dict(bias=pad.view(B, 1, 1, N).cuda()), rows_all & (_lens.view(B, 1) > J)),
-        "kv_lens": (dict(kv_lens=_lens.cuda()), rows_all & (_lens.view(B, 1) > J)),
+        "bool_bias": (dict(bias=keep), (_i % 3 != 0).expand(B, N)),
+        "key_padding_bias": (dict(bias=pad.view(B, 1, 1, N)), rows_all & (_lens.view(B, 1) > J)),
+        "kv_lens": (dict(kv_lens=_lens), rows_all & (_lens.view(B, 1) > J)),
         "causal": (dict(causal=True), (_i >= J).expand(B, N)),
-        "causal_kv_lens": (dict(causal=True, kv_lens=_lens.cuda()), (_i >= J).expand(B, N) & (_lens.view(B, 1) > J)),
+        "causal_kv_lens": (dict(causal=True, kv_lens=_lens), (_i >= J).expand(B, N) & (_lens.view(B, 1) > J)),
     }
+
+
+STRUCTURES = list(_structures())
+
+
+def _on_gpu(kw: dict) -> dict:
+    return {n: t.cuda() if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
 
 
 def _op(q, k, v, kernel: str, **kw) -> torch.Tensor:
@@ -61,6 +65,7 @@ def _op(q, k, v, kernel: str, **kw) -> torch.Tensor:
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_nan_key_reaches_exactly_the_rows_that_admit_it(kernel, structure, dtype):
     kw, admits = _structures()[structure]
+    kw = _on_gpu(kw)
     q, k, v = _qkv(dtype)
     try:
         clean = _op(q, k, v, kernel, **kw)
@@ -102,7 +107,7 @@ def test_compiled_key_padding_with_a_nan_key_matches_eager(kernel):
 def test_nan_key_in_a_decode_step(structure):
     """One query token per sequence through the split-KV decode kernel: the batch whose lengths exclude
     the NaN key is exact, the other NaN."""
-    kw, _ = _structures()[structure]
+    kw = _on_gpu(_structures()[structure][0])
     q, k, v = _qkv(torch.bfloat16, seed=2)
     q = q[:, :, -1:].contiguous()
     with torch.no_grad():

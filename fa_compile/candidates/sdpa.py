@@ -114,18 +114,12 @@ class SdpaCandidate:
         return r
 
     # ---- running ----------------------------------------------------------------------------
-    def _bias(self, args) -> Optional[Tensor]:
-        """bias and kv_lens as one additive tensor in q's dtype, [B, Hq, Nq, Nk] by broadcast (views)."""
+    def _bias(self, args, mask: Optional[Tensor] = None) -> Optional[Tensor]:
+        """bias and kv_lens as one additive tensor in q's dtype, [B, Hq, Nq, Nk] by broadcast (views);
+        `mask`: that sum already built (unpadded, unexpanded)."""
         q, k = args.q, args.k
         b, hq, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-        bias = args.bias
-        if bias is not None and bias.dtype == torch.bool:
-            bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device).masked_fill(~bias, c.NEG_INF)
-        if args.kv_lens is not None:
-            j = torch.arange(nk, device=q.device)
-            pad = torch.zeros((b, 1, 1, nk), dtype=q.dtype, device=q.device)
-            pad = pad.masked_fill((j.view(1, nk) >= args.kv_lens.view(b, 1)).view(b, 1, 1, nk), c.NEG_INF)
-            bias = pad if bias is None else bias + pad
+        bias = mask if mask is not None else self._additive(args)
         if bias is None:
             return None
         while bias.dim() < 4:
@@ -138,26 +132,41 @@ class SdpaCandidate:
             bias = padded[..., :nk]
         return bias.expand(b, hq, nq, nk)
 
+    @staticmethod
+    def _additive(args) -> Optional[Tensor]:
+        """bias (bool: True = attend) and kv_lens as one additive tensor in q's dtype, its own broadcast shape."""
+        q, k = args.q, args.k
+        b, nk = q.shape[0], k.shape[2]
+        bias = args.bias
+        if bias is not None and bias.dtype == torch.bool:
+            bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device).masked_fill(~bias, c.NEG_INF)
+        if args.kv_lens is not None:
+            j = torch.arange(nk, device=q.device)
+            pad = torch.zeros((b, 1, 1, nk), dtype=q.dtype, device=q.device)
+            pad = pad.masked_fill((j.view(1, nk) >= args.kv_lens.view(b, 1)).view(b, 1, 1, nk), c.NEG_INF)
+            bias = pad if bias is None else bias + pad
+        return bias
+
     def forward(self, args) -> tuple[Tensor, Tensor]:
         q, k, v = (c.last_dim_contiguous(t) for t in (args.q, args.k, args.v))
         b, hq, nq = q.shape[0], q.shape[1], q.shape[2]
         causal = c.effective_causal(args)
-        bad_rows = None
+        mask, bad_rows = None, None
         if self.kind != "flash" and (args.kv_lens is not None or (args.bias is not None and args.bias.dtype == torch.bool)):
             # a mask the op applies by exclusion, which the kernel adds: a NaN key must not poison the rows
             # that exclude it (NaN + -inf); see lowering/conventions.without_nan_keys
             from ..lowering import conventions
 
-            mask = conventions.additive_mask(q, k, args.bias, args.kv_lens)
+            mask = self._additive(args)
             k, bad_rows = conventions.without_nan_keys(q, k, mask, causal, q.shape[1] // k.shape[1])
         if self.kind == "flash":
             res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=args.scale)
             out, lse = res[0], res[1]
         elif self.kind == "cudnn":
-            res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, self._bias(args), True, 0.0, causal, False, scale=args.scale)
+            res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, self._bias(args, mask), True, 0.0, causal, False, scale=args.scale)
             out, lse = res[0], res[1].reshape(b, hq, nq)
         else:
-            res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, self._bias(args), True, 0.0, causal, scale=args.scale)
+            res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, self._bias(args, mask), True, 0.0, causal, scale=args.scale)
             out, lse = res[0], res[1][:, :, :nq]
         if bad_rows is not None:  # rows that admit a key, never empty ones
             out = out.masked_fill(bad_rows.unsqueeze(-1), float("nan"))
