@@ -82,16 +82,16 @@ def uniform_row_grad_backward(dg: Tensor, q: Tensor, k: Tensor, v: Tensor, scale
     # as nonzero): most batches have no fully masked row, and this op runs per layer in every backward (on
     # CPU; CUDA takes the sync-free terms instead).
     if b * hq * nq * nk * d == 0 or (softcap == 0 and not bool(dg.any())):
-        return torch.zeros_like(q, memory_format=torch.contiguous_format), \
-            torch.zeros_like(k, memory_format=torch.contiguous_format)
+        return torch.zeros_like(q), torch.zeros_like(k)
     if softcap == 0:
-        return _uniform_grads(dg, q, k, v, scale, acc, True, True)
+        dq, dk = _uniform_grads(dg, q, k, v, scale, acc, True, True)
+        return _laid_out_like(dq, q), _laid_out_like(dk, k)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     g = hq // hkv
     rows = _live_query_positions(dg)
     if rows.numel() == 0:
-        return dq.to(q.dtype), dk.to(k.dtype)
+        return _laid_out_like(dq, q), _laid_out_like(dk, k)
     kf = k.to(acc)
     vf = v.to(acc)
     vc = vf - vf.mean(dim=2, keepdim=True)  # centred in fp32+ (a difference of close values)
@@ -104,11 +104,19 @@ def uniform_row_grad_backward(dg: Tensor, q: Tensor, k: Tensor, v: Tensor, scale
         draw = torch.matmul(dgs, vc.transpose(-1, -2)) * ((1 - t * t) * (scale / nk))  # [B, Hkv, gn, Nk], x scale
         dq.index_copy_(2, r, torch.matmul(draw, kf).reshape(b, hq, n, d))
         dk += torch.matmul(draw.transpose(-1, -2), qs)  # the group's queries summed by the contraction
-    return dq.to(q.dtype), dk.to(k.dtype)
+    return _laid_out_like(dq, q), _laid_out_like(dk, k)
+
+
+def _laid_out_like(t: Tensor, like: Tensor) -> Tensor:
+    """t in like's dtype with the strides `torch.empty_like(like)` has. The gradients are added to the
+    attention kernel's, which come in q's / k's own layout (BSHD for projections viewed as heads): in
+    that layout the sum keeps it, where a contiguous [B, H, N, D] term made every sum a transposing copy."""
+    out = torch.empty_like(like)
+    return out.copy_(t)
 
 
 def _uniform_row_grad_backward_fake(dg, q, k, v, scale, softcap):
-    return q.new_empty(q.shape), k.new_empty(k.shape)
+    return torch.empty_like(q), torch.empty_like(k)
 
 
 _LIB.impl("uniform_row_grad_backward", uniform_row_grad_backward, "CompositeExplicitAutograd")
@@ -226,10 +234,10 @@ def filled_scores_grad_backward(dg: Tensor, q: Tensor, k: Tensor, v: Tensor, bia
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     if b * hq * nq * nk == 0:
-        return dq.to(q.dtype), dk.to(k.dtype)
+        return _laid_out_like(dq, q), _laid_out_like(dk, k)
     rows = _live_query_positions(dg)
     if rows.numel() == 0:
-        return dq.to(q.dtype), dk.to(k.dtype)
+        return _laid_out_like(dq, q), _laid_out_like(dk, k)
     g = hq // hkv
     full = (b, hq, nq, nk)
     bias_f = bias.expand(full) if bias.dtype != torch.bool else torch.where(bias, 0.0, float("-inf")).expand(full)
@@ -254,11 +262,11 @@ def filled_scores_grad_backward(dg: Tensor, q: Tensor, k: Tensor, v: Tensor, bia
         ds = ds * scale
         dq.index_copy_(2, r, torch.matmul(ds, kf).reshape(b, hq, n, d))
         dk += torch.matmul(ds.transpose(-1, -2), qs)
-    return dq.to(q.dtype), dk.to(k.dtype)
+    return _laid_out_like(dq, q), _laid_out_like(dk, k)
 
 
 def _filled_scores_grad_backward_fake(dg, q, k, v, bias, filled, scale, softcap):
-    return q.new_empty(q.shape), k.new_empty(k.shape)
+    return torch.empty_like(q), torch.empty_like(k)
 
 
 _LIB.impl("filled_scores_grad_backward", filled_scores_grad_backward, "CompositeExplicitAutograd")

@@ -223,33 +223,12 @@ def test_lowered_training_graphs_are_pinned():
     assert len(graphs) == 2
     expecttest.assert_expected_inline(graphs[0].strip(), """\
 def forward(self, primals_1, primals_2, primals_3):
-    _scaled_dot_product_flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(primals_1, primals_2, primals_3, 0.0, True, scale = 0.35355339059327373)
-    getitem_2 = _scaled_dot_product_flash_attention_for_cpu[0]
-    getitem_3 = _scaled_dot_product_flash_attention_for_cpu[1];  _scaled_dot_product_flash_attention_for_cpu = None
-    sub = torch.ops.aten.sub.Tensor(primals_1, primals_1)
-    sub_1 = torch.ops.aten.sub.Tensor(primals_2, primals_2)
-    ne = torch.ops.aten.ne.Tensor(sub, sub);  sub = None
-    any_1 = torch.ops.aten.any.dim(ne, -1);  ne = None
-    ne_1 = torch.ops.aten.ne.Tensor(sub_1, sub_1);  sub_1 = None
-    any_2 = torch.ops.aten.any.dim(ne_1, -1);  ne_1 = None
-    any_3 = torch.ops.aten.any.dim(any_2, -1);  any_2 = None
-    unsqueeze = torch.ops.aten.unsqueeze.default(any_3, 2);  any_3 = None
-    eq = torch.ops.aten.eq.Scalar(getitem_3, 0)
-    bitwise_and = torch.ops.aten.bitwise_and.Tensor(unsqueeze, eq);  unsqueeze = eq = None
-    eq_1 = torch.ops.aten.eq.Scalar(getitem_2, 0)
-    logical_not = torch.ops.aten.logical_not.default(eq_1);  eq_1 = None
-    any_4 = torch.ops.aten.any.dim(logical_not, -1);  logical_not = None
-    logical_not_1 = torch.ops.aten.logical_not.default(any_4);  any_4 = None
-    bitwise_and_1 = torch.ops.aten.bitwise_and.Tensor(bitwise_and, logical_not_1);  bitwise_and = logical_not_1 = None
-    bitwise_or = torch.ops.aten.bitwise_or.Tensor(any_1, bitwise_and_1);  any_1 = bitwise_and_1 = None
-    unsqueeze_1 = torch.ops.aten.unsqueeze.default(bitwise_or, -1)
-    scalar_tensor = torch.ops.aten.scalar_tensor.default(nan, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-    where = torch.ops.aten.where.self(unsqueeze_1, scalar_tensor, getitem_2);  unsqueeze_1 = scalar_tensor = getitem_2 = None
-    scalar_tensor_1 = torch.ops.aten.scalar_tensor.default(nan, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-    where_1 = torch.ops.aten.where.self(bitwise_or, scalar_tensor_1, getitem_3);  bitwise_or = scalar_tensor_1 = getitem_3 = None
-    copy_strided = torch.ops.prims.copy_strided.default(where, [512, 8, 32, 1]);  where = None
+    cpu_flash_forward = torch.ops.fa3.cpu_flash_forward.default(primals_1, primals_2, primals_3, None, None, 0.35355339059327373, True, 1, 'zero')
+    getitem_2 = cpu_flash_forward[0]
+    getitem_3 = cpu_flash_forward[1];  cpu_flash_forward = None
+    copy_strided = torch.ops.prims.copy_strided.default(getitem_2, [512, 8, 32, 1]);  getitem_2 = None
     clone = torch.ops.aten.clone.default(copy_strided, memory_format = torch.contiguous_format)
-    return (clone, primals_1, primals_2, primals_3, copy_strided, where_1)""")
+    return (clone, primals_1, primals_2, primals_3, copy_strided, getitem_3)""")
     expecttest.assert_expected_inline(graphs[1].strip(), """\
 def forward(self, primals_1, primals_2, primals_3, getitem, getitem_1, tangents_1):
     _scaled_dot_product_flash_attention_for_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(tangents_1, primals_1, primals_2, primals_3, getitem, getitem_1, 0.0, True, scale = 0.35355339059327373);  tangents_1 = primals_1 = primals_2 = primals_3 = getitem = getitem_1 = None
@@ -271,54 +250,9 @@ def test_inference_graph_with_key_padding_is_pinned():
     torch.testing.assert_close(out, fa_compile.attention(q, k, v, bias=keep), **TOL[torch.float32])
     expecttest.assert_expected_inline(graphs[0].strip(), """\
 def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
-    full = torch.ops.aten.full.default([2, 1, 1, 16], 0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'), pin_memory = False)
-    bitwise_not = torch.ops.aten.bitwise_not.default(arg3_1);  arg3_1 = None
-    scalar_tensor = torch.ops.aten.scalar_tensor.default(-inf, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-    where = torch.ops.aten.where.self(bitwise_not, scalar_tensor, full);  bitwise_not = scalar_tensor = full = None
-    ne = torch.ops.aten.ne.Tensor(arg1_1, arg1_1)
-    any_1 = torch.ops.aten.any.dim(ne, -1)
-    scalar_tensor_1 = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-    where_1 = torch.ops.aten.where.self(ne, scalar_tensor_1, arg1_1);  ne = scalar_tensor_1 = None
-    unsqueeze = torch.ops.aten.unsqueeze.default(any_1, 2);  any_1 = None
-    eq = torch.ops.aten.eq.Scalar(where, -inf)
-    bitwise_not_1 = torch.ops.aten.bitwise_not.default(eq);  eq = None
-    bitwise_and = torch.ops.aten.bitwise_and.Tensor(unsqueeze, bitwise_not_1);  unsqueeze = bitwise_not_1 = None
-    any_2 = torch.ops.aten.any.dim(bitwise_and, -1);  bitwise_and = None
-    expand = torch.ops.aten.expand.default(any_2, [2, 4, 16]);  any_2 = None
-    _scaled_dot_product_flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(arg0_1, where_1, arg2_1, attn_mask = where, scale = 0.35355339059327373);  where_1 = arg2_1 = None
-    getitem_2 = _scaled_dot_product_flash_attention_for_cpu[0]
-    getitem_3 = _scaled_dot_product_flash_attention_for_cpu[1];  _scaled_dot_product_flash_attention_for_cpu = None
-    eq_1 = torch.ops.aten.eq.Scalar(where, -inf);  where = None
-    bitwise_not_2 = torch.ops.aten.bitwise_not.default(eq_1);  eq_1 = None
-    any_3 = torch.ops.aten.any.dim(bitwise_not_2, -1);  bitwise_not_2 = None
-    bitwise_not_3 = torch.ops.aten.bitwise_not.default(any_3);  any_3 = None
-    expand_1 = torch.ops.aten.expand.default(bitwise_not_3, [2, 4, 16]);  bitwise_not_3 = None
-    sub = torch.ops.aten.sub.Tensor(arg0_1, arg0_1);  arg0_1 = None
-    sub_1 = torch.ops.aten.sub.Tensor(arg1_1, arg1_1);  arg1_1 = None
-    ne_1 = torch.ops.aten.ne.Tensor(sub, sub);  sub = None
-    any_4 = torch.ops.aten.any.dim(ne_1, -1);  ne_1 = None
-    ne_2 = torch.ops.aten.ne.Tensor(sub_1, sub_1);  sub_1 = None
-    any_5 = torch.ops.aten.any.dim(ne_2, -1);  ne_2 = None
-    any_6 = torch.ops.aten.any.dim(any_5, -1);  any_5 = None
-    unsqueeze_1 = torch.ops.aten.unsqueeze.default(any_6, 2);  any_6 = None
-    eq_2 = torch.ops.aten.eq.Scalar(getitem_3, 0);  getitem_3 = None
-    bitwise_and_1 = torch.ops.aten.bitwise_and.Tensor(unsqueeze_1, eq_2);  unsqueeze_1 = eq_2 = None
-    eq_3 = torch.ops.aten.eq.Scalar(getitem_2, 0)
-    logical_not = torch.ops.aten.logical_not.default(eq_3);  eq_3 = None
-    any_7 = torch.ops.aten.any.dim(logical_not, -1);  logical_not = None
-    logical_not_1 = torch.ops.aten.logical_not.default(any_7);  any_7 = None
-    bitwise_and_2 = torch.ops.aten.bitwise_and.Tensor(bitwise_and_1, logical_not_1);  bitwise_and_1 = logical_not_1 = None
-    bitwise_or = torch.ops.aten.bitwise_or.Tensor(any_4, bitwise_and_2);  any_4 = bitwise_and_2 = None
-    bitwise_or_1 = torch.ops.aten.bitwise_or.Tensor(bitwise_or, expand);  bitwise_or = expand = None
-    bitwise_not_4 = torch.ops.aten.bitwise_not.default(expand_1)
-    bitwise_and_3 = torch.ops.aten.bitwise_and.Tensor(bitwise_or_1, bitwise_not_4);  bitwise_or_1 = bitwise_not_4 = None
-    unsqueeze_2 = torch.ops.aten.unsqueeze.default(bitwise_and_3, -1);  bitwise_and_3 = None
-    scalar_tensor_2 = torch.ops.aten.scalar_tensor.default(nan, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-    where_2 = torch.ops.aten.where.self(unsqueeze_2, scalar_tensor_2, getitem_2);  unsqueeze_2 = scalar_tensor_2 = getitem_2 = None
-    unsqueeze_3 = torch.ops.aten.unsqueeze.default(expand_1, -1);  expand_1 = None
-    scalar_tensor_5 = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-    where_5 = torch.ops.aten.where.self(unsqueeze_3, scalar_tensor_5, where_2);  unsqueeze_3 = scalar_tensor_5 = where_2 = None
-    copy_strided = torch.ops.prims.copy_strided.default(where_5, [512, 8, 32, 1]);  where_5 = None
+    cpu_flash_forward = torch.ops.fa3.cpu_flash_forward.default(arg0_1, arg1_1, arg2_1, arg3_1, None, 0.35355339059327373, False, 1, 'zero');  arg0_1 = arg1_1 = arg2_1 = arg3_1 = None
+    getitem_2 = cpu_flash_forward[0];  cpu_flash_forward = None
+    copy_strided = torch.ops.prims.copy_strided.default(getitem_2, [512, 8, 32, 1]);  getitem_2 = None
     return (copy_strided,)""")
 
 
@@ -450,7 +384,7 @@ def test_a_lowered_graph_inductor_cannot_compile_is_compiled_again_with_the_op(m
     real = GraphLowering.run
 
     def run(self, *args):
-        if any(n.target is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default for n in self.graph.nodes):
+        if any(n.target is torch.ops.fa3.cpu_flash_forward.default for n in self.graph.nodes):  # the lowered forward
             raise RuntimeError("injected codegen failure")
         return real(self, *args)
 
@@ -494,3 +428,113 @@ def test_uniform_row_grad_becomes_zeros_and_keeps_eagers_gradient():
     for name, a, b in zip(("out", "dq", "dk", "dv"), (got[0], *got[2:]), (want[0], *want[2:])):
         torch.testing.assert_close(a, b, **TOL[torch.float32], msg=lambda m: f"{name}: {m}")
     assert k.grad is None  # the inputs themselves were cloned by _run
+
+
+def _padded_attn_fill(fill: str, groups: int):
+    """Eager attention with a key-padding mask spelled as Hugging Face does (an additive finfo.min mask:
+    a row with no kept key averages V) or as masked_fill(-inf) (such a row is NaN), GQA by repeat_kv."""
+    def attn(q, k, v, keep):
+        if groups > 1:
+            b, h, n, d = k.shape
+            k = k[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
+            v = v[:, :, None].expand(b, h, groups, n, v.shape[-1]).reshape(b, h * groups, n, v.shape[-1])
+        s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        if fill == "finfo_min":
+            s = s + torch.where(keep, 0.0, torch.finfo(s.dtype).min)
+        else:
+            s = s.masked_fill(~keep, float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
+    return attn
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("fill", ["finfo_min", "neg_inf"])
+def test_inference_empty_row_fixup_is_written_by_the_cpu_op(fill, groups):
+    """In inference the rewrite's fix-up of rows with no kept key (the mean of V, or NaN) is folded into
+    fa3::cpu_flash_forward, which writes it only on such rows: no mean over V nor `where` per call is
+    left in the graph, and every element (NaN positions included) equals eager's."""
+    b, hkv, n, d = 3, 2, 9, 8
+    gen = torch.Generator().manual_seed(21 + groups)
+    q = torch.randn(b, hkv * groups, n, d, generator=gen)
+    k, v = torch.randn(b, hkv, n, d, generator=gen), torch.randn(b, hkv, n, d, generator=gen) + 1.0
+    keep = torch.ones(b, 1, 1, n, dtype=torch.bool)
+    keep[0, ..., 6:] = False
+    keep[2] = False  # batch 2 keeps no key: the fix-up's rows
+    attn = _padded_attn_fill(fill, groups)
+    torch._dynamo.reset()
+    n_before = len(records())
+    with torch.no_grad(), capture_graphs() as graphs:
+        got = torch.compile(attn, backend="fa3")(q, k, v, keep)
+        want = attn(q, k, v, keep)
+    decisions = [r.decision for r in records()[n_before:]]
+    assert [d.target for d in decisions] == ["aten._scaled_dot_product_flash_attention_for_cpu"], decisions
+    what = "mean of V" if fill == "finfo_min" else "NaN"
+    assert decisions[0].folded == f"empty rows: {what} written by the kernel", decisions[0].folded
+    code = graphs[0]
+    assert "'mean_v'" in code if fill == "finfo_min" else "'nan'" in code, code
+    assert "aten.mean" not in code and "aten.where" not in code, code
+    assert want[2].isnan().all() == (fill == "neg_inf") and not want[:2].isnan().any()
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got, want, **TOL[torch.float32], equal_nan=True)
+
+
+@pytest.mark.parametrize("empty_fill", ["zero", "nan", "mean_v"])
+@pytest.mark.parametrize("case", ["padding", "kv_lens_gqa", "float_bias", "causal"])
+def test_cpu_flash_op_matches_the_reference_and_its_fake(case, empty_fill):
+    """fa3::cpu_flash_forward against the op's reference plus the fill on rows with no admissible key,
+    every element; its fake gives the real strides (opcheck); a bad fill names the argument."""
+    gen = torch.Generator().manual_seed(5)
+    hq, hkv = (4, 2) if case == "kv_lens_gqa" else (2, 2)
+    x = torch.randn(2, 7, hq * 8, generator=gen)
+    q = x.view(2, 7, hq, 8).transpose(1, 2)  # BSHD, as projections give it
+    k, v = torch.randn(2, hkv, 7, 8, generator=gen), torch.randn(2, hkv, 7, 8, generator=gen)
+    bias = kv_lens = None
+    causal = case == "causal"
+    if case == "padding":
+        bias = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+        bias[1] = False
+    elif case == "kv_lens_gqa":
+        kv_lens = torch.tensor([0, 5])
+    elif case == "float_bias":
+        bias = torch.randn(2, 1, 7, 7, generator=gen)
+        bias[:, :, 3] = float("-inf")
+    args = (q, k, v, bias, kv_lens, 0.3, causal, hq // hkv, empty_fill)
+    out, lse = torch.ops.fa3.cpu_flash_forward(*args)
+    ref_out, ref_lse = fa_compile.attention(q, k, v, scale=0.3, causal=causal, bias=bias, kv_lens=kv_lens,
+                                            return_lse=True)
+    empty = torch.isneginf(ref_lse)
+    assert empty.any() != causal, "the case must have rows with no admissible key (causal: none)"
+    if empty_fill == "nan":
+        ref_out = ref_out.masked_fill(empty[..., None], float("nan"))
+    elif empty_fill == "mean_v":
+        mean = v.mean(dim=2, keepdim=True).repeat_interleave(hq // hkv, dim=1)
+        ref_out = torch.where(empty[..., None], mean, ref_out)
+    assert out.stride() == q.stride() and lse.is_contiguous() and lse.dtype == torch.float32
+    torch.testing.assert_close(out, ref_out, **TOL[torch.float32], equal_nan=True)
+    torch.testing.assert_close(lse, ref_lse, **TOL[torch.float32])
+    torch.library.opcheck(torch.ops.fa3.cpu_flash_forward.default, args, test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(ValueError, match="empty_fill"):
+        torch.ops.fa3.cpu_flash_forward(*args[:-1], "mean")
+
+
+def test_a_finite_input_whose_sum_overflows_takes_the_exact_path(monkeypatch):
+    """The op decides "no NaN or infinite element" by one fp32 sum per input; finite elements whose sum
+    overflows answer no, which must only cost the exact path's checks, never a changed number."""
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(2, 2, 6, 8, generator=gen) * 1e-37
+    k = torch.randn(2, 2, 6, 8, generator=gen).abs() * 3e37 + 3e37  # all positive: their sum overflows
+    v = torch.randn(2, 2, 6, 8, generator=gen)
+    keep = torch.rand(2, 1, 6, 6, generator=gen) > 0.3
+    keep[..., 0] = True
+    from fa_compile import cpu_flash_op
+
+    assert torch.isfinite(k).all() and not cpu_flash_op._all_finite(k)
+    calls = []
+    real = cpu_flash_op._nan_rows
+    monkeypatch.setattr(cpu_flash_op, "_nan_rows", lambda *a: calls.append(1) or real(*a))
+    out, lse = torch.ops.fa3.cpu_flash_forward(q, k, v, keep, None, 0.3, False, 1, "zero")
+    assert calls, "the exact path must have run"
+    ref_out, ref_lse = fa_compile.attention(q, k, v, scale=0.3, bias=keep, return_lse=True)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref_out, **TOL[torch.float32])
+    torch.testing.assert_close(lse, ref_lse, **TOL[torch.float32])

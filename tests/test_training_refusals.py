@@ -471,3 +471,23 @@ def test_fixup_ops_pass_opcheck():
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("live", ["none", "some"])
+@pytest.mark.parametrize("softcap", [0.0, 3.0])
+def test_row_fixup_gradients_come_in_the_layout_of_q_and_k(live, softcap):
+    """The fix-ups' gradients are added to the attention kernel's, which come in q's / k's own layout
+    (BSHD when heads are a view of a projection): they have the strides `empty_like` gives (fake and real
+    alike, checked by opcheck), so the sum keeps that layout instead of a transposing copy per layer."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 5, 3 * 4 * 8, generator=gen)
+    q, k, _ = (t.reshape(2, 5, 4, 8).transpose(1, 2) for t in x.split(4 * 8, dim=-1))  # BSHD views, not dense
+    k = k.contiguous().transpose(1, 2).contiguous().transpose(1, 2)  # dense BSHD
+    v = torch.randn(2, 4, 5, 3, generator=gen)
+    dg = torch.zeros(2, 4, 5, 3) if live == "none" else torch.randn(2, 4, 5, 3, generator=gen)
+    for op, args in ((torch.ops.fa3.uniform_row_grad_backward.default, (dg, q, k, v, 0.5, softcap)),
+                     (torch.ops.fa3.filled_scores_grad_backward.default,
+                      (dg, q, k, v, torch.zeros(2, 1, 5, 5), torch.rand(2, 1, 5, 5, generator=gen) < 0.5, 0.5, softcap))):
+        dq, dk = op(*args)
+        assert dq.stride() == torch.empty_like(q).stride() and dk.stride() == torch.empty_like(k).stride()
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

@@ -153,7 +153,7 @@ def _source_hash() -> str:
         here = os.path.dirname(os.path.abspath(__file__))
         parent = os.path.dirname(here)
         _FILES = tuple(sorted(os.path.join(here, f) for f in os.listdir(here) if f.endswith(".py"))) + tuple(
-            os.path.join(parent, f) for f in ("dispatch.py", "ops.py", "row_fixups.py", "tuning.py", "config.py"))
+            os.path.join(parent, f) for f in ("dispatch.py", "ops.py", "row_fixups.py", "cpu_flash_op.py", "tuning.py", "config.py"))
         cands = os.path.join(parent, "candidates")
         _FILES += tuple(sorted(os.path.join(cands, f) for f in os.listdir(cands) if f.endswith(".py")))
         from .. import kernels  # the kernels' op wrappers, traced into the lowered graphs

@@ -1,0 +1,110 @@
+"""`fa3::cpu_flash_forward`: aten's CPU flash kernel with the op's output conventions, the forward that
+lowered CPU graphs call (fa_compile/lowering/cpu_flash.py says when and why).
+
+Defined with the other `torch.ops.fa3` ops (ops.py imports this module), not with the lowering: Inductor's
+cached code calls it in processes that have lowered nothing, and importing the lowering package would
+load Inductor at `import fa_compile.ops`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .ops import _LIB, _TAGS
+
+_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def _repeat_kv(t: Tensor, groups: int) -> Tensor:
+    """[B, Hkv, N, D] -> [B, Hkv * groups, N, D], head h reading kv head h // groups (the op's GQA)."""
+    if groups == 1:
+        return t
+    b, h, n, d = t.shape
+    return t.unsqueeze(2).expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
+
+
+def _nan_rows(q: Tensor, k: Tensor, out: Tensor, lse: Tensor, groups: int) -> Tensor:
+    """[B, Hq, Nq] bool: the rows the reference makes NaN that the kernel returned as out 0, lse 0.
+
+    The kernel takes a row's max over finite scores only, so a row with none ends as if it were empty.
+    A non-finite query element (NaN or +-inf) makes every score of its row NaN or infinite, and softmax
+    over such a row NaN (inf - inf, or a row of -inf); a row whose admitted scores are all non-finite
+    through its keys shows as the kernel's empty-row result (lse 0 and out 0) in a head whose keys hold
+    a non-finite value. The caller leaves structurally empty rows out (they stay the op's empty rows)."""
+    # x - x is NaN exactly where x is NaN or infinite (0 elsewhere), and y != y is isnan(y); k is reduced
+    # over D, then N, so each pass reads contiguous rows.
+    q0, k0 = q - q, k - k
+    qbad = q0.ne(q0).any(-1)
+    kbad = k0.ne(k0).any(-1).any(-1)
+    if groups > 1:
+        kbad = kbad.repeat_interleave(groups, dim=1)
+    kbad = kbad[..., None]  # [B, Hq, 1]
+    dead = kbad & (lse == 0) & (out == 0).all(-1)
+    return qbad | dead
+
+
+def _all_finite(t: Tensor) -> bool:
+    """No element of t is NaN or infinite, decided by one fp32 sum (NaN and +-inf propagate through
+    a sum); a sum that overflows on finite elements answers False, which costs only the exact path."""
+    return t.numel() == 0 or bool(torch.isfinite(t.sum(dtype=torch.float32)))
+
+
+EMPTY_FILLS = ("zero", "nan", "mean_v")  # what a row that admits no key holds in out (empty_rows.py)
+
+_LIB.define("cpu_flash_forward(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? kv_lens, float scale, "
+            "bool causal, int groups, str empty_fill) -> (Tensor, Tensor)", tags=_TAGS)
+
+
+def cpu_flash_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], kv_lens: Optional[Tensor],
+                      scale: float, causal: bool, groups: int, empty_fill: str) -> tuple[Tensor, Tensor]:
+    """(out, lse) of the op through aten's CPU flash kernel: out in q's dimension order (the kernel's),
+    lse fp32 contiguous; NaN rows as the reference gives them, rows that admit no key with lse -inf and
+    `empty_fill` in out. `causal`: top-left, and only where it excludes something."""
+    if empty_fill not in EMPTY_FILLS:
+        raise ValueError(f"empty_fill: expected one of {EMPTY_FILLS}, got {empty_fill!r}")
+    from .lowering import conventions
+
+    mask = conventions.additive_mask(q, k, bias, kv_lens)
+    finite = _all_finite(q) and _all_finite(k)
+    kk, bad_rows = k, None
+    if not finite and (kv_lens is not None or (bias is not None and bias.dtype == torch.bool)):
+        # masks the op applies by exclusion, which the kernel receives added: conventions.without_nan_keys
+        kk, bad_rows = conventions.without_nan_keys(q, k, mask, causal, groups)
+    out, lse = _FWD(q, _repeat_kv(kk, groups), _repeat_kv(v, groups), 0.0, causal, attn_mask=mask, scale=scale)
+    lse = lse.to(torch.float32)
+    empty = conventions.empty_rows(q, k, mask, kv_lens, causal, bias)
+    if empty is not None and not bool(empty.any()):
+        empty = None
+    if not finite:
+        nan = _nan_rows(q, k, out, lse, groups)
+        if bad_rows is not None:
+            nan = nan | bad_rows
+        if empty is not None:  # structurally empty rows stay empty rows
+            nan = nan & ~empty
+        out.masked_fill_(nan.unsqueeze(-1), float("nan"))
+        lse.masked_fill_(nan, float("nan"))
+    if empty is not None:
+        lse.masked_fill_(empty, conventions.NEG_INF)
+        rows = empty.unsqueeze(-1)
+        if empty_fill == "mean_v":  # emit's fill: mean over every key, query head h reading kv head h // G
+            fill = v.mean(dim=2, keepdim=True)
+            fill = fill.repeat_interleave(groups, dim=1) if groups > 1 else fill
+            out.copy_(torch.where(rows, fill.to(out.dtype), out))
+        else:
+            out.masked_fill_(rows, float("nan") if empty_fill == "nan" else 0.0)
+    return out, lse.contiguous()
+
+
+def _cpu_flash_forward_fake(q, k, v, bias, kv_lens, scale, causal, groups, empty_fill):
+    from .lowering import conventions
+
+    mask = conventions.additive_mask(q, k, bias, kv_lens)
+    out, lse = _FWD(q, _repeat_kv(k, groups), _repeat_kv(v, groups), 0.0, causal, attn_mask=mask, scale=scale)
+    return out, lse.new_empty(lse.shape, dtype=torch.float32)
+
+
+_LIB.impl("cpu_flash_forward", cpu_flash_forward, "CompositeExplicitAutograd")
+torch.library.register_fake("fa3::cpu_flash_forward", _cpu_flash_forward_fake, lib=_LIB)
+_CPU_FLASH_FORWARD = torch.ops.fa3.cpu_flash_forward.default
