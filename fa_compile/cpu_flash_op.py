@@ -7,6 +7,7 @@ load Inductor at `import fa_compile.ops`.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -15,6 +16,34 @@ from torch import Tensor
 from .ops import _LIB, _TAGS
 
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+@functools.lru_cache(maxsize=None)
+def native_gqa() -> bool:
+    """aten's CPU flash kernel takes K and V with fewer heads than Q (query head h reading kv head h // G)
+    in both directions, with dK, dV per kv head: asked of the kernel once, on tiny inputs, against K and V
+    repeated per query head (torch 2.13 does; a torch whose kernel refuses or differs gets the repeat).
+    It saves a copy of K and V per call and the backward's sum over each group."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        q, do = torch.randn(1, 4, 5, 8, generator=g), torch.randn(1, 4, 5, 8, generator=g)
+        k, v = torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g)
+        try:
+            out, lse = _FWD(q, k, v, 0.0, True, scale=0.5)
+            dq, dk, dv = _BWD(do, q, k, v, out, lse, 0.0, True, scale=0.5)
+        except Exception:  # noqa: BLE001 - any refusal means: repeat K and V
+            return False
+        kr, vr = _repeat_kv(k, 2), _repeat_kv(v, 2)
+        out_r, lse_r = _FWD(q, kr, vr, 0.0, True, scale=0.5)
+        dq_r, dk_r, dv_r = _BWD(do, q, kr, vr, out_r, lse_r, 0.0, True, scale=0.5)
+        same = (out.shape == out_r.shape and dk.shape == k.shape and dv.shape == v.shape
+                and torch.allclose(out, out_r) and torch.allclose(lse, lse_r) and torch.allclose(dq, dq_r)
+                and torch.allclose(dk, dk_r.view(1, 2, 2, 5, 8).sum(2), atol=1e-5)
+                and torch.allclose(dv, dv_r.view(1, 2, 2, 5, 8).sum(2), atol=1e-5))
+    return bool(same)
 
 
 def _repeat_kv(t: Tensor, groups: int) -> Tensor:
@@ -72,7 +101,8 @@ def cpu_flash_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], k
     if not finite and (kv_lens is not None or (bias is not None and bias.dtype == torch.bool)):
         # masks the op applies by exclusion, which the kernel receives added: conventions.without_nan_keys
         kk, bad_rows = conventions.without_nan_keys(q, k, mask, causal, groups)
-    out, lse = _FWD(q, _repeat_kv(kk, groups), _repeat_kv(v, groups), 0.0, causal, attn_mask=mask, scale=scale)
+    rep = 1 if native_gqa() else groups
+    out, lse = _FWD(q, _repeat_kv(kk, rep), _repeat_kv(v, rep), 0.0, causal, attn_mask=mask, scale=scale)
     lse = lse.to(torch.float32)
     empty = conventions.empty_rows(q, k, mask, kv_lens, causal, bias)
     if empty is not None and not bool(empty.any()):
@@ -101,7 +131,8 @@ def _cpu_flash_forward_fake(q, k, v, bias, kv_lens, scale, causal, groups, empty
     from .lowering import conventions
 
     mask = conventions.additive_mask(q, k, bias, kv_lens)
-    out, lse = _FWD(q, _repeat_kv(k, groups), _repeat_kv(v, groups), 0.0, causal, attn_mask=mask, scale=scale)
+    rep = 1 if native_gqa() else groups
+    out, lse = _FWD(q, _repeat_kv(k, rep), _repeat_kv(v, rep), 0.0, causal, attn_mask=mask, scale=scale)
     return out, lse.new_empty(lse.shape, dtype=torch.float32)
 
 

@@ -538,3 +538,33 @@ def test_a_finite_input_whose_sum_overflows_takes_the_exact_path(monkeypatch):
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref_out, **TOL[torch.float32])
     torch.testing.assert_close(lse, ref_lse, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_gqa_through_the_cpu_kernel_with_and_without_its_own_head_groups(native, monkeypatch):
+    """aten's CPU flash kernel reads each kv head for its group itself where the running torch's does
+    (`cpu_flash_op.native_gqa`, asked of the kernel): then K and V are not repeated per query head and the
+    backward has no sum over groups; otherwise they are. Either way out, lse and every gradient equal the
+    op's reference, with a key-padding mask and an empty batch row."""
+    from fa_compile import cpu_flash_op
+    from fa_compile.lowering import cpu_flash as lowering_cpu_flash
+
+    if native and not cpu_flash_op.native_gqa():
+        pytest.skip("this torch's CPU flash kernel repeats K and V itself")
+    monkeypatch.setattr(cpu_flash_op, "native_gqa", lambda: native)
+    monkeypatch.setattr(lowering_cpu_flash, "native_gqa", lambda: native)
+    q, k, v = _inputs(hq=6, hkv=2, seed=4)
+    keep = _bool_padding(2, 16)
+
+    def fn(q, k, v):
+        return fa_compile.attention(q, k, v, bias=keep, return_lse=True)
+
+    w = torch.randn(2, 6, 16, 8)
+    torch._dynamo.reset()
+    n_before = len(records())
+    with capture_graphs() as graphs:
+        got = _run(torch.compile(fn, backend="fa3", fullgraph=True), q, k, v, w)
+    _compare(got, _run(fn, q, k, v, w), torch.float32)
+    assert all(r.decision.lowered for r in records()[n_before:]) and len(records()) > n_before
+    backward = next(g for g in graphs if "flash_attention_for_cpu_backward" in g)
+    assert ("aten.expand" in backward) != native and ("aten.sum" in backward) != native, backward

@@ -35,10 +35,8 @@ import torch
 
 from .. import dispatch
 from ..candidates import common as c
-from ..cpu_flash_op import _CPU_FLASH_FORWARD, _repeat_kv
+from ..cpu_flash_op import _BWD, _CPU_FLASH_FORWARD, _repeat_kv, native_gqa
 from . import choice, conventions
-
-_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
 class CpuFlash:
@@ -118,6 +116,7 @@ class CpuFlash:
         scale, causal = float(args.scale), self._causal(args)
         has_bias, has_lens = args.bias is not None, args.kv_lens is not None
         groups = int(args.q.shape[1]) // int(args.k.shape[1])
+        native = groups > 1 and native_gqa()  # the kernel reads each kv head for its group itself
 
         def fn(dout, q, k, v, out, lse, *rest):
             bias = rest[0] if has_bias else None
@@ -125,9 +124,10 @@ class CpuFlash:
             mask = conventions.additive_mask(q, k, bias, kv_lens)
             # An empty row's lse is -inf; its scores are all -inf, so any finite lse gives P = 0 there.
             lse_b = lse.masked_fill(torch.isneginf(lse), 0.0) if mask is not None else lse
-            kk, vv = _repeat_kv(k, groups), _repeat_kv(v, groups)
-            dq, dk, dv = _BWD(dout, q, kk, vv, out, lse_b, 0.0, causal, attn_mask=mask, scale=scale)
-            if groups > 1:
+            rep = 1 if native else groups
+            dq, dk, dv = _BWD(dout, q, _repeat_kv(k, rep), _repeat_kv(v, rep), out, lse_b, 0.0, causal,
+                              attn_mask=mask, scale=scale)
+            if rep > 1:  # dK, dV per query head: each kv head's is the sum over its group
                 b, hkv, nk, d = k.shape
                 dk = dk.view(b, hkv, groups, nk, d).sum(dim=2)
                 dv = dv.view(b, hkv, groups, nk, v.shape[3]).sum(dim=2)
