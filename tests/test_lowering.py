@@ -215,7 +215,8 @@ def test_a_nan_key_the_mask_excludes_reaches_no_row_through_the_cpu_kernel(mask,
 
 
 def test_lowered_training_graphs_are_pinned():
-    q, k, v = (t.requires_grad_() for t in _inputs())
+    # 32 queries: more than a decode step, so the forward is the one op (cpu_flash.GRAPH_OPS_MAX_QUERIES)
+    q, k, v = (t.requires_grad_() for t in _inputs(nq=32, nk=32))
     torch._dynamo.reset()
     with capture_graphs() as graphs:
         out = torch.compile(_causal_attn, backend="fa3")(q, k, v)
@@ -226,7 +227,7 @@ def forward(self, primals_1, primals_2, primals_3):
     cpu_flash_forward = torch.ops.fa3.cpu_flash_forward.default(primals_1, primals_2, primals_3, None, None, 0.35355339059327373, True, 1, 'zero')
     getitem_2 = cpu_flash_forward[0]
     getitem_3 = cpu_flash_forward[1];  cpu_flash_forward = None
-    copy_strided = torch.ops.prims.copy_strided.default(getitem_2, [512, 8, 32, 1]);  getitem_2 = None
+    copy_strided = torch.ops.prims.copy_strided.default(getitem_2, [1024, 8, 32, 1]);  getitem_2 = None
     clone = torch.ops.aten.clone.default(copy_strided, memory_format = torch.contiguous_format)
     return (clone, primals_1, primals_2, primals_3, copy_strided, getitem_3)""")
     expecttest.assert_expected_inline(graphs[1].strip(), """\
@@ -235,9 +236,9 @@ def forward(self, primals_1, primals_2, primals_3, getitem, getitem_1, tangents_
     getitem_5 = _scaled_dot_product_flash_attention_for_cpu_backward[0]
     getitem_6 = _scaled_dot_product_flash_attention_for_cpu_backward[1]
     getitem_7 = _scaled_dot_product_flash_attention_for_cpu_backward[2];  _scaled_dot_product_flash_attention_for_cpu_backward = None
-    copy_strided = torch.ops.prims.copy_strided.default(getitem_5, [512, 128, 8, 1]);  getitem_5 = None
-    copy_strided_1 = torch.ops.prims.copy_strided.default(getitem_6, [512, 128, 8, 1]);  getitem_6 = None
-    copy_strided_2 = torch.ops.prims.copy_strided.default(getitem_7, [512, 128, 8, 1]);  getitem_7 = None
+    copy_strided = torch.ops.prims.copy_strided.default(getitem_5, [1024, 256, 8, 1]);  getitem_5 = None
+    copy_strided_1 = torch.ops.prims.copy_strided.default(getitem_6, [1024, 256, 8, 1]);  getitem_6 = None
+    copy_strided_2 = torch.ops.prims.copy_strided.default(getitem_7, [1024, 256, 8, 1]);  getitem_7 = None
     return (copy_strided, copy_strided_1, copy_strided_2)""")
 
 
@@ -250,9 +251,54 @@ def test_inference_graph_with_key_padding_is_pinned():
     torch.testing.assert_close(out, fa_compile.attention(q, k, v, bias=keep), **TOL[torch.float32])
     expecttest.assert_expected_inline(graphs[0].strip(), """\
 def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
-    cpu_flash_forward = torch.ops.fa3.cpu_flash_forward.default(arg0_1, arg1_1, arg2_1, arg3_1, None, 0.35355339059327373, False, 1, 'zero');  arg0_1 = arg1_1 = arg2_1 = arg3_1 = None
-    getitem_2 = cpu_flash_forward[0];  cpu_flash_forward = None
-    copy_strided = torch.ops.prims.copy_strided.default(getitem_2, [512, 8, 32, 1]);  getitem_2 = None
+    full = torch.ops.aten.full.default([2, 1, 1, 16], 0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'), pin_memory = False)
+    bitwise_not = torch.ops.aten.bitwise_not.default(arg3_1);  arg3_1 = None
+    scalar_tensor = torch.ops.aten.scalar_tensor.default(-inf, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+    where = torch.ops.aten.where.self(bitwise_not, scalar_tensor, full);  bitwise_not = scalar_tensor = full = None
+    ne = torch.ops.aten.ne.Tensor(arg1_1, arg1_1)
+    any_1 = torch.ops.aten.any.dim(ne, -1)
+    scalar_tensor_1 = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+    where_1 = torch.ops.aten.where.self(ne, scalar_tensor_1, arg1_1);  ne = scalar_tensor_1 = None
+    unsqueeze = torch.ops.aten.unsqueeze.default(any_1, 2);  any_1 = None
+    eq = torch.ops.aten.eq.Scalar(where, -inf)
+    bitwise_not_1 = torch.ops.aten.bitwise_not.default(eq);  eq = None
+    bitwise_and = torch.ops.aten.bitwise_and.Tensor(unsqueeze, bitwise_not_1);  unsqueeze = bitwise_not_1 = None
+    any_2 = torch.ops.aten.any.dim(bitwise_and, -1);  bitwise_and = None
+    expand = torch.ops.aten.expand.default(any_2, [2, 4, 16]);  any_2 = None
+    _scaled_dot_product_flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(arg0_1, where_1, arg2_1, attn_mask = where, scale = 0.35355339059327373);  where_1 = arg2_1 = None
+    getitem_2 = _scaled_dot_product_flash_attention_for_cpu[0]
+    getitem_3 = _scaled_dot_product_flash_attention_for_cpu[1];  _scaled_dot_product_flash_attention_for_cpu = None
+    eq_1 = torch.ops.aten.eq.Scalar(where, -inf);  where = None
+    bitwise_not_2 = torch.ops.aten.bitwise_not.default(eq_1);  eq_1 = None
+    any_3 = torch.ops.aten.any.dim(bitwise_not_2, -1);  bitwise_not_2 = None
+    bitwise_not_3 = torch.ops.aten.bitwise_not.default(any_3);  any_3 = None
+    expand_1 = torch.ops.aten.expand.default(bitwise_not_3, [2, 4, 16]);  bitwise_not_3 = None
+    sub = torch.ops.aten.sub.Tensor(arg0_1, arg0_1);  arg0_1 = None
+    sub_1 = torch.ops.aten.sub.Tensor(arg1_1, arg1_1);  arg1_1 = None
+    ne_1 = torch.ops.aten.ne.Tensor(sub, sub);  sub = None
+    any_4 = torch.ops.aten.any.dim(ne_1, -1);  ne_1 = None
+    ne_2 = torch.ops.aten.ne.Tensor(sub_1, sub_1);  sub_1 = None
+    any_5 = torch.ops.aten.any.dim(ne_2, -1);  ne_2 = None
+    any_6 = torch.ops.aten.any.dim(any_5, -1);  any_5 = None
+    unsqueeze_1 = torch.ops.aten.unsqueeze.default(any_6, 2);  any_6 = None
+    eq_2 = torch.ops.aten.eq.Scalar(getitem_3, 0);  getitem_3 = None
+    bitwise_and_1 = torch.ops.aten.bitwise_and.Tensor(unsqueeze_1, eq_2);  unsqueeze_1 = eq_2 = None
+    eq_3 = torch.ops.aten.eq.Scalar(getitem_2, 0)
+    logical_not = torch.ops.aten.logical_not.default(eq_3);  eq_3 = None
+    any_7 = torch.ops.aten.any.dim(logical_not, -1);  logical_not = None
+    logical_not_1 = torch.ops.aten.logical_not.default(any_7);  any_7 = None
+    bitwise_and_2 = torch.ops.aten.bitwise_and.Tensor(bitwise_and_1, logical_not_1);  bitwise_and_1 = logical_not_1 = None
+    bitwise_or = torch.ops.aten.bitwise_or.Tensor(any_4, bitwise_and_2);  any_4 = bitwise_and_2 = None
+    bitwise_or_1 = torch.ops.aten.bitwise_or.Tensor(bitwise_or, expand);  bitwise_or = expand = None
+    bitwise_not_4 = torch.ops.aten.bitwise_not.default(expand_1)
+    bitwise_and_3 = torch.ops.aten.bitwise_and.Tensor(bitwise_or_1, bitwise_not_4);  bitwise_or_1 = bitwise_not_4 = None
+    unsqueeze_2 = torch.ops.aten.unsqueeze.default(bitwise_and_3, -1);  bitwise_and_3 = None
+    scalar_tensor_2 = torch.ops.aten.scalar_tensor.default(nan, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+    where_2 = torch.ops.aten.where.self(unsqueeze_2, scalar_tensor_2, getitem_2);  unsqueeze_2 = scalar_tensor_2 = getitem_2 = None
+    unsqueeze_3 = torch.ops.aten.unsqueeze.default(expand_1, -1);  expand_1 = None
+    scalar_tensor_5 = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+    where_5 = torch.ops.aten.where.self(unsqueeze_3, scalar_tensor_5, where_2);  unsqueeze_3 = scalar_tensor_5 = where_2 = None
+    copy_strided = torch.ops.prims.copy_strided.default(where_5, [512, 8, 32, 1]);  where_5 = None
     return (copy_strided,)""")
 
 
@@ -384,7 +430,8 @@ def test_a_lowered_graph_inductor_cannot_compile_is_compiled_again_with_the_op(m
     real = GraphLowering.run
 
     def run(self, *args):
-        if any(n.target is torch.ops.fa3.cpu_flash_forward.default for n in self.graph.nodes):  # the lowered forward
+        lowered = (torch.ops.fa3.cpu_flash_forward.default, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+        if any(n.target in lowered for n in self.graph.nodes):  # the lowered forward
             raise RuntimeError("injected codegen failure")
         return real(self, *args)
 
@@ -447,13 +494,15 @@ def _padded_attn_fill(fill: str, groups: int):
     return attn
 
 
+@pytest.mark.parametrize("n", [9, 20])
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("fill", ["finfo_min", "neg_inf"])
-def test_inference_empty_row_fixup_is_written_by_the_cpu_op(fill, groups):
+def test_inference_empty_row_fixup_is_written_by_the_cpu_op(fill, groups, n):
     """In inference the rewrite's fix-up of rows with no kept key (the mean of V, or NaN) is folded into
-    fa3::cpu_flash_forward, which writes it only on such rows: no mean over V nor `where` per call is
-    left in the graph, and every element (NaN positions included) equals eager's."""
-    b, hkv, n, d = 3, 2, 9, 8
+    the lowered forward: past a decode step's 16 queries into fa3::cpu_flash_forward, which writes it only
+    on such rows (no mean over V nor `where` per call is left in the graph); up to 16 into the lowering's
+    own graph ops. Every element (NaN positions included) equals eager's."""
+    b, hkv, d = 3, 2, 8
     gen = torch.Generator().manual_seed(21 + groups)
     q = torch.randn(b, hkv * groups, n, d, generator=gen)
     k, v = torch.randn(b, hkv, n, d, generator=gen), torch.randn(b, hkv, n, d, generator=gen) + 1.0
@@ -471,8 +520,11 @@ def test_inference_empty_row_fixup_is_written_by_the_cpu_op(fill, groups):
     what = "mean of V" if fill == "finfo_min" else "NaN"
     assert decisions[0].folded == f"empty rows: {what} written by the kernel", decisions[0].folded
     code = graphs[0]
-    assert "'mean_v'" in code if fill == "finfo_min" else "'nan'" in code, code
-    assert "aten.mean" not in code and "aten.where" not in code, code
+    if n > cpu_flash.GRAPH_OPS_MAX_QUERIES:
+        assert "'mean_v'" in code if fill == "finfo_min" else "'nan'" in code, code
+        assert "aten.mean" not in code and "aten.where" not in code, code
+    else:
+        assert "cpu_flash_forward" not in code and "_scaled_dot_product_flash_attention_for_cpu" in code, code
     assert want[2].isnan().all() == (fill == "neg_inf") and not want[:2].isnan().any()
     assert torch.equal(got.isnan(), want.isnan())
     torch.testing.assert_close(got, want, **TOL[torch.float32], equal_nan=True)
