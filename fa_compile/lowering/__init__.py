@@ -5,7 +5,7 @@ run-time dispatch (fa_compile/dispatch.py) would choose for the node's FakeTenso
 output conventions (BSHD-strided out, fp32 lse [B, H, Nq], -inf lse and zero out on empty rows)
 written as ordinary graph ops, so Inductor's generated code launches the kernel without a Python
 dispatch per call. On CPU the forward's corrections are decisions on the data, which cost no device
-sync there, so kernel and corrections are one op (`fa3::cpu_flash_forward`, fa_compile/cpu_flash_op.py)
+sync there, so past a decode step's 16 queries kernel and corrections are one op (`fa3::cpu_flash_forward`, fa_compile/cpu_flash_op.py)
 that pays for them only when an input needs them. A node whose kernel has no lowering, whose choice depends on a dynamic dimension,
 or whose lowering fails keeps the op (run-time dispatch); each decision is recorded (`records()`).
 

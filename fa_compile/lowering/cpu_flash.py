@@ -12,8 +12,9 @@ lse 0 from the kernel, where the op's reference gives NaN: such rows are put bac
 holding a NaN that a bool bias or kv_lens excludes would poison every row (NaN + -inf): its NaN elements
 are zeroed for the kernel, and the rows that admit it made NaN (`conventions.without_nan_keys`).
 
-The kernel and those conventions run as one op, `fa3::cpu_flash_forward`, rather than as graph ops
-around the kernel: on CPU a decision on the data costs no device sync, and every correction above is
+Past a decode step's 16 queries, the kernel and those conventions run as one op,
+`fa3::cpu_flash_forward`, rather than as graph ops around the kernel (`GRAPH_OPS_MAX_QUERIES` says why not
+below): on CPU a decision on the data costs no device sync, and every correction above is
 needed only when an input holds a non-finite value or a row admits no key. So the op checks that first
 (a sum over q and over k is finite exactly when no element is NaN or infinite, and a sum that overflows
 only sends a finite input down the exact path) and pays for the corrections only then; as graph ops,
