@@ -26,8 +26,10 @@ def native_gqa() -> bool:
     repeated per query head (torch 2.13 does; a torch whose kernel refuses or differs gets the repeat).
     It saves a copy of K and V per call and the backward's sum over each group."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
-    with unset_fake_temporarily(), torch.no_grad():
+    # asked on real tensors even where the first caller is being traced (a lowering's replacement)
+    with unset_fake_temporarily(), disable_proxy_modes_tracing(), torch.no_grad():
         g = torch.Generator().manual_seed(0)
         q, do = torch.randn(1, 4, 5, 8, generator=g), torch.randn(1, 4, 5, 8, generator=g)
         k, v = torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g)
@@ -86,26 +88,29 @@ _LIB.define("cpu_flash_forward(Tensor q, Tensor k, Tensor v, Tensor? bias, Tenso
             "bool causal, int groups, str empty_fill) -> (Tensor, Tensor)", tags=_TAGS)
 
 
-def cpu_flash_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], kv_lens: Optional[Tensor],
-                      scale: float, causal: bool, groups: int, empty_fill: str) -> tuple[Tensor, Tensor]:
-    """(out, lse) of the op through aten's CPU flash kernel: out in q's dimension order (the kernel's),
-    lse fp32 contiguous; NaN rows as the reference gives them, rows that admit no key with lse -inf and
-    `empty_fill` in out. `causal`: top-left, and only where it excludes something."""
+def corrected_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], kv_lens: Optional[Tensor],
+                      scale: float, causal: bool, groups: int, empty_fill: str, checked: bool) -> tuple[Tensor, Tensor]:
+    """(out, lse) of the op through aten's CPU flash kernel: out with the kernel's strides (q's dimension
+    order), lse fp32; NaN rows as the reference gives them, rows that admit no key with lse -inf and
+    `empty_fill` in out. `causal`: top-left, and only where it excludes something.
+
+    checked: decide on the data first (real tensors: the op) and skip the corrections no input needs;
+    otherwise every correction is computed (traced as graph ops into a lowered graph)."""
     if empty_fill not in EMPTY_FILLS:
         raise ValueError(f"empty_fill: expected one of {EMPTY_FILLS}, got {empty_fill!r}")
     from .lowering import conventions
 
     mask = conventions.additive_mask(q, k, bias, kv_lens)
-    finite = _all_finite(q) and _all_finite(k)
+    finite = checked and _all_finite(q) and _all_finite(k)
     kk, bad_rows = k, None
     if not finite and (kv_lens is not None or (bias is not None and bias.dtype == torch.bool)):
         # masks the op applies by exclusion, which the kernel receives added: conventions.without_nan_keys
         kk, bad_rows = conventions.without_nan_keys(q, k, mask, causal, groups)
     rep = 1 if native_gqa() else groups
-    out, lse = _FWD(q, _repeat_kv(kk, rep), _repeat_kv(v, rep), 0.0, causal, attn_mask=mask, scale=scale)
-    lse = lse.to(torch.float32)
+    raw, lse = _FWD(q, _repeat_kv(kk, rep), _repeat_kv(v, rep), 0.0, causal, attn_mask=mask, scale=scale)
+    out, lse = raw, lse.to(torch.float32)
     empty = conventions.empty_rows(q, k, mask, kv_lens, causal, bias)
-    if empty is not None and not bool(empty.any()):
+    if checked and empty is not None and not bool(empty.any()):
         empty = None
     if not finite:
         nan = _nan_rows(q, k, out, lse, groups)
@@ -113,17 +118,24 @@ def cpu_flash_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], k
             nan = nan | bad_rows
         if empty is not None:  # structurally empty rows stay empty rows
             nan = nan & ~empty
-        out.masked_fill_(nan.unsqueeze(-1), float("nan"))
-        lse.masked_fill_(nan, float("nan"))
+        out = out.masked_fill(nan.unsqueeze(-1), float("nan"))
+        lse = lse.masked_fill(nan, float("nan"))
     if empty is not None:
-        lse.masked_fill_(empty, conventions.NEG_INF)
+        lse = lse.masked_fill(empty, conventions.NEG_INF)
         rows = empty.unsqueeze(-1)
         if empty_fill == "mean_v":  # emit's fill: mean over every key, query head h reading kv head h // G
             fill = v.mean(dim=2, keepdim=True)
             fill = fill.repeat_interleave(groups, dim=1) if groups > 1 else fill
-            out.copy_(torch.where(rows, fill.to(out.dtype), out))
+            out = torch.where(rows, fill.to(out.dtype), out)
         else:
-            out.masked_fill_(rows, float("nan") if empty_fill == "nan" else 0.0)
+            out = out.masked_fill(rows, float("nan") if empty_fill == "nan" else 0.0)
+    return conventions.with_strides(out, raw.stride()), lse
+
+
+def cpu_flash_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], kv_lens: Optional[Tensor],
+                      scale: float, causal: bool, groups: int, empty_fill: str) -> tuple[Tensor, Tensor]:
+    """`corrected_forward`, checked; lse contiguous."""
+    out, lse = corrected_forward(q, k, v, bias, kv_lens, scale, causal, groups, empty_fill, checked=True)
     return out, lse.contiguous()
 
 

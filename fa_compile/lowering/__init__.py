@@ -5,9 +5,10 @@ run-time dispatch (fa_compile/dispatch.py) would choose for the node's FakeTenso
 output conventions (BSHD-strided out, fp32 lse [B, H, Nq], -inf lse and zero out on empty rows)
 written as ordinary graph ops, so Inductor's generated code launches the kernel without a Python
 dispatch per call. On CPU the forward's corrections are decisions on the data, which cost no device
-sync there, so past a decode step's 16 queries kernel and corrections are one op (`fa3::cpu_flash_forward`, fa_compile/cpu_flash_op.py)
-that pays for them only when an input needs them. A node whose kernel has no lowering, whose choice depends on a dynamic dimension,
-or whose lowering fails keeps the op (run-time dispatch); each decision is recorded (`records()`).
+sync there, so past a decode step's 16 queries kernel and corrections are one op
+(`fa3::cpu_flash_forward`, fa_compile/cpu_flash_op.py) that pays for them only when an input needs them.
+A node whose kernel has no lowering, whose choice depends on a dynamic dimension, or whose lowering
+fails keeps the op (run-time dispatch); each decision is recorded (`records()`).
 
 Modules: `site_args` (node -> AttentionArgs), `choice` (which kernel, which lowering, or why none),
 `cpu_flash` / `sdpa` / `fa3` / `triton` / `decomposed` (the replacements; `fa3` through a thin custom op

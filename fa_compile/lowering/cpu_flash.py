@@ -36,7 +36,7 @@ import torch
 
 from .. import dispatch
 from ..candidates import common as c
-from ..cpu_flash_op import _BWD, _CPU_FLASH_FORWARD, _FWD, _nan_rows, _repeat_kv, native_gqa
+from ..cpu_flash_op import _BWD, _CPU_FLASH_FORWARD, _repeat_kv, corrected_forward, native_gqa
 from . import choice, conventions
 
 
@@ -110,55 +110,17 @@ class CpuFlash:
         has_bias, has_lens = args.bias is not None, args.kv_lens is not None
         groups = int(args.q.shape[1]) // int(args.k.shape[1])
         nq = c.static_int(args.q.shape[2])
-        if nq is not None and nq <= GRAPH_OPS_MAX_QUERIES:
-            fn = self._graph_ops_forward(has_bias, has_lens, scale, causal, groups, empty_fill)
-        else:
-            def fn(q, k, v, *rest):
-                bias = rest[0] if has_bias else None
-                kv_lens = rest[-1] if has_lens else None
-                return _CPU_FLASH_FORWARD(q, k, v, bias, kv_lens, scale, causal, groups, empty_fill)
-
-        def finished(q, k, v, *rest):
-            out, lse = fn(q, k, v, *rest)
-            out, lse = conventions.finish(out, lse, None)  # empty rows are written above
-            return (out if out_strides is None else conventions.with_strides(out, out_strides)), lse
-
-        return finished
-
-    @staticmethod
-    def _graph_ops_forward(has_bias: bool, has_lens: bool, scale: float, causal: bool, groups: int,
-                           empty_fill: str):
-        """The kernel with the op's corrections as graph ops (what the one op computes, unconditionally)."""
-        excludes = has_lens  # masks the op applies by exclusion: see conventions.without_nan_keys
-        rep = 1 if native_gqa() else groups
+        checked = nq is None or nq > GRAPH_OPS_MAX_QUERIES  # the op; else graph ops
 
         def fn(q, k, v, *rest):
             bias = rest[0] if has_bias else None
             kv_lens = rest[-1] if has_lens else None
-            mask = conventions.additive_mask(q, k, bias, kv_lens)
-            kk, bad_rows = k, None
-            if excludes or (bias is not None and bias.dtype == torch.bool):
-                kk, bad_rows = conventions.without_nan_keys(q, k, mask, causal, groups)
-            out, lse = _FWD(q, _repeat_kv(kk, rep), _repeat_kv(v, rep), 0.0, causal, attn_mask=mask, scale=scale)
-            lse = lse.to(torch.float32)
-            empty = conventions.empty_rows(q, k, mask, kv_lens, causal, bias)
-            nan = _nan_rows(q, k, out, lse, groups)
-            if bad_rows is not None:
-                nan = nan | bad_rows
-            if empty is not None:  # structurally empty rows stay empty rows
-                nan = nan & ~empty
-            out = out.masked_fill(nan.unsqueeze(-1), float("nan"))
-            lse = lse.masked_fill(nan, float("nan"))
-            if empty is not None:
-                lse = lse.masked_fill(empty, conventions.NEG_INF)
-                rows = empty.unsqueeze(-1)
-                if empty_fill == "mean_v":  # the fix-up's own value: mean over every key, per query head
-                    fill = v.mean(dim=2, keepdim=True)
-                    fill = fill.repeat_interleave(groups, dim=1) if groups > 1 else fill
-                    out = torch.where(rows, fill.to(out.dtype), out)
-                else:
-                    out = out.masked_fill(rows, float("nan") if empty_fill == "nan" else 0.0)
-            return out, lse
+            if checked:
+                out, lse = _CPU_FLASH_FORWARD(q, k, v, bias, kv_lens, scale, causal, groups, empty_fill)
+            else:
+                out, lse = corrected_forward(q, k, v, bias, kv_lens, scale, causal, groups, empty_fill, checked=False)
+            out, lse = conventions.finish(out, lse, None)  # empty rows are written above
+            return (out if out_strides is None else conventions.with_strides(out, out_strides)), lse
 
         return fn
 
