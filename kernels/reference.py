@@ -281,3 +281,27 @@ def sink_grad_reference(
     if dlse is not None:
         coef = coef + dlse.to(acc)
     return (p_sink * coef).sum(dim=(0, 2)).to(sinks.dtype)
+
+
+# Float bias dtypes that can hold values <= -1e29 (a finfo.min padding fill, a -1e30 mask); fp16 cannot.
+ABSORBING_BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+
+
+def absorbing_bias_refusal(bias: Optional[Tensor], what: str) -> list[str]:
+    """Why a fused kernel cannot take this float bias: it may absorb whole rows (metadata only).
+
+    A bias value <= -1e29 absorbs the score it is added to (s + b rounds to b), so a row whose every
+    admissible key carries such values (a fully padded sequence under a finfo.min mask) is weighed by
+    the bias alone, uniformly over equal fills: eager and this reference compute that. The fused kernels
+    scale scores to log2 units, where such a row overflows to -inf and reads as empty (out 0; measured
+    for cuDNN and our Triton family on the H200), and a backward that recomputes the weights from the
+    saved log-sum-exp gets them wrong there (the lse absorbed log Nk). Values are data, so a bias whose
+    dtype can hold them is refused: fp32, bf16, fp64; not fp16, whose finfo.min (-65504) absorbs nothing
+    in the kernels' fp32. The reference, aten's CPU forward and the split-KV decode kernel (natural-log
+    units, forward only) compute such rows exactly.
+    """
+    if bias is None or bias.dtype not in ABSORBING_BIAS_DTYPES:
+        return []
+    return [f"{what} is not exact on a row whose every score a {str(bias.dtype).replace('torch.', '')} float bias "
+            "absorbs (values <= -1e29, e.g. a finfo.min fill over a fully padded sequence): it reads the row as "
+            "empty, where eager weighs it by the bias alone"]

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from .dropout_hash import keep_threshold
+from .reference import absorbing_bias_refusal
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
@@ -755,6 +756,7 @@ class TritonAttention:
             reasons.append(f"head dims {d}/{dv} exceed {MAX_HEAD_DIM}")
         if args.bias is not None and args.bias.dtype == torch.float64:
             reasons.append("float64 bias is not supported")
+        reasons += absorbing_bias_refusal(args.bias, "our Triton family")
         return reasons
 
     def forward(self, args) -> tuple[Tensor, Tensor]:

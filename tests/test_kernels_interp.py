@@ -60,6 +60,24 @@ def test_reasons_on_fake_tensors(monkeypatch):
         torch.set_float32_matmul_precision(prev)
 
 
+@pytest.mark.skipif(IN_CHILD, reason="runs in the parent process")
+def test_absorbing_float_bias_refused(monkeypatch):
+    # A float bias whose dtype can hold values <= -1e29 may absorb whole rows, which the kernels read as
+    # empty (kernels/reference.py absorbing_bias_refusal): fp32 / bf16 / fp64 biases are refused, fp16
+    # (finfo.min -65504 absorbs nothing in fp32) and bool masks are taken.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(tf, "triton_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 8, 32, dtype=torch.float16)
+        for dt in (torch.float32, torch.bfloat16):
+            r = tf.TRITON.not_supported_reasons(FakeArgs(q, q, q, bias=torch.empty(2, 1, 1, 8, dtype=dt)))
+            assert any("absorbs" in x and str(dt).replace("torch.", "") in x for x in r), r
+        for dt in (torch.float16, torch.bool):
+            assert tf.TRITON.not_supported_reasons(FakeArgs(q, q, q, bias=torch.empty(2, 1, 1, 8, dtype=dt))) == []
+
+
 def test_reasons_without_triton(monkeypatch):
     monkeypatch.setattr(tf, "triton_available", lambda: False)
     q = torch.empty(1, 1, 4, 32, dtype=torch.float16)
@@ -225,3 +243,38 @@ else:
         o2.to(torch.float16).float().square().sum().backward()
         for got, want in ((q.grad, qr.grad), (k.grad, kr.grad), (v.grad, vr.grad)):
             torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+
+    def test_absorbing_float_mask_rows_equal_eager():
+        # An HF-style extended mask built from a float attention_mask (data the pass cannot prove 0 / 1)
+        # reaches the op as a float bias. Sequence 2 is all padding: eager weighs its rows uniformly over
+        # the finfo.min fills (the mean of V), where the Triton kernel read them as empty and the rewrite's
+        # fix-up then wrote NaN. Dispatch now refuses the kernel for such a bias; every element and
+        # gradient must equal eager's.
+        import math
+
+        import fa_compile
+
+        b, h, n, d = 3, 2, 24, 16
+
+        def f(q, k, v, am):
+            mask = (1.0 - am[:, None, None, :]) * torch.finfo(torch.float32).min
+            s = (q @ k.transpose(-1, -2)) / math.sqrt(d) + mask
+            return torch.softmax(s, -1) @ v
+
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
+        am = torch.ones(b, n)
+        am[1, n // 3:] = 0
+        am[2] = 0
+        want = f(q, k, v, am)
+        g = torch.randn_like(want)
+        want_grads = torch.autograd.grad(want, (q, k, v), g)
+        torch._dynamo.reset()
+        got = torch.compile(f, backend="fa3", fullgraph=True)(q, k, v, am)
+        got_grads = torch.autograd.grad(got, (q, k, v), g)
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for a, e in zip(got_grads, want_grads):
+            torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+        rows = [r for r in fa_compile.explain(f, q, k, v, am).rows]
+        assert rows and all("triton" not in (r.kernel_fwd or "") for r in rows)

@@ -98,3 +98,32 @@ def test_not_taken_for_long_caches_training_or_a_forced_kernel(on_cpu):
         train = dispatch.AttentionArgs(q=q, k=k[:, :, :64], v=v[:, :, :64], scale=0.25, needs_backward=True)
         assert "inference" in " ".join(decomposed.DECODE_MATH.reasons(train, "forward"))
         assert choice.decide(short, "reference", "forward", False).kernel == "reference"
+
+
+def test_reference_choice_lowered_to_its_math_at_any_size(monkeypatch):
+    # A site whose dispatch choice is the reference at a prefill size (ReferenceMath, CUDA's lowering of
+    # that choice, run here on CPU in place of aten's CPU flash): an HF-style mask from a float
+    # attention_mask, with one sequence all padding, whose rows eager weighs uniformly.
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(decomposed, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setitem(choice.LOWERINGS, ("cpu", "reference"), decomposed.REFERENCE_MATH)
+
+    def f(q, k, v, am):
+        mask = (1.0 - am[:, None, None, :]) * torch.finfo(torch.float32).min
+        return torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + mask, dim=-1) @ v
+
+    q, k, v = _decode_inputs(b=3, hq=2, hkv=2, nq=40, nk=40)
+    am = torch.ones(3, 40)
+    am[1, 25:] = 0
+    am[2] = 0
+    torch._dynamo.reset()
+    n = len(records())
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False), \
+            capture_graphs() as graphs:
+        got = torch.compile(f, backend="fa3")(q, k, v, am)
+    decisions = [r.decision for r in records()[n:]]
+    assert [d.kernel for d in decisions] == ["reference"] and decisions[0].lowered, [str(d) for d in decisions]
+    assert "fa3.attention" not in graphs[0], graphs[0]
+    torch.testing.assert_close(got, f(q, k, v, am), **TOL[torch.float32])

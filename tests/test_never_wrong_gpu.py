@@ -49,12 +49,12 @@ def _close(got: Optional[torch.Tensor], eager: Optional[torch.Tensor], ref: Opti
     assert err_got <= 2 * err_eager + floor, f"{what}: max error {err_got:.3g}, eager fp16 {err_eager:.3g}"
 
 
-def _check(fn: Callable, leaves: list, kernel: Optional[str]) -> None:
+def _check(fn: Callable, leaves: list, kernel: Optional[str], dtype: torch.dtype = torch.float16) -> None:
     torch._dynamo.reset()
     ref_out, ref_grads = _run(fn, leaves, torch.float64, None)
-    eager_out, eager_grads = _run(fn, leaves, torch.float16, None)
+    eager_out, eager_grads = _run(fn, leaves, dtype, None)
     try:
-        out, grads = _run(fn, leaves, torch.float16, fa_compile.backend(kernel=kernel))
+        out, grads = _run(fn, leaves, dtype, fa_compile.backend(kernel=kernel))
     except Exception as e:  # a forced kernel that cannot take the site says so: not this test's concern
         if kernel is not None and "kernel" in str(e):
             pytest.skip(f"{kernel} does not take this site: {str(e).splitlines()[0]}")
@@ -92,6 +92,28 @@ def test_finite_key_padding_fill_on_cuda(kernel):
         return s.masked_fill(pad[:, None, None, :], -20.0).softmax(-1) @ v
 
     _check(f, [q, k, v], kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("mask_dtype", ["scores", "float32"])
+def test_absorbing_float_mask_on_cuda(kernel, mask_dtype):
+    # An HF-style extended mask from a float attention_mask (data the pass cannot prove 0 / 1) reaches the
+    # op as a float bias; sequence 1 is all padding, so eager (bf16, where s + finfo.min rounds to
+    # finfo.min) weighs its rows uniformly. cuDNN and our Triton kernels read such rows as empty: dispatch
+    # refuses them for a bias that can hold such values (kernels/reference.py absorbing_bias_refusal).
+    q, k, v = _leaves((B, H, N, D), (B, H, N, D), (B, H, N, D))
+    am, = _leaves((B, N), grad=False)
+    am.data.fill_(1.0)
+    am.data[0, N // 3:] = 0.0
+    am.data[1] = 0.0
+
+    def f(q, k, v, am):
+        dt = q.dtype if mask_dtype == "scores" else torch.float32
+        mask = (1.0 - am[:, None, None, :].to(dt)) * torch.finfo(dt).min
+        s = q @ k.transpose(-1, -2) * D ** -0.5 + mask
+        return s.softmax(-1).to(q.dtype) @ v
+
+    _check(f, [q, k, v, am], kernel, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("kernel", [None, "triton"])

@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..kernels.reference import absorbing_bias_refusal
+
 NEG_INF = float("-inf")
 
 
@@ -142,6 +144,11 @@ def common_feature_reasons(args, what: str, *, softcap: bool = False, dropout: b
     if nk == 0:
         out.append(f"{what}: no keys (Nk = 0)")
     return out
+
+
+def absorbing_bias_reasons(args, what: str) -> list[str]:
+    """A fused kernel's refusal of a float bias that can absorb a whole row (kernels/reference.py)."""
+    return absorbing_bias_refusal(args.bias, what)
 
 
 def position_segment_reasons(args, what: str) -> list[str]:

@@ -15,6 +15,10 @@ Taken where: CUDA, forward only and no gradient (inference), no dropout, Nq <= 1
 scores stay a small fp32 buffer), no forced kernel. Symbolic lengths are fine: the math is the same at every size, so one lowered graph
 serves a cache that grows (`dynamic=True`, Hugging Face's DynamicCache). FA_COMPILE_DECODE_MATH=0
 turns it off (the site then goes to its dispatch kernel, lowered or not).
+
+The same math also lowers, at any size, an inference site whose dispatch choice is the reference itself
+(`ReferenceMath`, FA_COMPILE_REFERENCE_MATH=0 turns it off): a site no fused kernel computes exactly, such
+as one whose float bias can absorb whole rows, then runs as Inductor would run the model's eager code.
 """
 from __future__ import annotations
 
@@ -72,3 +76,26 @@ class DecodeMath:
 
 DECODE_MATH = DecodeMath()
 choice.register("cuda", "decode_math", DECODE_MATH)
+
+
+class ReferenceMath(DecodeMath):
+    """CUDA sites of any size whose dispatch choice is the reference (no fused kernel is exact there, e.g. a
+    float bias that can absorb whole rows: kernels/reference.py absorbing_bias_refusal), in inference: the
+    same reference math as graph ops, which Inductor fuses as it would the model's eager code, instead of
+    the op's run-time call of the Python reference (fp32 copies, a dense mask, a launch per step). Training
+    keeps the op: its exact backward is the reference's own; so do sites with sinks (choice.decide asks
+    for takes_sinks, which the structure arguments' order here does not give)."""
+
+    def target(self, direction: str) -> str:
+        return "graph ops (the reference math, fused by Inductor)"
+
+    def reasons(self, args: dispatch.AttentionArgs, direction: str) -> list[str]:
+        what = "the reference math"
+        r = choice.decode_step_gate(what, "FA_COMPILE_REFERENCE_MATH", DEVICES, args, direction)
+        if not r and args.dropout_p > 0:
+            r.append(f"{what} has no dropout")
+        return r
+
+
+REFERENCE_MATH = ReferenceMath()
+choice.register("cuda", "reference", REFERENCE_MATH)

@@ -159,7 +159,9 @@ def _source_hash() -> str:
         from .. import kernels  # the kernels' op wrappers, traced into the lowered graphs
 
         kdir = os.path.dirname(os.path.abspath(kernels.__file__))
-        _FILES += tuple(os.path.join(kdir, f) for f in ("decode.py", "decode_ops.py", "decode_triton.py", "triton_ops.py"))
+        # and what dispatch's choice reads there (the Triton family's and the reference's refusals)
+        _FILES += tuple(os.path.join(kdir, f) for f in ("decode.py", "decode_ops.py", "decode_triton.py", "triton_ops.py",
+                                                         "triton_family.py", "reference.py"))
     return get_hash_for_files(_FILES).hex()
 
 
