@@ -71,14 +71,18 @@ def scores_reference(
     q_pos: Optional[Tensor] = None,
     q_seg: Optional[Tensor] = None,
     k_seg: Optional[Tensor] = None,
+    bf16_products: bool = False,
 ) -> Tensor:
-    """Masked, scaled scores [B, Hq, Nq, Nk] in the accumulation dtype (bias keeps its autograd link)."""
+    """Masked, scaled scores [B, Hq, Nq, Nk] in the accumulation dtype (bias keeps its autograd link).
+    bf16_products: bf16 q and k are multiplied in bf16 (fp32 accumulation, the product rounded to bf16, as
+    eager code's own matmul does) instead of in fp32; everything after runs in fp32 either way."""
     b, hq, nq, _ = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     acc = _acc_dtype(q.dtype)
     g = hq // hkv if hkv else 1  # no heads at all (Hq = Hkv = 0): an empty result
-    qg = q.to(acc).reshape(b, hkv, g, nq, q.shape[-1])
-    s = torch.matmul(qg, k.to(acc).unsqueeze(2).transpose(-2, -1)).reshape(b, hq, nq, nk) * scale
+    mm = q.dtype if bf16_products and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16 else acc
+    qg = q.to(mm).reshape(b, hkv, g, nq, q.shape[-1])
+    s = torch.matmul(qg, k.to(mm).unsqueeze(2).transpose(-2, -1)).reshape(b, hq, nq, nk).to(acc) * scale
     if softcap > 0:
         s = torch.tanh(s / softcap) * softcap
     if bias is not None:
@@ -167,16 +171,19 @@ def attention_reference(
     q_pos: Optional[Tensor] = None,
     q_seg: Optional[Tensor] = None,
     k_seg: Optional[Tensor] = None,
+    bf16_products: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, Nq, Dv] in q.dtype, lse [B, Hq, Nq] fp32); differentiable through torch autograd
-    (the sinks included)."""
+    (the sinks included). bf16_products: Q·Kᵀ and P·V of bf16 inputs in bf16 with fp32 accumulation
+    (P rounded to bf16 first), eager code's own precision, at the tensor cores' bf16 rate; the mask,
+    softmax and lse stay fp32, so a row the bias absorbs is still exact."""
     b, hq, nq, _ = q.shape
     hkv, nk, dv = v.shape[1], v.shape[2], v.shape[3]
     acc = _acc_dtype(q.dtype)
     s = scores_reference(
         q, k, scale=scale, causal=causal, diag_offset=diag_offset, window_left=window_left,
         window_right=window_right, bias=bias, kv_lens=kv_lens, softcap=softcap, q_pos=q_pos, q_seg=q_seg,
-        k_seg=k_seg,
+        k_seg=k_seg, bf16_products=bf16_products,
     )
     p, lse = _probabilities(s, sinks)
     if dropout_p > 0:
@@ -185,7 +192,8 @@ def attention_reference(
         keep = dropout_keep_mask(dropout_seed, b, hq, nq, nk, dropout_p, device=q.device)
         p = p * keep.to(acc) / (1.0 - dropout_p)
     g = hq // hkv if hkv else 1  # no heads at all (Hq = Hkv = 0): an empty result
-    out = torch.matmul(p.reshape(b, hkv, g, nq, nk), v.to(acc).unsqueeze(2)).reshape(b, hq, nq, dv)
+    mm = v.dtype if bf16_products and v.dtype == torch.bfloat16 else acc
+    out = torch.matmul(p.to(mm).reshape(b, hkv, g, nq, nk), v.to(mm).unsqueeze(2)).reshape(b, hq, nq, dv)
     return out.to(q.dtype), lse.to(torch.float32 if acc == torch.float32 else acc)
 
 

@@ -127,3 +127,22 @@ def test_reference_choice_lowered_to_its_math_at_any_size(monkeypatch):
     assert [d.kernel for d in decisions] == ["reference"] and decisions[0].lowered, [str(d) for d in decisions]
     assert "fa3.attention" not in graphs[0], graphs[0]
     torch.testing.assert_close(got, f(q, k, v, am), **TOL[torch.float32])
+
+
+def test_reference_math_bf16_products_keep_absorbed_rows():
+    # ReferenceMath multiplies bf16 inputs in bf16 (eager code's precision) and keeps the mask and softmax
+    # in fp32: a row the finfo.min bias absorbs is still uniform, the other rows agree with the fp32 math
+    # to bf16 rounding.
+    from fa_compile.kernels.reference import attention_reference
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 33, 16, generator=g).to(torch.bfloat16) for _ in range(3))
+    bias = torch.zeros(2, 1, 1, 33, dtype=torch.bfloat16)
+    bias[1] = torch.finfo(torch.bfloat16).min
+    out, lse = attention_reference(q, k, v, scale=0.25, bias=bias, bf16_products=True)
+    want, want_lse = attention_reference(q, k, v, scale=0.25, bias=bias)
+    uniform = v[1].float().mean(dim=1, keepdim=True).expand(4, 33, 16)
+    torch.testing.assert_close(out[1].float(), uniform, atol=8e-3, rtol=8e-3)
+    torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)
+    assert not torch.equal(out, want)  # the bf16 products did run: their rounding differs somewhere
+    assert torch.isfinite(lse).all() and lse.dtype == torch.float32

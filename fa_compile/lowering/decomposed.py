@@ -96,6 +96,20 @@ class ReferenceMath(DecodeMath):
             r.append(f"{what} has no dropout")
         return r
 
+    def forward_fn(self, args: dispatch.AttentionArgs):
+        """As DecodeMath's, with bf16 products for bf16 inputs (`attention_reference(bf16_products=True)`):
+        prefill-sized scores multiplied in fp32 cost several times eager code's bf16 matmuls."""
+        present = [n for n in ("bias", "kv_lens") + _STRUCTURE if getattr(args, n) is not None]
+        kw = dict(scale=float(args.scale), causal=bool(args.causal), diag_offset=args.diag_offset,
+                  window_left=args.window_left, window_right=args.window_right, softcap=float(args.softcap),
+                  bf16_products=True)
+
+        def fn(q, k, v, *rest):
+            out, lse = attention_reference(q, k, v, **kw, **dict(zip(present, rest)))
+            return conventions.finish(out, lse, None)
+
+        return fn
+
 
 REFERENCE_MATH = ReferenceMath()
 choice.register("cuda", "reference", REFERENCE_MATH)
