@@ -219,8 +219,11 @@ def attention_backward_reference(
     q_pos: Optional[Tensor] = None,
     q_seg: Optional[Tensor] = None,
     k_seg: Optional[Tensor] = None,
+    bf16_products: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """(dq, dk, dv, dbias) by the explicit formulas the fused kernels implement (fp32 accumulation).
+    bf16_products: with bf16 inputs every product runs in bf16 with fp32 accumulation, its operands
+    (P, dS) rounded to bf16 first, as eager code's own backward does; the rest stays fp32.
 
     P = softmax(S), Pd = P * keep / (1 - p), O = Pd V (`out` when given: delta is read from the
     forward's output, as every fused kernel does), delta = rowsum(dO * O),
@@ -234,13 +237,15 @@ def attention_backward_reference(
     hkv, nk, dv_ = v.shape[1], v.shape[2], v.shape[3]
     g = hq // hkv if hkv else 1  # no heads at all (Hq = Hkv = 0): an empty result
     acc = _acc_dtype(q.dtype)
-    qa, ka, va, doa = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
+    low = bf16_products and all(t.dtype == torch.bfloat16 for t in (q, k, v, dout))
+    mm = torch.bfloat16 if low else acc  # the products' operand dtype
+    qa, ka, va, doa = q.to(mm), k.to(mm), v.to(mm), dout.to(mm)
     # The capped scores before any mask: masked entries must stay finite for the tanh derivative.
-    capped = scores_reference(qa, ka, scale=scale, softcap=softcap) if softcap > 0 else None
+    capped = scores_reference(qa, ka, scale=scale, softcap=softcap, bf16_products=low) if softcap > 0 else None
     s = scores_reference(
         qa, ka, scale=scale, causal=causal, diag_offset=diag_offset, window_left=window_left,
         window_right=window_right, bias=bias, kv_lens=kv_lens, softcap=softcap, q_pos=q_pos, q_seg=q_seg,
-        k_seg=k_seg,
+        k_seg=k_seg, bf16_products=low,
     )
     p, _ = _probabilities(s, sinks)
     if dropout_p > 0:
@@ -249,10 +254,14 @@ def attention_backward_reference(
         keep = None
     pd = p * keep if keep is not None else p
     vg = va.unsqueeze(2)  # [B, Hkv, 1, Nk, Dv]
-    o = torch.matmul(pd.reshape(b, hkv, g, nq, nk), vg).reshape(b, hq, nq, dv_)
-    delta = (doa * (o if out is None else out.to(acc))).sum(-1, keepdim=True)
-    dvv = torch.matmul(pd.reshape(b, hkv, g, nq, nk).transpose(-2, -1), doa.reshape(b, hkv, g, nq, dv_)).sum(2)
-    dp = torch.matmul(doa.reshape(b, hkv, g, nq, dv_), vg.transpose(-2, -1)).reshape(b, hq, nq, nk)
+    if out is None:
+        o = torch.matmul(pd.to(mm).reshape(b, hkv, g, nq, nk), vg).reshape(b, hq, nq, dv_).to(acc)
+    else:
+        o = out.to(acc)
+    delta = (doa.to(acc) * o).sum(-1, keepdim=True)
+    dvv = torch.matmul(pd.to(mm).reshape(b, hkv, g, nq, nk).transpose(-2, -1),
+                       doa.reshape(b, hkv, g, nq, dv_)).to(acc).sum(2)
+    dp = torch.matmul(doa.reshape(b, hkv, g, nq, dv_), vg.transpose(-2, -1)).reshape(b, hq, nq, nk).to(acc)
     if keep is not None:
         dp = dp * keep
     ds = p * (dp - delta)
@@ -265,9 +274,9 @@ def attention_backward_reference(
         dims = tuple(i for i, n in enumerate(bias.shape) if n == 1 and full.shape[i] != 1)
         dbias = (full.sum(dim=dims, keepdim=True) if dims else full).to(bias.dtype)
     dx = ds * (1.0 - (capped / softcap) ** 2) if capped is not None else ds
-    dxg = dx.reshape(b, hkv, g, nq, nk)
-    dq = torch.matmul(dxg, ka.unsqueeze(2)).reshape(b, hq, nq, d) * scale
-    dk = torch.matmul(dxg.transpose(-2, -1), qa.reshape(b, hkv, g, nq, d)).sum(2) * scale
+    dxg = dx.to(mm).reshape(b, hkv, g, nq, nk)
+    dq = torch.matmul(dxg, ka.unsqueeze(2)).reshape(b, hq, nq, d).to(acc) * scale
+    dk = torch.matmul(dxg.transpose(-2, -1), qa.reshape(b, hkv, g, nq, d)).to(acc).sum(2) * scale
     return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), dbias
 
 
@@ -310,6 +319,6 @@ def absorbing_bias_refusal(bias: Optional[Tensor], what: str) -> list[str]:
     """
     if bias is None or bias.dtype not in ABSORBING_BIAS_DTYPES:
         return []
-    return [f"{what} is not exact on a row whose every score a {str(bias.dtype).replace('torch.', '')} float bias "
+    return [f"{what} is not exact on a row whose every score a {str(bias.dtype).replace('torch.', '')} bias "
             "absorbs (values <= -1e29, e.g. a finfo.min fill over a fully padded sequence): it reads the row as "
             "empty, where eager weighs it by the bias alone"]

@@ -146,3 +146,86 @@ def test_reference_math_bf16_products_keep_absorbed_rows():
     torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)
     assert not torch.equal(out, want)  # the bf16 products did run: their rounding differs somewhere
     assert torch.isfinite(lse).all() and lse.dtype == torch.float32
+
+
+def test_reference_math_training_lowered_both_directions(monkeypatch):
+    # In training the reference choice lowers forward and backward to graph ops (ReferenceMath): the
+    # absorbed rows of a fully padded sequence keep eager's uniform weights and eager's gradients.
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(decomposed, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setitem(choice.LOWERINGS, ("cpu", "reference"), decomposed.REFERENCE_MATH)
+
+    def f(q, k, v, am):
+        mask = (1.0 - am[:, None, None, :]) * torch.finfo(torch.float32).min
+        return torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + mask, dim=-1) @ v
+
+    q, k, v = (t.requires_grad_() for t in _decode_inputs(b=3, hq=2, hkv=2, nq=24, nk=24))
+    am = torch.ones(3, 24)
+    am[1, 9:] = 0
+    am[2] = 0
+    want = f(q, k, v, am)
+    g = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, (q, k, v), g)
+    torch._dynamo.reset()
+    n = len(records())
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False), \
+            capture_graphs() as graphs:
+        got = torch.compile(f, backend="fa3")(q, k, v, am)
+        got_grads = torch.autograd.grad(got, (q, k, v), g)
+    decisions = [r.decision for r in records()[n:]]
+    assert sorted(d.direction for d in decisions) == ["backward", "forward"], [str(d) for d in decisions]
+    assert all(d.kernel == "reference" and d.lowered for d in decisions), [str(d) for d in decisions]
+    assert not any("fa3.attention" in gr for gr in graphs), graphs
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    for a, e in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, e, **TOL[torch.float32])
+
+
+def test_reference_math_passes_every_argument_in_order():
+    # forward_fn / backward_fn read the tensors graph_pass passes (bias, kv_lens, dropout seed, q_pos) in
+    # its order: fp32 results equal the reference called with the same arguments by name.
+    from fa_compile import dispatch
+    from fa_compile.kernels.reference import attention_backward_reference, attention_reference
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=g) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]
+    bias = torch.randn(2, 1, 6, 6, generator=g)
+    kv_lens = torch.tensor([6, 4])
+    seed = torch.tensor(1234)
+    q_pos = torch.tensor([[2, 3, 4, 5, 5, 5], [0, 1, 2, 3, 3, 3]])
+    args = dispatch.AttentionArgs(q=q, k=k, v=v, scale=0.3, bias=bias, kv_lens=kv_lens, dropout_p=0.25,
+                                  dropout_seed=seed, q_pos=q_pos, needs_backward=True, bias_requires_grad=True)
+    m = decomposed.REFERENCE_MATH
+    out, lse = m.forward_fn(args)(q, k, v, bias, kv_lens, seed, q_pos)
+    kw = dict(scale=0.3, bias=bias, kv_lens=kv_lens, dropout_p=0.25, dropout_seed=seed, q_pos=q_pos)
+    want, want_lse = attention_reference(q, k, v, **kw)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    dout = torch.randn(out.shape, generator=g)
+    got = m.backward_fn(args)(dout, q, k, v, out, lse, bias, kv_lens, seed, q_pos)
+    ref = attention_backward_reference(dout, q, k, v, bias_requires_grad=True, out=out, **kw)
+    for a, e in zip(got, ref):
+        assert torch.equal(a, e)
+
+
+def test_reference_backward_bf16_products_match_fp32():
+    # The backward's bf16 products (ReferenceMath in training) agree with the fp32 formulas to bf16
+    # rounding, the bias gradient included, and a fully absorbed row still gets softmax's gradient at
+    # uniform weights.
+    from fa_compile.kernels.reference import attention_backward_reference, attention_reference
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(2, 4, 20, 16, generator=g).to(torch.bfloat16) for _ in range(4))
+    bias = torch.zeros(2, 1, 1, 20, dtype=torch.bfloat16)
+    bias[1] = torch.finfo(torch.bfloat16).min
+    out, _ = attention_reference(q, k, v, scale=0.25, bias=bias, bf16_products=True)
+    kw = dict(scale=0.25, bias=bias, bias_requires_grad=True, out=out)
+    got = attention_backward_reference(dout, q, k, v, bf16_products=True, **kw)
+    want = attention_backward_reference(dout, q, k, v, **kw)
+    for a, e in zip(got, want):
+        scale = e.float().abs().max().item()
+        torch.testing.assert_close(a.float(), e.float(), atol=2e-2 * scale, rtol=0)
+    assert not torch.equal(got[0], want[0])
+    assert got[0][1].float().abs().max() > 0  # the absorbed batch's dq: softmax's gradient, not zero

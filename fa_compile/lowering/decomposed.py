@@ -16,14 +16,17 @@ scores stay a small fp32 buffer), no forced kernel. Symbolic lengths are fine: t
 serves a cache that grows (`dynamic=True`, Hugging Face's DynamicCache). FA_COMPILE_DECODE_MATH=0
 turns it off (the site then goes to its dispatch kernel, lowered or not).
 
-The same math also lowers, at any size, an inference site whose dispatch choice is the reference itself
-(`ReferenceMath`, FA_COMPILE_REFERENCE_MATH=0 turns it off): a site no fused kernel computes exactly, such
-as one whose float bias can absorb whole rows, then runs as Inductor would run the model's eager code.
+The same math also lowers, at any size and in both directions, a site whose dispatch choice is the
+reference itself (`ReferenceMath`, FA_COMPILE_REFERENCE_MATH=0 turns it off): a site no fused kernel
+computes exactly, such as one whose float bias can absorb whole rows, then runs as Inductor would run the
+model's eager code.
 """
 from __future__ import annotations
 
+import os
+
 from .. import dispatch
-from ..kernels.reference import attention_reference
+from ..kernels.reference import attention_backward_reference, attention_reference
 from . import choice, conventions
 
 DECODE_MAX_QUERIES = 16
@@ -78,35 +81,63 @@ DECODE_MATH = DecodeMath()
 choice.register("cuda", "decode_math", DECODE_MATH)
 
 
-class ReferenceMath(DecodeMath):
+class ReferenceMath:
     """CUDA sites of any size whose dispatch choice is the reference (no fused kernel is exact there, e.g. a
-    float bias that can absorb whole rows: kernels/reference.py absorbing_bias_refusal), in inference: the
-    same reference math as graph ops, which Inductor fuses as it would the model's eager code, instead of
-    the op's run-time call of the Python reference (fp32 copies, a dense mask, a launch per step). Training
-    keeps the op: its exact backward is the reference's own; so do sites with sinks (choice.decide asks
-    for takes_sinks, which the structure arguments' order here does not give)."""
+    float bias that can absorb whole rows: kernels/reference.py absorbing_bias_refusal): the reference
+    forward and backward as graph ops, which Inductor fuses as it would the model's eager code, instead of
+    the op's run-time calls of the Python reference (fp32 copies and products, a dense mask, a launch per
+    step). bf16 inputs are multiplied in bf16 with fp32 accumulation, eager code's own precision; masks,
+    softmax and lse stay fp32, so a row the bias absorbs stays exact. Dropout draws the op's counter-hash
+    mask from the node's seed, the same in both directions. Sites with sinks keep the op (choice.decide
+    asks for takes_sinks, which the argument order here does not give)."""
+
+    same_kernel = False
+    takes_dropout_seed = True  # graph_pass: the seed after bias and kv_lens,
+    takes_structure = True  # then q_pos, q_seg, k_seg
 
     def target(self, direction: str) -> str:
-        return "graph ops (the reference math, fused by Inductor)"
+        return "graph ops (the reference math" + (" backward" if direction == "backward" else "") + ", fused by Inductor)"
 
     def reasons(self, args: dispatch.AttentionArgs, direction: str) -> list[str]:
         what = "the reference math"
-        r = choice.decode_step_gate(what, "FA_COMPILE_REFERENCE_MATH", DEVICES, args, direction)
-        if not r and args.dropout_p > 0:
-            r.append(f"{what} has no dropout")
-        return r
+        if os.environ.get("FA_COMPILE_REFERENCE_MATH", "1") == "0":
+            return [f"{what} is off (FA_COMPILE_REFERENCE_MATH=0)"]
+        if args.q.device.type not in DEVICES:
+            return [f"{what} is lowered on CUDA only"]
+        return []
+
+    @staticmethod
+    def _present(args: dispatch.AttentionArgs) -> list[str]:
+        """The optional tensors graph_pass passes after q, k, v (after dout .. lse backward), in order."""
+        names = [n for n in ("bias", "kv_lens", "dropout_seed") if getattr(args, n) is not None]
+        return names + [n for n in ("q_pos", "q_seg", "k_seg") if getattr(args, n) is not None]
+
+    @staticmethod
+    def _kwargs(args: dispatch.AttentionArgs) -> dict:
+        return dict(scale=float(args.scale), causal=bool(args.causal), diag_offset=args.diag_offset,
+                    window_left=args.window_left, window_right=args.window_right, softcap=float(args.softcap),
+                    dropout_p=float(args.dropout_p), bf16_products=True)
 
     def forward_fn(self, args: dispatch.AttentionArgs):
-        """As DecodeMath's, with bf16 products for bf16 inputs (`attention_reference(bf16_products=True)`):
-        prefill-sized scores multiplied in fp32 cost several times eager code's bf16 matmuls."""
-        present = [n for n in ("bias", "kv_lens") + _STRUCTURE if getattr(args, n) is not None]
-        kw = dict(scale=float(args.scale), causal=bool(args.causal), diag_offset=args.diag_offset,
-                  window_left=args.window_left, window_right=args.window_right, softcap=float(args.softcap),
-                  bf16_products=True)
+        """fn(q, k, v[, bias][, kv_lens][, dropout_seed][, q_pos][, q_seg, k_seg]) -> (out, lse)."""
+        present, kw = self._present(args), self._kwargs(args)
 
         def fn(q, k, v, *rest):
             out, lse = attention_reference(q, k, v, **kw, **dict(zip(present, rest)))
             return conventions.finish(out, lse, None)
+
+        return fn
+
+    def backward_fn(self, args: dispatch.AttentionArgs):
+        """fn(dout, q, k, v, out, lse, ...as forward) -> (dq, dk, dv, dbias or an empty tensor)."""
+        present, kw = self._present(args), self._kwargs(args)
+        bias_grad = bool(args.bias_requires_grad) and args.bias is not None
+
+        def fn(dout, q, k, v, out, lse, *rest):
+            dq, dk, dv, db = attention_backward_reference(
+                dout, q, k, v, bias_requires_grad=bias_grad, out=out, **kw, **dict(zip(present, rest)))
+            db = db.contiguous() if bias_grad else q.new_empty((0,))
+            return conventions.dense_like(dq, q), conventions.dense_like(dk, k), conventions.dense_like(dv, v), db
 
         return fn
 
