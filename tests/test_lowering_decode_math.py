@@ -1,8 +1,12 @@
 """The decode-step lowering (fa_compile/lowering/decomposed.py): a site with few queries and a short
 cache becomes the op's reference math as graph ops, which Inductor fuses. Run here on CPU by adding
 "cpu" to its devices (on CUDA it is the default for such sites): outputs equal to eager, every mask
-argument carried, the sites it must not take keep their kernel."""
+argument carried, the sites it must not take keep their kernel. The same math as the lowering of the
+reference choice at any size and in both directions (ReferenceMath): absorbed rows exact, arguments in
+graph_pass's order, bf16 products."""
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -13,14 +17,21 @@ from fa_compile.lowering import capture_graphs, choice, decomposed, records
 from conftest import TOL
 
 
-@pytest.fixture
-def on_cpu(monkeypatch):
+@contextlib.contextmanager
+def _lowered_on_cpu(monkeypatch, kernel: str, lowering):
+    """`lowering` takes CPU sites whose choice is `kernel`, with Inductor's caches off."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
     monkeypatch.setattr(decomposed, "DEVICES", ("cuda", "cpu"))
-    monkeypatch.setitem(choice.LOWERINGS, ("cpu", "decode_math"), decomposed.DECODE_MATH)
+    monkeypatch.setitem(choice.LOWERINGS, ("cpu", kernel), lowering)
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    with _lowered_on_cpu(monkeypatch, "decode_math", decomposed.DECODE_MATH):
         yield
 
 
@@ -100,33 +111,38 @@ def test_not_taken_for_long_caches_training_or_a_forced_kernel(on_cpu):
         assert choice.decide(short, "reference", "forward", False).kernel == "reference"
 
 
-def test_reference_choice_lowered_to_its_math_at_any_size(monkeypatch):
-    # A site whose dispatch choice is the reference at a prefill size (ReferenceMath, CUDA's lowering of
-    # that choice, run here on CPU in place of aten's CPU flash): an HF-style mask from a float
-    # attention_mask, with one sequence all padding, whose rows eager weighs uniformly.
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
+@pytest.fixture
+def reference_math_on_cpu(monkeypatch):
+    # ReferenceMath is CUDA's lowering of the reference choice; here it takes CPU's in place of aten's CPU flash.
+    with _lowered_on_cpu(monkeypatch, "reference", decomposed.REFERENCE_MATH):
+        yield
 
-    monkeypatch.setattr(decomposed, "DEVICES", ("cuda", "cpu"))
-    monkeypatch.setitem(choice.LOWERINGS, ("cpu", "reference"), decomposed.REFERENCE_MATH)
 
-    def f(q, k, v, am):
-        mask = (1.0 - am[:, None, None, :]) * torch.finfo(torch.float32).min
-        return torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + mask, dim=-1) @ v
+def _absorbing_mask_attention(q, k, v, am):
+    # An HF-style mask from a float attention_mask (the pass cannot prove it 0 / 1): a float bias.
+    mask = (1.0 - am[:, None, None, :]) * torch.finfo(torch.float32).min
+    return torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + mask, dim=-1) @ v
 
+
+def _padding(b: int, n: int, cut: int) -> torch.Tensor:
+    am = torch.ones(b, n)
+    am[1, cut:] = 0
+    am[2] = 0  # all padding: eager weighs its rows uniformly
+    return am
+
+
+def test_reference_choice_lowered_to_its_math_at_any_size(reference_math_on_cpu):
+    # A site whose dispatch choice is the reference, at a prefill size, in inference.
     q, k, v = _decode_inputs(b=3, hq=2, hkv=2, nq=40, nk=40)
-    am = torch.ones(3, 40)
-    am[1, 25:] = 0
-    am[2] = 0
+    am = _padding(3, 40, 25)
     torch._dynamo.reset()
     n = len(records())
-    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False), \
-            capture_graphs() as graphs:
-        got = torch.compile(f, backend="fa3")(q, k, v, am)
+    with capture_graphs() as graphs:
+        got = torch.compile(_absorbing_mask_attention, backend="fa3")(q, k, v, am)
     decisions = [r.decision for r in records()[n:]]
     assert [d.kernel for d in decisions] == ["reference"] and decisions[0].lowered, [str(d) for d in decisions]
     assert "fa3.attention" not in graphs[0], graphs[0]
-    torch.testing.assert_close(got, f(q, k, v, am), **TOL[torch.float32])
+    torch.testing.assert_close(got, _absorbing_mask_attention(q, k, v, am), **TOL[torch.float32])
 
 
 def test_reference_math_bf16_products_keep_absorbed_rows():
@@ -148,31 +164,18 @@ def test_reference_math_bf16_products_keep_absorbed_rows():
     assert torch.isfinite(lse).all() and lse.dtype == torch.float32
 
 
-def test_reference_math_training_lowered_both_directions(monkeypatch):
+def test_reference_math_training_lowered_both_directions(reference_math_on_cpu):
     # In training the reference choice lowers forward and backward to graph ops (ReferenceMath): the
     # absorbed rows of a fully padded sequence keep eager's uniform weights and eager's gradients.
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    monkeypatch.setattr(decomposed, "DEVICES", ("cuda", "cpu"))
-    monkeypatch.setitem(choice.LOWERINGS, ("cpu", "reference"), decomposed.REFERENCE_MATH)
-
-    def f(q, k, v, am):
-        mask = (1.0 - am[:, None, None, :]) * torch.finfo(torch.float32).min
-        return torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + mask, dim=-1) @ v
-
     q, k, v = (t.requires_grad_() for t in _decode_inputs(b=3, hq=2, hkv=2, nq=24, nk=24))
-    am = torch.ones(3, 24)
-    am[1, 9:] = 0
-    am[2] = 0
-    want = f(q, k, v, am)
+    am = _padding(3, 24, 9)
+    want = _absorbing_mask_attention(q, k, v, am)
     g = torch.randn_like(want)
     want_grads = torch.autograd.grad(want, (q, k, v), g)
     torch._dynamo.reset()
     n = len(records())
-    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False), \
-            capture_graphs() as graphs:
-        got = torch.compile(f, backend="fa3")(q, k, v, am)
+    with capture_graphs() as graphs:
+        got = torch.compile(_absorbing_mask_attention, backend="fa3")(q, k, v, am)
         got_grads = torch.autograd.grad(got, (q, k, v), g)
     decisions = [r.decision for r in records()[n:]]
     assert sorted(d.direction for d in decisions) == ["backward", "forward"], [str(d) for d in decisions]
