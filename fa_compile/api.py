@@ -68,6 +68,9 @@ def attention(
     causal: False, True / "top_left" (SDPA's alignment) or "bottom_right" (a KV cache's: the last
     query sees every key). window: (left, right) keys around the aligned diagonal, -1 = unbounded.
     bias: additive float or bool (True = attend), broadcasting to [B, Hq, Nq, Nk] in either layout.
+    An fp32 / bf16 / fp64 float bias can hold values that absorb a whole row (finfo.min padding), which
+    the fused kernels read as empty rows: such calls run the reference (exact); a bias whose values fit
+    fp16 keeps our Triton kernels when passed as fp16, a mask when passed as bool.
     kv_lens: int32/int64 [B], the valid keys of each batch entry: keys j >= kv_lens[b] are masked.
     Values are clamped to [0, Nk] (beyond Nk: every key; 0 or below: none, out 0). They are not
     checked, since reading them would cost a device sync on every call.
