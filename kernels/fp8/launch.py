@@ -18,7 +18,6 @@ from torch import Tensor
 from .config import (
     HADAMARD_DEFAULT, HEAD_DIMS, LOG2E, QK_INT8_DEFAULT, SMOOTH_Q_DEFAULT, default_blocks, two_level_default,
 )
-from ..reference import absorbing_bias_refusal
 from .quantize import FP8, Quantized, quantize
 
 # Tests and the benchmark may pin (block_m, block_n, num_warps, num_stages) per head-dim block.
@@ -69,7 +68,6 @@ def fp8_reasons(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor] = None, 
         reasons.append(f"head dims {d}/{dv}: the FP8 kernel takes {'/'.join(map(str, HEAD_DIMS))}")
     if bias is not None and bias.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.bool):
         reasons.append(f"bias dtype {bias.dtype} is not supported")
-    reasons += absorbing_bias_refusal(bias, "the FP8 kernel")
     return reasons
 
 
