@@ -278,3 +278,42 @@ else:
             torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
         rows = [r for r in fa_compile.explain(f, q, k, v, am).rows]
         assert rows and all("triton" not in (r.kernel_fwd or "") for r in rows)
+
+    @pytest.mark.parametrize("family", ["t5", "bloom"])
+    def test_float_bias_models_padded_sequence_equal_eager(family):
+        # Real model families whose padding reaches the op inside a float bias (T5's position bias, Bloom's
+        # ALiBi): with the Triton kernels eligible on CPU, a fully padded sequence must still equal eager
+        # at every element, outputs and gradients (the kernels read its rows as empty; they are refused).
+        import warnings
+
+        import transformers
+
+        import fa_compile
+
+        warnings.filterwarnings("ignore")
+        torch.manual_seed(0)
+        if family == "t5":
+            cfg = transformers.T5Config(d_model=32, d_kv=16, num_heads=2, num_layers=2, d_ff=64, vocab_size=50,
+                                        dropout_rate=0.0)
+            cls = transformers.T5EncoderModel
+        else:
+            cfg = transformers.BloomConfig(hidden_size=32, n_head=2, n_layer=2, vocab_size=50)
+            cls = transformers.BloomModel
+        cfg._attn_implementation = "eager"
+        model = cls(cfg)
+        ids = torch.randint(1, 50, (3, 12))
+        am = torch.ones(3, 12, dtype=torch.long)
+        am[1, 5:] = 0
+        am[2] = 0
+        want = model(input_ids=ids, attention_mask=am)[0]
+        want.square().mean().backward()
+        want_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        torch._dynamo.reset()
+        got = torch.compile(model, backend="fa3")(input_ids=ids, attention_mask=am)[0]
+        got.square().mean().backward()
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for n, p in model.named_parameters():
+            if n in want_grads:
+                torch.testing.assert_close(p.grad, want_grads[n], atol=1e-5, rtol=1e-4, msg=n)
