@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from .kernels.reference import absorbing_bias_refusal
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -101,8 +102,6 @@ def kernel_reasons(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, window
         reasons_of = _kernel.fp8_reasons
     except Exception as e:  # triton missing, or a broken install: say so instead of failing
         return [f"the FP8 kernel is not available ({type(e).__name__}: {str(e)[:120]})"]
-    from .kernels.reference import absorbing_bias_refusal  # noqa: PLC0415
-
     r = list(reasons_of(q, k, v, bias=bias, kv_lens=kv_lens, causal=causal, window_left=window_left,
                         window_right=window_right))
     # what the kernel computes on a row that a float bias absorbs entirely is not eager's (the bf16 op

@@ -146,11 +146,6 @@ def common_feature_reasons(args, what: str, *, softcap: bool = False, dropout: b
     return out
 
 
-def absorbing_bias_reasons(args, what: str) -> list[str]:
-    """A fused kernel's refusal of a float bias that can absorb a whole row (kernels/reference.py)."""
-    return absorbing_bias_refusal(args.bias, what)
-
-
 def position_segment_reasons(args, what: str) -> list[str]:
     """No peer takes the op's run-time structure: q_pos (a per-query key limit read at run time) would
     need a dense bias built per call, and segment ids of any order have no varlen form (cu_seqlens

@@ -38,6 +38,31 @@ _STRUCTURE = ("sinks", "q_pos", "q_seg", "k_seg")
 DEVICES = ("cuda",)  # CPU sites have aten's CPU flash kernel or the reference op (tests add "cpu")
 
 
+def _present(args: dispatch.AttentionArgs, lowering) -> list[str]:
+    """The optional tensors graph_pass passes `lowering` after q, k, v (after dout .. lse backward), in its
+    order: bias, kv_lens, the dropout seed where the lowering takes it, then sinks and the run-time structure
+    (sites with sinks never reach ReferenceMath: choice.decide asks for takes_sinks)."""
+    seed = ("dropout_seed",) if getattr(lowering, "takes_dropout_seed", False) else ()
+    return [n for n in ("bias", "kv_lens") + seed + _STRUCTURE if getattr(args, n) is not None]
+
+
+def _reference_kwargs(args: dispatch.AttentionArgs, bf16_products: bool) -> dict:
+    return dict(scale=float(args.scale), causal=bool(args.causal), diag_offset=args.diag_offset,
+                window_left=args.window_left, window_right=args.window_right, softcap=float(args.softcap),
+                dropout_p=float(args.dropout_p), bf16_products=bf16_products)
+
+
+def _reference_forward_fn(args: dispatch.AttentionArgs, lowering, bf16_products: bool):
+    """fn(q, k, v, *the present tensors) -> (out, lse) in the op's conventions, by the reference math."""
+    present, kw = _present(args, lowering), _reference_kwargs(args, bf16_products)
+
+    def fn(q, k, v, *rest):
+        out, lse = attention_reference(q, k, v, **kw, **dict(zip(present, rest)))
+        return conventions.finish(out, lse, None)
+
+    return fn
+
+
 class DecodeMath:
     same_kernel = False
     takes_structure = True  # graph_pass passes sinks, q_pos, q_seg, k_seg after bias and kv_lens
@@ -62,16 +87,7 @@ class DecodeMath:
 
     def forward_fn(self, args: dispatch.AttentionArgs):
         """fn(q, k, v[, bias][, kv_lens][, sinks][, q_pos][, q_seg, k_seg]) -> (out, lse), op conventions."""
-        present = [n for n in ("bias", "kv_lens") + _STRUCTURE if getattr(args, n) is not None]
-        kw = dict(scale=float(args.scale), causal=bool(args.causal), diag_offset=args.diag_offset,
-                  window_left=args.window_left, window_right=args.window_right, softcap=float(args.softcap))
-
-        def fn(q, k, v, *rest):
-            tensors = dict(zip(present, rest))
-            out, lse = attention_reference(q, k, v, **kw, **tensors)
-            return conventions.finish(out, lse, None)
-
-        return fn
+        return _reference_forward_fn(args, self, bf16_products=False)
 
     def backward_fn(self, args: dispatch.AttentionArgs):
         raise NotImplementedError("the decode-step math lowers forwards without a gradient only")
@@ -106,31 +122,13 @@ class ReferenceMath:
             return [f"{what} is lowered on CUDA only"]
         return []
 
-    @staticmethod
-    def _present(args: dispatch.AttentionArgs) -> list[str]:
-        """The optional tensors graph_pass passes after q, k, v (after dout .. lse backward), in order."""
-        names = [n for n in ("bias", "kv_lens", "dropout_seed") if getattr(args, n) is not None]
-        return names + [n for n in ("q_pos", "q_seg", "k_seg") if getattr(args, n) is not None]
-
-    @staticmethod
-    def _kwargs(args: dispatch.AttentionArgs) -> dict:
-        return dict(scale=float(args.scale), causal=bool(args.causal), diag_offset=args.diag_offset,
-                    window_left=args.window_left, window_right=args.window_right, softcap=float(args.softcap),
-                    dropout_p=float(args.dropout_p), bf16_products=True)
-
     def forward_fn(self, args: dispatch.AttentionArgs):
         """fn(q, k, v[, bias][, kv_lens][, dropout_seed][, q_pos][, q_seg, k_seg]) -> (out, lse)."""
-        present, kw = self._present(args), self._kwargs(args)
-
-        def fn(q, k, v, *rest):
-            out, lse = attention_reference(q, k, v, **kw, **dict(zip(present, rest)))
-            return conventions.finish(out, lse, None)
-
-        return fn
+        return _reference_forward_fn(args, self, bf16_products=True)
 
     def backward_fn(self, args: dispatch.AttentionArgs):
         """fn(dout, q, k, v, out, lse, ...as forward) -> (dq, dk, dv, dbias or an empty tensor)."""
-        present, kw = self._present(args), self._kwargs(args)
+        present, kw = _present(args, self), _reference_kwargs(args, bf16_products=True)
         bias_grad = bool(args.bias_requires_grad) and args.bias is not None
 
         def fn(dout, q, k, v, out, lse, *rest):
