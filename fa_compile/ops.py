@@ -42,6 +42,7 @@ because the log-sum-exp is the only state they share (dropout excepted, whose ma
 
 `fa3::uniform_row_grad` and `fa3::filled_scores_grad` (row_fixups.py) are 0 with the gradient eager
 gives q and k from rows that an additive finfo.min mask masked entirely (patterns/emit.py).
+`fa3::key_limit` (key_limit_op.py) reads a decode step's key limit from its data mask (patterns/key_limit.py).
 """
 from __future__ import annotations
 
@@ -543,3 +544,5 @@ from . import row_fixups  # noqa: E402,F401
 # fa3::cpu_flash_forward, which lowered CPU graphs call (also where Inductor's cached code runs in a process
 # that has lowered nothing).
 from . import cpu_flash_op  # noqa: E402,F401
+# fa3::key_limit, a decode step's key limit read from its data mask (patterns/key_limit.py).
+from . import key_limit_op  # noqa: E402,F401

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .decode import _pow2, launch_options
+from .triton_family import interpreting
 from .triton_ops import _bias_arg, _empty, _launcher
 
 NAMESPACE = "fa3_decode"
@@ -84,3 +85,35 @@ def fwd(
             capacity=nk, EMPTY_FILL=empty_fill, BLOCK_N=block_n, **ctune,
         )
     return out, lse
+
+
+# fa3::key_limit's kernel: keys per block (a row of up to this many keys is one load wave) and warps.
+# Measured on the H200 (scratch sweep of BLOCK x warps at B8 x 16384 bf16 keys): see BENCHMARKS.md.
+KEY_LIMIT_BLOCK = 16384
+KEY_LIMIT_WARPS = 16
+KEY_LIMIT_DTYPES = (torch.bool, torch.float16, torch.bfloat16, torch.float32)
+
+
+@torch.library.triton_op(f"{NAMESPACE}::key_limit", mutates_args=())
+def key_limit(bias: Tensor, absorb: float) -> Tensor:
+    """fa_compile/key_limit_op.py's fa3::key_limit (int32 [Bm] of bias [Bm, Nk]) as one kernel launch;
+    bias bool, fp16, bf16 or fp32 (compared in fp32, exact for these: the thresholds are rounded to the
+    bias's dtype first, as eager's comparison with a Python float rounds them)."""
+    from ..key_limit_op import thresholds  # (here, not at import: fa_compile.ops imports the kernels)
+
+    from .decode_triton import key_limit_kernel
+
+    if bias.dim() != 2 or bias.dtype not in KEY_LIMIT_DTYPES:
+        raise ValueError(f"bias: expected a 2-d mask of {KEY_LIMIT_DTYPES}, got {tuple(bias.shape)} {bias.dtype}")
+    bm, nk = bias.shape
+    out = _empty((bm,), (1,), torch.int32, bias.device)
+    if bm == 0:
+        return out
+    is_bool = bias.dtype == torch.bool
+    t_abs, t_good = thresholds(bias.dtype, absorb) if not is_bool else (0.0, 0.0)
+    block = min(_pow2(nk), KEY_LIMIT_BLOCK)
+    opts = {} if interpreting() else dict(num_warps=KEY_LIMIT_WARPS if block >= 4096 else 4)
+    _launcher(key_limit_kernel)[(bm, 1, 1)](
+        bias, out, bias.stride(0), bias.stride(1), nk, t_abs, t_good, IS_BOOL=is_bool, BLOCK=block, **opts,
+    )
+    return out

@@ -227,3 +227,31 @@ def decode_combine_kernel(
     o_ptrs = O + b.to(tl.int64) * stride_ob + tok.to(tl.int64) * stride_on + head.to(tl.int64) * stride_oh + offs_dv
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_dv < DV)
     tl.store(LSE + (b.to(tl.int64) * Hkv * G + head) * Nq + tok, lse)
+
+
+@triton.jit
+def key_limit_kernel(BIAS, OUT, stride_bb, stride_bn, nk, absorb, good, IS_BOOL: tl.constexpr, BLOCK: tl.constexpr):
+    """fa_compile/key_limit_op.py's fa3::key_limit, one program per row of bias [Bm, Nk]: 1 + the last
+    admissible key (bool: True; float: not <= absorb, NaN admissible), a float row without a value >= good
+    keeps all nk keys. One block covers a whole row up to BLOCK keys, so a row is one load wave."""
+    b = tl.program_id(0)
+    row = BIAS + b.to(tl.int64) * stride_bb
+    last = tl.zeros([BLOCK], tl.int32)
+    seen = tl.zeros([BLOCK], tl.int32)
+    absorb = tl.cast(absorb, tl.float32)  # Inductor's launcher types float arguments fp64
+    good = tl.cast(good, tl.float32)
+    for s0 in range(0, nk, BLOCK):
+        j = s0 + tl.arange(0, BLOCK)
+        ok = j < nk
+        x = tl.load(row + j.to(tl.int64) * stride_bn, mask=ok, other=0)
+        if IS_BOOL:
+            admissible = (x != 0) & ok
+        else:
+            xf = x.to(tl.float32)
+            admissible = (~(xf <= absorb)) & ok  # NaN is admissible
+            seen = tl.maximum(seen, ((xf >= good) & ok).to(tl.int32))
+        last = tl.maximum(last, tl.where(admissible, j + 1, 0))
+    limit = tl.max(last, 0)
+    if not IS_BOOL:
+        limit = tl.where(tl.max(seen, 0) > 0, limit, nk)
+    tl.store(OUT + b, limit.to(tl.int32))

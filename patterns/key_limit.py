@@ -99,6 +99,12 @@ def limit_keys(graph: fx.Graph, q: fx.Node, k: fx.Node, v: fx.Node, bias: fx.Nod
     rows_of_one = keep is None and all(isinstance(n, int) and n == 1 for n in bv.shape[1:3])
     if rows_of_one:
         b4 = call(graph, operator.getitem, b4, (slice(None), 0, 0))
+        # one op (fa_compile/key_limit_op.py), which the lowering runs as one kernel on CUDA
+        absorb = 0.0 if bv.dtype == torch.bool else absorb_threshold(bv.dtype)
+        limit = call(graph, torch.ops.fa3.key_limit.default, b4, absorb)  # [Bm] int32
+        if kv_lens is not None:
+            limit = call(graph, "to", limit, torch.int64, method=True)
+        return _finish(graph, q, limit, kv_lens, nk)
     if bv.dtype == torch.bool:
         admissible = b4
     else:
@@ -114,12 +120,21 @@ def limit_keys(graph: fx.Graph, q: fx.Node, k: fx.Node, v: fx.Node, bias: fx.Nod
         rows_good = call(graph, torch.any, good, -1)  # [Bx] or [Bx, Hx, Nqx]
         every_row = rows_good if rows_of_one else call(graph, torch.all, rows_good, (1, 2))  # [Bx]
         limit = call(graph, torch.where, every_row, limit, nk)
+    return _finish(graph, q, limit, kv_lens, nk)
+
+
+def _finish(graph: fx.Graph, q: fx.Node, limit: fx.Node, kv_lens: Optional[fx.Node], nk: int) -> fx.Node:
+    """The limit [Bm] (int64, or key_limit's int32 in [0, Nk] without kv_lens) as the op's kv_lens: combined
+    with the given kv_lens by minimum, in [0, Nk], [B], int32 (what FA3's seqused_k takes)."""
     if kv_lens is not None:
         limit = call(graph, torch.minimum, limit, call(graph, "to", kv_lens, torch.int64, method=True))
-    # exact (the op clamps kv_lens to [0, Nk]) and safe for int32 when a given length was out of range
-    limit = call(graph, "clamp", limit, 0, nk, method=True)
+    if example_value(limit).dtype != torch.int32:
+        # exact (the op clamps kv_lens to [0, Nk]) and safe for int32 when a given length was out of range
+        limit = call(graph, "clamp", limit, 0, nk, method=True)
     b = example_value(q).shape[0]
     n = example_value(limit).shape[0]
     if isinstance(n, int) and n == 1 and not (isinstance(b, int) and b == 1):
         limit = call(graph, "expand", limit, _size(graph, q, 0), method=True)
-    return call(graph, "to", limit, torch.int32, method=True)  # int32: what FA3's seqused_k takes
+    if example_value(limit).dtype != torch.int32:
+        limit = call(graph, "to", limit, torch.int32, method=True)
+    return limit

@@ -190,26 +190,16 @@ def forward(self, L_k_ : torch.Tensor, L_q_ : torch.Tensor, L_mask_ : torch.Tens
     l_q_ = L_q_
     l_mask_ = L_mask_
     l_v_ = L_v_
-    arange = torch.arange(2100, device = device(type='cpu'))
-    add_1 = arange + 1;  arange = None
     getitem = l_mask_[(slice(None, None, None), 0, 0)]
-    le = getitem <= -1e+30
-    logical_not = torch.logical_not(le);  le = None
-    where = torch.where(logical_not, add_1, 0);  logical_not = add_1 = None
-    amax = torch.amax(where, -1);  where = None
-    ge = getitem >= -5e+29;  getitem = None
-    any_1 = torch.any(ge, -1);  ge = None
-    where_1 = torch.where(any_1, amax, 2100);  any_1 = amax = None
-    clamp = where_1.clamp(0, 2100);  where_1 = None
-    to = clamp.to(torch.int32);  clamp = None
-    attention_default = torch.ops.fa3.attention.default(l_q_, l_k_, l_v_, 0.35355339059327373, False, 0, -1, -1, l_mask_, to, 0.0, 0.0, None, None);  l_q_ = l_k_ = l_v_ = l_mask_ = to = None
+    key_limit_default = torch.ops.fa3.key_limit.default(getitem, -1e+30);  getitem = None
+    attention_default = torch.ops.fa3.attention.default(l_q_, l_k_, l_v_, 0.35355339059327373, False, 0, -1, -1, l_mask_, key_limit_default, 0.0, 0.0, None, None);  l_q_ = l_k_ = l_v_ = l_mask_ = key_limit_default = None
     getitem_1 = attention_default[0]
     getitem_2 = attention_default[1];  attention_default = None
     isneginf = torch.isneginf(getitem_2);  getitem_2 = None
     unsqueeze = torch.unsqueeze(isneginf, -1);  isneginf = None
     full_like = torch.full_like(getitem_1, nan)
-    where_2 = torch.where(unsqueeze, full_like, getitem_1);  unsqueeze = full_like = getitem_1 = None
-    return (where_2,)""")
+    where = torch.where(unsqueeze, full_like, getitem_1);  unsqueeze = full_like = getitem_1 = None
+    return (where,)""")
 
 
 # ----------------------------------------------------------------------------- Hugging Face generate()

@@ -43,6 +43,30 @@ def test_decode_step_with_a_data_mask_is_lowered(nq):
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
+def test_key_limit_is_one_kernel_and_a_padded_row_stays_uniform():
+    """The limit's fa3::key_limit runs as its Triton kernel in Inductor's code (no reduction kernels of its
+    own); a sequence whose every key is padding keeps the whole cache (eager: uniform over it)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    b, hq, hkv, lmax, d, dt = 3, 8, 2, 4096, 64, torch.bfloat16
+    q = torch.randn(b, hq, 1, d, device="cuda", dtype=dt, generator=g)
+    k = torch.randn(b, hkv, lmax, d, device="cuda", dtype=dt, generator=g)
+    v = torch.randn(b, hkv, lmax, d, device="cuda", dtype=dt, generator=g)
+    keep = torch.zeros(b, 1, 1, lmax, dtype=torch.bool, device="cuda")
+    keep[0, ..., :1000] = True
+    keep[2, ..., 3:2100] = True  # batch row 1: all padding
+    mask = torch.zeros(keep.shape, device="cuda", dtype=dt).masked_fill(~keep, torch.finfo(dt).min)
+    got, code = run_and_get_code(torch.compile(_step, backend="fa3"), q, k, v, mask)
+    code = "\n".join(code)
+    assert "key_limit_kernel" in code and "amax" not in code, "the key limit is not the one kernel"
+    want = _step(q.float(), k.float(), v.float(), mask.float())
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got[1].float(), v[1].float().mean(1, keepdim=True).repeat_interleave(hq // hkv, 0),
+                               atol=2e-2, rtol=2e-2)
+
+
 def _gpt2_step(q, k, v):
     """GPT-2-style causal decode over a cache that grows (its own causal buffer sliced bottom-right)."""
     nq, nk = q.shape[2], k.shape[2]

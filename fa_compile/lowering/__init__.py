@@ -15,8 +15,9 @@ Modules: `site_args` (node -> AttentionArgs), `choice` (which kernel, which lowe
 over FA3's C++ forward; `triton` calls the `fa3_triton` triton_ops of kernels/triton_ops.py;
 `decode` calls the split-KV decode kernel's `fa3_decode` triton_op; `decomposed` writes a decode step's
 reference math as graph ops), `empty_rows` (the rewrite's fix-up of rows with no admissible key, found
-after the op so that a kernel which writes that value itself takes it), `splice` (tracing a replacement
-into the graph), `graph_pass` (the Inductor CustomGraphPass).
+after the op so that a kernel which writes that value itself takes it), `key_limit` (a decode step's
+key limit, `fa3::key_limit`, as one Triton kernel on CUDA or as graph ops), `splice` (tracing a
+replacement into the graph), `graph_pass` (the Inductor CustomGraphPass).
 """
 from __future__ import annotations
 

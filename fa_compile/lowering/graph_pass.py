@@ -13,7 +13,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .. import dispatch
-from . import choice, empty_rows, site_args, splice
+from . import choice, empty_rows, key_limit, site_args, splice
 
 _RECORDS: list = []
 _CAPTURE: list = []  # lists that `capture_graphs()` fills with the lowered graphs' code
@@ -126,6 +126,9 @@ def lower_graph(graph: fx.Graph) -> list[choice.Decision]:
         if node.op == "call_function" and node.target in _ZERO_VALUED:
             _zeros_for(graph, node)
             continue
+        if key_limit.is_key_limit(node):
+            key_limit.lower(graph, node)
+            continue
         if node.op != "call_function" or node.target not in (site_args.FORWARD, site_args.BACKWARD):
             continue
         name = node.name
@@ -153,7 +156,8 @@ def _source_hash() -> str:
         here = os.path.dirname(os.path.abspath(__file__))
         parent = os.path.dirname(here)
         _FILES = tuple(sorted(os.path.join(here, f) for f in os.listdir(here) if f.endswith(".py"))) + tuple(
-            os.path.join(parent, f) for f in ("dispatch.py", "ops.py", "row_fixups.py", "cpu_flash_op.py", "tuning.py", "config.py"))
+            os.path.join(parent, f) for f in ("dispatch.py", "ops.py", "row_fixups.py", "cpu_flash_op.py", "key_limit_op.py",
+                                             "tuning.py", "config.py"))
         cands = os.path.join(parent, "candidates")
         _FILES += tuple(sorted(os.path.join(cands, f) for f in os.listdir(cands) if f.endswith(".py")))
         from .. import kernels  # the kernels' op wrappers, traced into the lowered graphs

@@ -79,3 +79,27 @@ def replace_node(graph: fx.Graph, node: fx.Node, fn: Callable, inputs: Sequence[
         graph.erase_node(u)
     graph.erase_node(node)
     return new
+
+
+def replace_value(graph: fx.Graph, node: fx.Node, fn: Callable, inputs: Sequence[fx.Node]) -> fx.Node:
+    """Replace `node` (an op with one tensor output) by `fn(*inputs)` traced with make_fx, checked as
+    `replace_node` checks (sizes, strides, dtype)."""
+    vals = [n.meta["val"] for n in inputs]
+    want = node.meta.get("val")
+    if not isinstance(want, torch.Tensor):
+        raise SpliceError("the node has no output FakeTensor")
+    from torch._inductor.decomposition import select_decomp_table
+
+    with _fake_mode(vals):
+        sub = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="real")(*vals)
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    result = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+    got = result.meta.get("val") if isinstance(result, fx.Node) else None
+    if not isinstance(got, torch.Tensor) or not _strides_match(got, want):
+        have = None if not isinstance(got, torch.Tensor) else (tuple(got.shape), got.stride(), got.dtype)
+        raise SpliceError(f"replacement gives {have}, the node {(tuple(want.shape), want.stride(), want.dtype)}")
+    with graph.inserting_before(node):
+        new = graph.graph_copy(sub.graph, dict(zip(placeholders, inputs)))
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return new
