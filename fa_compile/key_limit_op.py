@@ -10,8 +10,13 @@ over a long cache (Nk 16384: 2.2 + 1.1 us per decode layer on the H200, against 
 attention itself). As one op, the lowering (fa_compile/lowering/key_limit.py) runs it on CUDA as one
 Triton kernel (kernels/decode_ops.py `fa3_decode::key_limit`) and elsewhere as those graph ops again,
 which Inductor fuses; where nothing lowers it (the lowering switched off) the op runs `key_limit_math`.
+Reading the row inside the decode kernel instead (each program of a sequence reading it before its first
+tile) was measured too and cost more than this kernel's launch (BENCHMARKS.md).
 """
 from __future__ import annotations
+
+import math
+import struct
 
 import torch
 from torch import Tensor
@@ -21,10 +26,31 @@ from .ops import _LIB, _TAGS
 _LIB.define("key_limit(Tensor bias, float absorb) -> Tensor", tags=_TAGS)
 
 
+def _rounded(x: float, dtype: torch.dtype) -> float:
+    """x as torch stores it in `dtype` (double -> float -> half / bfloat16, each to nearest even), in plain
+    Python: kernel bodies call this while they are traced, where a tensor would become a graph constant."""
+    if dtype == torch.float64:
+        return float(x)
+    try:
+        f = struct.unpack("<f", struct.pack("<f", x))[0]
+    except OverflowError:
+        f = math.copysign(math.inf, x)
+    if dtype == torch.float16:
+        try:
+            return float(struct.unpack("<e", struct.pack("<e", f))[0])
+        except OverflowError:
+            return math.copysign(math.inf, f)
+    if dtype == torch.bfloat16 and math.isfinite(f):
+        bits = struct.unpack("<I", struct.pack("<f", f))[0]
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return float(struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0])
+    return float(f)
+
+
 def thresholds(dtype: torch.dtype, absorb: float) -> tuple[float, float]:
     """(absorb, absorb / 2) as a bias of `dtype` compares them: eager compares a tensor with a Python
     float in the tensor's dtype, so a kernel comparing in fp32 gets the values rounded to it first."""
-    return (float(torch.tensor(absorb, dtype=dtype)), float(torch.tensor(absorb / 2, dtype=dtype)))
+    return _rounded(absorb, dtype), _rounded(absorb / 2, dtype)
 
 
 def key_limit_math(bias: Tensor, absorb: float) -> Tensor:

@@ -87,10 +87,11 @@ def fwd(
     return out, lse
 
 
-# fa3::key_limit's kernel: keys per block (a row of up to this many keys is one load wave) and warps.
-# Measured on the H200 (scratch sweep of BLOCK x warps at B8 x 16384 bf16 keys): see BENCHMARKS.md.
+# fa3::key_limit's kernel: keys per block (a row of up to this many keys is one load wave) and warps. H200,
+# B8 x 16384 bf16 keys, CUDA-graph replay, us: 16384 keys x 8 warps 2.83, x 16 2.86, x 4 4.72; 8192 x 4 2.82
+# (two iterations); 4096 x 16 3.06; 2048: 5.07; Inductor's two reductions of the same graph ops 3.29.
 KEY_LIMIT_BLOCK = 16384
-KEY_LIMIT_WARPS = 16
+KEY_LIMIT_WARPS = 8
 KEY_LIMIT_DTYPES = (torch.bool, torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -112,7 +113,7 @@ def key_limit(bias: Tensor, absorb: float) -> Tensor:
     is_bool = bias.dtype == torch.bool
     t_abs, t_good = thresholds(bias.dtype, absorb) if not is_bool else (0.0, 0.0)
     block = min(_pow2(nk), KEY_LIMIT_BLOCK)
-    opts = {} if interpreting() else dict(num_warps=KEY_LIMIT_WARPS if block >= 4096 else 4)
+    opts = {} if interpreting() else dict(num_warps=KEY_LIMIT_WARPS if block >= 8192 else 4)
     _launcher(key_limit_kernel)[(bm, 1, 1)](
         bias, out, bias.stride(0), bias.stride(1), nk, t_abs, t_good, IS_BOOL=is_bool, BLOCK=block, **opts,
     )

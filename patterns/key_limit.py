@@ -25,6 +25,10 @@ T = patterns.masks.ABSORB_LIMIT (-1e30; fp16, which cannot hold it: finfo(fp16).
     only good keys the structure forbids is caught too.
 A kv_lens already present (key padding or a proven decode position) is combined by minimum.
 
+A mask of one row per sequence ([B, 1, 1, Nk], generate()'s) gets the limit as one op, fa3::key_limit
+(fa_compile/key_limit_op.py), which the lowering runs as one Triton kernel on CUDA and as these graph ops
+elsewhere. Other masks get the graph ops.
+
 Where: decode-shaped sites only (Nq <= MAX_QUERIES, static Nk > MIN_KEYS), without dropout and
 without a finite fill (emit's "fill" path counts kv_lens's keys as filled ones, which hold weight).
   - Prefill sites are left alone: their bias is [Nq, Nk], so the reduction is a second pass over it,
