@@ -209,12 +209,13 @@ def decode_combine_kernel(
     prow = (bh.to(tl.int64) * num_splits + offs_s) * rows + r
     m_s = tl.load(LPART + prow, mask=s_ok, other=float("-inf"))
     l_s = tl.load(SPART + prow, mask=s_ok, other=0.0)
+    # issued with the two loads above, before their first use: one round trip to memory, not two
+    o_s = tl.load(OPART + prow[:, None] * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv[None, :] < DV),
+                  other=0.0)
     m = tl.max(m_s, 0)
     m_use = tl.where(m == float("-inf"), 0.0, m)
     w = l_s * tl.math.exp2((m_s - m_use) * 1.4426950408889634)  # an empty split (m -inf, l 0) weighs 0
     total = tl.sum(w, 0)
-    o_s = tl.load(OPART + prow[:, None] * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv[None, :] < DV),
-                  other=0.0)
     o_s = tl.where(w[:, None] > 0.0, o_s, 0.0)
     empty = total == 0.0
     out = tl.sum(o_s * w[:, None], 0) * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, total))
