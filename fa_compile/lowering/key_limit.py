@@ -9,6 +9,7 @@ the kernel reads each row in one block of up to 16384 keys. Where the kernel can
 """
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Optional
 
@@ -30,6 +31,8 @@ def _kernel_reasons(bias: torch.Tensor) -> list[str]:
         return [f"device {bias.device.type}"]
     if not triton_available():
         return ["triton not installed"]
+    if os.environ.get("FA_COMPILE_TRITON_LOWER", "auto") == "0":
+        return ["Triton kernels are not lowered (FA_COMPILE_TRITON_LOWER=0)"]
     r = device_reasons(bias.device)
     if bias.dtype not in decode_ops.KEY_LIMIT_DTYPES:
         r.append(f"dtype {bias.dtype}")
