@@ -61,6 +61,7 @@ def test_key_limit_is_one_kernel_and_a_padded_row_stays_uniform():
     got, code = run_and_get_code(torch.compile(_step, backend="fa3"), q, k, v, mask)
     code = "\n".join(code)
     assert "key_limit_kernel" in code and "amax" not in code, "the key limit is not the one kernel"
+    assert "fa3_decode.key_limit" not in code, "the kernel is an extern call of its op, not Inductor's launch"
     want = _step(q.float(), k.float(), v.float(), mask.float())
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got[1].float(), v[1].float().mean(1, keepdim=True).repeat_interleave(hq // hkv, 0),

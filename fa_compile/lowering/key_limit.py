@@ -49,7 +49,12 @@ def lower(graph: fx.Graph, node: fx.Node) -> Optional[str]:
     if not _kernel_reasons(val):
         from ..kernels import decode_ops
 
-        tries.append(("kernel", lambda b: decode_ops.key_limit(b, absorb)))
+        from torch._subclasses.functional_tensor import dispatch_functionalize
+
+        # traced functionalized, the triton_op becomes its kernel's HOP, which Inductor launches itself
+        # (traced plainly it stayed an extern call of the op, which a process that has not imported the
+        # kernels cannot resolve when it runs Inductor's cached code)
+        tries.append(("kernel", dispatch_functionalize(lambda b: decode_ops.key_limit(b, absorb))))
     tries.append(("graph ops", lambda b: key_limit_math(b, absorb)))
     for what, fn in tries:
         try:
