@@ -106,8 +106,6 @@ def limit_keys(graph: fx.Graph, q: fx.Node, k: fx.Node, v: fx.Node, bias: fx.Nod
         # one op (fa_compile/key_limit_op.py), which the lowering runs as one kernel on CUDA
         absorb = 0.0 if bv.dtype == torch.bool else absorb_threshold(bv.dtype)
         limit = call(graph, torch.ops.fa3.key_limit.default, b4, absorb)  # [Bm] int32
-        if kv_lens is not None:
-            limit = call(graph, "to", limit, torch.int64, method=True)
         return _finish(graph, q, limit, kv_lens, nk)
     if bv.dtype == torch.bool:
         admissible = b4
@@ -128,8 +126,9 @@ def limit_keys(graph: fx.Graph, q: fx.Node, k: fx.Node, v: fx.Node, bias: fx.Nod
 
 
 def _finish(graph: fx.Graph, q: fx.Node, limit: fx.Node, kv_lens: Optional[fx.Node], nk: int) -> fx.Node:
-    """The limit [Bm] (int64, or key_limit's int32 in [0, Nk] without kv_lens) as the op's kv_lens: combined
-    with the given kv_lens by minimum, in [0, Nk], [B], int32 (what FA3's seqused_k takes)."""
+    """The limit [Bm] (int64, or key_limit's int32 in [0, Nk]) as the op's kv_lens: combined with the given
+    kv_lens by minimum (in int64: a given length may not fit int32), in [0, Nk], [B], int32 (what FA3's
+    seqused_k takes)."""
     if kv_lens is not None:
         limit = call(graph, torch.minimum, limit, call(graph, "to", kv_lens, torch.int64, method=True))
     if example_value(limit).dtype != torch.int32:

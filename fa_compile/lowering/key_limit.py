@@ -47,9 +47,9 @@ def lower(graph: fx.Graph, node: fx.Node) -> Optional[str]:
         return None
     tries = []
     if not _kernel_reasons(val):
-        from ..kernels import decode_ops
-
         from torch._subclasses.functional_tensor import dispatch_functionalize
+
+        from ..kernels import decode_ops
 
         # traced functionalized, the triton_op becomes its kernel's HOP, which Inductor launches itself
         # (traced plainly it stayed an extern call of the op, which a process that has not imported the

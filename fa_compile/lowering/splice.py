@@ -47,33 +47,13 @@ def replace_node(graph: fx.Graph, node: fx.Node, fn: Callable, inputs: Sequence[
     sees exactly the tensors it was traced with. `want` replaces the node's outputs in that check where
     the caller rewires some users itself (a fix-up the replacement computes).
     """
-    vals = [n.meta["val"] for n in inputs]
     outs = node.meta.get("val") if want is None else want
     if not isinstance(outs, (tuple, list)):
         raise SpliceError("the node has no output FakeTensors")
     users = list(node.users)
     if any(u.op != "call_function" or u.target is not operator.getitem for u in users):
         raise SpliceError("an output is used other than through getitem")
-    from torch._inductor.decomposition import select_decomp_table
-
-    # Traced with Inductor's decompositions: the post-grad graph holds only ops Inductor lowers.
-    with _fake_mode(vals):
-        sub = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="real")(*vals)
-    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    out_node = next(n for n in sub.graph.nodes if n.op == "output")
-    results = out_node.args[0]
-    if len(results) != len(outs):
-        raise SpliceError(f"the replacement returns {len(results)} values, the node {len(outs)}")
-    for i, (r, want) in enumerate(zip(results, outs)):
-        got = r.meta.get("val")
-        if not isinstance(got, torch.Tensor) or not _strides_match(got, want):
-            have = None if not isinstance(got, torch.Tensor) else (tuple(got.shape), got.stride(), got.dtype)
-            raise SpliceError(f"output {i}: replacement gives {have}, the node "
-                              f"{(tuple(want.shape), want.stride(), want.dtype)}")
-    val_map = dict(zip(placeholders, inputs))
-    with graph.inserting_before(node):
-        new = graph.graph_copy(sub.graph, val_map)
-    new = list(new)
+    new = _copy_traced(graph, node, fn, inputs, outs)
     for u in users:
         u.replace_all_uses_with(new[u.args[1]])
         graph.erase_node(u)
@@ -82,24 +62,36 @@ def replace_node(graph: fx.Graph, node: fx.Node, fn: Callable, inputs: Sequence[
 
 
 def replace_value(graph: fx.Graph, node: fx.Node, fn: Callable, inputs: Sequence[fx.Node]) -> fx.Node:
-    """Replace `node` (an op with one tensor output) by `fn(*inputs)` traced with make_fx, checked as
-    `replace_node` checks (sizes, strides, dtype)."""
-    vals = [n.meta["val"] for n in inputs]
+    """Replace `node` (an op with one tensor output) by `fn(*inputs)`, traced and checked as `replace_node`."""
     want = node.meta.get("val")
     if not isinstance(want, torch.Tensor):
         raise SpliceError("the node has no output FakeTensor")
-    from torch._inductor.decomposition import select_decomp_table
-
-    with _fake_mode(vals):
-        sub = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="real")(*vals)
-    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    result = next(n for n in sub.graph.nodes if n.op == "output").args[0]
-    got = result.meta.get("val") if isinstance(result, fx.Node) else None
-    if not isinstance(got, torch.Tensor) or not _strides_match(got, want):
-        have = None if not isinstance(got, torch.Tensor) else (tuple(got.shape), got.stride(), got.dtype)
-        raise SpliceError(f"replacement gives {have}, the node {(tuple(want.shape), want.stride(), want.dtype)}")
-    with graph.inserting_before(node):
-        new = graph.graph_copy(sub.graph, dict(zip(placeholders, inputs)))
+    new = _copy_traced(graph, node, lambda *a: (fn(*a),), inputs, [want])[0]
     node.replace_all_uses_with(new)
     graph.erase_node(node)
     return new
+
+
+def _copy_traced(graph: fx.Graph, node: fx.Node, fn: Callable, inputs: Sequence[fx.Node],
+                 outs: Sequence[torch.Tensor]) -> list[fx.Node]:
+    """`fn(*inputs)` (returning a tuple) traced on the inputs' FakeTensors and copied in before `node`, after
+    checking each result's sizes, strides and dtype against `outs`; the graph is untouched on a mismatch."""
+    vals = [n.meta["val"] for n in inputs]
+    from torch._inductor.decomposition import select_decomp_table
+
+    # Traced with Inductor's decompositions: the post-grad graph holds only ops Inductor lowers.
+    with _fake_mode(vals):
+        sub = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="real")(*vals)
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    results = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+    if len(results) != len(outs):
+        raise SpliceError(f"the replacement returns {len(results)} values, the node {len(outs)}")
+    for i, (r, want) in enumerate(zip(results, outs)):
+        got = r.meta.get("val") if isinstance(r, fx.Node) else None
+        if not isinstance(got, torch.Tensor) or not _strides_match(got, want):
+            have = None if not isinstance(got, torch.Tensor) else (tuple(got.shape), got.stride(), got.dtype)
+            raise SpliceError(f"output {i}: replacement gives {have}, the node "
+                              f"{(tuple(want.shape), want.stride(), want.dtype)}")
+    with graph.inserting_before(node):
+        new = graph.graph_copy(sub.graph, dict(zip(placeholders, inputs)))
+    return list(new)
