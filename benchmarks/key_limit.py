@@ -8,10 +8,12 @@ per sequence. Columns (median ms per call, CUDA-graph replay where capture works
     whole        the same with the key limit off (patterns.key_limit.MIN_KEYS raised): every slot is read
     sdpa_ind     the same step as SDPA code (F.scaled_dot_product_attention, enable_gqa) under Inductor
     valid_only   the fa3 rewrite on a cache cut to exactly the valid keys (the floor: nothing left to skip)
-Goal (issue): limit >= 3x faster than whole at Lmax = 4 x valid. Each column is checked against an
+With --layers L, one step is L such layers, each with its own cache, the next layer's query the last's
+output, all sharing the mask as a model's layers do (the key limit is then computed once per step).
+Goal: limit >= 3x faster than whole at Lmax = 4 x valid. Each column is checked against an
 fp32 eager reference first (max abs error printed).
 
-Run on a GPU machine:  python benchmarks/key_limit.py [--batch 8] [--lmax 16384] [--valid 4096] [--out DIR]
+Run on a GPU machine:  python benchmarks/key_limit.py [--batch 8] [--lmax 16384] [--valid 4096] [--layers 1] [--out DIR]
 Smoke test on a CPU:   python benchmarks/key_limit.py --device cpu --small
 Prints one JSON row and writes key_limit.json to --out (default $OUT or /tmp).
 """
@@ -44,6 +46,15 @@ def hf_eager_attention(q, k, v, mask):
 
 def sdpa_attention(q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def layers_of(attention: Callable) -> Callable:
+    """A step of len(ks) layers: each attends its own cache, with the last layer's output as its query."""
+    def step(q, ks, vs, mask):
+        for k, v in zip(ks, vs):
+            q = attention(q, k, v, mask)
+        return q
+    return step
 
 
 def inputs(b: int, hq: int, hkv: int, d: int, lmax: int, valid: int, dtype, dev: str) -> tuple:
@@ -98,6 +109,7 @@ def main() -> None:
     p.add_argument("--hq", type=int, default=32)
     p.add_argument("--hkv", type=int, default=8)
     p.add_argument("--d", type=int, default=128)
+    p.add_argument("--layers", type=int, default=1, help="layers per step, each with its own cache")
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="a CPU-sized shape (B2, 4/2 heads, d16, 4096 / 1024)")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
@@ -107,17 +119,21 @@ def main() -> None:
     dev = a.device
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     q, k, v, mask = inputs(a.batch, a.hq, a.hkv, a.d, a.lmax, a.valid, dtype, dev)
+    ks, vs = [k], [v]
+    for _ in range(a.layers - 1):  # further layers' caches: the same valid length, other values
+        ks.append(torch.randn_like(k))
+        vs.append(torch.randn_like(v))
+    hf_step, sdpa_step = layers_of(hf_eager_attention), layers_of(sdpa_attention)
     with torch.no_grad():
-        ref = hf_eager_attention(q.float(), k.float(), v.float(), mask.float())
-        row: dict = dict(batch=a.batch, hq=a.hq, hkv=a.hkv, d=a.d, lmax=a.lmax, valid=a.valid, dtype=str(dtype),
-                         device=dev)
+        ref = hf_step(q.float(), [t.float() for t in ks], [t.float() for t in vs], mask.float())
+        row: dict = dict(batch=a.batch, hq=a.hq, hkv=a.hkv, d=a.d, lmax=a.lmax, valid=a.valid, layers=a.layers,
+                         dtype=str(dtype), device=dev)
+        cut = [t[:, :, :a.valid].contiguous() for t in ks], [t[:, :, :a.valid].contiguous() for t in vs]
         cases = {
-            "limit": (hf_eager_attention, "fa3", False, (q, k, v, mask)),
-            "whole": (hf_eager_attention, "fa3", True, (q, k, v, mask)),
-            "sdpa_ind": (sdpa_attention, "inductor", False, (q, k, v, mask)),
-            "valid_only": (hf_eager_attention, "fa3", False,
-                           (q, k[:, :, :a.valid].contiguous(), v[:, :, :a.valid].contiguous(),
-                            mask[..., :a.valid].contiguous())),
+            "limit": (hf_step, "fa3", False, (q, ks, vs, mask)),
+            "whole": (hf_step, "fa3", True, (q, ks, vs, mask)),
+            "sdpa_ind": (sdpa_step, "inductor", False, (q, ks, vs, mask)),
+            "valid_only": (hf_step, "fa3", False, (q, *cut, mask[..., :a.valid].contiguous())),
         }
         for name, (fn, backend, whole, args) in cases.items():
             c, saved = compiled(fn, backend, whole)
@@ -136,7 +152,8 @@ def main() -> None:
         row["sdpa_ind_over_limit"] = round(row["sdpa_ind_ms"] / row["limit_ms"], 2)
     print(json.dumps(row), flush=True)
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "key_limit.json"), "w") as f:
+    name = "key_limit.json" if a.layers == 1 else f"key_limit-{a.layers}layers.json"
+    with open(os.path.join(a.out, name), "w") as f:
         json.dump(row, f, indent=1)
 
 

@@ -261,3 +261,64 @@ def test_dispatch_order_puts_the_decode_kernel_ahead_of_cudnn_for_limited_decode
     for case in ((32, NK, True, True), (1, key_limit.MIN_KEYS, True, True), (1, NK, False, True), (1, NK, True, False)):
         names = order(*case)
         assert names.index("decode") > names.index("cudnn"), case
+
+
+def test_layers_sharing_a_mask_share_one_key_limit():
+    # each layer of a decode step slices the same mask: one limit per step, not one per layer; a different
+    # mask, or another view of it, keeps its own; results equal eager's
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fa_compile.key_limit_op import key_limit_math
+    from fa_compile.lowering import key_limit as key_limit_lowering
+    from fa_compile.lowering import share
+
+    t = key_limit.absorb_threshold(torch.float32)
+    bias = torch.zeros(B, 1, 1, NK).masked_fill(~keep_mask(), torch.finfo(torch.float32).min)
+    other = bias.flip(-1)
+
+    def step(m, m2):
+        a = torch.ops.fa3.key_limit(m[:, 0, 0], t)
+        b = torch.ops.fa3.key_limit(m[:, :, :, :NK][:, 0, 0], t) * 2  # the same value through another view
+        c = torch.ops.fa3.key_limit(m2[:, 0, 0], t) * 3  # another mask
+        d = torch.ops.fa3.key_limit(m[:, 0, 0], t / 2) * 5  # another threshold
+        e = torch.ops.fa3.key_limit(m[1:, 0, 0], t) * 7  # another view
+        return a + b + c + d + torch.nn.functional.pad(e, (1, 0))
+
+    g = make_fx(step)(bias, other)
+    before = [n for n in g.graph.nodes if key_limit_lowering.is_key_limit(n)]
+    assert len(before) == 5
+    assert share.share(g.graph) == 1
+    g.graph.lint()
+    g.recompile()
+    assert len([n for n in g.graph.nodes if key_limit_lowering.is_key_limit(n)]) == 4
+    limits = [key_limit_math(bias[:, 0, 0], t), key_limit_math(other[:, 0, 0], t),
+              key_limit_math(bias[:, 0, 0], t / 2), key_limit_math(bias[1:, 0, 0], t)]
+    want = limits[0] * 3 + limits[1] * 3 + limits[2] * 5 + torch.nn.functional.pad(limits[3] * 7, (1, 0))
+    assert torch.equal(g(bias, other), want)
+    assert torch.equal(g(bias, other), step(bias, other))
+
+
+@pytest.mark.parametrize("impl", ["hf_eager"])
+def test_a_two_layer_decode_step_computes_its_limit_once(impl, monkeypatch):
+    from fa_compile.lowering import key_limit as key_limit_lowering
+
+    lowered = []
+    real = key_limit_lowering.lower
+    monkeypatch.setattr(key_limit_lowering, "lower", lambda g, n: lowered.append(n.name) or real(g, n))
+    bias = torch.zeros(B, 1, 1, NK).masked_fill(~keep_mask(), torch.finfo(torch.float32).min)
+    q, k, v = qkv(grad=False)
+    k2, v2 = rand(B, H, NK, D, seed=4), rand(B, H, NK, D, seed=5)
+
+    def attend(q, k, v, m):
+        w = q @ k.transpose(2, 3) / math.sqrt(D) + m[:, :, :, : k.shape[-2]]
+        return F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+    def step(q, k, v, k2, v2, m):
+        return attend(attend(q, k, v, m), k2, v2, m)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(step, backend="fa3", fullgraph=True)(q, k, v, k2, v2, bias)
+        want = step(q.double(), k.double(), v.double(), k2.double(), v2.double(), bias.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    assert lowered == ["key_limit"], lowered

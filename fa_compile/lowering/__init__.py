@@ -16,7 +16,8 @@ over FA3's C++ forward; `triton` calls the `fa3_triton` triton_ops of kernels/tr
 `decode` calls the split-KV decode kernel's `fa3_decode` triton_op; `decomposed` writes a decode step's
 reference math as graph ops), `empty_rows` (the rewrite's fix-up of rows with no admissible key, found
 after the op so that a kernel which writes that value itself takes it), `key_limit` (a decode step's
-key limit, `fa3::key_limit`, as one Triton kernel on CUDA or as graph ops), `splice` (tracing a
+key limit, `fa3::key_limit`, as one Triton kernel on CUDA or as graph ops), `share` (one kv_lens /
+key limit per step where every layer computes the same one), `splice` (tracing a
 replacement into the graph), `graph_pass` (the Inductor CustomGraphPass).
 """
 from __future__ import annotations

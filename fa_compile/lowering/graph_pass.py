@@ -13,7 +13,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .. import dispatch
-from . import choice, empty_rows, key_limit, site_args, splice
+from . import choice, empty_rows, key_limit, share, site_args, splice
 
 _RECORDS: list = []
 _CAPTURE: list = []  # lists that `capture_graphs()` fills with the lowered graphs' code
@@ -122,6 +122,7 @@ def lower_graph(graph: fx.Graph) -> list[choice.Decision]:
     """Lower every fa3.attention / fa3.attention_backward node of `graph` in place."""
     _load_lowerings()
     out = []
+    share.share(graph)  # one kv_lens / key limit per step, not one per layer
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _ZERO_VALUED:
             _zeros_for(graph, node)

@@ -6,6 +6,8 @@ Written as graph ops, the limit over a 16384-key cache was two reduction kernels
 the kernel reads each row in one block of up to 16384 keys. Where the kernel cannot take the mask
 (fp64, Triton unusable) or its splice fails, the graph ops run instead; if those fail too, the op stays
 (its eager body is exact, one run-time call).
+
+The layers of a step share one limit (share.py keeps one node per distinct mask and threshold).
 """
 from __future__ import annotations
 

@@ -1,0 +1,126 @@
+"""One value per step for what every layer recomputes the same way: a decode step's key limit
+(fa3::key_limit) and the sites' index arguments (kv_lens, q_pos, segment ids, masks).
+
+A model's layers share one mask and one cache_position, and each rewritten site derives its kv_lens or
+key limit from them with its own copy of the same ops. After AOTAutograd an inference graph gets no CSE
+(the partitioner runs one for training only), so Inductor computed each copy in a kernel of its own, every
+layer and step: launches that a host-bound decode step pays for (8 of ~150 per GPT-2 step; for a
+16384-key cache, one ~3 us key-limit kernel per layer). `share` keeps the first of each set of equal values.
+
+Two values are equal when they are the same op (pure: functional, not seeded random, not `empty`) of
+equal arguments, down to the graph's inputs and the nodes that are not such ops. Views and casts that
+change nothing (a full slice, a view to the same shape) are looked through.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..key_limit_op import KEY_LIMIT
+from . import site_args
+
+# The op arguments shared by name: index tensors and masks, never q / k / v / dout (model values: equal
+# ones are rare and computing the key of their cone would walk the whole model) nor the dropout seed.
+SHARED_ARGS = ("bias", "kv_lens", "q_pos", "q_seg", "k_seg")
+_MAX_DEPTH = 64  # cones deeper than this are not compared (a node past it is its own key)
+_NOT_PURE = frozenset({"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
+                       "aten::new_empty_strided", "aten::empty_permuted"})
+_VIEWS = frozenset({
+    torch.ops.aten.slice.Tensor, torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+    torch.ops.aten.expand.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default,
+    torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default,
+    torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims, torch.ops.aten.squeeze.default,
+})
+
+
+def _pure(node: fx.Node) -> bool:
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return False
+    schema = t._schema
+    if schema.is_mutable or schema.name in _NOT_PURE:
+        return False
+    tags = set(t.tags)
+    return torch.Tag.nondeterministic_seeded not in tags and torch.Tag.nondeterministic_bitwise not in tags
+
+
+def _same_tensor(x: Any, y: fx.Node) -> bool:
+    """Whether view/cast `y` of `x` is `x` itself (same dtype, device, sizes, strides and offset)."""
+    xv, yv = (n.meta.get("val") if isinstance(n, fx.Node) else None for n in (x, y))
+    if not (isinstance(xv, torch.Tensor) and isinstance(yv, torch.Tensor)):
+        return False
+    try:
+        return bool(xv.dtype == yv.dtype and xv.device == yv.device and xv.shape == yv.shape
+                    and xv.stride() == yv.stride() and xv.storage_offset() == yv.storage_offset())
+    except Exception:  # symbolic sizes that cannot be decided: not the same
+        return False
+
+
+class _Keys:
+    def __init__(self) -> None:
+        self.memo: dict[fx.Node, Any] = {}
+
+    def of(self, a: Any, depth: int = 0) -> Any:
+        """A hashable key equal for two arguments that are the same value (TypeError where there is none)."""
+        if isinstance(a, fx.Node):
+            if a in self.memo:
+                return self.memo[a]
+            key: Any = a
+            if depth < _MAX_DEPTH and _pure(a):
+                if a.target in _VIEWS and a.args and _same_tensor(a.args[0], a):
+                    key = self.of(a.args[0], depth + 1)
+                else:
+                    key = (a.target, self.of(a.args, depth + 1), self.of(tuple(sorted(a.kwargs.items())), depth + 1))
+            self.memo[a] = key
+            return key
+        if isinstance(a, (list, tuple)):
+            return tuple(self.of(x, depth + 1) for x in a)
+        if isinstance(a, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                          torch.memory_format)):
+            return (type(a), a)  # 1, 1.0 and True are not the same argument
+        raise TypeError(f"no key for {type(a).__name__}")
+
+
+def _candidates(graph: fx.Graph) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is KEY_LIMIT:
+            out.append(node)
+        elif node.target in (site_args.FORWARD, site_args.BACKWARD):
+            schema = node.target._schema
+            for i, arg in enumerate(schema.arguments):
+                if arg.name not in SHARED_ARGS:
+                    continue
+                a = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+                if isinstance(a, fx.Node) and a.op == "call_function" and a not in out:
+                    out.append(a)
+    return out
+
+
+def share(graph: fx.Graph) -> int:
+    """Replace each candidate value that equals an earlier node of the graph by that node; returns how many."""
+    keys = _Keys()
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first: dict = {}
+    replaced = 0
+    for node in sorted(_candidates(graph), key=order.__getitem__):
+        try:
+            key = keys.of(node)
+            hash(key)
+        except TypeError:
+            continue
+        if key is node:
+            continue  # not a pure op: nothing to compare
+        if any(u.op == "output" for u in node.users):
+            continue  # two outputs would become one tensor (a caller may write one of them)
+        kept = first.setdefault(key, node)
+        if kept is not node:  # `kept` comes first, so it precedes every use of `node`
+            node.replace_all_uses_with(kept)
+            graph.erase_node(node)
+            replaced += 1
+    return replaced
