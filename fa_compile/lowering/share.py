@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..key_limit_op import KEY_LIMIT
 from . import site_args
@@ -52,10 +53,12 @@ def _same_tensor(x: Any, y: fx.Node) -> bool:
     xv, yv = (n.meta.get("val") if isinstance(n, fx.Node) else None for n in (x, y))
     if not (isinstance(xv, torch.Tensor) and isinstance(yv, torch.Tensor)):
         return False
-    try:
-        return bool(xv.dtype == yv.dtype and xv.device == yv.device and xv.shape == yv.shape
-                    and xv.stride() == yv.stride() and xv.storage_offset() == yv.storage_offset())
-    except Exception:  # symbolic sizes that cannot be decided: not the same
+    if xv.dtype != yv.dtype or xv.device != yv.device or xv.dim() != yv.dim():
+        return False
+    try:  # symbolic sizes: equal only where the shape environment knows it (no guard is added)
+        pairs = [*zip(xv.shape, yv.shape), *zip(xv.stride(), yv.stride()), (xv.storage_offset(), yv.storage_offset())]
+        return all(statically_known_true(a == b) for a, b in pairs)
+    except Exception:
         return False
 
 
