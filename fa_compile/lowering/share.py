@@ -4,8 +4,8 @@
 A model's layers share one mask and one cache_position, and each rewritten site derives its kv_lens or
 key limit from them with its own copy of the same ops. After AOTAutograd an inference graph gets no CSE
 (the partitioner runs one for training only), so Inductor computed each copy in a kernel of its own, every
-layer and step: launches that a host-bound decode step pays for (8 of ~150 per GPT-2 step; for a
-16384-key cache, one ~3 us key-limit kernel per layer). `share` keeps the first of each set of equal values.
+layer and step (over a 16384-key cache, a ~3 us key-limit kernel per layer on the H200). `share` keeps the
+first of each set of equal values.
 
 Two values are equal when they are the same op (pure: functional, not seeded random, not `empty`) of
 equal arguments, down to the graph's inputs and the nodes that are not such ops. Views and casts that
@@ -13,7 +13,6 @@ change nothing (a full slice, a view to the same shape) are looked through.
 """
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
@@ -88,21 +87,21 @@ class _Keys:
 
 
 def _candidates(graph: fx.Graph) -> list[fx.Node]:
-    out: list[fx.Node] = []
+    out: dict[fx.Node, None] = {}  # ordered, without repeats
     for node in graph.nodes:
         if node.op != "call_function":
             continue
         if node.target is KEY_LIMIT:
-            out.append(node)
+            out[node] = None
         elif node.target in (site_args.FORWARD, site_args.BACKWARD):
             schema = node.target._schema
             for i, arg in enumerate(schema.arguments):
                 if arg.name not in SHARED_ARGS:
                     continue
                 a = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-                if isinstance(a, fx.Node) and a.op == "call_function" and a not in out:
-                    out.append(a)
-    return out
+                if isinstance(a, fx.Node) and a.op == "call_function":
+                    out[a] = None
+    return list(out)
 
 
 def share(graph: fx.Graph) -> int:
