@@ -305,7 +305,6 @@ def test_a_two_layer_decode_step_computes_its_limit_once(impl, monkeypatch):
     lowered = []
     real = key_limit_lowering.lower
     monkeypatch.setattr(key_limit_lowering, "lower", lambda g, n: lowered.append(n.name) or real(g, n))
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # a cache hit lowers nothing
     bias = torch.zeros(B, 1, 1, NK).masked_fill(~keep_mask(), torch.finfo(torch.float32).min)
     q, k, v = qkv(grad=False)
     k2, v2 = rand(B, H, NK, D, seed=4), rand(B, H, NK, D, seed=5)
@@ -317,8 +316,10 @@ def test_a_two_layer_decode_step_computes_its_limit_once(impl, monkeypatch):
     def step(q, k, v, k2, v2, m):
         return attend(attend(q, k, v, m), k2, v2, m)
 
+    import torch._inductor.config as inductor_config
+
     torch._dynamo.reset()
-    with torch.no_grad():
+    with torch.no_grad(), inductor_config.patch(fx_graph_cache=False):  # a cache hit lowers nothing
         got = torch.compile(step, backend="fa3", fullgraph=True)(q, k, v, k2, v2, bias)
         want = step(q.double(), k.double(), v.double(), k2.double(), v2.double(), bias.double())
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
