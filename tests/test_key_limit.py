@@ -298,8 +298,7 @@ def test_layers_sharing_a_mask_share_one_key_limit():
     assert torch.equal(g(bias, other), step(bias, other))
 
 
-@pytest.mark.parametrize("impl", ["hf_eager"])
-def test_a_two_layer_decode_step_computes_its_limit_once(impl, monkeypatch):
+def test_a_two_layer_decode_step_computes_its_limit_once(monkeypatch):
     from fa_compile.lowering import key_limit as key_limit_lowering
 
     lowered = []

@@ -3,6 +3,7 @@ one mask) is computed once; values that differ, seeded random values and graph o
 nodes; results are unchanged."""
 from __future__ import annotations
 
+import expecttest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -46,6 +47,30 @@ def test_equal_kv_lens_of_layers_are_computed_once():
     assert lens[0] is lens[1] is lens[3] and lens[2] is not lens[0]
     assert torch.equal(g(*args), want)
     assert torch.equal(g(*args), step(*args))
+
+
+def test_pinned_graph_two_layers_one_kv_lens():
+    # the second layer reads the first layer's kv_lens; its own copy is left dead for Inductor to drop
+    def step(q, k, v, pos):
+        o1, _ = ATT(q, k, v, 0.3, kv_lens=(pos + 1).to(torch.int32))
+        o2, _ = ATT(o1, k, v, 0.3, kv_lens=(pos + 1).to(torch.int32))
+        return o2
+
+    g = make_fx(step)(*_inputs())
+    assert share.share(g.graph) == 1
+    g.recompile()
+    expecttest.assert_expected_inline(g.code.strip(), """\
+def forward(self, q_1, k_1, v_1, pos_1):
+    add = torch.ops.aten.add.Tensor(pos_1, 1)
+    _to_copy = torch.ops.aten._to_copy.default(add, dtype = torch.int32);  add = None
+    attention = torch.ops.fa3.attention.default(q_1, k_1, v_1, 0.3, False, 0, -1, -1, None, _to_copy);  q_1 = None
+    getitem = attention[0]
+    getitem_1 = attention[1];  attention = getitem_1 = None
+    add_1 = torch.ops.aten.add.Tensor(pos_1, 1);  pos_1 = add_1 = None
+    attention_1 = torch.ops.fa3.attention.default(getitem, k_1, v_1, 0.3, False, 0, -1, -1, None, _to_copy);  getitem = k_1 = v_1 = _to_copy = None
+    getitem_2 = attention_1[0]
+    getitem_3 = attention_1[1];  attention_1 = getitem_3 = None
+    return getitem_2""")
 
 
 def test_random_values_and_graph_outputs_are_not_merged():

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..key_limit_op import KEY_LIMIT
+from ..patterns.shapes import known_eq
 from . import site_args
 
 # The op arguments shared by name: index tensors and masks, never q / k / v / dout (model values: equal
@@ -54,11 +54,8 @@ def _same_tensor(x: Any, y: fx.Node) -> bool:
         return False
     if xv.dtype != yv.dtype or xv.device != yv.device or xv.dim() != yv.dim():
         return False
-    try:  # symbolic sizes: equal only where the shape environment knows it (no guard is added)
-        pairs = [*zip(xv.shape, yv.shape), *zip(xv.stride(), yv.stride()), (xv.storage_offset(), yv.storage_offset())]
-        return all(statically_known_true(a == b) for a, b in pairs)
-    except Exception:
-        return False
+    pairs = [*zip(xv.shape, yv.shape), *zip(xv.stride(), yv.stride()), (xv.storage_offset(), yv.storage_offset())]
+    return all(known_eq(a, b) for a, b in pairs)  # symbolic sizes: only where provably equal (no guard)
 
 
 class _Keys:
@@ -106,11 +103,14 @@ def _candidates(graph: fx.Graph) -> list[fx.Node]:
 
 def share(graph: fx.Graph) -> int:
     """Replace each candidate value that equals an earlier node of the graph by that node; returns how many."""
+    candidates = _candidates(graph)
+    if len(candidates) < 2:
+        return 0  # nothing to compare (most graphs: no decode site, or one layer)
     keys = _Keys()
     order = {n: i for i, n in enumerate(graph.nodes)}
     first: dict = {}
     replaced = 0
-    for node in sorted(_candidates(graph), key=order.__getitem__):
+    for node in sorted(candidates, key=order.__getitem__):
         try:
             key = keys.of(node)
             hash(key)
