@@ -16,11 +16,9 @@ from torch import Tensor
 
 from .decode import _pow2, launch_options
 from .triton_family import interpreting
-from .triton_ops import _bias_arg, _empty, _launcher
+from .triton_ops import EMPTY_FILLS, _bias_arg, _empty, _launcher  # EMPTY_FILLS: fwd's `empty_fill` values
 
 NAMESPACE = "fa3_decode"
-# What `fwd` writes on a row that admits no key (the op's own value is 0): see fa_compile/lowering/empty_rows.py.
-EMPTY_FILLS = {"zero": 0, "nan": 1, "mean_v": 2}
 
 
 @torch.library.triton_op(f"{NAMESPACE}::fwd", mutates_args=())

@@ -27,6 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .triton_common import mean_v
+
 
 @triton.jit
 def decode_partial_kernel(
@@ -150,7 +152,7 @@ def decode_partial_kernel(
         out = tl.where(empty[:, None], float("nan"), out)
     if not SPLIT and EMPTY_FILL == 2:
         any_empty = tl.max((empty & row_ok).to(tl.int32), 0) > 0
-        vmean = _mean_v(any_empty, V + b.to(tl.int64) * stride_vblk + v_head, stride_vtok, stride_vd, capacity, DV,
+        vmean = mean_v(any_empty, V + b.to(tl.int64) * stride_vblk + v_head, stride_vtok, stride_vd, capacity, DV,
                         BLOCK_N, BLOCK_DV)
         out = tl.where(empty[:, None], vmean[None, :], out)
     if SPLIT:
@@ -166,21 +168,6 @@ def decode_partial_kernel(
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
         lse_ptrs = LSE + (b.to(tl.int64) * Hkv * G + head) * Nq + tok
         tl.store(lse_ptrs, lse, mask=row_ok)
-
-
-@triton.jit
-def _mean_v(any_empty, V_HEAD, stride_vtok, stride_vd, capacity, DV, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """[BLOCK_DV] fp32: the mean of V over all `capacity` keys of one (contiguous) cache head, eager's
-    softmax-weighted sum over a row of equal finite fills; read only when `any_empty` (zero trips else)."""
-    offs_dv = tl.arange(0, BLOCK_DV)
-    n_fill = tl.where(any_empty, capacity, 0)
-    vsum = tl.zeros([BLOCK_DV], tl.float32)
-    for f0 in range(0, n_fill, BLOCK_N):
-        pos = f0 + tl.arange(0, BLOCK_N)
-        vt = tl.load(V_HEAD + pos[:, None].to(tl.int64) * stride_vtok + offs_dv[None, :] * stride_vd,
-                     mask=(pos[:, None] < capacity) & (offs_dv[None, :] < DV), other=0.0)
-        vsum += tl.sum(vt.to(tl.float32), 0)
-    return vsum / tl.maximum(capacity, 1).to(tl.float32)
 
 
 @triton.jit
@@ -223,7 +210,7 @@ def decode_combine_kernel(
     if EMPTY_FILL == 1:
         out = tl.where(empty, float("nan"), out)
     if EMPTY_FILL == 2:
-        out = tl.where(empty, _mean_v(empty, V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh,
+        out = tl.where(empty, mean_v(empty, V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh,
                                       stride_vtok, stride_vd, capacity, DV, BLOCK_N, BLOCK_DV), out)
     o_ptrs = O + b.to(tl.int64) * stride_ob + tok.to(tl.int64) * stride_on + head.to(tl.int64) * stride_oh + offs_dv
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_dv < DV)

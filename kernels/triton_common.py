@@ -351,3 +351,18 @@ def q_block_range(
     full_hi = tl.where(n_last >= n_lim, 0, full_hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi_blk)
     return lo, full_lo, full_hi, hi_blk
+
+
+@triton.jit
+def mean_v(any_empty, V_HEAD, stride_vtok, stride_vd, capacity, DV, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """[BLOCK_DV] fp32: the mean of V over all `capacity` keys of one head (keys `stride_vtok` apart), eager's
+    softmax-weighted sum over a row of equal finite fills; read only when `any_empty` (zero trips else)."""
+    offs_dv = tl.arange(0, BLOCK_DV)
+    n_fill = tl.where(any_empty, capacity, 0)
+    vsum = tl.zeros([BLOCK_DV], tl.float32)
+    for f0 in range(0, n_fill, BLOCK_N):
+        pos = f0 + tl.arange(0, BLOCK_N)
+        vt = tl.load(V_HEAD + pos[:, None].to(tl.int64) * stride_vtok + offs_dv[None, :] * stride_vd,
+                     mask=(pos[:, None] < capacity) & (offs_dv[None, :] < DV), other=0.0)
+        vsum += tl.sum(vt.to(tl.float32), 0)
+    return vsum / tl.maximum(capacity, 1).to(tl.float32)

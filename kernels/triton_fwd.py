@@ -10,6 +10,8 @@ Run-time positions (HAS_QPOS, QPOS [B|1, Nq] at strides (stride_pb, stride_pm)):
 ends at max(q_pos over its rows) + 1 and every tile is masked by j <= q_pos[i]. Segments (HAS_SEG, QSEG /
 KSEG at their strides): the key loops run over the span of key tiles whose ids can meet the query tile's
 [min, max] (triton_common.key_tile_range; the tiles outside are never read), masked by equal ids.
+Rows that admit no key (EMPTY_FILL): NaN or the mean of V over all keys instead of the op's 0, where the
+compile-time lowering found the op's empty-row fix-up after it (fa_compile/lowering/empty_rows.py).
 """
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ import triton
 import triton.language as tl
 
 from .triton_common import (
-    add_sink, dropout_keep, dropout_row_hash, key_limit, key_tile_range, kv_block_range, position_segment_ok, program_ids,
-    row_positions, segment_ids, softmax_step,
+    add_sink, dropout_keep, dropout_row_hash, key_limit, key_tile_range, kv_block_range, mean_v, position_segment_ok,
+    program_ids, row_positions, segment_ids, softmax_step,
 )
 
 
@@ -111,6 +113,7 @@ def attn_fwd_kernel(
     SINKS=None, HAS_SINKS: tl.constexpr = False,
     QPOS=None, stride_pb=0, stride_pm=0, HAS_QPOS: tl.constexpr = False,
     QSEG=None, stride_qsb=0, stride_qsm=0, KSEG=None, stride_ksb=0, stride_ksn=0, HAS_SEG: tl.constexpr = False,
+    EMPTY_FILL: tl.constexpr = 0,
 ):
     # Inductor's launcher types float arguments fp64; the math is fp32 (a dot's accumulator must stay fp32).
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -199,6 +202,14 @@ def attn_fwd_kernel(
     inv_l = tl.where(empty, 0.0, drop_scale / tl.where(empty, 1.0, l_i))
     out = acc * inv_l[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    # Rows that admit no key: EMPTY_FILL 0 keeps the op's 0, 1 writes NaN (eager's softmax over -inf fills),
+    # 2 the mean of V over all keys (over equal finite fills), read only by a tile that has such a row.
+    if EMPTY_FILL == 1:
+        out = tl.where(empty[:, None], float("nan"), out)
+    if EMPTY_FILL == 2:
+        any_empty = tl.max((empty & (offs_m < Nq)).to(tl.int32), 0) > 0
+        vmean = mean_v(any_empty, v_base, stride_vn, 1, Nk, DV, BLOCK_N, BLOCK_DV)
+        out = tl.where(empty[:, None], vmean[None, :], out)
     o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     tl.store(
         o_base + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :],

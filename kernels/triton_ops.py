@@ -46,6 +46,9 @@ from . import triton_family as tf
 from .dropout_hash import keep_threshold
 
 NAMESPACE = "fa3_triton"
+# What the forward ops write on a row that admits no key (the op's own value is 0), their `empty_fill`
+# (fa3_triton::fwd here, fa3_decode::fwd): see fa_compile/lowering/empty_rows.py.
+EMPTY_FILLS = {"zero": 0, "nan": 1, "mean_v": 2}
 _PRE_BLOCK_M_GPU = 64  # delta preprocess rows per program (the family's)
 
 
@@ -141,12 +144,16 @@ def fwd(
     q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], kv_lens: Optional[Tensor],
     dropout_seed: Optional[Tensor], scale: float, causal: bool, diag_offset: int, window_left: int,
     window_right: int, softcap: float, dropout_p: float, config: list[int], sinks: Optional[Tensor] = None,
+    empty_fill: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) of attn_fwd_kernel; `config` = [block_m, block_n, num_warps, num_stages]; `sinks` [Hq]
-    (ops.py: each head's logit in the softmax denominator; lse includes it)."""
+    (ops.py: each head's logit in the softmax denominator; lse includes it). `empty_fill` (EMPTY_FILLS):
+    out on rows that admit no key is 0 (the op's), NaN, or the mean of V over all keys; lse stays -inf."""
     from .triton_fwd import attn_fwd_kernel
 
     check_config("config", config)
+    if empty_fill not in EMPTY_FILLS.values():
+        raise ValueError(f"empty_fill: expected one of {sorted(EMPTY_FILLS.values())}, got {empty_fill}")
     q, k, v = tf._unit_last(q), tf._unit_last(k), tf._unit_last(v)
     b, hq, nq, d = q.shape
     hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -169,6 +176,7 @@ def fwd(
         BLOCK_D=block_d, BLOCK_DV=block_dv, EVEN_D=(d == block_d and dv == block_dv), REVERSE_M=bool(causal),
         BIAS_FMA=bias_kind in (1, 3) and softcap == 0 and scale > 0, **consts, **_tile_kwargs(config),
         SINKS=sinks.contiguous() if sinks is not None else q, HAS_SINKS=sinks is not None, **_no_positions(q),
+        EMPTY_FILL=int(empty_fill),
     )
     return out, lse
 

@@ -144,3 +144,20 @@ def run_under_interpreter(test_file: str, timeout: int = 900) -> None:
                          capture_output=True, text=True, env=env, timeout=timeout)
     assert res.returncode == 0, res.stdout[-8000:] + res.stderr[-4000:]
     assert " passed" in res.stdout, res.stdout[-2000:]
+
+
+def eager_empty_fill(case: Case, kind: str, out: Tensor, lse: Tensor) -> Tensor:
+    """The reference `out` with emit's empty-row fix-up applied (what eager gives on rows with no key):
+    NaN ("nan") or the mean of V over all keys, repeated over each KV head's query heads ("mean_v")."""
+    g = case.q.shape[1] // case.k.shape[1]
+    if kind == "nan":
+        fill = torch.full_like(out, float("nan"))
+    else:
+        fill = torch.mean(case.v, dim=2, keepdim=True).repeat_interleave(g, dim=1).to(out.dtype)
+    return torch.where(torch.isneginf(lse).unsqueeze(-1), fill, out)
+
+
+def finite_poison_empty(shape, stride, dtype: torch.dtype, device) -> Tensor:
+    """An `_empty` replacement for the ops' output allocations: every element starts as 12345 (a NaN poison
+    would hide a missing NaN write)."""
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device).fill_(12345.0)

@@ -530,6 +530,33 @@ def test_inference_empty_row_fixup_is_written_by_the_cpu_op(fill, groups, n):
     torch.testing.assert_close(got, want, **TOL[torch.float32], equal_nan=True)
 
 
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("fill", ["finfo_min", "neg_inf", "none"])
+def test_explain_reads_the_empty_row_fixup_before_aot(fill, grad):
+    """choice.emitted_fix finds emit's fix-up after the op call in the rewritten (pre-AOTAutograd) graph,
+    which explain() describes; the lowering finds the same fix-up after AOTAutograd (empty_rows.find_fixup)."""
+    from fa_compile.compiler import run_pass
+    from fa_compile.lowering.choice import emitted_fix
+
+    q, k, v = _inputs(b=2, hq=2, hkv=2, nq=9, nk=9)
+    keep = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    keep[1] = False
+    attn = _padded_attn_fill(fill, 1) if fill != "none" else (lambda q, k, v, keep: torch.softmax(
+        q @ k.transpose(-1, -2), dim=-1) @ v)
+    reports = []
+
+    def backend(gm, example_inputs):
+        reports.extend(run_pass(gm, None, record=False))
+        return gm
+
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(grad):
+        torch.compile(attn, backend=backend)(*(t.requires_grad_(grad) for t in (q, k, v)), keep)
+    assert len(reports) == 1 and reports[0].rewritten, reports
+    want = {"finfo_min": "mean_v", "neg_inf": "nan", "none": None}[fill]
+    assert emitted_fix(reports[0].call) == want
+
+
 @pytest.mark.parametrize("empty_fill", ["zero", "nan", "mean_v"])
 @pytest.mark.parametrize("case", ["padding", "kv_lens_gqa", "float_bias", "causal"])
 def test_cpu_flash_op_matches_the_reference_and_its_fake(case, empty_fill):

@@ -34,7 +34,7 @@ else:
     from fa_compile import ops  # noqa: F401  (registers torch.ops.fa3)
     from fa_compile.kernels import decode, decode_ops, triton_ops
     from fa_compile.kernels import reference as ref
-    from fa_compile.kernels.triton_testing import make_case
+    from fa_compile.kernels.triton_testing import eager_empty_fill, finite_poison_empty, make_case
     from fa_compile.lowering import choice, graph_pass, site_args
     from fa_compile.lowering import decode as decode_lowering
 
@@ -107,22 +107,10 @@ else:
         case.v = case.v + 1.0  # a mean far from 0: a wrong count of keys shows
         return case
 
-    def _eager_fill(case, kind, out, lse):
-        """The reference out with emit's fix-up applied (what eager gives on rows with no key)."""
-        g = case.q.shape[1] // case.k.shape[1]
-        if kind == "nan":
-            fill = torch.full_like(out, float("nan"))
-        else:
-            fill = torch.mean(case.v, dim=2, keepdim=True).repeat_interleave(g, dim=1).to(out.dtype)
-        return torch.where(torch.isneginf(lse).unsqueeze(-1), fill, out)
-
     @pytest.fixture
     def finite_poison(monkeypatch):
-        """Outputs and workspaces start as 12345 (a NaN poison would hide a missing NaN write)."""
-        def fill_empty(shape, stride, dtype, device):
-            return torch.empty_strided(shape, stride, dtype=dtype, device=device).fill_(12345.0)
-
-        monkeypatch.setattr(decode_ops, "_empty", fill_empty)
+        """Outputs (and workspaces) start as 12345 (a NaN poison would hide a missing NaN write)."""
+        monkeypatch.setattr(decode_ops, "_empty", finite_poison_empty)
 
     @pytest.mark.parametrize("splits", [1, 3])
     @pytest.mark.parametrize("kind", ["nan", "mean_v"])
@@ -133,7 +121,7 @@ else:
         want, want_lse = ref.attention_reference(case.q, case.k, case.v, **case.mask_kwargs())
         empty = torch.isneginf(want_lse)
         assert 0 < int(empty.sum()) < empty.numel()
-        torch.testing.assert_close(out, _eager_fill(case, kind, want, want_lse), atol=2e-3, rtol=2e-3, equal_nan=True)
+        torch.testing.assert_close(out, eager_empty_fill(case, kind, want, want_lse), atol=2e-3, rtol=2e-3, equal_nan=True)
         torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)  # -inf stays on those rows
 
     def test_op_rejects_an_unknown_fill():

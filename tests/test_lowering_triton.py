@@ -35,7 +35,7 @@ else:
     from fa_compile import ops  # noqa: F401  (registers torch.ops.fa3)
     from fa_compile.kernels import reference as ref
     from fa_compile.kernels import triton_ops
-    from fa_compile.kernels.triton_testing import make_case, tolerances
+    from fa_compile.kernels.triton_testing import eager_empty_fill, finite_poison_empty, make_case, tolerances
     from fa_compile.lowering import choice, graph_pass, site_args
     from fa_compile.lowering import triton as triton_lowering
 
@@ -244,6 +244,98 @@ else:
         for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), r):
             torch.testing.assert_close(got, want, atol=ga, rtol=gr, msg=lambda m, n=name: f"{n}: " + m)
 
+    # Rows that admit no key: eager's value written by the forward kernel itself (empty_fill), as the decode
+    # kernel does (tests/test_lowering_decode.py), where emit's fix-up is all that reads the op's outputs.
+
+    def _empty_rows_case(dtype=torch.float16):
+        """GQA, key padding as a bool [B, 1, 1, Nk] mask (batch 1: every key padded) and one [B, Hq, Nq, Nk]
+        bool mask row of its own: rows with no key in whole tiles, in part of a tile, and in one head."""
+        case = make_case(b=3, hq=4, hkv=2, nq=21, nk=37, d=16, dtype=dtype, seed=11, bias_shape=(3, 4, 21, 37),
+                         bias_bool=True)
+        case.bias[1] = False  # a fully padded sequence
+        case.bias[0, 2, 5] = False  # one row of one head
+        case.v = case.v + 1.0  # a mean far from 0: a wrong count of keys shows
+        return case
+
+    @pytest.fixture
+    def finite_poison(monkeypatch):
+        """Outputs (and workspaces) start as 12345 (a NaN poison would hide a missing NaN write)."""
+        monkeypatch.setattr(triton_ops, "_empty", finite_poison_empty)
+
+    @pytest.mark.parametrize("kind", ["zero", "nan", "mean_v"])
+    def test_op_writes_eagers_value_on_rows_with_no_key(kind, finite_poison):
+        case = _empty_rows_case()
+        out, lse = triton_ops.fwd(case.q, case.k, case.v, case.bias, None, None, case.scale, False, 0, -1, -1, 0.0,
+                                  0.0, TILE, None, triton_ops.EMPTY_FILLS[kind])
+        want, want_lse = ref.attention_reference(case.q, case.k, case.v, **case.mask_kwargs())
+        empty = torch.isneginf(want_lse)
+        assert 0 < int(empty.sum()) < empty.numel()
+        if kind != "zero":
+            want = eager_empty_fill(case, kind, want, want_lse)
+        torch.testing.assert_close(out, want, atol=2e-3, rtol=2e-3, equal_nan=True)
+        torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)  # -inf stays on those rows
+
+    def test_op_rejects_an_unknown_fill():
+        case = _empty_rows_case()
+        with pytest.raises(ValueError, match="empty_fill"):
+            triton_ops.fwd(case.q, case.k, case.v, case.bias, None, None, case.scale, False, 0, -1, -1, 0.0, 0.0, TILE,
+                           None, 3)
+
+    def _emitted_site(case, kind, extra_use=False, grad=False):
+        """The post-grad form of a site with emit's empty-row fix-up, forced to kernel "triton": emit_attention's
+        graph traced to ATen with Inductor's decompositions (what the lowering pass sees after AOTAutograd).
+        `extra_use` also returns the op's lse, which the kernel's own -inf must then be."""
+        import operator
+
+        import torch.fx as fx
+        from torch._inductor.decomposition import select_decomp_table
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from fa_compile.patterns import emit
+
+        inputs = [case.q, case.k, case.v, case.bias]
+        mode = FakeTensorMode()
+        g = fx.Graph()
+        nodes = []
+        for name, t in zip(("q", "k", "v", "bias"), inputs):
+            n = g.placeholder(name)
+            n.meta["example_value"] = mode.from_tensor(t)
+            nodes.append(n)
+        out, node = emit.emit_attention(g, *nodes[:3], scale=case.scale, bias=nodes[3], empty_rows=kind, kernel="triton")
+        g.output((out, g.call_function(operator.getitem, (node, 1))) if extra_use else out)
+        gm = fx.GraphModule({}, g)
+        return make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*inputs), inputs
+
+    @pytest.mark.parametrize("kind", ["nan", "mean_v"])
+    def test_emits_fixup_is_folded_into_the_kernel(kind, cpu_lowering, finite_poison):
+        case = _empty_rows_case()
+        gm, inputs = _emitted_site(case, kind)
+        want = gm(*inputs)  # the op (run-time dispatch, forced to triton) and the fix-up as graph ops
+        decisions = _lower(gm)
+        what = "NaN" if kind == "nan" else "mean of V"
+        assert [str(d) for d in decisions] == [f"triton -> fa3_triton.fwd (empty rows: {what} written by the kernel)"]
+        left = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+        assert not any(x in t for t in left for x in ("where", "mean", "eq", "isneginf", "fa3.attention")), left
+        kernels = [n.kwargs["kwargs"].get("EMPTY_FILL") for n in gm.graph.nodes if n.target is FUNCTIONAL]
+        assert kernels == [triton_ops.EMPTY_FILLS[kind]]
+        got = gm(*inputs)
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3, equal_nan=True)
+        r_out, r_lse = ref.attention_reference(case.q, case.k, case.v, **case.mask_kwargs())
+        torch.testing.assert_close(got, eager_empty_fill(case, kind, r_out, r_lse), atol=2e-3, rtol=2e-3, equal_nan=True)
+
+    def test_a_fixup_whose_lse_is_read_elsewhere_stays_graph_ops(cpu_lowering, poisoned):
+        # The graph also reads the op's lse (a training graph saves it for the backward): the fix-up stays.
+        case = _empty_rows_case()
+        gm, inputs = _emitted_site(case, "mean_v", extra_use=True)
+        want = gm(*inputs)
+        assert [str(d) for d in _lower(gm)] == ["triton -> fa3_triton.fwd"]
+        kernels = [n.kwargs["kwargs"].get("EMPTY_FILL") for n in gm.graph.nodes if n.target is FUNCTIONAL]
+        assert kernels == [0]
+        got = gm(*inputs)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3, equal_nan=True)
+
     # On CPU Triton's mutation analysis has no driver, so tensors_to_clone names every tensor argument;
     # on a GPU only the outputs (O, LSE; delta, dK, dV, dQ, dS) are cloned, then reinplaced by Inductor.
     def test_lowered_forward_graph_is_pinned(cpu_lowering):
@@ -254,7 +346,7 @@ else:
 def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
     empty_strided = torch.ops.aten.empty_strided.default([1, 2, 20, 16], [640, 16, 32, 1], dtype = torch.float16, device = device(type='cpu'), pin_memory = False)
     empty_strided_1 = torch.ops.aten.empty_strided.default([1, 2, 20], [40, 20, 1], dtype = torch.float32, device = device(type='cpu'), pin_memory = False)
-    triton_kernel_wrapper_functional_proxy = torch.ops.higher_order.triton_kernel_wrapper_functional(kernel_idx = N, constant_args_idx = N, grid = [(4, 1, 1)], tma_descriptor_metadata = {}, kwargs = {'Q': arg0_1, 'K': arg1_1, 'V': arg2_1, 'O': empty_strided, 'LSE': empty_strided_1, 'BIAS': arg0_1, 'KVLENS': arg3_1, 'SEED': arg0_1, 'stride_qb': 640, 'stride_qh': 320, 'stride_qm': 16, 'stride_kb': 640, 'stride_kh': 320, 'stride_kn': 16, 'stride_vb': 640, 'stride_vh': 320, 'stride_vn': 16, 'stride_ob': 640, 'stride_oh': 16, 'stride_om': 32, 'stride_bb': 0, 'stride_bh': 0, 'stride_bm': 0, 'stride_bn': 0, 'Hq': 2, 'G': 1, 'Nq': 20, 'Nk': 20, 'D': 16, 'DV': 16, 'qk_scale': 0.36067376022224085, 'softcap': 0.0, 'cap_scale': 0.0, 'diag_offset': 0, 'window_left': -1, 'window_right': -1, 'drop_threshold': 0, 'drop_scale': 1.0, 'BLOCK_D': 16, 'BLOCK_DV': 16, 'EVEN_D': True, 'REVERSE_M': True, 'BIAS_FMA': False, 'IS_CAUSAL': True, 'HAS_WL': False, 'HAS_WR': False, 'HAS_KVLEN': True, 'BIAS_KIND': 0, 'SOFTCAP': False, 'DROPOUT': False, 'PLAIN': True, 'BLOCK_M': 16, 'BLOCK_N': 16, 'SINKS': arg0_1, 'HAS_SINKS': False, 'QPOS': arg0_1, 'stride_pb': 0, 'stride_pm': 0, 'HAS_QPOS': False, 'QSEG': arg0_1, 'stride_qsb': 0, 'stride_qsm': 0, 'KSEG': arg0_1, 'stride_ksb': 0, 'stride_ksn': 0, 'HAS_SEG': False}, tensors_to_clone = ['Q', 'K', 'V', 'O', 'LSE', 'BIAS', 'KVLENS', 'SEED', 'SINKS', 'QPOS', 'QSEG', 'KSEG']);  arg0_1 = arg1_1 = arg2_1 = empty_strided = empty_strided_1 = arg3_1 = None
+    triton_kernel_wrapper_functional_proxy = torch.ops.higher_order.triton_kernel_wrapper_functional(kernel_idx = N, constant_args_idx = N, grid = [(4, 1, 1)], tma_descriptor_metadata = {}, kwargs = {'Q': arg0_1, 'K': arg1_1, 'V': arg2_1, 'O': empty_strided, 'LSE': empty_strided_1, 'BIAS': arg0_1, 'KVLENS': arg3_1, 'SEED': arg0_1, 'stride_qb': 640, 'stride_qh': 320, 'stride_qm': 16, 'stride_kb': 640, 'stride_kh': 320, 'stride_kn': 16, 'stride_vb': 640, 'stride_vh': 320, 'stride_vn': 16, 'stride_ob': 640, 'stride_oh': 16, 'stride_om': 32, 'stride_bb': 0, 'stride_bh': 0, 'stride_bm': 0, 'stride_bn': 0, 'Hq': 2, 'G': 1, 'Nq': 20, 'Nk': 20, 'D': 16, 'DV': 16, 'qk_scale': 0.36067376022224085, 'softcap': 0.0, 'cap_scale': 0.0, 'diag_offset': 0, 'window_left': -1, 'window_right': -1, 'drop_threshold': 0, 'drop_scale': 1.0, 'BLOCK_D': 16, 'BLOCK_DV': 16, 'EVEN_D': True, 'REVERSE_M': True, 'BIAS_FMA': False, 'IS_CAUSAL': True, 'HAS_WL': False, 'HAS_WR': False, 'HAS_KVLEN': True, 'BIAS_KIND': 0, 'SOFTCAP': False, 'DROPOUT': False, 'PLAIN': True, 'BLOCK_M': 16, 'BLOCK_N': 16, 'SINKS': arg0_1, 'HAS_SINKS': False, 'QPOS': arg0_1, 'stride_pb': 0, 'stride_pm': 0, 'HAS_QPOS': False, 'QSEG': arg0_1, 'stride_qsb': 0, 'stride_qsm': 0, 'KSEG': arg0_1, 'stride_ksb': 0, 'stride_ksn': 0, 'HAS_SEG': False, 'EMPTY_FILL': 0}, tensors_to_clone = ['Q', 'K', 'V', 'O', 'LSE', 'BIAS', 'KVLENS', 'SEED', 'SINKS', 'QPOS', 'QSEG', 'KSEG']);  arg0_1 = arg1_1 = arg2_1 = empty_strided = empty_strided_1 = arg3_1 = None
     getitem_5 = triton_kernel_wrapper_functional_proxy['O']
     getitem_6 = triton_kernel_wrapper_functional_proxy['LSE'];  triton_kernel_wrapper_functional_proxy = None
     return (getitem_5, getitem_6)""")

@@ -198,3 +198,80 @@ def test_dropout_lowers_with_the_ops_mask():
     decisions = _decisions_since(n)
     assert decisions and all(d.lowered for d in decisions), [str(d) for d in decisions]
     _compare(got, want, torch.float16, "dropout")
+
+
+class PaddedEncoderAttention(nn.Module):
+    """An encoder's eager attention: scores plus an additive key-padding mask, finfo.min where the mask is 0
+    (the masked_fill form; a mask the pass passes to the kernel as bool key padding)."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.h, self.d = heads, hidden // heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+
+    def forward(self, x, mask):
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, self.h, self.d).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        add = torch.zeros(b, 1, 1, n, dtype=x.dtype, device=x.device).masked_fill(mask[:, None, None, :] == 0,
+                                                                                 torch.finfo(x.dtype).min)
+        p = torch.softmax(q @ k.transpose(-1, -2) * self.d ** -0.5 + add, dim=-1)
+        return (p @ v).transpose(1, 2).reshape(b, n, self.h * self.d), v
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_inference_fixup_of_empty_rows_is_written_by_the_forward_kernel(dtype):
+    # A sequence whose every key is padding: eager's uniform weights give the mean of V on its rows, which
+    # the forward kernel writes itself in an inference graph (no `where` / mean left in the graph).
+    torch.manual_seed(0)
+    model = PaddedEncoderAttention(256, 4).to("cuda", dtype)
+    x = torch.randn(3, 77, 256, device="cuda", dtype=dtype)
+    mask = torch.ones(3, 77, device="cuda", dtype=torch.long)
+    mask[0] = 0
+    mask[2, 40:] = 0
+    torch._dynamo.reset()
+    n = len(records())
+    with torch.no_grad(), capture_graphs() as graphs:
+        want, v = model(x, mask)
+        got, _ = torch.compile(model, backend=fa_compile.backend(kernel="triton"), fullgraph=True)(x, mask)
+    decisions = _decisions_since(n)
+    info = "\n".join(str(d) for d in decisions) + "\n" + "\n\n".join(graphs)
+    assert [str(d) for d in decisions] == ["triton -> fa3_triton.fwd (empty rows: mean of V written by the kernel)"], info
+    assert not any("aten.where" in g or "aten.mean" in g for g in graphs), info
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    mean_v = v[0].float().mean(dim=1).reshape(1, -1).expand(77, -1)  # [H, D] -> [N, H * D], as the output
+    torch.testing.assert_close(got[0].float(), mean_v, **TOL[dtype])
+
+
+def _padded_encoder_decisions(model, x, mask, grad: bool = False) -> tuple[list, torch.Tensor, torch.Tensor]:
+    torch._dynamo.reset()
+    n = len(records())
+    compiled = torch.compile(model, backend=fa_compile.backend(), fullgraph=True)
+    with torch.set_grad_enabled(grad):
+        got, _ = compiled(x, mask)
+        want, _ = model(x, mask)
+    return [str(d) for d in _decisions_since(n)], got, want
+
+
+def test_padded_inference_sites_prefer_the_kernel_that_fills_empty_rows():
+    # Dispatch's own choice (cuDNN on the H200) keeps the fix-up as graph ops; at short lengths and d64 the
+    # lowering takes our Triton forward, which writes those rows itself (lowering/choice.py _filling_kernel).
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    model = PaddedEncoderAttention(256, 4).to("cuda", torch.bfloat16)
+    x = torch.randn(3, 77, 256, device="cuda", dtype=torch.bfloat16)
+    mask = torch.ones(3, 77, device="cuda", dtype=torch.long)
+    mask[0] = 0
+    decisions, got, want = _padded_encoder_decisions(model, x, mask)
+    assert decisions == ["triton -> fa3_triton.fwd (empty rows: mean of V written by the kernel)"], decisions
+    torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
+    # The user narrows the SDPA backends: dispatch's choice stands.
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        decisions, got, want = _padded_encoder_decisions(model, x, mask)
+    assert len(decisions) == 1 and not decisions[0].startswith("triton"), decisions
+    torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
+    # Training: the lse is saved for the backward, the fix-up stays graph ops, and the rule does not apply.
+    model.requires_grad_(True)
+    decisions, got, want = _padded_encoder_decisions(model, x, mask, grad=True)
+    assert decisions and not any("written by the kernel" in d for d in decisions), decisions
+    torch.testing.assert_close(got, want, **TOL[torch.bfloat16])

@@ -129,9 +129,54 @@ def _tuned_kernel(args: dispatch.AttentionArgs, forced: Optional[str], direction
         return dispatch._select(dispatch.ordered(real, direction), real, forced, direction).name
 
 
-def decide(args: dispatch.AttentionArgs, forced: Optional[str], direction: str, measure: bool = True) -> Decision:
+# An inference site whose output carries emit's empty-row fix-up (a key-padding mask that may leave a
+# sequence with no key) on a kernel that cannot write that value itself (cuDNN): the fix-up reads V and
+# passes over the output once more per layer, and cuDNN's additive mask needs a NaN-key guard, where our
+# Triton forward excludes masked keys and writes those rows itself (lowering/empty_rows.py). Measured on
+# the H200, bf16, whole encoder forwards (benchmarks/encoder_kernels.py, 2026-12-03): BERT hidden 1024,
+# 16 heads (d64), 8 layers, B32 x 512, half the batch half padded: 9.685 ms with Triton against 10.148 with
+# cuDNN (SDPA code under Inductor 9.855). Up to FILL_PREFERRED_SCORES and FILL_PREFERRED_HEAD_DIM, the
+# measured range; beyond, dispatch's choice stands.
+FILL_PREFERRED = "triton"
+FILL_PREFERRED_SCORES = 512 * 512
+FILL_PREFERRED_HEAD_DIM = 64
+
+
+def _filling_kernel(args: dispatch.AttentionArgs, name: str, forced: Optional[str], direction: str,
+                    empty_fix: Optional[str]) -> Optional[str]:
+    """FILL_PREFERRED instead of dispatch's `name` for such a site, or None where the rule does not apply:
+    a kernel forced, a tuning winner, an enclosing sdpa_kernel() that narrows the SDPA backends (the user
+    steers the choice), a kernel that fills the rows itself already, dynamic sizes, run-time positions or
+    segment ids, sizes beyond the measured range, or FILL_PREFERRED refused by dispatch's reasons or by its
+    lowering's. Called after the decode-step kernels have declined the site."""
+    if empty_fix is None or direction != "forward" or args.needs_backward or args.q.device.type != "cuda":
+        return None
+    if dispatch.forced_kernel(forced) is not None or tuning.enabled() or name == FILL_PREFERRED:
+        return None
+    if getattr(LOWERINGS.get(("cuda", name)), "fills_empty_rows", False):
+        return None
+    b = torch.backends.cuda
+    if not (b.cudnn_sdp_enabled() and b.flash_sdp_enabled() and b.mem_efficient_sdp_enabled()):
+        return None
+    if dynamic_dims(args) or any(getattr(args, n, None) is not None for n in ("q_pos", "q_seg", "k_seg")):
+        return None  # (the Triton family's lowering takes no run-time positions or segment ids)
+    nq, nk = int(args.q.shape[2]), int(args.k.shape[2])
+    if nq * nk > FILL_PREFERRED_SCORES or max(int(args.q.shape[3]), int(args.v.shape[3])) > FILL_PREFERRED_HEAD_DIM:
+        return None
+    if dispatch.explain_choice(args, FILL_PREFERRED, direction)[0] != FILL_PREFERRED:
+        return None
+    lowering = LOWERINGS.get(("cuda", FILL_PREFERRED))
+    if lowering is None or lowering.reasons(args, direction):
+        return None
+    return FILL_PREFERRED
+
+
+def decide(args: dispatch.AttentionArgs, forced: Optional[str], direction: str, measure: bool = True,
+           empty_fix: Optional[str] = None) -> Decision:
     """The kernel for these (fake) arguments and the lowering that takes it, or why the op stays.
-    With tuning on, `measure` times the candidates on real tensors of these shapes (explain() never does)."""
+    With tuning on, `measure` times the candidates on real tensors of these shapes (explain() never does).
+    `empty_fix` ("nan" / "mean_v"): the site's output carries emit's empty-row fix-up, which a kernel that
+    writes those rows itself takes (see `_filling_kernel`)."""
     try:
         tuned = _tuned_kernel(args, forced, direction) if measure else None
     except Exception:  # a measurement that fails leaves the static order
@@ -150,6 +195,15 @@ def decide(args: dispatch.AttentionArgs, forced: Optional[str], direction: str, 
             return Decision(direction, "decode", target=DECODE_LOWERING.target(direction), refused=refused)
         if not DECODE_MATH.reasons(args, direction):  # what the kernel refuses: its math, fused by Inductor
             return Decision(direction, "decode_math", target=DECODE_MATH.target(direction), refused=refused)
+    try:  # after the decode step's own kernels, which write those rows themselves
+        filling = _filling_kernel(args, name, forced, direction, empty_fix)
+    except Exception:  # the rule is an optimisation: dispatch's choice stands
+        filling = None
+    if filling is not None:
+        why = (f"{FILL_PREFERRED} writes the rows that admit no key itself (no fix-up after the kernel), "
+               "measured faster for short inference sites")
+        refused = [(name, [why])] + [r for r in refused if r[0] != filling]
+        return Decision(direction, filling, target=LOWERINGS[("cuda", filling)].target(direction), refused=refused)
     if args.sinks is not None and not getattr(LOWERINGS.get((args.q.device.type, name)), "takes_sinks", False):
         # Only the lowered Triton ops take the sinks (the CPU flash op and the SDPA ops have none): the op
         # and its run-time dispatch keep the site.
@@ -179,14 +233,20 @@ def decide(args: dispatch.AttentionArgs, forced: Optional[str], direction: str, 
     return Decision(direction, name, target=lowering.target(direction), refused=refused)
 
 
-def describe(args: dispatch.AttentionArgs, forced: Optional[str] = None) -> str:
+def describe(args: dispatch.AttentionArgs, forced: Optional[str] = None, empty_fix: Optional[str] = None) -> str:
     """What the lowering makes of a site, forward (and backward when `args.needs_backward`), e.g.
-    "forward reference -> aten._scaled_dot_product_flash_attention_for_cpu"; for explain()."""
+    "forward reference -> aten._scaled_dot_product_flash_attention_for_cpu"; for explain(). `empty_fix` as
+    for `decide`."""
     from . import cpu_flash, decode, decomposed, fa3, sdpa, triton  # noqa: F401  (register the lowerings)
 
     parts = []
+    fix = None if args.needs_backward else empty_fix  # a training graph saves the lse: the fix-up stays
     with contextlib.suppress(Exception):
-        parts.append("forward " + str(decide(dispatch._for_direction(args, "forward"), forced, "forward", False)))
+        d = decide(dispatch._for_direction(args, "forward"), forced, "forward", False, empty_fix=fix)
+        if fix is not None and d.lowered and getattr(LOWERINGS.get((args.q.device.type, d.kernel)),
+                                                     "fills_empty_rows", False):
+            d.folded = f"empty rows: {'NaN' if fix == 'nan' else 'mean of V'} written by the kernel"
+        parts.append("forward " + str(d))
     if args.needs_backward:
         with contextlib.suppress(Exception):
             parts.append("backward " + str(decide(args, forced, "backward", False)))
@@ -207,9 +267,30 @@ def explain_lines(rows: list) -> str:
         if args is None:
             continue
         forced = site.call.args[13] if len(site.call.args) > 13 else None
-        groups.setdefault(describe(args, forced), []).append(i)
+        groups.setdefault(describe(args, forced, emitted_fix(site.call)), []).append(i)
     out = []
     for text, sites in groups.items():
         if text:
             out.append(f"lowered at site{'s' if len(sites) > 1 else ''} {', '.join(map(str, sites))}: {text}")
     return "\n".join(out)
+
+
+def emitted_fix(call) -> Optional[str]:
+    """"nan" / "mean_v" when emit put its empty-row fix-up after the op call `call` (the pre-AOTAutograd
+    form: `where(isneginf(lse)[..., None], fill, out)`, fill a NaN full_like or a mean of V); else None.
+    explain() reads it before AOTAutograd, the lowering (empty_rows.find_fixup) after."""
+    import operator
+
+    lse = [u for u in call.users if u.target is operator.getitem and u.args[1] == 1]
+    for test in (u for n in lse for u in n.users if u.target is torch.isneginf):
+        for cond in test.users:
+            for where in cond.users:
+                if where.target is not torch.where:
+                    continue
+                fill = where.args[1]
+                while getattr(fill, "target", None) in ("to", torch.add):  # .to(dtype); + a zero-valued gradient term
+                    fill = fill.args[0]
+                if getattr(fill, "target", None) is torch.full_like:
+                    return "nan"
+                return "mean_v"
+    return None

@@ -62,11 +62,14 @@ def _lower_node(graph: fx.Graph, node: fx.Node) -> Optional[choice.Decision]:
         return None
     backward = node.target is site_args.BACKWARD
     direction = "backward" if backward else "forward"
-    decision = choice.decide(args, site_args.forced(node), direction)
+    b = site_args.bound(node)
+    # emit's fix-up of rows with no admissible key, when it is all that reads the op's outputs: a kernel that
+    # writes those rows itself takes it (and the choice may prefer such a kernel: choice._filling_kernel)
+    fixup = None if backward else empty_rows.find_fixup(node, b["v"])
+    decision = choice.decide(args, site_args.forced(node), direction, empty_fix=fixup[0] if fixup else None)
     if not decision.lowered:
         return decision
     lowering = choice.LOWERINGS[(args.q.device.type, decision.kernel)]
-    b = site_args.bound(node)
     names = ["dout", "q", "k", "v", "out", "lse"] if backward else ["q", "k", "v"]
     names += [n for n in ("bias", "kv_lens") if b[n] is not None]
     if getattr(lowering, "takes_dropout_seed", False) and b["dropout_seed"] is not None:
@@ -75,10 +78,8 @@ def _lower_node(graph: fx.Graph, node: fx.Node) -> Optional[choice.Decision]:
         names.append("sinks")  # after the seed
     if getattr(lowering, "takes_structure", False):
         names += [n for n in ("sinks", "q_pos", "q_seg", "k_seg") if b[n] is not None]
-    # A kernel that writes eager's value on rows with no admissible key takes emit's fix-up after the op.
-    fixup = None
-    if not backward and getattr(lowering, "fills_empty_rows", False):
-        fixup = empty_rows.find_fixup(node, b["v"])
+    if not getattr(lowering, "fills_empty_rows", False):
+        fixup = None
     want = None if fixup is None else [fixup[1].meta["val"], node.meta["val"][1]]  # out: what the `where` gave
     try:
         if backward:
@@ -170,7 +171,8 @@ def _source_hash() -> str:
         kdir = os.path.dirname(os.path.abspath(kernels.__file__))
         # and what dispatch's choice reads there (the Triton family's and the reference's refusals)
         _FILES += tuple(os.path.join(kdir, f) for f in ("decode.py", "decode_ops.py", "decode_triton.py", "triton_ops.py",
-                                                         "triton_family.py", "reference.py"))
+                                                         "triton_family.py", "triton_fwd.py", "triton_bwd.py",
+                                                         "triton_common.py", "reference.py"))
     return get_hash_for_files(_FILES).hex()
 
 

@@ -117,6 +117,7 @@ class TritonLowering:
     same_kernel = True
     takes_dropout_seed = True  # graph_pass passes the node's dropout_seed after bias and kv_lens
     takes_sinks = True  # and then its sinks: the forward kernel has the sink step; the backward needs none
+    fills_empty_rows = True  # forward_fn takes empty_fill: the kernel writes emit's empty-row fix-up (empty_rows.py)
 
     def target(self, direction: str) -> str:
         return "fa3_triton.bwd" if direction == "backward" else "fa3_triton.fwd"
@@ -181,17 +182,22 @@ class TritonLowering:
             raise SpliceError(plan)
         return plan
 
-    def forward_fn(self, args: dispatch.AttentionArgs) -> Callable:
-        """fn(q, k, v[, bias][, kv_lens]) -> (out, lse) in the op's conventions, traced functionalized."""
+    def forward_fn(self, args: dispatch.AttentionArgs, empty_fill: str = "zero",
+                   out_strides: Optional[tuple] = None) -> Callable:
+        """fn(q, k, v[, bias][, kv_lens]) -> (out, lse) in the op's conventions, traced functionalized; out
+        holds `empty_fill` ("zero", the op's own; "nan"; "mean_v") on rows that admit no key, and has
+        `out_strides` where given (the fix-up's output it stands for; the op's BSHD strides otherwise)."""
         (config,) = self._plan(args, "forward")
-        fwd = _ops().fwd
+        ops = _ops()
+        fill = ops.EMPTY_FILLS[empty_fill]
         s = _site_scalars(args)
         unpack = _optional_inputs(args)
 
         def fn(q, k, v, *rest):
             bias, kv_lens, seed, sinks = unpack(q, rest)
-            out, lse = fwd(q, k, v, bias, kv_lens, seed, *s, config, sinks)
-            return conventions.finish(out, lse, None)  # the kernel writes empty rows itself
+            out, lse = ops.fwd(q, k, v, bias, kv_lens, seed, *s, config, sinks, fill)
+            out, lse = conventions.finish(out, lse, None)  # the kernel writes empty rows itself
+            return (out if out_strides is None else conventions.with_strides(out, out_strides)), lse
 
         return _functionalized(fn)
 
