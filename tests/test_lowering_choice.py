@@ -48,7 +48,7 @@ def test_a_short_padded_inference_site_takes_the_kernel_that_fills(peers):
     assert _decide(_args(), fix="nan").kernel == "triton"
 
 
-@pytest.mark.parametrize("case", ["no_fixup", "training", "forced", "long", "head_dim_128", "q_pos", "segments",
+@pytest.mark.parametrize("case", ["no_fixup", "training", "forced", "long", "head_dim_256", "q_pos", "segments",
                                   "sdpa_kernel", "decode_step", "triton_refuses"])
 def test_the_rule_leaves_other_sites_to_dispatch(case, peers, monkeypatch):
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -62,8 +62,8 @@ def test_the_rule_leaves_other_sites_to_dispatch(case, peers, monkeypatch):
         forced = "cudnn"
     elif case == "long":
         args = _args(nq=1024, nk=512)
-    elif case == "head_dim_128":
-        args = _args(d=128)
+    elif case == "head_dim_256":
+        args = _args(d=256)
     elif case == "q_pos":
         args = _args(runtime=("q_pos",))
     elif case == "segments":

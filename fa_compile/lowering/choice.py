@@ -133,13 +133,13 @@ def _tuned_kernel(args: dispatch.AttentionArgs, forced: Optional[str], direction
 # sequence with no key) on a kernel that cannot write that value itself (cuDNN): the fix-up reads V and
 # passes over the output once more per layer, and cuDNN's additive mask needs a NaN-key guard, where our
 # Triton forward excludes masked keys and writes those rows itself (lowering/empty_rows.py). Measured on
-# the H200, bf16, whole encoder forwards (benchmarks/encoder_kernels.py, 2026-12-03): BERT hidden 1024,
-# 16 heads (d64), 8 layers, B32 x 512, half the batch half padded: 9.685 ms with Triton against 10.148 with
-# cuDNN (SDPA code under Inductor 9.855). Up to FILL_PREFERRED_SCORES and FILL_PREFERRED_HEAD_DIM, the
-# measured range; beyond, dispatch's choice stands.
+# the H200, bf16, whole 8-layer BERT forwards, half the batch half padded (benchmarks/encoder_kernels.py,
+# 2026-12-03), ms with Triton / cuDNN: B32 x 512 d64 9.685 / 10.148 (again 10.042 / 10.435); B64 x 128 d64
+# 3.301 / 3.594; B32 x 512 d128 9.793 / 10.256. Up to FILL_PREFERRED_SCORES and FILL_PREFERRED_HEAD_DIM,
+# the measured range; beyond, dispatch's choice stands.
 FILL_PREFERRED = "triton"
 FILL_PREFERRED_SCORES = 512 * 512
-FILL_PREFERRED_HEAD_DIM = 64
+FILL_PREFERRED_HEAD_DIM = 128
 
 
 def _filling_kernel(args: dispatch.AttentionArgs, name: str, forced: Optional[str], direction: str,
