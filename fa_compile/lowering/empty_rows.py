@@ -5,9 +5,12 @@ The op returns 0 (lse -inf) on a row that admits no key; where eager computes so
 `where(isneginf(lse)[..., None], fill, out)` after the op, with `fill` a NaN tensor (softmax over -inf
 fills) or the mean of V over all keys, repeated over the query heads of each KV head (softmax over equal
 finite fills). In a decode step those are launches of their own (a reduction over the cache and a
-`where`) around a kernel of a few microseconds. The decode kernel can write either value itself
-(kernels/decode_ops.py `empty_fill`), so the lowering looks for the fix-up here, in the post-grad
-(decomposed ATen) form it has on the torch versions the project supports, and takes it only when:
+`where`) around a kernel of a few microseconds; in an encoder's forward, a read of V and a pass over the
+output per layer. The decode kernel, our Triton forward and the CPU flash op can write either value
+themselves (`empty_fill` of kernels/decode_ops.py, kernels/triton_ops.py, fa_compile/cpu_flash_op.py), and
+the choice may prefer such a kernel for the site (choice._filling_kernel), so the lowering looks for the
+fix-up here, in the post-grad (decomposed ATen) form it has on the torch versions the project supports,
+and takes it only when:
   - the op's out and lse feed nothing but the fix-up (nothing else reads the op's own zeros);
   - the mean is over dim 2 of the op's own v, keepdim, and the repeat over heads is the
     unsqueeze(2) / expand / clone / view chain of `repeat_interleave(dim=1)` (kv head h // G for query

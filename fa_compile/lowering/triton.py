@@ -17,6 +17,8 @@ first-call tile tuning (FA_COMPILE_TUNE on Hopper), dynamic sizes. Dropout lower
 tensor is an input of the replacement (`takes_dropout_seed`), so the mask is the op's counter hash.
 Attention sinks lower too (`takes_sinks`): the forward kernel's sink step; the backward kernels read P
 from the lse, which includes the sinks, and the sinks' own gradient stays the graph's arithmetic.
+The forward writes emit's fix-up of rows with no admissible key itself where it is all that reads the
+op's outputs (`fills_empty_rows`, empty_rows.py): NaN or the mean of V, read only by a tile with such a row.
 
 On CPU the family runs under the Triton interpreter only; the lowering takes such sites (tests
 register it for ("cpu", "triton")), never Inductor, which cannot build a user kernel for the CPU.
