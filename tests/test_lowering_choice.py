@@ -9,6 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fa_compile import dispatch
+from fa_compile.candidates import common
 from fa_compile.lowering import choice
 from fa_compile.lowering import decode as decode_lowering
 from fa_compile.lowering import triton as triton_lowering
@@ -24,6 +25,7 @@ def peers(monkeypatch):
     monkeypatch.setattr(triton_lowering.TRITON_LOWERING, "reasons", lambda args, direction: [])
     monkeypatch.setattr(decode_lowering.DECODE_LOWERING, "step_reasons", lambda args, direction: ["not a step"])
     monkeypatch.delenv("FA_COMPILE_TUNE", raising=False)
+    monkeypatch.setattr(common, "device_capability", lambda device: (9, 0))  # an H200, where the rule was measured
     from fa_compile.lowering import sdpa  # noqa: F401  (registers the cuDNN lowering)
 
 
@@ -49,7 +51,7 @@ def test_a_short_padded_inference_site_takes_the_kernel_that_fills(peers):
 
 
 @pytest.mark.parametrize("case", ["no_fixup", "training", "forced", "long", "head_dim_256", "q_pos", "segments",
-                                  "sdpa_kernel", "decode_step", "triton_refuses"])
+                                  "sdpa_kernel", "decode_step", "triton_refuses", "ampere"])
 def test_the_rule_leaves_other_sites_to_dispatch(case, peers, monkeypatch):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -70,6 +72,8 @@ def test_the_rule_leaves_other_sites_to_dispatch(case, peers, monkeypatch):
         args = _args(runtime=("q_seg", "k_seg"))
     elif case == "decode_step":
         monkeypatch.setattr(decode_lowering.DECODE_LOWERING, "step_reasons", lambda args, direction: [])
+    elif case == "ampere":
+        monkeypatch.setattr(common, "device_capability", lambda device: (8, 0))
     elif case == "triton_refuses":
         monkeypatch.setattr(triton_lowering.TRITON_LOWERING, "reasons", lambda args, direction: ["no"])
     if case == "sdpa_kernel":

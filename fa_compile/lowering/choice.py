@@ -140,15 +140,16 @@ def _tuned_kernel(args: dispatch.AttentionArgs, forced: Optional[str], direction
 FILL_PREFERRED = "triton"
 FILL_PREFERRED_SCORES = 512 * 512
 FILL_PREFERRED_HEAD_DIM = 128
+FILL_PREFERRED_ARCH = 9  # compute capability major: Hopper, where it was measured
 
 
 def _filling_kernel(args: dispatch.AttentionArgs, name: str, forced: Optional[str], direction: str,
                     empty_fix: Optional[str]) -> Optional[str]:
     """FILL_PREFERRED instead of dispatch's `name` for such a site, or None where the rule does not apply:
     a kernel forced, a tuning winner, an enclosing sdpa_kernel() that narrows the SDPA backends (the user
-    steers the choice), a kernel that fills the rows itself already, dynamic sizes, run-time positions or
-    segment ids, sizes beyond the measured range, or FILL_PREFERRED refused by dispatch's reasons or by its
-    lowering's. Called after the decode-step kernels have declined the site."""
+    steers the choice), a kernel that fills the rows itself already, a GPU other than the measured one (Hopper),
+    dynamic sizes, run-time positions or segment ids, sizes beyond the measured range, or FILL_PREFERRED
+    refused by dispatch's reasons or by its lowering's. Called after the decode-step kernels have declined the site."""
     if empty_fix is None or direction != "forward" or args.needs_backward or args.q.device.type != "cuda":
         return None
     if dispatch.forced_kernel(forced) is not None or tuning.enabled() or name == FILL_PREFERRED:
@@ -157,6 +158,11 @@ def _filling_kernel(args: dispatch.AttentionArgs, name: str, forced: Optional[st
         return None
     b = torch.backends.cuda
     if not (b.cudnn_sdp_enabled() and b.flash_sdp_enabled() and b.mem_efficient_sdp_enabled()):
+        return None
+    from ..candidates.common import device_capability
+
+    cap = device_capability(args.q.device)
+    if cap is None or cap[0] != FILL_PREFERRED_ARCH:  # measured on Hopper only
         return None
     if dynamic_dims(args) or any(getattr(args, n, None) is not None for n in ("q_pos", "q_seg", "k_seg")):
         return None  # (the Triton family's lowering takes no run-time positions or segment ids)
