@@ -287,6 +287,8 @@ def emitted_fix(call) -> Optional[str]:
     explain() reads it before AOTAutograd, the lowering (empty_rows.find_fixup) after."""
     import operator
 
+    if getattr(call, "target", None) is not torch.ops.fa3.attention.default:  # (FP8 and paged calls: no such rule)
+        return None
     lse = [u for u in call.users if u.target is operator.getitem and u.args[1] == 1]
     for test in (u for n in lse for u in n.users if u.target is torch.isneginf):
         for cond in test.users:
