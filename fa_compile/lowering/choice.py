@@ -251,7 +251,7 @@ def describe(args: dispatch.AttentionArgs, forced: Optional[str] = None, empty_f
         d = decide(dispatch._for_direction(args, "forward"), forced, "forward", False, empty_fix=fix)
         if fix is not None and d.lowered and getattr(LOWERINGS.get((args.q.device.type, d.kernel)),
                                                      "fills_empty_rows", False):
-            d.folded = f"empty rows: {'NaN' if fix == 'nan' else 'mean of V'} written by the kernel"
+            d.folded = folded_text(fix)
         parts.append("forward " + str(d))
     if args.needs_backward:
         with contextlib.suppress(Exception):
@@ -279,6 +279,11 @@ def explain_lines(rows: list) -> str:
         if text:
             out.append(f"lowered at site{'s' if len(sites) > 1 else ''} {', '.join(map(str, sites))}: {text}")
     return "\n".join(out)
+
+
+def folded_text(kind: str) -> str:
+    """Decision.folded for a kernel that writes emit's empty-row fix-up ("nan" / "mean_v") itself."""
+    return f"empty rows: {'NaN' if kind == 'nan' else 'mean of V'} written by the kernel"
 
 
 def emitted_fix(call) -> Optional[str]:

@@ -95,7 +95,7 @@ def _lower_node(graph: fx.Graph, node: fx.Node) -> Optional[choice.Decision]:
     if fixup is not None:  # the `where` now reads the kernel's out, which already holds its value
         kind, where = fixup
         where.replace_all_uses_with(new[0])
-        decision.folded = f"empty rows: {'NaN' if kind == 'nan' else 'mean of V'} written by the kernel"
+        decision.folded = choice.folded_text(kind)
     return decision
 
 
