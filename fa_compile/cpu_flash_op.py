@@ -151,3 +151,66 @@ def _cpu_flash_forward_fake(q, k, v, bias, kv_lens, scale, causal, groups, empty
 _LIB.impl("cpu_flash_forward", cpu_flash_forward, "CompositeExplicitAutograd")
 torch.library.register_fake("fa3::cpu_flash_forward", _cpu_flash_forward_fake, lib=_LIB)
 _CPU_FLASH_FORWARD = torch.ops.fa3.cpu_flash_forward.default
+
+
+EMPTY_GRADS = ("none", "mean_v", "uniform")  # the empty-row fix-up's backward the op computes (empty_rows_backward.py)
+
+_LIB.define("cpu_flash_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, "
+            "float scale, bool causal, int groups, str empty_grad) -> (Tensor, Tensor, Tensor)", tags=_TAGS)
+
+
+def _laid_out_like(t: Tensor, like: Tensor) -> Tensor:
+    """t with the strides `torch.empty_like(like)` has (a copy only where they differ)."""
+    target = torch.empty_like(like)
+    return t if t.stride() == target.stride() else target.copy_(t)
+
+
+def cpu_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       mask: Optional[Tensor], scale: float, causal: bool, groups: int,
+                       empty_grad: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of aten's CPU flash kernel (additive `mask`, top-left `causal`) together with the backward
+    of emit's empty-row fix-up, `dout` being the gradient of the fix-up's output: rows with lse -inf (no
+    admissible key) get no gradient through the kernel (their dout is zeroed, as the fix-up's `where`
+    does); with empty_grad "mean_v" also the mean of V's gradient (those rows' dout / Nk on every key of
+    dv, summed over the query heads of a group), with "uniform" also eager's q / k gradient at uniform
+    weights (row_fixups._uniform_grads). Whether any row is empty is decided once, on the lse; with none,
+    dout goes to the kernel as it is and nothing else is computed. Gradients have the strides
+    `torch.empty_like` gives q, k and v."""
+    if empty_grad not in EMPTY_GRADS:
+        raise ValueError(f"empty_grad: expected one of {EMPTY_GRADS}, got {empty_grad!r}")
+    empty = torch.isneginf(lse)
+    rows = empty.unsqueeze(-1) if bool(empty.any()) else None
+    d_attn, lse_b = dout, lse
+    if rows is not None:  # an empty row's scores are all -inf: any finite lse gives P = 0 there
+        d_attn = dout.masked_fill(rows, 0)
+        lse_b = lse.masked_fill(empty, 0.0)
+    rep = 1 if groups == 1 or native_gqa() else groups
+    dq, dk, dv = _BWD(d_attn, q, _repeat_kv(k, rep), _repeat_kv(v, rep), out, lse_b, 0.0, causal,
+                      attn_mask=mask, scale=scale)
+    b, hkv, nk = k.shape[0], k.shape[1], k.shape[2]
+    if rep > 1:  # dK, dV per query head: each kv head's is the sum over its group
+        dk = dk.view(b, hkv, groups, nk, k.shape[3]).sum(dim=2)
+        dv = dv.view(b, hkv, groups, nk, v.shape[3]).sum(dim=2)
+    if rows is not None and empty_grad != "none":
+        from .row_fixups import _uniform_grads
+
+        dg = dout.masked_fill(~rows, 0)
+        # mean(v, dim=2)'s gradient: the empty rows' dout summed, over the group's query heads too, / Nk
+        s = dg.sum(dim=2, keepdim=True)
+        if groups > 1:
+            s = s.view(b, hkv, groups, 1, v.shape[3]).sum(dim=2)
+        dv = dv + s / nk
+        if empty_grad == "uniform":
+            acc = torch.promote_types(q.dtype, torch.float32)
+            uq, uk = _uniform_grads(dg, q, k, v, scale, acc, True, True)
+            dq, dk = dq + uq, dk + uk
+    return _laid_out_like(dq, q), _laid_out_like(dk, k), _laid_out_like(dv, v)
+
+
+def _cpu_flash_backward_fake(dout, q, k, v, out, lse, mask, scale, causal, groups, empty_grad):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+_LIB.impl("cpu_flash_backward", cpu_flash_backward, "CompositeExplicitAutograd")
+torch.library.register_fake("fa3::cpu_flash_backward", _cpu_flash_backward_fake, lib=_LIB)
+_CPU_FLASH_BACKWARD = torch.ops.fa3.cpu_flash_backward.default

@@ -530,13 +530,123 @@ def test_inference_empty_row_fixup_is_written_by_the_cpu_op(fill, groups, n):
     torch.testing.assert_close(got, want, **TOL[torch.float32], equal_nan=True)
 
 
+@pytest.mark.parametrize("empty", [True, False])
+@pytest.mark.parametrize("grads", ["qkv", "v"])
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("fill", ["finfo_min", "neg_inf"])
+def test_training_empty_row_fixup_backward_is_computed_by_the_cpu_op(fill, groups, grads, empty):
+    """In training the backward of the rewrite's empty-row fix-up (the `where`s on dO, the mean of V's
+    gradient, eager's uniform-row gradient of q and k) becomes part of one op, fa3::cpu_flash_backward,
+    which computes it only when some row admits no key: nothing of it is left as graph ops. Output and
+    every gradient equal eager's, with and without such rows."""
+    b, hkv, d, n = 3, 2, 8, 20
+    gen = torch.Generator().manual_seed(40 + groups)
+    q = torch.randn(b, hkv * groups, n, d, generator=gen)
+    k, v = torch.randn(b, hkv, n, d, generator=gen), torch.randn(b, hkv, n, d, generator=gen) + 1.0
+    keep = torch.ones(b, 1, 1, n, dtype=torch.bool)
+    keep[0, ..., 6:] = False
+    if empty:
+        keep[2] = False  # batch 2 keeps no key: the fix-up's rows
+    w = torch.randn(b, hkv * groups, n, d, generator=gen)
+    attn = _padded_attn_fill(fill, groups)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_(name in grads) for name, t in zip("qkv", (q, k, v))]
+        out = fn(*leaves, keep)
+        (torch.where(out.isnan(), 0.0, out) * w).sum().backward()
+        return [out] + [t.grad for t in leaves if t.requires_grad]
+
+    torch._dynamo.reset()
+    n_before = len(records())
+    with capture_graphs() as graphs:
+        got = run(torch.compile(attn, backend="fa3"))
+    want = run(attn)
+    for name, a, e in zip(["out"] + [f"d{c}" for c in grads], got, want):
+        if fill == "neg_inf" and empty and name != "out":
+            # README: a NaN row passes no gradient, where eager's NaN turns its head's dV NaN
+            assert ((e[2] == 0) | e[2].isnan()).all() and torch.equal(a[2], torch.zeros_like(a[2])), name
+            a, e = a[:2], e[:2]
+        assert torch.equal(a.isnan(), e.isnan()), name
+        torch.testing.assert_close(a, e, **TOL[torch.float32], equal_nan=True, msg=lambda m: f"{name}: {m}")
+    bwd = [r.decision for r in records()[n_before:] if r.decision.direction == "backward"]
+    kind = {"neg_inf": "their dout zeroed", "finfo_min": "their dout zeroed, the mean of V's gradient"}[fill]
+    if fill == "finfo_min" and grads == "qkv":
+        kind += " and eager's uniform-row q / k gradients"
+    assert [d.folded for d in bwd] == [f"empty rows: {kind} by the kernel"], [str(d) for d in bwd]
+    code = graphs[-1]
+    # explain() says the same before compiling
+    leaves = [t.clone().requires_grad_(name in grads) for name, t in zip("qkv", (q, k, v))]
+    text = str(fa_compile.explain(attn, *leaves, keep))
+    assert f"(empty rows: {kind} by the kernel)" in text, text
+    if fill == "finfo_min":
+        assert "forward reference -> aten._scaled_dot_product_flash_attention_for_cpu (empty rows: mean of V " \
+               "written by the kernel)" in text, text
+    # the op reads the incoming gradient itself; no where / sum / add of the fix-up is left around it
+    assert "cpu_flash_backward.default(tangents_1," in code, code
+    assert not any(op in code for op in ("uniform_row_grad", "aten.sum", "aten.add", "aten.eq")), code
+
+
+class _PaddedSelfAttention(torch.nn.Module):
+    """Projections, heads by view / transpose, a finfo.min key-padding mask, `.transpose(1, 2).contiguous()`
+    back and an output projection: a Hugging Face encoder layer's attention, spelled eagerly."""
+
+    def __init__(self, heads: int = 2, d: int = 8):
+        super().__init__()
+        self.heads, self.d = heads, d
+        self.qkv = torch.nn.Linear(heads * d, 3 * heads * d)
+        self.proj = torch.nn.Linear(heads * d, heads * d)
+
+    def forward(self, x, keep):
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, self.heads, self.d).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        s = q @ k.transpose(-1, -2) * self.d ** -0.5 + torch.where(keep, 0.0, torch.finfo(x.dtype).min)
+        o = torch.softmax(s, dim=-1) @ v
+        return self.proj(o.transpose(1, 2).contiguous().view(b, n, -1))
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_folded_fixups_leave_no_head_transposing_copies(train):
+    """The folded empty-row fix-up takes the kernel's own [B, N, H, D] strides where its only use is the head
+    transpose before a projection (and, in training, its backward's): AOTAutograd traced that transpose as a
+    copy of the fix-up's [B, H, N, D]-contiguous output, which the lowering drops (splice.droppable_clones).
+    Output and every gradient equal eager's, with a fully padded sequence and without."""
+    torch.manual_seed(3)
+    model = _PaddedSelfAttention()
+    x = torch.randn(3, 20, 16)
+    keep = torch.ones(3, 1, 1, 20, dtype=torch.bool)
+    keep[0, ..., 7:] = False
+    keep[2] = False  # no key: the fix-up's rows
+
+    def run(m, xx):
+        xx = xx.clone().requires_grad_(train)
+        with torch.set_grad_enabled(train):
+            out = m(xx, keep)
+            if train:
+                out.square().sum().backward()
+        return [out] + ([xx.grad] + [p.grad.clone() for p in m.parameters()] if train else [])
+
+    torch._dynamo.reset()
+    n_before = len(records())
+    with capture_graphs() as graphs:
+        got = run(torch.compile(model, backend="fa3"), x)
+    model.zero_grad()
+    want = run(model, x)
+    for i, (a, e) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, e, **TOL[torch.float32], msg=lambda m, i=i: f"value {i}: {m}")
+    decisions = [r.decision for r in records()[n_before:]]
+    assert [d.folded for d in decisions if d.direction == "forward"] == ["empty rows: mean of V written by the kernel"]
+    assert len(graphs) == (2 if train else 1)
+    for code in graphs:
+        assert "aten.clone" not in code and "copy_strided" not in code, code
+
+
 @pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("fill", ["finfo_min", "neg_inf", "none"])
 def test_explain_reads_the_empty_row_fixup_before_aot(fill, grad):
     """choice.emitted_fix finds emit's fix-up after the op call in the rewritten (pre-AOTAutograd) graph,
     which explain() describes; the lowering finds the same fix-up after AOTAutograd (empty_rows.find_fixup)."""
     from fa_compile.compiler import run_pass
-    from fa_compile.lowering.choice import emitted_fix
+    from fa_compile.lowering.choice import emitted_fix, emitted_grad_fix
 
     q, k, v = _inputs(b=2, hq=2, hkv=2, nq=9, nk=9)
     keep = torch.ones(2, 1, 1, 9, dtype=torch.bool)
@@ -555,6 +665,9 @@ def test_explain_reads_the_empty_row_fixup_before_aot(fill, grad):
     assert len(reports) == 1 and reports[0].rewritten, reports
     want = {"finfo_min": "mean_v", "neg_inf": "nan", "none": None}[fill]
     assert emitted_fix(reports[0].call) == want
+    # the fix-up's backward as the lowering folds it (empty_rows_backward.py)
+    want_grad = {"finfo_min": "uniform" if grad else "mean_v", "neg_inf": "none", "none": None}[fill]
+    assert emitted_grad_fix(reports[0].call) == want_grad
 
 
 @pytest.mark.parametrize("empty_fill", ["zero", "nan", "mean_v"])
@@ -594,6 +707,43 @@ def test_cpu_flash_op_matches_the_reference_and_its_fake(case, empty_fill):
     torch.library.opcheck(torch.ops.fa3.cpu_flash_forward.default, args, test_utils=("test_schema", "test_faketensor"))
     with pytest.raises(ValueError, match="empty_fill"):
         torch.ops.fa3.cpu_flash_forward(*args[:-1], "mean")
+
+
+@pytest.mark.parametrize("empty_grad", ["none", "mean_v", "uniform"])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_cpu_flash_backward_op_matches_eagers_fixup_gradient_and_its_fake(empty_grad, groups):
+    """fa3::cpu_flash_backward against autograd through the op's reference and emit's fix-up spelled as
+    graph ops (where on the lse's empty rows, the mean of V, uniform_row_grad), every element; its fake gives
+    the real strides (opcheck); a bad empty_grad names the argument."""
+    from fa_compile.row_fixups import _uniform_row_grad_autograd
+
+    gen = torch.Generator().manual_seed(9)
+    hkv, d = 2, 8
+    q = torch.randn(2, 7, hkv * groups, d, generator=gen).transpose(1, 2)  # BSHD, as projections give it
+    k = torch.randn(2, 7, hkv, d, generator=gen).transpose(1, 2)
+    v = torch.randn(2, 7, hkv, d, generator=gen).transpose(1, 2) + 1.0
+    keep = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+    keep[1] = False  # batch 1 admits no key
+    dout = torch.randn(2, hkv * groups, 7, d, generator=gen)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = fa_compile.attention(*leaves, bias=keep, scale=0.3, return_lse=True)
+    empty = torch.isneginf(lse)[..., None]
+    fill = torch.zeros_like(out)
+    if empty_grad != "none":
+        fill = leaves[2].mean(dim=2, keepdim=True).repeat_interleave(groups, dim=1) + fill
+    if empty_grad == "uniform":
+        fill = fill + _uniform_row_grad_autograd(leaves[0], leaves[1], leaves[2], 0.3)
+    res = torch.where(empty, fill, out)
+    want = torch.autograd.grad(res, leaves, dout, allow_unused=True)
+    mask = torch.zeros(2, 1, 1, 7).masked_fill(~keep, float("-inf"))
+    args = (dout, q, k, v, out.detach(), lse.detach(), mask, 0.3, False, groups, empty_grad)
+    got = torch.ops.fa3.cpu_flash_backward(*args)
+    for name, a, e, like in zip(("dq", "dk", "dv"), got, want, (q, k, v)):
+        torch.testing.assert_close(a, e, **TOL[torch.float32], msg=lambda m, n=name: f"{n}: {m}")
+        assert a.stride() == torch.empty_like(like).stride(), name
+    torch.library.opcheck(torch.ops.fa3.cpu_flash_backward.default, args, test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(ValueError, match="empty_grad"):
+        torch.ops.fa3.cpu_flash_backward(*args[:-1], "mean")
 
 
 def test_a_finite_input_whose_sum_overflows_takes_the_exact_path(monkeypatch):

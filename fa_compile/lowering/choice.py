@@ -239,23 +239,29 @@ def decide(args: dispatch.AttentionArgs, forced: Optional[str], direction: str, 
     return Decision(direction, name, target=lowering.target(direction), refused=refused)
 
 
-def describe(args: dispatch.AttentionArgs, forced: Optional[str] = None, empty_fix: Optional[str] = None) -> str:
+def describe(args: dispatch.AttentionArgs, forced: Optional[str] = None, empty_fix: Optional[str] = None,
+             grad_fix: Optional[str] = None) -> str:
     """What the lowering makes of a site, forward (and backward when `args.needs_backward`), e.g.
     "forward reference -> aten._scaled_dot_product_flash_attention_for_cpu"; for explain(). `empty_fix` as
-    for `decide`."""
-    from . import cpu_flash, decode, decomposed, fa3, sdpa, triton  # noqa: F401  (register the lowerings)
+    for `decide`; `grad_fix` the fix-up's backward a training graph holds (`emitted_grad_fix`)."""
+    from . import cpu_flash, decode, decomposed, empty_rows_backward, fa3, sdpa, triton  # noqa: F401
 
     parts = []
-    fix = None if args.needs_backward else empty_fix  # a training graph saves the lse: the fix-up stays
+    fix = None if args.needs_backward else empty_fix  # a training graph saves the lse: the choice ignores the fix-up
     with contextlib.suppress(Exception):
         d = decide(dispatch._for_direction(args, "forward"), forced, "forward", False, empty_fix=fix)
-        if fix is not None and d.lowered and getattr(LOWERINGS.get((args.q.device.type, d.kernel)),
-                                                     "fills_empty_rows", False):
-            d.folded = folded_text(fix)
+        low = LOWERINGS.get((args.q.device.type, d.kernel))
+        if d.lowered and empty_fix is not None and getattr(low, "fills_empty_rows", False) and (
+                fix is not None or (empty_fix == "mean_v" and getattr(low, "fills_saved_empty_rows", False))):
+            d.folded = folded_text(empty_fix)
         parts.append("forward " + str(d))
     if args.needs_backward:
         with contextlib.suppress(Exception):
-            parts.append("backward " + str(decide(args, forced, "backward", False)))
+            d = decide(args, forced, "backward", False)
+            if d.lowered and grad_fix is not None and getattr(LOWERINGS.get((args.q.device.type, d.kernel)),
+                                                              "folds_empty_row_grads", False):
+                d.folded = empty_rows_backward.folded_text(grad_fix)
+            parts.append("backward " + str(d))
     return "; ".join(parts)
 
 
@@ -273,7 +279,7 @@ def explain_lines(rows: list) -> str:
         if args is None:
             continue
         forced = site.call.args[13] if len(site.call.args) > 13 else None
-        groups.setdefault(describe(args, forced, emitted_fix(site.call)), []).append(i)
+        groups.setdefault(describe(args, forced, emitted_fix(site.call), emitted_grad_fix(site.call)), []).append(i)
     out = []
     for text, sites in groups.items():
         if text:
@@ -284,6 +290,26 @@ def explain_lines(rows: list) -> str:
 def folded_text(kind: str) -> str:
     """Decision.folded for a kernel that writes emit's empty-row fix-up ("nan" / "mean_v") itself."""
     return f"empty rows: {'NaN' if kind == 'nan' else 'mean of V'} written by the kernel"
+
+
+def emitted_grad_fix(call) -> Optional[str]:
+    """The backward of emit's empty-row fix-up after `call`, as empty_rows_backward names it: "none" (NaN fill:
+    the `where` on dO only), "uniform" (mean of V plus fa3::uniform_row_grad: q / k need their gradient),
+    "mean_v" (the mean alone); None without a fix-up."""
+    import operator
+
+    kind = emitted_fix(call)
+    if kind != "mean_v":
+        return None if kind is None else "none"
+    lse = [u for u in call.users if u.target is operator.getitem and u.args[1] == 1]
+    for where in (w for n in lse for t in n.users for c in t.users for w in c.users if w.target is torch.where):
+        fill = where.args[1]
+        while getattr(fill, "target", None) in ("to", torch.add):
+            if fill.target is torch.add and any(getattr(a, "target", None) is torch.ops.fa3.uniform_row_grad.default
+                                                for a in fill.args):
+                return "uniform"
+            fill = fill.args[0]
+    return "mean_v"
 
 
 def emitted_fix(call) -> Optional[str]:

@@ -21,7 +21,12 @@ only sends a finite input down the exact path) and pays for the corrections only
 Inductor's CPU code computed every check on every call in small reductions (about 0.6 ms per layer of
 a padded BERT forward at B8 x 128, 4 heads, d64, on 2 cores, against 0.8 ms for the kernel itself). It
 also writes emit's empty-row fix-up (NaN, or the mean of V) where the lowering folds it
-(`fills_empty_rows`, see empty_rows.py).
+(`fills_empty_rows`, see empty_rows.py); in training too for the mean of V (`fills_saved_empty_rows`).
+The backward of that fix-up (two `where`s on dO, the mean's gradient, eager's uniform-row gradient of q
+and k, and three adds) joins the kernel's backward in one op, `fa3::cpu_flash_backward`, which reads the
+lse once and computes it only when some row admits no key (`folds_empty_row_grads`,
+empty_rows_backward.py): a padded BERT training step had paid a pass over dO, dQ, dK and dV for it per
+layer on every batch.
 
 What it cannot express exactly keeps the op, as do a forced kernel="reference" and an enclosing
 sdpa_kernel() without SDPBackend.FLASH_ATTENTION (SDPA's CPU flash path honours it too): softcap, sliding windows, dropout (ours is a counter
@@ -36,7 +41,7 @@ import torch
 
 from .. import dispatch
 from ..candidates import common as c
-from ..cpu_flash_op import _BWD, _CPU_FLASH_FORWARD, _repeat_kv, corrected_forward, native_gqa
+from ..cpu_flash_op import _BWD, _CPU_FLASH_BACKWARD, _CPU_FLASH_FORWARD, _repeat_kv, corrected_forward, native_gqa
 from . import choice, conventions
 
 
@@ -101,6 +106,8 @@ class CpuFlash:
         return bool(args.causal) and not c.causal_vacuous(args)
 
     fills_empty_rows = True  # forward_fn takes empty_fill: the op writes emit's empty-row fix-up (empty_rows.py)
+    # and in training too: its backward (and the op's) zeroes the empty rows' dO, so their filled out weighs nothing
+    fills_saved_empty_rows = True
 
     def forward_fn(self, args: dispatch.AttentionArgs, empty_fill: str = "zero",
                    out_strides: Optional[tuple] = None):
@@ -124,8 +131,14 @@ class CpuFlash:
 
         return fn
 
-    def backward_fn(self, args: dispatch.AttentionArgs):
-        """fn(dout, q, k, v, out, lse[, bias][, kv_lens]) -> (dq, dk, dv, empty dbias)."""
+    folds_empty_row_grads = True  # backward_fn takes empty_grad: the op computes the fix-up's backward
+
+    def backward_fn(self, args: dispatch.AttentionArgs, empty_grad: Optional[str] = None,
+                    out_strides: Optional[tuple] = None):
+        """fn(dout, q, k, v, out, lse[, bias][, kv_lens]) -> (dq, dk, dv, empty dbias). With `empty_grad`
+        (empty_rows_backward.py), dout is the gradient of emit's empty-row fix-up and the one op
+        `fa3::cpu_flash_backward` adds that fix-up's backward; `out_strides` (dq, dk, dv) are then the
+        strides of the graph values the gradients stand for."""
         scale, causal = float(args.scale), self._causal(args)
         has_bias, has_lens = args.bias is not None, args.kv_lens is not None
         groups = int(args.q.shape[1]) // int(args.k.shape[1])
@@ -134,6 +147,12 @@ class CpuFlash:
         def fn(dout, q, k, v, out, lse, *rest):
             bias = rest[0] if has_bias else None
             kv_lens = rest[-1] if has_lens else None
+            if empty_grad is not None:
+                mask = conventions.additive_mask(q, k, bias, kv_lens)
+                grads = _CPU_FLASH_BACKWARD(dout, q, k, v, out, lse, mask, scale, causal, groups, empty_grad)
+                grads = [g if s is None else conventions.with_strides(g, s)
+                         for g, s in zip(grads, out_strides or (None,) * 3)]
+                return (*grads, q.new_empty((0,)))
             mask = conventions.additive_mask(q, k, bias, kv_lens)
             # An empty row's lse is -inf; its scores are all -inf, so any finite lse gives P = 0 there.
             lse_b = lse.masked_fill(torch.isneginf(lse), 0.0) if mask is not None else lse

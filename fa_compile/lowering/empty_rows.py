@@ -11,13 +11,18 @@ themselves (`empty_fill` of kernels/decode_ops.py, kernels/triton_ops.py, fa_com
 the choice may prefer such a kernel for the site (choice._filling_kernel), so the lowering looks for the
 fix-up here, in the post-grad (decomposed ATen) form it has on the torch versions the project supports,
 and takes it only when:
-  - the op's out and lse feed nothing but the fix-up (nothing else reads the op's own zeros);
+  - the op's out and lse feed nothing but the fix-up (nothing else reads the op's own zeros), or, for a
+    lowering whose backward reads such an out (`find_fixup(saved=True)`), also the graph's outputs: the
+    values a training graph saves for the backward, which weighs a finite fill 0;
   - the mean is over dim 2 of the op's own v, keepdim, and the repeat over heads is the
     unsqueeze(2) / expand / clone / view chain of `repeat_interleave(dim=1)` (kv head h // G for query
     head h), which is the kernel's own head order;
+  - the mean may carry `+ fa3::uniform_row_grad` (value 0: in training, its gradient is the backward's);
   - the `where` has the op's out's dtype and shape; the lowered out takes the `where`'s strides (a copy
     in the replacement where they differ: only with more than one query token), so its users see the
-    tensor they were traced with.
+    tensor they were traced with, except where the `where` only fed the head transpose before a
+    projection, traced as permute -> clone: the kernel's own [B, N, H, D] out then makes the clone a
+    no-op, which the lowering drops (splice.droppable_clones).
 Anything else keeps the fix-up as graph ops: exact either way.
 """
 from __future__ import annotations
@@ -91,6 +96,15 @@ def _strip_converts(n: fx.Node) -> fx.Node:
     return n
 
 
+def _is_zero_valued(n) -> bool:
+    """fa3::uniform_row_grad (value 0) or the aten.full(0) the lowering makes of it (graph_pass._zeros_for)."""
+    if not isinstance(n, fx.Node) or n.op != "call_function":
+        return False
+    if n.target is torch.ops.fa3.uniform_row_grad.default:
+        return True
+    return n.target is aten.full.default and n.args[1] == 0 and not isinstance(n.args[1], bool)
+
+
 def _is_mean_v(fill: fx.Node, v: fx.Node) -> bool:
     """`fill` is mean(v, dim=2, keepdim) (casts allowed), repeated over the query heads of each KV head
     as repeat_interleave(dim=1) decomposes: unsqueeze(2) -> expand [B, Hkv, G, 1, Dv] -> clone -> view."""
@@ -98,6 +112,12 @@ def _is_mean_v(fill: fx.Node, v: fx.Node) -> bool:
     if vv is None or fv is None or vv.dim() != 4 or fv.dim() != 4:
         return False
     n = _strip_converts(fill)
+    if n.op == "call_function" and n.target is aten.add.Tensor and len(n.args) == 2 and not n.kwargs:
+        # training: + fa3::uniform_row_grad (value 0, the gradient is the point: the backward's business)
+        zero = [a for a in n.args if _is_zero_valued(a)]
+        if len(zero) != 1:
+            return False
+        n = _strip_converts(n.args[1] if n.args[0] is zero[0] else n.args[0])
     if n.op == "call_function" and n.target in _VIEWS:
         clone = _strip_converts(n.args[0])
         if clone.op != "call_function" or clone.target is not aten.clone.default:
@@ -127,14 +147,26 @@ def _is_mean_v(fill: fx.Node, v: fx.Node) -> bool:
     return mv is not None and mv.dim() == 4 and all(_same(mv.shape[i], vv.shape[i]) for i in (0, 1, 3))
 
 
-def find_fixup(node: fx.Node, v: fx.Node) -> Optional[tuple[str, fx.Node]]:
+def _user_besides_outputs(n: fx.Node, saved: bool) -> Optional[fx.Node]:
+    """n's one user, not counting the graph's output where `saved`."""
+    users = [u for u in n.users if not (saved and u.op == "output")]
+    return users[0] if len(users) == 1 else None
+
+
+def find_fixup(node: fx.Node, v: fx.Node, saved: bool = False) -> Optional[tuple[str, fx.Node]]:
     """(kind "nan" / "mean_v", the `where` node) when the fa3.attention `node`'s outputs feed only emit's
-    empty-row fix-up in the form above (v: the op's v argument); None otherwise."""
+    empty-row fix-up in the form above (v: the op's v argument); None otherwise.
+
+    saved: the graph may also return the op's out and lse: a training graph's forward saves them for the
+    op's backward, whose `where` on dO (emit's fix-up's backward) zeroes the gradient of every empty row, so
+    the out it reads there weighs nothing if finite: the mean of V only, not NaN (a lowering declares
+    `fills_saved_empty_rows` when its backward takes such an out). The raw out is never the user's: emit
+    returns the fix-up's output in its place."""
     pair = _getitems(node)
     if pair is None:
         return None
     out, lse = pair
-    test = _sole_user(lse)
+    test = _user_besides_outputs(lse, saved)
     if test is None or not _is_neginf_test(test, lse):
         return None
     cond = _sole_user(test)
@@ -144,7 +176,7 @@ def find_fixup(node: fx.Node, v: fx.Node) -> Optional[tuple[str, fx.Node]]:
     where = _sole_user(cond)
     if where is None or where.op != "call_function" or where.target is not aten.where.self:
         return None
-    if where.args[0] is not cond or where.args[2] is not out or _sole_user(out) is not where:
+    if where.args[0] is not cond or where.args[2] is not out or _user_besides_outputs(out, saved) is not where:
         return None
     fill = where.args[1]
     if not isinstance(fill, fx.Node):
@@ -155,6 +187,8 @@ def find_fixup(node: fx.Node, v: fx.Node) -> Optional[tuple[str, fx.Node]]:
         kind = "mean_v"
     else:
         return None
+    if saved and kind != "mean_v":
+        return None  # the backward's rowsum(dO * out) would read 0 * NaN on those rows
     ov, wv = _val(out), _val(where)
     if ov is None or wv is None or ov.dtype != wv.dtype or ov.dim() != wv.dim():
         return None

@@ -13,7 +13,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .. import dispatch
-from . import choice, empty_rows, key_limit, share, site_args, splice
+from . import choice, empty_rows, empty_rows_backward, key_limit, share, site_args, splice
 
 _RECORDS: list = []
 _CAPTURE: list = []  # lists that `capture_graphs()` fills with the lowered graphs' code
@@ -80,22 +80,52 @@ def _lower_node(graph: fx.Graph, node: fx.Node) -> Optional[choice.Decision]:
         names += [n for n in ("sinks", "q_pos", "q_seg", "k_seg") if b[n] is not None]
     if not getattr(lowering, "fills_empty_rows", False):
         fixup = None
-    want = None if fixup is None else [fixup[1].meta["val"], node.meta["val"][1]]  # out: what the `where` gave
+    elif fixup is None and not backward and getattr(lowering, "fills_saved_empty_rows", False):
+        # a training graph also returns the op's out and lse for the backward, which reads no empty row's out
+        fixup = empty_rows.find_fixup(node, b["v"], saved=True)
+    want = None
+    drops: list = []  # copies the kernel's own strides make no-ops (splice.droppable_clones)
+    if fixup is not None:  # out: what the `where` gave, in its strides or in the kernel's own
+        natural = node.meta["val"][0]
+        drops = splice.droppable_clones(fixup[1], natural) or []
+        want = [natural if drops else fixup[1].meta["val"], node.meta["val"][1]]
+    bfix = None
+    if backward and getattr(lowering, "folds_empty_row_grads", False):
+        # the fix-up's backward around the node: dout is its incoming gradient, its adds are the node's outputs
+        bfix = empty_rows_backward.find_backward_fixup(node, b, int(args.q.shape[1]) // int(args.k.shape[1]))
+    inputs = [b[n] for n in names]
+    if bfix is not None:
+        inputs[0] = bfix.dout
+        want = list(node.meta["val"])
+        for i, add in bfix.adds.items():
+            # the value the add stood for, in its strides; or the kernel's own, where that only drops copies
+            clones = splice.droppable_clones(add, want[i])
+            if clones is None:
+                want[i] = add.meta["val"]
+            else:
+                drops += clones
     try:
-        if backward:
+        if bfix is not None:
+            fn = lowering.backward_fn(args, empty_grad=bfix.kind, out_strides=tuple(t.stride() for t in want[:3]))
+        elif backward:
             fn = lowering.backward_fn(args)
         elif fixup is None:
             fn = lowering.forward_fn(args)
         else:
             fn = lowering.forward_fn(args, empty_fill=fixup[0], out_strides=tuple(want[0].stride()))
-        new = splice.replace_node(graph, node, fn, [b[n] for n in names], want)
+        new = splice.replace_node(graph, node, fn, inputs, want)
     except Exception as e:
         _warn_once(node, decision, e)
         return choice.Decision(direction, decision.kernel, reason=f"lowering failed: {type(e).__name__}: {str(e)[:120]}")
+    if bfix is not None:  # each add of the fix-up's term now reads the kernel's gradient, which includes it
+        for i, add in bfix.adds.items():
+            add.replace_all_uses_with(new[i])
+        decision.folded = empty_rows_backward.folded_text(bfix.kind)
     if fixup is not None:  # the `where` now reads the kernel's out, which already holds its value
         kind, where = fixup
         where.replace_all_uses_with(new[0])
         decision.folded = choice.folded_text(kind)
+    splice.drop_clones(drops)
     return decision
 
 

@@ -95,3 +95,36 @@ def _copy_traced(graph: fx.Graph, node: fx.Node, fn: Callable, inputs: Sequence[
     with graph.inserting_before(node):
         new = graph.graph_copy(sub.graph, dict(zip(placeholders, inputs)))
     return list(new)
+
+
+def droppable_clones(node: fx.Node, val: torch.Tensor) -> Optional[list[tuple[fx.Node, fx.Node, torch.Tensor]]]:
+    """[(permute, clone, the permute's new value)] when `node`'s value is to be replaced by one with `val`'s
+    strides, every use of `node` is permute -> clone(contiguous_format), and the permute of `val` is already
+    contiguous: the head transpose before a projection (`attn.transpose(1, 2).contiguous()`, or its
+    backward), which AOTAutograd traced as a copy because the value it replaces was [B, H, N, D]-contiguous.
+    With `val`'s strides each clone copies a contiguous tensor, and `drop_clones` removes it. None otherwise
+    (static sizes only; a clone the graph returns stays: an output must not alias another value)."""
+    if not all(isinstance(s, int) for s in val.shape) or not node.users:
+        return None
+    found = []
+    for p in node.users:
+        if p.op != "call_function" or p.target is not torch.ops.aten.permute.default or p.args[0] is not node \
+                or not p.users:
+            return None
+        pv = val.permute(list(p.args[1]))
+        if not pv.is_contiguous():
+            return None
+        for c in p.users:
+            if c.op != "call_function" or c.target is not torch.ops.aten.clone.default \
+                    or c.kwargs.get("memory_format") is not torch.contiguous_format \
+                    or any(u.op == "output" for u in c.users):
+                return None
+            found.append((p, c, pv))
+    return found
+
+
+def drop_clones(found: Sequence[tuple[fx.Node, fx.Node, torch.Tensor]]) -> None:
+    """After the replacement (see droppable_clones): each permute takes its new value, its clone's users read it."""
+    for permute, clone, val in found:
+        permute.meta["val"] = val
+        clone.replace_all_uses_with(permute)
