@@ -640,6 +640,36 @@ def test_folded_fixups_leave_no_head_transposing_copies(train):
         assert "aten.clone" not in code and "copy_strided" not in code, code
 
 
+def test_training_fixups_fold_under_dynamic_sizes():
+    """One compile across lengths (dynamic=True): both directions stay lowered, with no warning, and output
+    and every gradient equal eager's at each length, with a fully padded sequence and without."""
+    torch.manual_seed(4)
+    model = _PaddedSelfAttention()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fa3", dynamic=True)
+    n_before = len(records())
+    for n, empty in [(20, True), (33, False), (41, True)]:
+        x = torch.randn(3, n, 16)
+        keep = torch.ones(3, 1, 1, n, dtype=torch.bool)
+        keep[0, ..., 7:] = False
+        if empty:
+            keep[2] = False
+        got, want = [], []
+        for fn, res in ((compiled, got), (model, want)):
+            model.zero_grad()
+            xx = x.clone().requires_grad_()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a failed lowering warns
+                out = fn(xx, keep)
+                out.square().sum().backward()
+            res += [out, xx.grad] + [p.grad.clone() for p in model.parameters()]
+        for i, (a, e) in enumerate(zip(got, want)):
+            torch.testing.assert_close(a, e, **TOL[torch.float32], msg=lambda m, i=i: f"n={n}, value {i}: {m}")
+    decisions = [r.decision for r in records()[n_before:]]
+    assert decisions and all(d.lowered for d in decisions), [str(d) for d in decisions]
+    assert {d.direction for d in decisions} == {"forward", "backward"}
+
+
 @pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("fill", ["finfo_min", "neg_inf", "none"])
 def test_explain_reads_the_empty_row_fixup_before_aot(fill, grad):

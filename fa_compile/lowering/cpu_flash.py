@@ -137,8 +137,8 @@ class CpuFlash:
                     out_strides: Optional[tuple] = None):
         """fn(dout, q, k, v, out, lse[, bias][, kv_lens]) -> (dq, dk, dv, empty dbias). With `empty_grad`
         (empty_rows_backward.py), dout is the gradient of emit's empty-row fix-up and the one op
-        `fa3::cpu_flash_backward` adds that fix-up's backward; `out_strides` (dq, dk, dv) are then the
-        strides of the graph values the gradients stand for."""
+        `fa3::cpu_flash_backward` adds that fix-up's backward; `out_strides` (dq, dk, dv; None: the op's
+        own) are then the strides of the graph values the gradients stand for."""
         scale, causal = float(args.scale), self._causal(args)
         has_bias, has_lens = args.bias is not None, args.kv_lens is not None
         groups = int(args.q.shape[1]) // int(args.k.shape[1])

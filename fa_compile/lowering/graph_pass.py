@@ -95,18 +95,27 @@ def _lower_node(graph: fx.Graph, node: fx.Node) -> Optional[choice.Decision]:
         bfix = empty_rows_backward.find_backward_fixup(node, b, int(args.q.shape[1]) // int(args.k.shape[1]))
     inputs = [b[n] for n in names]
     if bfix is not None:
-        inputs[0] = bfix.dout
-        want = list(node.meta["val"])
+        want, bdrops = list(node.meta["val"]), []
         for i, add in bfix.adds.items():
             # the value the add stood for, in its strides; or the kernel's own, where that only drops copies
             clones = splice.droppable_clones(add, want[i])
             if clones is None:
                 want[i] = add.meta["val"]
             else:
-                drops += clones
+                bdrops += clones
+        static = (splice.strides_match(n, w) or all(isinstance(x, int) for x in w.stride())
+                  for w, n in zip(want, node.meta["val"]))
+        if all(static):
+            inputs[0] = bfix.dout
+            drops += bdrops
+        else:  # a copy to symbolic strides the replacement cannot trace: the fix-up's backward stays graph ops
+            bfix, want = None, None
     try:
         if bfix is not None:
-            fn = lowering.backward_fn(args, empty_grad=bfix.kind, out_strides=tuple(t.stride() for t in want[:3]))
+            # the strides to copy to where they differ from the kernel's (static there), None where the same
+            strides = tuple(None if splice.strides_match(n, w) else tuple(w.stride())
+                            for w, n in zip(want[:3], node.meta["val"]))
+            fn = lowering.backward_fn(args, empty_grad=bfix.kind, out_strides=strides)
         elif backward:
             fn = lowering.backward_fn(args)
         elif fixup is None:

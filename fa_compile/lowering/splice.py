@@ -23,7 +23,7 @@ def _fake_mode(vals: Sequence):
     return mode
 
 
-def _strides_match(got: torch.Tensor, want: torch.Tensor) -> bool:
+def strides_match(got: torch.Tensor, want: torch.Tensor) -> bool:
     """Equal strides wherever they matter (a dimension of size 1 may have any stride, and a tensor with
     no elements any strides at all: they address no memory)."""
     if got.dim() != want.dim() or got.dtype != want.dtype:
@@ -88,7 +88,7 @@ def _copy_traced(graph: fx.Graph, node: fx.Node, fn: Callable, inputs: Sequence[
         raise SpliceError(f"the replacement returns {len(results)} values, the node {len(outs)}")
     for i, (r, want) in enumerate(zip(results, outs)):
         got = r.meta.get("val") if isinstance(r, fx.Node) else None
-        if not isinstance(got, torch.Tensor) or not _strides_match(got, want):
+        if not isinstance(got, torch.Tensor) or not strides_match(got, want):
             have = None if not isinstance(got, torch.Tensor) else (tuple(got.shape), got.stride(), got.dtype)
             raise SpliceError(f"output {i}: replacement gives {have}, the node "
                               f"{(tuple(want.shape), want.stride(), want.dtype)}")
