@@ -126,8 +126,9 @@ def find_backward_fixup(node: fx.Node, bound: dict, groups: int) -> Optional[Bac
     if not isinstance(dout, fx.Node) or not isinstance(lse, fx.Node):
         return None
     d = _where(dout, lse, zero_first=True)
-    if d is None:
-        return None
+    d_val, w_val = _val(d), _val(dout)
+    if d is None or d_val is None or w_val is None or d_val.dtype != w_val.dtype or not _same_shape(d_val, w_val):
+        return None  # the where promoted or broadcast D: the kernel reads what it gave
     found = BackwardFixup("none", d)
     outs = {u.args[1]: u for u in node.users if _call(u, operator.getitem)}
     w2s = [u for u in d.users if u is not dout and _where(u, lse, zero_first=False) is d]
