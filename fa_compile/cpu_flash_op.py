@@ -159,12 +159,6 @@ _LIB.define("cpu_flash_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tenso
             "float scale, bool causal, int groups, str empty_grad) -> (Tensor, Tensor, Tensor)", tags=_TAGS)
 
 
-def _laid_out_like(t: Tensor, like: Tensor) -> Tensor:
-    """t with the strides `torch.empty_like(like)` has (a copy only where they differ)."""
-    target = torch.empty_like(like)
-    return t if t.stride() == target.stride() else target.copy_(t)
-
-
 def cpu_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        mask: Optional[Tensor], scale: float, causal: bool, groups: int,
                        empty_grad: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -178,6 +172,8 @@ def cpu_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     `torch.empty_like` gives q, k and v."""
     if empty_grad not in EMPTY_GRADS:
         raise ValueError(f"empty_grad: expected one of {EMPTY_GRADS}, got {empty_grad!r}")
+    from .row_fixups import _laid_out_like, _uniform_grads
+
     empty = torch.isneginf(lse)
     rows = empty.unsqueeze(-1) if bool(empty.any()) else None
     d_attn, lse_b = dout, lse
@@ -192,8 +188,6 @@ def cpu_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
         dk = dk.view(b, hkv, groups, nk, k.shape[3]).sum(dim=2)
         dv = dv.view(b, hkv, groups, nk, v.shape[3]).sum(dim=2)
     if rows is not None and empty_grad != "none":
-        from .row_fixups import _uniform_grads
-
         dg = dout.masked_fill(~rows, 0)
         # mean(v, dim=2)'s gradient: the empty rows' dout summed, over the group's query heads too, / Nk
         s = dg.sum(dim=2, keepdim=True)

@@ -110,9 +110,10 @@ def uniform_row_grad_backward(dg: Tensor, q: Tensor, k: Tensor, v: Tensor, scale
 def _laid_out_like(t: Tensor, like: Tensor) -> Tensor:
     """t in like's dtype with the strides `torch.empty_like(like)` has. The gradients are added to the
     attention kernel's, which come in q's / k's own layout (BSHD for projections viewed as heads): in
-    that layout the sum keeps it, where a contiguous [B, H, N, D] term made every sum a transposing copy."""
+    that layout the sum keeps it, where a contiguous [B, H, N, D] term made every sum a transposing copy.
+    t itself where it already is (callers pass tensors they made)."""
     out = torch.empty_like(like)
-    return out.copy_(t)
+    return t if t.dtype == out.dtype and t.stride() == out.stride() else out.copy_(t)
 
 
 def _uniform_row_grad_backward_fake(dg, q, k, v, scale, softcap):

@@ -292,44 +292,42 @@ def folded_text(kind: str) -> str:
     return f"empty rows: {'NaN' if kind == 'nan' else 'mean of V'} written by the kernel"
 
 
-def emitted_grad_fix(call) -> Optional[str]:
-    """The backward of emit's empty-row fix-up after `call`, as empty_rows_backward names it: "none" (NaN fill:
-    the `where` on dO only), "uniform" (mean of V plus fa3::uniform_row_grad: q / k need their gradient),
-    "mean_v" (the mean alone); None without a fix-up."""
-    import operator
-
-    kind = emitted_fix(call)
-    if kind != "mean_v":
-        return None if kind is None else "none"
-    lse = [u for u in call.users if u.target is operator.getitem and u.args[1] == 1]
-    for where in (w for n in lse for t in n.users for c in t.users for w in c.users if w.target is torch.where):
-        fill = where.args[1]
-        while getattr(fill, "target", None) in ("to", torch.add):
-            if fill.target is torch.add and any(getattr(a, "target", None) is torch.ops.fa3.uniform_row_grad.default
-                                                for a in fill.args):
-                return "uniform"
-            fill = fill.args[0]
-    return "mean_v"
-
-
-def emitted_fix(call) -> Optional[str]:
-    """"nan" / "mean_v" when emit put its empty-row fix-up after the op call `call` (the pre-AOTAutograd
-    form: `where(isneginf(lse)[..., None], fill, out)`, fill a NaN full_like or a mean of V); else None.
-    explain() reads it before AOTAutograd, the lowering (empty_rows.find_fixup) after."""
+def _emitted_fill(call) -> Optional[list]:
+    """The fill of emit's empty-row fix-up after the op call `call` (the pre-AOTAutograd form:
+    `where(isneginf(lse)[..., None], fill, out)`), as the chain from the `where`'s argument through
+    `.to(dtype)` and `+` a zero-valued gradient term to the fill itself; None without a fix-up."""
     import operator
 
     if getattr(call, "target", None) is not torch.ops.fa3.attention.default:  # (FP8 and paged calls: no such rule)
         return None
     lse = [u for u in call.users if u.target is operator.getitem and u.args[1] == 1]
     for test in (u for n in lse for u in n.users if u.target is torch.isneginf):
-        for cond in test.users:
-            for where in cond.users:
-                if where.target is not torch.where:
-                    continue
-                fill = where.args[1]
-                while getattr(fill, "target", None) in ("to", torch.add):  # .to(dtype); + a zero-valued gradient term
-                    fill = fill.args[0]
-                if getattr(fill, "target", None) is torch.full_like:
-                    return "nan"
-                return "mean_v"
+        for where in (w for cond in test.users for w in cond.users if w.target is torch.where):
+            chain = [where.args[1]]
+            while getattr(chain[-1], "target", None) in ("to", torch.add):
+                chain.append(chain[-1].args[0])
+            return chain
     return None
+
+
+def emitted_fix(call) -> Optional[str]:
+    """"nan" / "mean_v" when emit put its empty-row fix-up after the op call `call` (a NaN full_like or a
+    mean of V); else None. explain() reads it before AOTAutograd, the lowering (empty_rows.find_fixup) after."""
+    chain = _emitted_fill(call)
+    if chain is None:
+        return None
+    return "nan" if getattr(chain[-1], "target", None) is torch.full_like else "mean_v"
+
+
+def emitted_grad_fix(call) -> Optional[str]:
+    """The backward of emit's empty-row fix-up after `call`, as empty_rows_backward names it: "none" (NaN fill:
+    the `where` on dO only), "uniform" (mean of V plus fa3::uniform_row_grad: q / k need their gradient),
+    "mean_v" (the mean alone); None without a fix-up."""
+    chain = _emitted_fill(call)
+    if chain is None:
+        return None
+    if getattr(chain[-1], "target", None) is torch.full_like:
+        return "none"
+    uniform = torch.ops.fa3.uniform_row_grad.default
+    adds = (n for n in chain if getattr(n, "target", None) is torch.add)
+    return "uniform" if any(getattr(a, "target", None) is uniform for n in adds for a in n.args) else "mean_v"

@@ -147,13 +147,12 @@ class CpuFlash:
         def fn(dout, q, k, v, out, lse, *rest):
             bias = rest[0] if has_bias else None
             kv_lens = rest[-1] if has_lens else None
+            mask = conventions.additive_mask(q, k, bias, kv_lens)
             if empty_grad is not None:
-                mask = conventions.additive_mask(q, k, bias, kv_lens)
                 grads = _CPU_FLASH_BACKWARD(dout, q, k, v, out, lse, mask, scale, causal, groups, empty_grad)
                 grads = [g if s is None else conventions.with_strides(g, s)
                          for g, s in zip(grads, out_strides or (None,) * 3)]
                 return (*grads, q.new_empty((0,)))
-            mask = conventions.additive_mask(q, k, bias, kv_lens)
             # An empty row's lse is -inf; its scores are all -inf, so any finite lse gives P = 0 there.
             lse_b = lse.masked_fill(torch.isneginf(lse), 0.0) if mask is not None else lse
             rep = 1 if native else groups

@@ -35,10 +35,10 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..row_fixups import _UNIFORM_ROW_GRAD_BACKWARD as _UNIFORM_BACKWARD
-from .empty_rows import _is_neginf_test, _sole_user, _val
+from . import splice
+from .empty_rows import _VIEWS, _is_neginf_test, _sole_user, _val
 
 aten = torch.ops.aten
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 @dataclass
@@ -171,3 +171,22 @@ def folded_text(kind: str) -> str:
             "uniform": "their dout zeroed, the mean of V's gradient and eager's uniform-row q / k gradients"}[kind]
     return f"empty rows: {what} by the kernel"
 
+
+
+def output_plan(fix: BackwardFixup, outs: list) -> Optional[tuple[list, tuple, list]]:
+    """(want, strides, drops) for a backward replacement with the fold: `outs` the node's own output values
+    (the kernel's layout). Each output an add stands for takes that add's strides, or keeps the kernel's
+    where that only makes copies no-ops (splice.droppable_clones: `drops`); `strides` [dq, dk, dv] are those
+    to copy to, None where the kernel's. None when a copy would need symbolic strides, which a replacement
+    cannot trace: the fix-up's backward then stays graph ops."""
+    want, drops = list(outs), []
+    for i, add in fix.adds.items():
+        clones = splice.droppable_clones(add, want[i])
+        if clones is None:
+            want[i] = add.meta["val"]
+        else:
+            drops += clones
+    strides = tuple(None if splice.strides_match(n, w) else tuple(w.stride()) for w, n in zip(want[:3], outs))
+    if any(s is not None and not all(isinstance(x, int) for x in s) for s in strides):
+        return None
+    return want, strides, drops

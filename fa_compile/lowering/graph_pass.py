@@ -89,32 +89,20 @@ def _lower_node(graph: fx.Graph, node: fx.Node) -> Optional[choice.Decision]:
         natural = node.meta["val"][0]
         drops = splice.droppable_clones(fixup[1], natural) or []
         want = [natural if drops else fixup[1].meta["val"], node.meta["val"][1]]
-    bfix = None
+    bfix = plan = None
     if backward and getattr(lowering, "folds_empty_row_grads", False):
         # the fix-up's backward around the node: dout is its incoming gradient, its adds are the node's outputs
         bfix = empty_rows_backward.find_backward_fixup(node, b, int(args.q.shape[1]) // int(args.k.shape[1]))
+        plan = None if bfix is None else empty_rows_backward.output_plan(bfix, list(node.meta["val"]))
+        if plan is None:
+            bfix = None
     inputs = [b[n] for n in names]
     if bfix is not None:
-        want, bdrops = list(node.meta["val"]), []
-        for i, add in bfix.adds.items():
-            # the value the add stood for, in its strides; or the kernel's own, where that only drops copies
-            clones = splice.droppable_clones(add, want[i])
-            if clones is None:
-                want[i] = add.meta["val"]
-            else:
-                bdrops += clones
-        static = (splice.strides_match(n, w) or all(isinstance(x, int) for x in w.stride())
-                  for w, n in zip(want, node.meta["val"]))
-        if all(static):
-            inputs[0] = bfix.dout
-            drops += bdrops
-        else:  # a copy to symbolic strides the replacement cannot trace: the fix-up's backward stays graph ops
-            bfix, want = None, None
+        inputs[0] = bfix.dout
+        want, strides, bdrops = plan
+        drops += bdrops
     try:
         if bfix is not None:
-            # the strides to copy to where they differ from the kernel's (static there), None where the same
-            strides = tuple(None if splice.strides_match(n, w) else tuple(w.stride())
-                            for w, n in zip(want[:3], node.meta["val"]))
             fn = lowering.backward_fn(args, empty_grad=bfix.kind, out_strides=strides)
         elif backward:
             fn = lowering.backward_fn(args)
