@@ -314,7 +314,8 @@ def absorbing_bias_refusal(bias: Optional[Tensor], what: str) -> list[str]:
     for cuDNN and our Triton family on the H200), and a backward that recomputes the weights from the
     saved log-sum-exp gets them wrong there (the lse absorbed log Nk). Values are data, so a bias whose
     dtype can hold them is refused: fp32, bf16, fp64; not fp16, whose finfo.min (-65504) absorbs nothing
-    in the kernels' fp32. The reference, aten's CPU forward and the split-KV decode kernel (natural-log
+    in the kernels' fp32 (the rewrite passes an fp16 mask that eager adds in fp16, where it does absorb,
+    as fp32: patterns/masks/combine.py untouched_add). The reference, aten's CPU forward and the split-KV decode kernel (natural-log
     units, forward only) compute such rows exactly.
     """
     if bias is None or bias.dtype not in ABSORBING_BIAS_DTYPES:

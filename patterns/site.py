@@ -53,11 +53,14 @@ class MaskTerm:
     op "where":  torch.where(tensor, scores, fill) (tensor True = keep)
     op "bool":   a boolean keep-mask given directly (SDPA's attn_mask of dtype bool)
     fill is the Python value filled in (-inf, finfo(dtype).min, any number) or None for "add".
+    dtype is the dtype eager applies the term in (the result of the add / fill), where it may differ from
+    the softmax input's (fp16 scores masked, then cast to fp32): None means the softmax input's.
     """
 
     op: str
     tensor: Any  # fx.Node (or a Python scalar for "add" of a constant)
     fill: Optional[float] = None
+    dtype: Optional[Any] = None
 
 
 @dataclass

@@ -405,3 +405,71 @@ def test_dynamic_lengths_finite_fill():
                         torch.autograd.grad(ref, leaves, torch.ones_like(ref))):
             torch.testing.assert_close(a, b, **TOLS[torch.float32])
     assert [r.mask for r in c.rewritten] == ["causal"] and not c.missed and len(c.graphs) == 1
+
+
+# ----------------------------------------------------------------------------- masks applied before an upcast
+
+@pytest.mark.parametrize("softmax", ["float", "dtype_arg"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mask_applied_before_the_softmax_upcast(dtype, softmax):
+    """Scores masked in half precision and cast to fp32 for the softmax (Hugging Face's
+    `softmax(s + mask, dtype=torch.float32)`): eager rounds the masked scores in half precision, where fp16's
+    finfo.min absorbs them, so a sequence with no kept key averages V. The analysis reads each term in the
+    dtype of the node that applies it, not the softmax input's (fp32, where -65504 absorbs nothing and the
+    op would weigh such a row by its scores). Output and gradients equal eager's, every element."""
+    from eager_diff import check as diff_check, rand
+
+    def fn(q, k, v, keep):
+        s = q @ k.transpose(-1, -2) * 0.25
+        s = s + torch.where(keep, 0.0, torch.finfo(s.dtype).min).to(s.dtype)
+        p = s.float().softmax(-1) if softmax == "float" else torch.softmax(s, -1, dtype=torch.float32)
+        return p.to(q.dtype) @ v
+
+    keep = torch.ones(3, 1, 1, 11, dtype=torch.bool)
+    keep[0, ..., 6:] = False
+    keep[2] = False  # no kept key: eager's row is the mean of V
+    q, k, v = (rand(3, 2, 11, 16, dtype=dtype, seed=i, requires_grad=True) for i in range(3))
+    res = diff_check(fn, [q, k, v, keep], dtype=dtype, rewritten=1)
+    mean_v = v.detach().float().mean(dim=2)[2]
+    torch.testing.assert_close(res.out[2].float(), mean_v[:, None].expand(2, 11, 16), **TOLS[dtype])
+
+
+def test_fp32_fill_that_overflows_the_half_precision_scores():
+    """torch.where(keep, s, finfo(float32).min) on fp16 scores rounds the fill to -inf (eager: a row with no
+    kept key is NaN), then the softmax runs in fp32: the analysis takes the fill as -inf, not as an absorbing
+    finite value whose fix-up would give the mean of V."""
+    from eager_diff import check as diff_check, rand
+
+    def fn(q, k, v, keep):
+        s = torch.where(keep, q @ k.transpose(-1, -2), torch.finfo(torch.float32).min)
+        return s.float().softmax(-1).to(q.dtype) @ v
+
+    keep = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    keep[1] = False
+    q, k, v = (rand(2, 2, 9, 8, dtype=torch.float16, seed=i) for i in range(3))
+    res = diff_check(fn, [q, k, v, keep], dtype=torch.float16, rewritten=1, grad=False)
+    assert res.ref[1].isnan().all() and res.out[1].isnan().all() and not res.out[0].isnan().any()
+
+
+@pytest.mark.parametrize("learned", [False, True])
+@pytest.mark.parametrize("softmax", ["half", "float"])
+def test_fp16_data_mask_with_finfo_min(softmax, learned):
+    """An fp16 mask given as data (0 / finfo.min, the structure unproven) added to fp16 scores: eager's fp16 sum
+    absorbs the score into -65504, so a sequence with no kept key averages V. The op adds its bias in fp32,
+    where -65504 absorbs nothing: the rewrite passes such entries as fp32 finfo.min, which does (and a learned
+    bias added with the mask keeps its gradient). Output and gradients equal eager's, every element."""
+    from eager_diff import check as diff_check, rand
+
+    def fn(q, k, v, m, pos):
+        s = q @ k.transpose(-1, -2) * 0.25 + (m + pos if learned else m)
+        p = s.float().softmax(-1).to(q.dtype) if softmax == "float" else s.softmax(-1)
+        return p @ v
+
+    m = torch.zeros(3, 1, 1, 10, dtype=torch.float16)
+    m[0, ..., 6:] = torch.finfo(torch.float16).min
+    m[2] = torch.finfo(torch.float16).min  # no kept key
+    q, k, v = (rand(3, 2, 10, 16, dtype=torch.float16, seed=i, requires_grad=True) for i in range(3))
+    pos = rand(1, 2, 10, 10, dtype=torch.float16, seed=7, requires_grad=learned)
+    res = diff_check(fn, [q, k, v, m, pos], dtype=torch.float16, rewritten=1)
+    mean_v = v.detach().float().mean(dim=2)[2]
+    torch.testing.assert_close(res.out[2].float(), mean_v[:, None].expand(2, 10, 16), **TOLS[torch.float16])

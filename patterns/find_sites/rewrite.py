@@ -264,12 +264,13 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
     try:
         terms = scores.terms
         with graph.inserting_before(o_node):
-            terms = [MaskTerm("add", o.call(operator.neg, t.tensor)) if t.op == "sub" else t for t in terms]
-            terms = [MaskTerm("fill", o.call(operator.eq, t.tensor, 0), t.fill) if t.op == "fill_zero" else t
+            terms = [MaskTerm("add", o.call(operator.neg, t.tensor), dtype=t.dtype) if t.op == "sub" else t
                      for t in terms]
-            terms = [MaskTerm("add", o.call(operator.mul, t.tensor, t.fill if t.op == "add_scaled" else -t.fill))
-                     if t.op in ("add_scaled", "sub_scaled") else t for t in terms]
-            terms = [t if _same(tb, bd) else MaskTerm(t.op, _regroup(o, t.tensor, tb, bd), t.fill)
+            terms = [MaskTerm("fill", o.call(operator.eq, t.tensor, 0), t.fill, t.dtype) if t.op == "fill_zero"
+                     else t for t in terms]
+            terms = [MaskTerm("add", o.call(operator.mul, t.tensor, t.fill if t.op == "add_scaled" else -t.fill),
+                              dtype=t.dtype) if t.op in ("add_scaled", "sub_scaled") else t for t in terms]
+            terms = [t if _same(tb, bd) else MaskTerm(t.op, _regroup(o, t.tensor, tb, bd), t.fill, t.dtype)
                      for t, tb in zip(terms, scores.term_batches)]
         spec = _analyze_mask(gm, terms, bd, st, o_node)
         if scores.clamped and spec.empty_rows == "nan":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
@@ -117,16 +117,17 @@ def _regroups_batch(node: fx.Node) -> bool:
 
 def _outer_scaled(term: MaskTerm, phase: str, scale: float, factors: list, softcap: float, t: torch.Tensor) -> MaskTerm:
     """A mask applied before a Python-number scale c: eager scales it too, so the op gets fill * c
-    (computed in the scores' dtype, as eager does) or bias * c; "scaled" terms are multiplied at rewrite."""
+    (computed in the scores' dtype, as eager does) or bias * c; "scaled" terms are multiplied at rewrite.
+    The term keeps the dtype of `t`, the node that applies it (MaskTerm.dtype)."""
     if phase == "mask":
-        return term
+        return replace(term, dtype=t.dtype)
     if softcap:
         raise Miss("a mask is applied to the scores before the softcap")
     if factors or scale <= 0:
         raise Miss("a mask is applied to the scores before a tensor or non-positive scale")
     if term.op in ("fill", "where", "fill_zero"):
-        return MaskTerm(term.op, term.tensor, float(torch.tensor(term.fill, dtype=t.dtype) * scale))
-    return MaskTerm(term.op + "_scaled", term.tensor, scale)
+        return MaskTerm(term.op, term.tensor, float(torch.tensor(term.fill, dtype=t.dtype) * scale), t.dtype)
+    return MaskTerm(term.op + "_scaled", term.tensor, scale, t.dtype)
 
 
 def _clamp_min_of(node: fx.Node, t: torch.Tensor) -> Optional[fx.Node]:
@@ -328,7 +329,8 @@ def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None) -> Scores:
                 raise Miss(f"{c.spelling}'s added input is softcapped or scaled by a tensor afterwards")
             # beta * addend, times the number scale applied afterwards, is an additive bias of the scores
             w = float(c.beta) * outer
-            terms.append(MaskTerm("add", c.addend) if w == 1 else MaskTerm("add_scaled", c.addend, w))
+            dt = tensor_of(c.node).dtype
+            terms.append(MaskTerm("add", c.addend, dtype=dt) if w == 1 else MaskTerm("add_scaled", c.addend, w, dt))
             batches.append(list(tensor_of(c.node).shape[:-2]))
     for n in nodes + [c.node]:
         bad = [u for u in n.users if is_inplace(u) and u.args and u.args[0] is n and u not in nodes]
@@ -339,7 +341,7 @@ def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None) -> Scores:
         if len(users) != 1:
             raise Miss(f"the scores ({n.name}) are also used outside the attention")
     if clamped:
-        terms = [MaskTerm(t.op, t.tensor, float(torch.finfo(tensor_of(x).dtype).min))
+        terms = [MaskTerm(t.op, t.tensor, float(torch.finfo(tensor_of(x).dtype).min), t.dtype)
                  if t.op in ("fill", "where", "fill_zero") and t.fill == -math.inf else t for t in terms]
     return Scores(c, scale, factors, softcap, terms, batches, nodes, clamped)
 

@@ -13,7 +13,7 @@ from ..site import MaskSpec
 from .symbolic import Size, _DEBUG, _sym_true
 from .values import _Fail, _Keep
 from .analyzer import _Analyzer
-from .combine import ABSORB_LIMIT, _TermInfo, _combine, _term_info
+from .combine import ABSORB_LIMIT, _TermInfo, _combine, _term_info, untouched_add
 from .spec import _Emitter, _emit_spec
 
 
@@ -41,6 +41,15 @@ def analyze_mask(
         return f"mask analysis failed: {type(e).__name__}: {e}"
 
 
+def _applied(term, scores_dtype: torch.dtype) -> torch.dtype:
+    """The dtype eager adds an additive term in (its node's result; the softmax input's when unknown)."""
+    from .symbolic import _dtype
+
+    mine = term.dtype if term.dtype is not None else scores_dtype
+    other = _dtype(term.tensor) if isinstance(term.tensor, fx.Node) else None
+    return torch.promote_types(mine, other) if other is not None and other.is_floating_point else mine
+
+
 def _analyze(gm, terms, *, batch, q_len, k_len, scores_dtype, insert_before, sdpa) -> Union[MaskSpec, str]:
     sdpa = sdpa or any(t.op == "bool" for t in terms)  # a bool keep-mask is SDPA's: empty rows give 0
     an = _Analyzer(gm)
@@ -58,8 +67,8 @@ def _analyze(gm, terms, *, batch, q_len, k_len, scores_dtype, insert_before, sdp
 
     def untouched_adds(src: list) -> list:
         # additive masks passed as they are: the op then does eager's own arithmetic on them
-        return [_TermInfo("add", 0.0, keep=None, extra=(an.smallest(terms[i].tensor),), converted=False)
-                if is_mask_add(i) else t for i, t in enumerate(src)]
+        return [untouched_add(an, terms[i].tensor, _applied(terms[i], scores_dtype)) if is_mask_add(i) else t
+                for i, t in enumerate(src)]
 
     def destructured(src: list) -> list:
         # no structure at all: each keep-mask is passed as the (smallest) mask node itself

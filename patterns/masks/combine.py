@@ -41,6 +41,16 @@ def _absorbs(c: float, dtype: torch.dtype) -> bool:
     return c <= ABSORB_LIMIT or (dtype == torch.float16 and c <= float(torch.finfo(torch.float16).min))
 
 
+def untouched_add(an: _Analyzer, node: fx.Node, applied: torch.dtype) -> _TermInfo:
+    """A float mask passed to the op as it is (the op adds it to fp32 scores). Added in fp16 (fp16 scores and
+    an fp16 mask), eager's sum rounds a score into fp16's finfo.min (-65504 absorbs |s| <= 16), which fp32 does
+    not: such entries are passed as fp32 finfo.min, which the op's fp32 absorbs too ("absorb16", spec.py), so a
+    row masked entirely stays uniform instead of weighed by its scores."""
+    if applied == torch.float16 and _dtype(node) == torch.float16:
+        return _TermInfo("add", 0.0, keep=None, extra=(("absorb16", an.smallest(node)),), converted=False)
+    return _TermInfo("add", 0.0, keep=None, extra=(an.smallest(node),), converted=False)
+
+
 def _negligible(c: float, dtype: torch.dtype) -> bool:
     """A fill c that gets weight exactly 0 next to any plausible admissible score: -inf, c <= ABSORB_LIMIT
     (e^(c - m) == 0 for every score m > -1e22), or fp16's finfo.min on fp16 scores (eager's fp16 scores
@@ -51,6 +61,9 @@ def _negligible(c: float, dtype: torch.dtype) -> bool:
 
 def _term_info(an: _Analyzer, t: MaskTerm, scores_dtype: torch.dtype, q_len: Size,
                k_len: Size) -> Union[_TermInfo, str]:
+    # eager rounds a term in the dtype of the node that applies it: fp16 scores masked with fp16's
+    # finfo.min and cast to fp32 for the softmax absorb it there, and an fp32 fill overflows to -inf
+    scores_dtype = t.dtype if t.dtype is not None else scores_dtype
     if t.op == "add":
         if not isinstance(t.tensor, fx.Node):
             s = _scalar(t.tensor)
@@ -76,7 +89,7 @@ def _term_info(an: _Analyzer, t: MaskTerm, scores_dtype: torch.dtype, q_len: Siz
         if isinstance(v, _Two) and v.on == 0 and _absorbs(v.c, eager_dt) and _band_fits(
                 v.keep, t.tensor, q_len, k_len):
             return _TermInfo("add", v.c, keep=v.keep, extra=v.extra, absorbs=True)
-        return _TermInfo("add", 0.0, keep=None, extra=(an.smallest(t.tensor),), converted=False)
+        return untouched_add(an, t.tensor, eager_dt)
     if t.op not in ("fill", "where", "bool"):
         return f"unknown mask term op {t.op!r}"
     node = t.tensor

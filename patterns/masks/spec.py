@@ -175,6 +175,13 @@ def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len) -> MaskSpec:
             if not em.before(m):
                 raise _Fail(f"mask {m.name} is computed after the site")
             node = em.call("to", m, dt, method=True)
+        elif isinstance(node, tuple) and node[0] == "absorb16":  # an fp16 mask eager adds in fp16 (combine.py)
+            _, m = node
+            if not em.before(m):
+                raise _Fail(f"mask {m.name} is computed after the site")
+            low = em.call(operator.le, m, float(torch.finfo(torch.float16).min))
+            shift = em.call(torch.where, low, float(torch.finfo(torch.float32).min), 0.0)  # fp32; the gradient of m: 1
+            node = em.call(operator.add, em.call("float", m, method=True), shift)
         elif isinstance(node, tuple):  # ("where", bool node, c, masked_when_true, dtype): a fill as an additive float
             _, m, c, masked_when_true, dt = node
             if not em.before(m):
