@@ -48,7 +48,7 @@ def _dkdv_tile(
     start_m, qp, qs, ks,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, USE_TMA: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-    PLAIN: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_SEG: tl.constexpr,
+    PLAIN: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_SEG: tl.constexpr, ZERO_EMPTY: tl.constexpr,
 ):
     m_ok = offs_m < Nq
     if USE_TMA:  # zero fill past Nq and past the head dim
@@ -59,8 +59,9 @@ def _dkdv_tile(
             mask=m_ok[None, :] & (offs_d[:, None] < D), other=0.0,
         )
     # Rows past Nq: lse = +inf makes their probabilities exactly 0.
-    lse2 = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf"))
-    lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2) * 1.4426950408889634
+    lse = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf"))
+    empty = lse == float("-inf")
+    lse2 = tl.where(empty, 0.0, lse) * 1.4426950408889634
     kq = tl.dot(k, qT)  # [BN, BM]
     extraT = position_segment_ok(qp[None, :], offs_n[:, None], qs[None, :], ks[:, None], HAS_QPOS, HAS_SEG)
     if PLAIN:  # scale folded into exp2's FMA (see the forward)
@@ -88,6 +89,10 @@ def _dkdv_tile(
             do_base + offs_m[:, None].to(tl.int64) * stride_dom + offs_dv[None, :],
             mask=m_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
         )
+    delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
+    if ZERO_EMPTY:  # a row with no key: its P is 0, and its dO (maybe not finite) must weigh nothing either
+        do = tl.where(empty[:, None], 0.0, do)
+        delta = tl.where(empty, 0.0, delta)
     if DROPOUT:
         row_hash = dropout_row_hash(seed, bh, Nq, offs_m)[None, :]
         keep = dropout_keep(row_hash, offs_n[:, None], drop_threshold)
@@ -95,7 +100,6 @@ def _dkdv_tile(
     else:
         pdT = pT
     dv = tl.dot(pdT.to(do.dtype), do, dv)
-    delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
     dpT = tl.dot(v, tl.trans(do))  # [BN, BM]
     if DROPOUT:
         dpT = tl.where(keep, dpT * drop_scale, 0.0)
@@ -115,7 +119,7 @@ def _dkdv_range(
     lo, hi, qpos_base, stride_pm, qseg_base, stride_qsm, ks, q_first, q_last,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, USE_TMA: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-    PLAIN: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_SEG: tl.constexpr,
+    PLAIN: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_SEG: tl.constexpr, ZERO_EMPTY: tl.constexpr,
 ):
     if HAS_QPOS or HAS_SEG:  # only the span of query tiles that can reach these keys
         lo = tl.maximum(lo, q_first)
@@ -136,7 +140,7 @@ def _dkdv_range(
             qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
             start_m, qp, qs, ks,
             BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA, IS_CAUSAL, HAS_WL, HAS_WR, MASK, BIAS_KIND, SOFTCAP, DROPOUT,
-            PLAIN, HAS_QPOS, HAS_SEG,
+            PLAIN, HAS_QPOS, HAS_SEG, ZERO_EMPTY,
         )
     return dk, dv
 
@@ -159,6 +163,7 @@ def attn_bwd_dkdv_kernel(
     USE_TMA: tl.constexpr,
     QPOS=None, stride_pb=0, stride_pm=0, HAS_QPOS: tl.constexpr = False,
     QSEG=None, stride_qsb=0, stride_qsm=0, KSEG=None, stride_ksb=0, stride_ksn=0, HAS_SEG: tl.constexpr = False,
+    ZERO_EMPTY: tl.constexpr = False,
 ):
     # Inductor's launcher types float arguments fp64; the math is fp32 (a dot's accumulator must stay fp32).
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -230,7 +235,7 @@ def attn_bwd_dkdv_kernel(
             qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
             full_lo, full_hi, qpos_base, stride_pm, qseg_base, stride_qsm, ks, q_first, q_last,
             BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA, IS_CAUSAL, HAS_WL, HAS_WR, False, BIAS_KIND, SOFTCAP, DROPOUT, PLAIN,
-            HAS_QPOS, HAS_SEG,
+            HAS_QPOS, HAS_SEG, ZERO_EMPTY,
         )
         dk, dv = _dkdv_range(
             dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, delta_base, bias_base, seed, bh,
@@ -239,7 +244,7 @@ def attn_bwd_dkdv_kernel(
             qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
             lo, full_lo, qpos_base, stride_pm, qseg_base, stride_qsm, ks, q_first, q_last,
             BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, PLAIN,
-            HAS_QPOS, HAS_SEG,
+            HAS_QPOS, HAS_SEG, ZERO_EMPTY,
         )
         dk, dv = _dkdv_range(
             dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, delta_base, bias_base, seed, bh,
@@ -248,7 +253,7 @@ def attn_bwd_dkdv_kernel(
             qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
             full_hi, hi, qpos_base, stride_pm, qseg_base, stride_qsm, ks, q_first, q_last,
             BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, PLAIN,
-            HAS_QPOS, HAS_SEG,
+            HAS_QPOS, HAS_SEG, ZERO_EMPTY,
         )
     dk = dk * scale
     st_mask = n_ok[:, None]
@@ -372,6 +377,7 @@ def attn_bwd_dq_kernel(
     REVERSE_M: tl.constexpr, PLAIN: tl.constexpr, USE_TMA: tl.constexpr,
     QPOS=None, stride_pb=0, stride_pm=0, HAS_QPOS: tl.constexpr = False,
     QSEG=None, stride_qsb=0, stride_qsm=0, KSEG=None, stride_ksb=0, stride_ksn=0, HAS_SEG: tl.constexpr = False,
+    ZERO_EMPTY: tl.constexpr = False,
 ):
     # Inductor's launcher types float arguments fp64; the math is fp32 (a dot's accumulator must stay fp32).
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -396,9 +402,13 @@ def attn_bwd_dq_kernel(
         DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + offs_m[:, None].to(tl.int64) * stride_dom + offs_dv[None, :],
         mask=m_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
     )
-    lse2 = tl.load(LSE + bh.to(tl.int64) * Nq + offs_m, mask=m_ok, other=float("inf"))
-    lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2) * 1.4426950408889634
+    lse = tl.load(LSE + bh.to(tl.int64) * Nq + offs_m, mask=m_ok, other=float("inf"))
+    empty = lse == float("-inf")
+    lse2 = tl.where(empty, 0.0, lse) * 1.4426950408889634
     delta = tl.load(DELTA + bh.to(tl.int64) * Nq + offs_m, mask=m_ok, other=0.0)
+    if ZERO_EMPTY:  # as in the dK/dV kernel
+        do = tl.where(empty[:, None], 0.0, do)
+        delta = tl.where(empty, 0.0, delta)
     k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
     bias_base = BIAS

@@ -49,6 +49,9 @@ NAMESPACE = "fa3_triton"
 # What the forward ops write on a row that admits no key (the op's own value is 0), their `empty_fill`
 # (fa3_triton::fwd here, fa3_decode::fwd): see fa_compile/lowering/empty_rows.py.
 EMPTY_FILLS = {"zero": 0, "nan": 1, "mean_v": 2}
+# What fa3_triton::bwd also computes of that fix-up's backward, its `empty_grad` (0: nothing, dout is the op's
+# own gradient): see fa_compile/lowering/empty_rows_backward.py and kernels/triton_empty_rows_bwd.py.
+EMPTY_GRADS = {"none": 1, "mean_v": 2, "uniform": 3}
 _PRE_BLOCK_M_GPU = 64  # delta preprocess rows per program (the family's)
 
 
@@ -186,15 +189,20 @@ def bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bias: Optional[Tensor],
     kv_lens: Optional[Tensor], dropout_seed: Optional[Tensor], scale: float, causal: bool, diag_offset: int,
     window_left: int, window_right: int, softcap: float, dropout_p: float, write_ds: bool,
-    dkdv_config: list[int], dq_config: list[int],
+    dkdv_config: list[int], dq_config: list[int], empty_grad: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, ds): dq/dk/dv dense in q/k/v's dimension order; ds the fp32 [B, Hq, Nq, Nk] score
     gradient when `write_ds` (the caller reduces it to the bias' shape), else an empty tensor.
-    `lse` is the forward's fp32 [B, Hq, Nq] (-inf on empty rows)."""
+    `lse` is the forward's fp32 [B, Hq, Nq] (-inf on empty rows). With `empty_grad` (EMPTY_GRADS), `dout` is
+    the gradient of emit's empty-row fix-up: the kernels zero it on rows with lse -inf, as the fix-up's
+    `where` does, and for "mean_v" / "uniform" a last kernel adds the rest of its backward when some row
+    is empty (kernels/triton_empty_rows_bwd.py)."""
     from .triton_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 
     check_config("dkdv_config", dkdv_config)
     check_config("dq_config", dq_config)
+    if empty_grad != 0 and empty_grad not in EMPTY_GRADS.values():
+        raise ValueError(f"empty_grad: expected 0 or one of {sorted(EMPTY_GRADS.values())}, got {empty_grad}")
     dq, dk, dvv = (_empty(t.shape, _dense_strides(t), t.dtype, t.device) for t in (q, k, v))
     q, k, v = tf._unit_last(q), tf._unit_last(k), tf._unit_last(v)
     dout, out = tf._unit_last(dout), tf._unit_last(out)
@@ -227,16 +235,40 @@ def bwd(
         dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
         *bstr, hq, hkv, hq // hkv, nq, nk, d, dv, *common,
         BLOCK_D=block_d, BLOCK_DV=block_dv, USE_TMA=False, **consts, **_tile_kwargs(dkdv_config),
-        **_no_positions(q),
+        **_no_positions(q), ZERO_EMPTY=empty_grad != 0,
     )
     _launcher(attn_bwd_dq_kernel)[(tf.triton_cdiv(nq, int(dq_config[0])) * b * hq, 1, 1)](
         q, k, v, dout, lse, delta, dq, ds_arg, bias_arg, kvl, seed, q, q, q, q, *strides,
         dq.stride(0), dq.stride(1), dq.stride(2),
         *bstr, hq, hq // hkv, nq, nk, d, dv, *common,
         BLOCK_D=block_d, BLOCK_DV=block_dv, WRITE_DS=bool(write_ds), REVERSE_M=bool(causal), USE_TMA=False,
-        **consts, **_tile_kwargs(dq_config), **_no_positions(q),
+        **consts, **_tile_kwargs(dq_config), **_no_positions(q), ZERO_EMPTY=empty_grad != 0,
     )
+    if empty_grad in (EMPTY_GRADS["mean_v"], EMPTY_GRADS["uniform"]):
+        _empty_rows_grads(dout, q, k, v, lse, dq, dk, dvv, scale, empty_grad == EMPTY_GRADS["uniform"])
     return dq, dk, dvv, ds
+
+
+def _empty_rows_grads(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, dq: Tensor, dk: Tensor,
+                      dvv: Tensor, scale: float, uniform: bool) -> None:
+    """Add the empty-row fix-up's backward into dq / dk / dv (one program per batch and kv head)."""
+    from .triton_empty_rows_bwd import attn_bwd_empty_rows_kernel
+
+    b, hq, nq, d = q.shape
+    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
+    block_dv = tf._pow2(dv)
+    small = 16 if tf.interpreting() else 32  # fp32 [32, Dv] tiles: registers for Dv up to 256
+    launch = {} if tf.interpreting() else dict(num_warps=4, num_stages=1)
+    _launcher(attn_bwd_empty_rows_kernel)[(b * hkv, 1, 1)](
+        q, k, v, dout, lse, dq, dk, dvv,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
+        dvv.stride(0), dvv.stride(1), dvv.stride(2),
+        hq, hkv, hq // hkv, nq, nk, d, dv, scale,
+        BLOCK_M=small, BLOCK_N=small, BLOCK_DC=min(small, tf._pow2(d)), BLOCK_DV=block_dv, UNIFORM=bool(uniform),
+        **launch,
+    )
 
 
 def _dense_strides(t: Tensor) -> tuple:

@@ -32,6 +32,7 @@ else:
     import expecttest
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    import fa_compile
     from fa_compile import ops  # noqa: F401  (registers torch.ops.fa3)
     from fa_compile.kernels import reference as ref
     from fa_compile.kernels import triton_ops
@@ -281,10 +282,185 @@ else:
             triton_ops.fwd(case.q, case.k, case.v, case.bias, None, None, case.scale, False, 0, -1, -1, 0.0, 0.0, TILE,
                            None, 3)
 
+    # The fix-up's backward computed by the backward op (empty_grad): dout is the gradient of the fix-up's
+    # output, whose `where` gives the op the empty rows' dout zeroed and the fill the rest.
+    GRAD_CASES = {
+        "bool_mask_gqa": _empty_rows_case,
+        "kv_lens_dropout_gqa": lambda: make_case(b=2, hq=4, hkv=2, nq=18, nk=21, d=24, dropout_p=0.3,
+                                                 kv_lens=[15, 0], seed=5),
+        "causal_offset_bshd": lambda: make_case(b=1, hq=2, nq=20, nk=13, d=16, causal=True, diag_offset=-4,
+                                                layout="bshd", seed=6),
+    }
+
+    def _fixup_grads(case, kind, dout, lse):
+        """Autograd through the fill alone (mean of V, + uniform_row_grad), on the empty rows' dout."""
+        from fa_compile.row_fixups import _uniform_row_grad_autograd
+
+        leaves = [t.detach().float().requires_grad_() for t in (case.q, case.k, case.v)]
+        groups = case.q.shape[1] // case.k.shape[1]
+        fill = leaves[2].mean(dim=2, keepdim=True).repeat_interleave(groups, dim=1).expand(dout.shape)
+        if kind == "uniform":
+            fill = fill + _uniform_row_grad_autograd(*leaves, case.scale)
+        dg = dout.float().masked_fill(~torch.isneginf(lse)[..., None], 0.0)
+        grads = torch.autograd.grad(fill, leaves, dg, allow_unused=True)
+        return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
+
+    @pytest.mark.parametrize("kind", ["none", "mean_v", "uniform"])
+    @pytest.mark.parametrize("name", list(GRAD_CASES))
+    def test_bwd_op_computes_the_fixups_backward(name, kind, poisoned):
+        case = GRAD_CASES[name]()
+        out, lse = triton_ops.fwd(case.q, case.k, case.v, case.bias, case.kv_lens, case.dropout_seed, case.scale,
+                                  case.causal, case.diag_offset, case.window_left, case.window_right, case.softcap,
+                                  case.dropout_p, TILE, None, triton_ops.EMPTY_FILLS["zero" if kind == "none" else "mean_v"])
+        empty = torch.isneginf(lse)
+        assert 0 < int(empty.sum()) < empty.numel()
+        dout = _dout(out)
+        # what the fix-up's `where` hides from the op: NaN where its fill has no gradient (NaN fill), else large
+        dout = dout.masked_fill(empty[..., None], float("nan") if kind == "none" else 30.0)
+        dq, dk, dv, _ = triton_ops.bwd(dout, case.q, case.k, case.v, out, lse, case.bias, case.kv_lens,
+                                       case.dropout_seed, case.scale, case.causal, case.diag_offset,
+                                       case.window_left, case.window_right, case.softcap, case.dropout_p, False,
+                                       TILE, TILE, triton_ops.EMPTY_GRADS[kind])
+        want = ref.attention_backward_reference(dout.masked_fill(empty[..., None], 0.0), case.q, case.k, case.v,
+                                                bias_requires_grad=False, **case.mask_kwargs())
+        if kind != "none":
+            want = [w.float() + f for w, f in zip(want, _fixup_grads(case, kind, dout, lse))]
+        _, (ga, gr) = tolerances(case.q.dtype, "cpu")
+        for g, got, w, like in zip(("dq", "dk", "dv"), (dq, dk, dv), want, (case.q, case.k, case.v)):
+            torch.testing.assert_close(got.float(), w.float(), atol=ga, rtol=gr, msg=lambda m, g=g: f"{g}: {m}")
+            assert got.stride() == torch.empty_like(like).stride(), g
+        with pytest.raises(ValueError, match="empty_grad"):
+            triton_ops.bwd(dout, case.q, case.k, case.v, out, lse, case.bias, case.kv_lens, case.dropout_seed,
+                           case.scale, case.causal, case.diag_offset, case.window_left, case.window_right,
+                           case.softcap, case.dropout_p, False, TILE, TILE, 7)
+
+    @pytest.fixture
+    def lowered_training(monkeypatch, cpu_lowering):
+        """backend="fa3" with Inductor's codegen replaced (it builds no user kernel for the CPU): AOTAutograd
+        with Inductor's decompositions, joint-graph passes and partitioner, then the lowering pass on both graphs, which run
+        their kernels under the interpreter."""
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._inductor.compile_fx import partition_fn as inductor_partition  # joint passes, min-cut
+        from torch._inductor.decomposition import select_decomp_table
+
+        from fa_compile import compiler
+
+        codes = []
+
+        def lowered(gm, _inputs):
+            graph_pass.lower_graph(gm.graph)
+            gm.recompile()
+            codes.append(gm)
+            return make_boxed_func(gm)
+
+        def inner(cfg, gm, example_inputs, mode, options):
+            return aot_autograd(fw_compiler=lowered, bw_compiler=lowered, decompositions=select_decomp_table(),
+                                partition_fn=inductor_partition)(gm, example_inputs)
+
+        monkeypatch.setattr(compiler, "_inner_compile", inner)
+        return codes
+
+    def _kernel_output(a) -> bool:
+        """`a` is an output of a lowered kernel (a getitem of a triton_kernel_wrapper_functional node)."""
+        import operator
+
+        return getattr(a, "target", None) is operator.getitem and getattr(a.args[0], "target", None) is FUNCTIONAL
+
+    def _padded_layer(fill: str, groups: int):
+        """A Hugging Face-style padded attention: projections, heads by view / transpose, GQA by repeat_kv, a key
+        mask added as finfo.min (a row with no kept key averages V) or filled with -inf (such a row is NaN),
+        `.transpose(1, 2).contiguous()` and an output projection."""
+        def layer(x, wq, wk, wv, wo, keep):
+            b, n, _ = x.shape
+            q = (x @ wq).view(b, n, -1, 16).transpose(1, 2)
+            k, v = ((x @ w).view(b, n, -1, 16).transpose(1, 2) for w in (wk, wv))
+            k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+            s = q @ k.transpose(-1, -2) * 0.25
+            s = s + torch.where(keep, 0.0, torch.finfo(s.dtype).min).to(s.dtype) if fill == "finfo_min" else \
+                s.masked_fill(~keep, float("-inf"))
+            o = torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+            return o.transpose(1, 2).contiguous().view(b, n, -1) @ wo
+        return layer
+
+    @pytest.mark.parametrize("grads", ["all", "v"])
+    @pytest.mark.parametrize("groups", [1, 2])
+    @pytest.mark.parametrize("fill", ["finfo_min", "neg_inf"])
+    def test_training_fixup_and_its_backward_run_in_the_kernels(fill, groups, grads, lowered_training):
+        """In training the forward kernel writes the mean of V on rows with no kept key and the backward kernels
+        compute the fix-up's backward (zeroed dO, the mean's gradient, eager's uniform-row q / k gradient): no
+        `where`, mean, sum or add of it is left in either graph, nor the head transposes' copies. Output and every
+        gradient match eager's, a fully padded sequence included."""
+        from fa_compile.lowering.graph_pass import records
+
+        gen = torch.Generator().manual_seed(17 + groups)
+        hq, hkv = 2 * groups, 2
+        x = torch.randn(3, 19, 32, generator=gen).half()
+        ws = [(torch.randn(32, h * 16, generator=gen) * 0.2).half() for h in (hq, hkv, hkv)]
+        ws.append((torch.randn(hq * 16, 32, generator=gen) * 0.2).half())
+        ws[2] = ws[2] + 0.05  # a mean of V away from 0
+        keep = torch.ones(3, 1, 1, 19, dtype=torch.bool)
+        keep[0, ..., 7:] = False
+        keep[2] = False  # no key at all: the fix-up's rows
+        w = torch.randn(3, 19, 32, generator=gen).half()
+        layer = _padded_layer(fill, groups)
+
+        def run(fn, dtype, batches=3):
+            leaves = [t.detach()[:batches] if i == 0 else t.detach() for i, t in enumerate([x] + ws)]
+            leaves = [t.to(dtype).clone().requires_grad_(grads == "all" or i == 3) for i, t in enumerate(leaves)]
+            out = fn(*leaves, keep[:batches])
+            (torch.nan_to_num(out, nan=0.0) * w[:batches].to(dtype)).sum().backward()
+            return [out] + [t.grad for t in leaves if t.requires_grad]
+
+        torch._dynamo.reset()
+        n_before = len(records())
+        got = run(torch.compile(layer, backend=fa_compile.backend(kernel="triton")), torch.float16)
+        _, (ga, gr) = tolerances(torch.float16, "cpu")
+        if fill == "finfo_min":
+            want = run(layer, torch.float32)
+        else:
+            # eager's NaN row makes every gradient it reaches NaN; the op's passes none (README): the batches
+            # with a kept key against eager without the empty one, which adds exactly 0 (its out stays NaN)
+            want = run(layer, torch.float32, batches=2)
+            assert got[0][2].isnan().all()
+            got[0] = got[0][:2]
+            if grads == "all":
+                assert torch.equal(got[1][2], torch.zeros_like(got[1][2]))
+                got[1] = got[1][:2]
+                got, want = got[:-1], want[:-1]  # wo's gradient reads the NaN rows: NaN in both
+        for i, (a, e) in enumerate(zip(got, want)):
+            assert torch.equal(a.isnan(), e.isnan()), i
+            torch.testing.assert_close(a.float(), e, atol=ga, rtol=gr, equal_nan=True, msg=lambda m, i=i: f"{i}: {m}")
+        decisions = [r.decision for r in records()[n_before:]]
+        assert [str(d).split(" (")[0] for d in decisions] == ["triton -> fa3_triton.fwd", "triton -> fa3_triton.bwd"]
+        kind = "their dout zeroed"
+        if fill == "finfo_min":
+            kind += ", the mean of V's gradient"
+            kind += " and eager's uniform-row q / k gradients" if grads == "all" else ""
+        assert decisions[1].folded == f"empty rows: {kind} by the kernel", decisions[1].folded
+        if fill == "finfo_min":
+            assert decisions[0].folded == "empty rows: mean of V written by the kernel"
+        fwd_gm, bwd_gm = lowered_training[-2:]
+        fwd_code, bwd_code = fwd_gm.code, bwd_gm.code
+        assert not any(op in bwd_code for op in ("uniform_row_grad", "aten.where", "aten.eq", "aten.isneginf",
+                                                 "aten.div")), bwd_code
+        # nothing adds to, or copies, what the kernels return (the fix-up's adds; the head transposes' clones)
+        aten = torch.ops.aten
+        for gm in (fwd_gm, bwd_gm):
+            after = [n.target for n in gm.graph.nodes if any(_kernel_output(a) for a in n.args)]
+            assert not {aten.add.Tensor, aten.clone.default, torch.ops.prims.copy_strided.default} & set(after), gm.code
+        if fill == "finfo_min":
+            assert not any(op in fwd_code for op in ("aten.where", "aten.mean")), fwd_code
+        want_code = triton_ops.EMPTY_GRADS["uniform" if fill == "finfo_min" and grads == "all" else
+                                           "mean_v" if fill == "finfo_min" else "none"]
+        assert f"'ZERO_EMPTY': True" in bwd_code and (("UNIFORM': " + str(want_code == 3)) in bwd_code) == (
+            want_code != 1), bwd_code
+
     def _emitted_site(case, kind, extra_use=False, grad=False):
         """The post-grad form of a site with emit's empty-row fix-up, forced to kernel "triton": emit_attention's
         graph traced to ATen with Inductor's decompositions (what the lowering pass sees after AOTAutograd).
-        `extra_use` also returns the op's lse, which the kernel's own -inf must then be."""
+        `extra_use` also computes from the op's lse (beyond the graph's outputs, which a training graph saves
+        for the backward), so the kernel's own -inf must stay there."""
         import operator
 
         import torch.fx as fx
@@ -302,7 +478,8 @@ else:
             n.meta["example_value"] = mode.from_tensor(t)
             nodes.append(n)
         out, node = emit.emit_attention(g, *nodes[:3], scale=case.scale, bias=nodes[3], empty_rows=kind, kernel="triton")
-        g.output((out, g.call_function(operator.getitem, (node, 1))) if extra_use else out)
+        lse = g.call_function(operator.getitem, (node, 1))
+        g.output((out, g.call_function(torch.ops.aten.mul.Tensor, (lse, 2.0))) if extra_use else out)
         gm = fx.GraphModule({}, g)
         return make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*inputs), inputs
 
@@ -325,7 +502,8 @@ else:
         torch.testing.assert_close(got, eager_empty_fill(case, kind, r_out, r_lse), atol=2e-3, rtol=2e-3, equal_nan=True)
 
     def test_a_fixup_whose_lse_is_read_elsewhere_stays_graph_ops(cpu_lowering, poisoned):
-        # The graph also reads the op's lse (a training graph saves it for the backward): the fix-up stays.
+        # The graph also computes from the op's lse: the fix-up stays. (A graph output alone, the lse a training
+        # graph saves for the backward, is the fold's `saved` case: test_training_fixup_and_its_backward_...)
         case = _empty_rows_case()
         gm, inputs = _emitted_site(case, "mean_v", extra_use=True)
         want = gm(*inputs)
@@ -366,7 +544,7 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
     triton_kernel_wrapper_functional_proxy = torch.ops.higher_order.triton_kernel_wrapper_functional(kernel_idx = N, constant_args_idx = N, grid = [(4, 1, 1)], tma_descriptor_metadata = {}, kwargs = {'O': arg4_1, 'DO': arg0_1, 'DELTA': empty_1, 'stride_ob': 640, 'stride_oh': 16, 'stride_om': 32, 'stride_db': 640, 'stride_dh': 320, 'stride_dm': 16, 'Hq': 2, 'Nq': 20, 'DV': 16, 'BLOCK_M': 16, 'BLOCK_DV': 16}, tensors_to_clone = ['O', 'DO', 'DELTA']);  arg4_1 = arg0_1 = empty_1 = None
     getitem_5 = triton_kernel_wrapper_functional_proxy['DO']
     getitem_6 = triton_kernel_wrapper_functional_proxy['DELTA'];  triton_kernel_wrapper_functional_proxy = None
-    triton_kernel_wrapper_functional_proxy_1 = torch.ops.higher_order.triton_kernel_wrapper_functional(kernel_idx = N, constant_args_idx = N, grid = [(4, 1, 1)], tma_descriptor_metadata = {}, kwargs = {'Q': arg1_1, 'K': arg2_1, 'V': arg3_1, 'DO': getitem_5, 'LSE': arg5_1, 'DELTA': getitem_6, 'DK': empty_strided_1, 'DV_': empty_strided_2, 'BIAS': arg6_1, 'KVLENS': arg1_1, 'SEED': arg1_1, 'q_desc': arg1_1, 'k_desc': arg1_1, 'v_desc': arg1_1, 'do_desc': arg1_1, 'stride_qb': 640, 'stride_qh': 320, 'stride_qm': 16, 'stride_kb': 640, 'stride_kh': 320, 'stride_kn': 16, 'stride_vb': 640, 'stride_vh': 320, 'stride_vn': 16, 'stride_dob': 640, 'stride_doh': 320, 'stride_dom': 16, 'stride_dkb': 640, 'stride_dkh': 320, 'stride_dkn': 16, 'stride_dvb': 640, 'stride_dvh': 320, 'stride_dvn': 16, 'stride_bb': 400, 'stride_bh': 0, 'stride_bm': 20, 'stride_bn': 1, 'Hq': 2, 'Hkv': 2, 'G': 1, 'Nq': 20, 'Nk': 20, 'D': 16, 'DV': 16, 'qk_scale': 0.36067376022224085, 'softcap': 0.0, 'cap_scale': 0.0, 'scale': 0.25, 'diag_offset': 0, 'window_left': -1, 'window_right': -1, 'drop_threshold': 0, 'drop_scale': 1.0, 'BLOCK_D': 16, 'BLOCK_DV': 16, 'USE_TMA': False, 'IS_CAUSAL': False, 'HAS_WL': False, 'HAS_WR': False, 'HAS_KVLEN': False, 'BIAS_KIND': 1, 'SOFTCAP': False, 'DROPOUT': False, 'PLAIN': False, 'BLOCK_M': 16, 'BLOCK_N': 16, 'QPOS': arg1_1, 'stride_pb': 0, 'stride_pm': 0, 'HAS_QPOS': False, 'QSEG': arg1_1, 'stride_qsb': 0, 'stride_qsm': 0, 'KSEG': arg1_1, 'stride_ksb': 0, 'stride_ksn': 0, 'HAS_SEG': False}, tensors_to_clone = ['Q', 'K', 'V', 'DO', 'LSE', 'DELTA', 'DK', 'DV_', 'BIAS', 'KVLENS', 'SEED', 'q_desc', 'k_desc', 'v_desc', 'do_desc', 'QPOS', 'QSEG', 'KSEG']);  arg1_1 = arg2_1 = arg3_1 = getitem_5 = arg5_1 = getitem_6 = empty_strided_1 = empty_strided_2 = arg6_1 = None
+    triton_kernel_wrapper_functional_proxy_1 = torch.ops.higher_order.triton_kernel_wrapper_functional(kernel_idx = N, constant_args_idx = N, grid = [(4, 1, 1)], tma_descriptor_metadata = {}, kwargs = {'Q': arg1_1, 'K': arg2_1, 'V': arg3_1, 'DO': getitem_5, 'LSE': arg5_1, 'DELTA': getitem_6, 'DK': empty_strided_1, 'DV_': empty_strided_2, 'BIAS': arg6_1, 'KVLENS': arg1_1, 'SEED': arg1_1, 'q_desc': arg1_1, 'k_desc': arg1_1, 'v_desc': arg1_1, 'do_desc': arg1_1, 'stride_qb': 640, 'stride_qh': 320, 'stride_qm': 16, 'stride_kb': 640, 'stride_kh': 320, 'stride_kn': 16, 'stride_vb': 640, 'stride_vh': 320, 'stride_vn': 16, 'stride_dob': 640, 'stride_doh': 320, 'stride_dom': 16, 'stride_dkb': 640, 'stride_dkh': 320, 'stride_dkn': 16, 'stride_dvb': 640, 'stride_dvh': 320, 'stride_dvn': 16, 'stride_bb': 400, 'stride_bh': 0, 'stride_bm': 20, 'stride_bn': 1, 'Hq': 2, 'Hkv': 2, 'G': 1, 'Nq': 20, 'Nk': 20, 'D': 16, 'DV': 16, 'qk_scale': 0.36067376022224085, 'softcap': 0.0, 'cap_scale': 0.0, 'scale': 0.25, 'diag_offset': 0, 'window_left': -1, 'window_right': -1, 'drop_threshold': 0, 'drop_scale': 1.0, 'BLOCK_D': 16, 'BLOCK_DV': 16, 'USE_TMA': False, 'IS_CAUSAL': False, 'HAS_WL': False, 'HAS_WR': False, 'HAS_KVLEN': False, 'BIAS_KIND': 1, 'SOFTCAP': False, 'DROPOUT': False, 'PLAIN': False, 'BLOCK_M': 16, 'BLOCK_N': 16, 'QPOS': arg1_1, 'stride_pb': 0, 'stride_pm': 0, 'HAS_QPOS': False, 'QSEG': arg1_1, 'stride_qsb': 0, 'stride_qsm': 0, 'KSEG': arg1_1, 'stride_ksb': 0, 'stride_ksn': 0, 'HAS_SEG': False, 'ZERO_EMPTY': False}, tensors_to_clone = ['Q', 'K', 'V', 'DO', 'LSE', 'DELTA', 'DK', 'DV_', 'BIAS', 'KVLENS', 'SEED', 'q_desc', 'k_desc', 'v_desc', 'do_desc', 'QPOS', 'QSEG', 'KSEG']);  arg1_1 = arg2_1 = arg3_1 = getitem_5 = arg5_1 = getitem_6 = empty_strided_1 = empty_strided_2 = arg6_1 = None
     getitem_8 = triton_kernel_wrapper_functional_proxy_1['K']
     getitem_9 = triton_kernel_wrapper_functional_proxy_1['V']
     getitem_10 = triton_kernel_wrapper_functional_proxy_1['DO']
@@ -376,7 +554,7 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
     getitem_14 = triton_kernel_wrapper_functional_proxy_1['DV_']
     getitem_15 = triton_kernel_wrapper_functional_proxy_1['BIAS']
     getitem_24 = triton_kernel_wrapper_functional_proxy_1['KSEG'];  triton_kernel_wrapper_functional_proxy_1 = None
-    triton_kernel_wrapper_functional_proxy_2 = torch.ops.higher_order.triton_kernel_wrapper_functional(kernel_idx = N, constant_args_idx = N, grid = [(4, 1, 1)], tma_descriptor_metadata = {}, kwargs = {'Q': getitem_24, 'K': getitem_8, 'V': getitem_9, 'DO': getitem_10, 'LSE': getitem_11, 'DELTA': getitem_12, 'DQ': empty_strided, 'DS': full, 'BIAS': getitem_15, 'KVLENS': getitem_24, 'SEED': getitem_24, 'q_desc': getitem_24, 'k_desc': getitem_24, 'v_desc': getitem_24, 'do_desc': getitem_24, 'stride_qb': 640, 'stride_qh': 320, 'stride_qm': 16, 'stride_kb': 640, 'stride_kh': 320, 'stride_kn': 16, 'stride_vb': 640, 'stride_vh': 320, 'stride_vn': 16, 'stride_dob': 640, 'stride_doh': 320, 'stride_dom': 16, 'stride_dqb': 640, 'stride_dqh': 320, 'stride_dqm': 16, 'stride_bb': 400, 'stride_bh': 0, 'stride_bm': 20, 'stride_bn': 1, 'Hq': 2, 'G': 1, 'Nq': 20, 'Nk': 20, 'D': 16, 'DV': 16, 'qk_scale': 0.36067376022224085, 'softcap': 0.0, 'cap_scale': 0.0, 'scale': 0.25, 'diag_offset': 0, 'window_left': -1, 'window_right': -1, 'drop_threshold': 0, 'drop_scale': 1.0, 'BLOCK_D': 16, 'BLOCK_DV': 16, 'WRITE_DS': True, 'REVERSE_M': False, 'USE_TMA': False, 'IS_CAUSAL': False, 'HAS_WL': False, 'HAS_WR': False, 'HAS_KVLEN': False, 'BIAS_KIND': 1, 'SOFTCAP': False, 'DROPOUT': False, 'PLAIN': False, 'BLOCK_M': 16, 'BLOCK_N': 16, 'QPOS': getitem_24, 'stride_pb': 0, 'stride_pm': 0, 'HAS_QPOS': False, 'QSEG': getitem_24, 'stride_qsb': 0, 'stride_qsm': 0, 'KSEG': getitem_24, 'stride_ksb': 0, 'stride_ksn': 0, 'HAS_SEG': False}, tensors_to_clone = ['Q', 'K', 'V', 'DO', 'LSE', 'DELTA', 'DQ', 'DS', 'BIAS', 'KVLENS', 'SEED', 'q_desc', 'k_desc', 'v_desc', 'do_desc', 'QPOS', 'QSEG', 'KSEG']);  getitem_24 = getitem_8 = getitem_9 = getitem_10 = getitem_11 = getitem_12 = empty_strided = full = getitem_15 = None
+    triton_kernel_wrapper_functional_proxy_2 = torch.ops.higher_order.triton_kernel_wrapper_functional(kernel_idx = N, constant_args_idx = N, grid = [(4, 1, 1)], tma_descriptor_metadata = {}, kwargs = {'Q': getitem_24, 'K': getitem_8, 'V': getitem_9, 'DO': getitem_10, 'LSE': getitem_11, 'DELTA': getitem_12, 'DQ': empty_strided, 'DS': full, 'BIAS': getitem_15, 'KVLENS': getitem_24, 'SEED': getitem_24, 'q_desc': getitem_24, 'k_desc': getitem_24, 'v_desc': getitem_24, 'do_desc': getitem_24, 'stride_qb': 640, 'stride_qh': 320, 'stride_qm': 16, 'stride_kb': 640, 'stride_kh': 320, 'stride_kn': 16, 'stride_vb': 640, 'stride_vh': 320, 'stride_vn': 16, 'stride_dob': 640, 'stride_doh': 320, 'stride_dom': 16, 'stride_dqb': 640, 'stride_dqh': 320, 'stride_dqm': 16, 'stride_bb': 400, 'stride_bh': 0, 'stride_bm': 20, 'stride_bn': 1, 'Hq': 2, 'G': 1, 'Nq': 20, 'Nk': 20, 'D': 16, 'DV': 16, 'qk_scale': 0.36067376022224085, 'softcap': 0.0, 'cap_scale': 0.0, 'scale': 0.25, 'diag_offset': 0, 'window_left': -1, 'window_right': -1, 'drop_threshold': 0, 'drop_scale': 1.0, 'BLOCK_D': 16, 'BLOCK_DV': 16, 'WRITE_DS': True, 'REVERSE_M': False, 'USE_TMA': False, 'IS_CAUSAL': False, 'HAS_WL': False, 'HAS_WR': False, 'HAS_KVLEN': False, 'BIAS_KIND': 1, 'SOFTCAP': False, 'DROPOUT': False, 'PLAIN': False, 'BLOCK_M': 16, 'BLOCK_N': 16, 'QPOS': getitem_24, 'stride_pb': 0, 'stride_pm': 0, 'HAS_QPOS': False, 'QSEG': getitem_24, 'stride_qsb': 0, 'stride_qsm': 0, 'KSEG': getitem_24, 'stride_ksb': 0, 'stride_ksn': 0, 'HAS_SEG': False, 'ZERO_EMPTY': False}, tensors_to_clone = ['Q', 'K', 'V', 'DO', 'LSE', 'DELTA', 'DQ', 'DS', 'BIAS', 'KVLENS', 'SEED', 'q_desc', 'k_desc', 'v_desc', 'do_desc', 'QPOS', 'QSEG', 'KSEG']);  getitem_24 = getitem_8 = getitem_9 = getitem_10 = getitem_11 = getitem_12 = empty_strided = full = getitem_15 = None
     getitem_31 = triton_kernel_wrapper_functional_proxy_2['DQ']
     getitem_32 = triton_kernel_wrapper_functional_proxy_2['DS'];  triton_kernel_wrapper_functional_proxy_2 = None
     sum_1 = torch.ops.aten.sum.dim_IntList(getitem_32, [1], True);  getitem_32 = None

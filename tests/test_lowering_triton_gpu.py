@@ -277,3 +277,80 @@ def test_padded_inference_sites_prefer_the_kernel_that_fills_empty_rows():
     decisions, got, want = _padded_encoder_decisions(model, x, mask, grad=True)
     assert decisions and not any("written by the kernel" in d for d in decisions), decisions
     torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_training_fixup_and_its_backward_run_in_the_kernels(dtype):
+    # Training with kernel="triton": the forward kernel writes the mean of V on the fully padded sequence's rows
+    # and the backward kernels compute that fix-up's backward (fa3_triton.bwd's empty_grad): none of its
+    # where / mean / sum / add is left in either graph. Output and every gradient against fp32 eager.
+    torch.manual_seed(0)
+    model = PaddedEncoderAttention(256, 4).to("cuda", dtype)
+    ref = PaddedEncoderAttention(256, 4).to("cuda", torch.float32)
+    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    x = torch.randn(3, 77, 256, device="cuda", dtype=dtype)
+    mask = torch.ones(3, 77, device="cuda", dtype=torch.long)
+    mask[0] = 0
+    mask[2, 40:] = 0
+    g = torch.randn(3, 77, 256, device="cuda", dtype=dtype)
+
+    def step(m, xx):
+        xx = xx.detach().clone().requires_grad_()
+        out, _ = m(xx, mask)
+        out.backward(g.to(out.dtype))
+        return [out.detach(), xx.grad] + [p.grad for p in m.parameters()]
+
+    torch._dynamo.reset()
+    n = len(records())
+    with capture_graphs() as graphs:
+        got = step(torch.compile(model, backend=fa_compile.backend(kernel="triton"), fullgraph=True), x)
+    want = step(ref, x.float())
+    decisions = _decisions_since(n)
+    info = "\n".join(str(d) for d in decisions) + "\n" + "\n\n".join(graphs)
+    assert [str(d) for d in decisions] == [
+        "triton -> fa3_triton.fwd (empty rows: mean of V written by the kernel)",
+        "triton -> fa3_triton.bwd (empty rows: their dout zeroed, the mean of V's gradient and eager's uniform-row "
+        "q / k gradients by the kernel)"], info
+    assert not any(op in gr for gr in graphs for op in ("aten.where", "aten.mean", "uniform_row_grad")), info
+    assert "attn_bwd_empty_rows_kernel" in info or "UNIFORM" in info, info
+    for i, (a, e) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a.float(), e, **TOL[dtype], msg=lambda m, i=i: f"value {i}: {m}")
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_bwd_op_computes_the_fixups_backward_on_the_gpu(d):
+    # The empty-row kernel at the head dims whose C / E tiles are largest (fp32 [32, Dv] chunks), GQA, BSHD,
+    # every element against the fp64 reference plus autograd through the fill.
+    from fa_compile.kernels import reference as ref
+    from fa_compile.kernels import triton_family as tf
+    from fa_compile.kernels import triton_ops
+    from fa_compile.row_fixups import _uniform_row_grad_autograd
+
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    b, hq, hkv, n = 3, 4, 2, 150
+    q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
+               for h in (hq, hkv, hkv))
+    v = v + 0.5
+    keep = torch.ones(b, 1, 1, n, dtype=torch.bool, device="cuda")
+    keep[1] = False
+    keep[2, ..., 90:] = False
+    scale = d ** -0.5
+    block = max(tf._pow2(d), 16)
+    cfg = [tf.pick_config("fwd", block, False, (9, 0))]
+    tile = [cfg[0].block_m, cfg[0].block_n, cfg[0].num_warps, cfg[0].num_stages]
+    bt = [tf.pick_config(kd, block, False, (9, 0)) for kd in ("dkdv", "dq")]
+    bt = [[c.block_m, c.block_n, c.num_warps, c.num_stages] for c in bt]
+    out, lse = triton_ops.fwd(q, k, v, keep, None, None, scale, False, 0, -1, -1, 0.0, 0.0, tile, None,
+                              triton_ops.EMPTY_FILLS["mean_v"])
+    empty = torch.isneginf(lse)[..., None]
+    dout = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=gen).masked_fill(empty, 3.0)
+    dq, dk, dv, _ = triton_ops.bwd(dout, q, k, v, out, lse, keep, None, None, scale, False, 0, -1, -1, 0.0, 0.0,
+                                   False, *bt, triton_ops.EMPTY_GRADS["uniform"])
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = ref.attention_backward_reference(dout.double().masked_fill(empty, 0.0), *leaves, bias_requires_grad=False,
+                                            scale=scale, bias=keep)
+    fill = leaves[2].mean(dim=2, keepdim=True).repeat_interleave(hq // hkv, dim=1).expand(out.shape)
+    fill = fill + _uniform_row_grad_autograd(*leaves, scale)
+    extra = torch.autograd.grad(fill, leaves, dout.double().masked_fill(~empty, 0.0))
+    for name, got, w, e in zip(("dq", "dk", "dv"), (dq, dk, dv), want, extra):
+        torch.testing.assert_close(got.double(), w + e, **TOL[torch.bfloat16], msg=lambda m, n=name: f"{n}: {m}")

@@ -7,7 +7,8 @@ written as ordinary graph ops, so Inductor's generated code launches the kernel 
 dispatch per call. On CPU the forward's corrections are decisions on the data, which cost no device
 sync there, so past a decode step's 16 queries kernel and corrections are one op
 (`fa3::cpu_flash_forward`, fa_compile/cpu_flash_op.py) that pays for them only when an input needs them;
-the backward's, with the empty-row fix-up's gradient, likewise (`fa3::cpu_flash_backward`).
+the backward's, with the empty-row fix-up's gradient, likewise (`fa3::cpu_flash_backward`); on a GPU our
+Triton kernels take both fix-ups (the backward's in a kernel that reads the lse and stops when no row is empty).
 A node whose kernel has no lowering, whose choice depends on a dynamic dimension, or whose lowering
 fails keeps the op (run-time dispatch); each decision is recorded (`records()`).
 

@@ -1,5 +1,6 @@
 """The backward of emit's empty-row fix-up, recognized after AOTAutograd, for a lowered backward that
-computes it itself (fa_compile/cpu_flash_op.py: `fa3::cpu_flash_backward`).
+computes it itself (fa_compile/cpu_flash_op.py: `fa3::cpu_flash_backward`; kernels/triton_ops.py:
+`fa3_triton::bwd` with `empty_grad`, whose last kernel is kernels/triton_empty_rows_bwd.py).
 
 Forward, emit wrote `res = where(isneginf(lse)[..., None], fill, out)` (empty_rows.py). Its backward, as
 AOTAutograd and Inductor's decompositions give it on the torch versions the project supports, with D the
@@ -16,7 +17,7 @@ incoming gradient of `res` and `cond` = unsqueeze(eq(lse, -inf), -1) on the op's
 Every one of these is zero, or the identity on D, unless some row admits no key, which most batches
 never have; as graph ops they cost passes over dO, dQ, dK and dV per layer (two `where`s, the op's
 check and zero fills, three adds). A backward that reads the lse itself decides once (one reduction
-over [B, Hq, Nq]) and computes them only then. `find_backward_fixup` returns what it may fold:
+over [B, Hq, Nq]: on the CPU on the host, on a GPU inside a kernel, with no sync) and computes them only then. `find_backward_fixup` returns what it may fold:
   - "none":    W1 only (dout is D; the op zeroes the empty rows' dout itself);
   - "mean_v":  W1 and the mean's gradient to dv (S and its add);
   - "uniform": W1, S and U with their adds.

@@ -199,7 +199,8 @@ def _source_hash() -> str:
         # and what dispatch's choice reads there (the Triton family's and the reference's refusals)
         _FILES += tuple(os.path.join(kdir, f) for f in ("decode.py", "decode_ops.py", "decode_triton.py", "triton_ops.py",
                                                          "triton_family.py", "triton_fwd.py", "triton_bwd.py",
-                                                         "triton_common.py", "reference.py"))
+                                                         "triton_empty_rows_bwd.py", "triton_common.py",
+                                                         "reference.py"))
     return get_hash_for_files(_FILES).hex()
 
 

@@ -18,7 +18,11 @@ tensor is an input of the replacement (`takes_dropout_seed`), so the mask is the
 Attention sinks lower too (`takes_sinks`): the forward kernel's sink step; the backward kernels read P
 from the lse, which includes the sinks, and the sinks' own gradient stays the graph's arithmetic.
 The forward writes emit's fix-up of rows with no admissible key itself where it is all that reads the
-op's outputs (`fills_empty_rows`, empty_rows.py): NaN or the mean of V, read only by a tile with such a row.
+op's outputs (`fills_empty_rows`, empty_rows.py): NaN or the mean of V, read only by a tile with such a row;
+in training too for the mean of V (`fills_saved_empty_rows`). The backward takes that fix-up's backward
+(`folds_empty_row_grads`, empty_rows_backward.py): its kernels zero the dO of rows whose lse is -inf, and one
+more kernel (kernels/triton_empty_rows_bwd.py) adds the mean's and eager's uniform-row gradients, reading
+only the lse when no row is empty. A padded BERT training step had run them as graph ops on every layer.
 
 On CPU the family runs under the Triton interpreter only; the lowering takes such sites (tests
 register it for ("cpu", "triton")), never Inductor, which cannot build a user kernel for the CPU.
@@ -120,6 +124,9 @@ class TritonLowering:
     takes_dropout_seed = True  # graph_pass passes the node's dropout_seed after bias and kv_lens
     takes_sinks = True  # and then its sinks: the forward kernel has the sink step; the backward needs none
     fills_empty_rows = True  # forward_fn takes empty_fill: the kernel writes emit's empty-row fix-up (empty_rows.py)
+    # and in training too (the mean of V): the backward zeroes the empty rows' dO, so their filled out weighs nothing
+    fills_saved_empty_rows = True
+    folds_empty_row_grads = True  # backward_fn takes empty_grad: the kernels compute the fix-up's backward
 
     def target(self, direction: str) -> str:
         return "fa3_triton.bwd" if direction == "backward" else "fa3_triton.fwd"
@@ -203,10 +210,16 @@ class TritonLowering:
 
         return _functionalized(fn)
 
-    def backward_fn(self, args: dispatch.AttentionArgs) -> Callable:
-        """fn(dout, q, k, v, out, lse[, bias][, kv_lens]) -> (dq, dk, dv, dbias or an empty tensor)."""
+    def backward_fn(self, args: dispatch.AttentionArgs, empty_grad: Optional[str] = None,
+                    out_strides: Optional[tuple] = None) -> Callable:
+        """fn(dout, q, k, v, out, lse[, bias][, kv_lens]) -> (dq, dk, dv, dbias or an empty tensor). With
+        `empty_grad` (empty_rows_backward.py), dout is the gradient of emit's empty-row fix-up and the kernels
+        add that fix-up's backward; `out_strides` (dq, dk, dv; None: the op's own) are then the strides of
+        the graph values the gradients stand for."""
         dkdv_config, dq_config = self._plan(args, "backward")
         bwd = _ops().bwd
+        grad_code = 0 if empty_grad is None else _ops().EMPTY_GRADS[empty_grad]
+        strides = out_strides or (None, None, None)
         s = _site_scalars(args)
         unpack = _optional_inputs(args)
         want_ds = bool(args.bias_requires_grad) and args.bias is not None and args.bias.dtype != torch.bool
@@ -214,13 +227,16 @@ class TritonLowering:
 
         def fn(dout, q, k, v, out, lse, *rest):
             bias, kv_lens, seed, _sinks = unpack(q, rest)  # lse includes the sinks: P is exp(s - lse)
-            dq, dk, dv, ds = bwd(dout, q, k, v, out, lse, bias, kv_lens, seed, *s, want_ds, dkdv_config, dq_config)
+            dq, dk, dv, ds = bwd(dout, q, k, v, out, lse, bias, kv_lens, seed, *s, want_ds, dkdv_config, dq_config,
+                                 grad_code)
             if want_ds:
                 db = reduce_dbias(ds, bias)
                 db = conventions.with_strides(db, tuple(make_contiguous_strides_for(bias.shape)))
             else:
                 db = q.new_empty((0,))
-            return (conventions.dense_like(dq, q), conventions.dense_like(dk, k), conventions.dense_like(dv, v), db)
+            grads = [conventions.dense_like(g, t) if st is None else conventions.with_strides(g, st)
+                     for g, t, st in zip((dq, dk, dv), (q, k, v), strides)]
+            return (*grads, db)
 
         return _functionalized(fn)
 
