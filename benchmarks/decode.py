@@ -18,7 +18,7 @@ Run on a GPU machine:  python benchmarks/decode.py [--nq 1] [--out DIR]   (about
 Prints the table and writes decode.json to --out (default $OUT or /tmp).
 `--sweep` instead times our kernel alone over launch configurations (keys per tile, warps, pipeline
 stages, splits) on the same shapes plus a static cache with a quarter of its slots valid, and writes
-decode-sweep.json: what `kernels/decode.py`'s choices are pinned from.
+decode-sweep.json: what `fa_compile/kernels/decode.py`'s choices are pinned from.
 """
 from __future__ import annotations
 

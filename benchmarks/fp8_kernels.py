@@ -1,4 +1,4 @@
-"""FP8 attention forward benchmark: ours (kernels/fp8) against our bf16 forward and the peers, in ONE run.
+"""FP8 attention forward benchmark: ours (fa_compile/kernels/fp8) against our bf16 forward and the peers, in ONE run.
 
 Rows: the FA3 paper's grid (16k tokens per batch, B = 16k / N, hidden 2048, so H = 2048 / d), head dims
 64 / 128 / 256, N 4k and 16k, causal and not; bf16 inputs in BSHD storage. Columns (TFLOP/s, forward
@@ -34,7 +34,7 @@ from fa_compile.kernels.fp8 import launch as fp8_launch
 
 
 def _kernel_bench():
-    """benchmarks/kernels.py (its Args, timing and input helpers), loaded by path: `kernels` is also a package."""
+    """benchmarks/kernel_peers.py (its Args, timing and input helpers), loaded by path: `kernels` is also a package."""
     import importlib.util
 
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.py")

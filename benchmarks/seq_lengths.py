@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fa_compile import dispatch
 from fa_compile.kernels import triton_family as tf
 
-from kernels import Args, bshd  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from kernel_peers import Args, bshd  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 SLEEP_CYCLES = int(3e8)  # ~150 ms at H200 clocks: longer than enqueueing `reps` calls on the host
 

@@ -16,7 +16,7 @@ import platform
 import sys
 from typing import Optional, Sequence
 
-# What each kernel takes, as its candidate checks it (fa_compile/candidates/, kernels/triton_family.py).
+# What each kernel takes, as its candidate checks it (fa_compile/candidates/, fa_compile/kernels/triton_family.py).
 SUPPORTS = {
     "cudnn": "SDPA's cuDNN kernel: CUDA sm80+, fp16/bf16, head dim <= 256 (multiple of 8), float bias; fwd + bwd",
     "fa3": "FlashAttention 3 (flash_attn_interface): Hopper sm90, fp16/bf16, head dims of its build, softcap, "

@@ -227,7 +227,7 @@ def check_kernel_name(forced: str, source: str, what: str = "kernel") -> None:
     if forced in known:
         return
     if forced == "triton" and _cands.TRITON_IMPORT_ERROR:
-        raise ValueError(f"{source}: kernel 'triton' is not available here (kernels/triton_family.py: "
+        raise ValueError(f"{source}: kernel 'triton' is not available here (fa_compile/kernels/triton_family.py: "
                          f"{_cands.TRITON_IMPORT_ERROR[0]}); known: {', '.join(known)}")
     via = " (fa_compile.backend(kernel=...) passes its kernel as every call's force_kernel)" if source == _FORCE_SOURCE else ""
     raise ValueError(f"{source}: unknown {what} {forced!r}; known: {', '.join(known)}{via}")

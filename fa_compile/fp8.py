@@ -8,7 +8,7 @@ this op whatever the flag, since no other kernel reads them.
 A site gets FP8 only where nothing else changes: inference (no input needs a gradient; FP8 has no
 backward, so a training site keeps its bf16 forward and the exact bf16 backward of that forward), no
 softcap, dropout, sinks, run-time positions or segments, no forced kernel, and the kernel takes the
-shapes on this GPU (`kernels/fp8`). `explain()` states the outcome per site.
+shapes on this GPU (`fa_compile/kernels/fp8`). `explain()` states the outcome per site.
 
 At run time the op runs the FP8 kernel; inputs it cannot take there (a CPU tensor, say) run the exact
 bf16 op for bf16/fp16 inputs and, for float8 inputs, attention in fp32 over the dequantized tensors.

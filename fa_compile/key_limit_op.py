@@ -8,7 +8,7 @@
 Written as graph ops, this is two reductions over [Bm, Nk], which Inductor splits into two kernels
 over a long cache (Nk 16384: 2.2 + 1.1 us per decode layer on the H200, against ~40 us for the
 attention itself). As one op, the lowering (fa_compile/lowering/key_limit.py) runs it on CUDA as one
-Triton kernel (kernels/decode_ops.py `fa3_decode::key_limit`) and elsewhere as those graph ops again,
+Triton kernel (fa_compile/kernels/decode_ops.py `fa3_decode::key_limit`) and elsewhere as those graph ops again,
 which Inductor fuses; where nothing lowers it (the lowering switched off) the op runs `key_limit_math`.
 Reading the row inside the decode kernel instead (each program of a sequence reading it before its first
 tile) was measured too and cost more than this kernel's launch (BENCHMARKS.md).

@@ -38,7 +38,7 @@ softcap, dropout_p, dropout_seed, force_kernel, sinks, q_pos, q_seg, k_seg) -> (
 
 `fa3::attention_backward` is the gradient; any kernel's backward can follow any kernel's forward
 because the log-sum-exp is the only state they share (dropout excepted, whose mask is defined by
-`kernels/dropout_hash.py` for every kernel).
+`fa_compile/kernels/dropout_hash.py` for every kernel).
 
 `fa3::uniform_row_grad` and `fa3::filled_scores_grad` (row_fixups.py) are 0 with the gradient eager
 gives q and k from rows that an additive finfo.min mask masked entirely (patterns/emit.py).

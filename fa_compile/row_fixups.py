@@ -78,10 +78,15 @@ def uniform_row_grad_backward(dg: Tensor, q: Tensor, k: Tensor, v: Tensor, scale
     if hq % max(hkv, 1) != 0:
         raise ValueError(f"k: {hkv} key heads do not divide the {hq} query heads")
     acc = torch.promote_types(q.dtype, torch.float32)
-    # no keys: nothing to weigh; no head dim: scores 0. Without a softcap one reduction decides (NaN counts
-    # as nonzero): most batches have no fully masked row, and this op runs per layer in every backward (on
-    # CPU; CUDA takes the sync-free terms instead).
-    if b * hq * nq * nk * d == 0 or (softcap == 0 and not bool(dg.any())):
+    if b * hq * nq * nk * d == 0:  # no keys: nothing to weigh; no head dim: scores 0
+        return torch.zeros_like(q), torch.zeros_like(k)
+    if softcap == 0 and not dg.is_cpu:
+        # off the CPU a decision on the data is a device sync: the terms, always (a zero dg gives zeros)
+        dq, dk = _uniform_grads(dg, q, k, v, scale, _terms_dtype(q), True, True)
+        return _laid_out_like(dq, q), _laid_out_like(dk, k)
+    # On the CPU one reduction decides (NaN counts as nonzero): most batches have no fully masked row, and
+    # this op runs per layer in every backward.
+    if softcap == 0 and not bool(dg.any()):
         return torch.zeros_like(q), torch.zeros_like(k)
     if softcap == 0:
         dq, dk = _uniform_grads(dg, q, k, v, scale, acc, True, True)
@@ -142,17 +147,21 @@ class _UniformRowGradFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dg: Tensor):
         q, k, v = ctx.saved_tensors
-        # Without a softcap, dg is 0 except on fully masked rows, which most batches have none of: on CPU,
-        # where a data-dependent check costs no device sync, the opaque op skips the terms then (their four
-        # matmuls cost ~3% of a padded BERT training step in a single-threaded CPU profile).
-        if ctx.softcap > 0 or q.device.type == "cpu":
-            dq, dk = _UNIFORM_ROW_GRAD_BACKWARD(dg, q, k, v, ctx.scale, ctx.softcap)
-            return (dq if ctx.needs_input_grad[0] else None), (dk if ctx.needs_input_grad[1] else None), None, None, None
-        # bf16 matmuls accumulate in fp32 and cannot overflow: they run in bf16, as eager's own gradient
-        # does, instead of fp32 copies of q, k and v per layer; fp16 (range) and fp32 / fp64 keep fp32+.
-        f32 = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.promote_types(q.dtype, torch.float32)
-        dq, dk = _uniform_grads(dg, q, k, v, ctx.scale, f32, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return dq, dk, None, None, None
+        # One opaque op in the traced backward on every device: without a softcap dg is 0 except on fully
+        # masked rows, which most batches have none of, and a lowered attention backward that reads the lse
+        # computes these terms itself only when such a row exists (fa_compile/lowering/empty_rows_backward.py);
+        # on CPU the op itself skips them then (their four matmuls cost ~3% of a padded BERT training step in
+        # a single-threaded CPU profile). On CUDA, where no such kernel takes it, the lowering puts back the
+        # terms as graph arithmetic for Inductor (graph_pass._uniform_terms).
+        dq, dk = _UNIFORM_ROW_GRAD_BACKWARD(dg, q, k, v, ctx.scale, ctx.softcap)
+        return (dq if ctx.needs_input_grad[0] else None), (dk if ctx.needs_input_grad[1] else None), None, None, None
+
+
+def _terms_dtype(q: Tensor) -> torch.dtype:
+    """The matmuls' dtype for the sync-free terms: bf16 matmuls accumulate in fp32 and cannot overflow, so they
+    run in bf16, as eager's own gradient does, instead of fp32 copies of q, k and v per layer; fp16 (range) and
+    fp32 / fp64 keep fp32 or wider."""
+    return torch.bfloat16 if q.dtype == torch.bfloat16 else torch.promote_types(q.dtype, torch.float32)
 
 
 def _uniform_grads(dg: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, f32: torch.dtype, need_q: bool,

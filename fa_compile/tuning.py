@@ -30,7 +30,7 @@ _LOCK = threading.Lock()
 
 def enable(on: Optional[bool] = True) -> None:
     """Turn tuning on or off for this process (overrides FA_COMPILE_TUNE; None restores it): the kernel
-    choice here and our kernels' first-call tile choice (kernels/tile_tuning.py)."""
+    choice here and our kernels' first-call tile choice (fa_compile/kernels/tile_tuning.py)."""
     global _ENABLED
     _ENABLED = on
     from .kernels import tile_tuning

@@ -255,7 +255,11 @@ def structured_mask(b: Builder, node: fx.Node, terms: list, q4v: torch.Tensor, k
     spec = cache.get(key)
     if spec is None:
         try:
-            spec = analyze_mask(b.graph.owning_module, [MaskTerm(op, t, fill) for op, t, fill in terms],
+            # SDPA's kernels add the mask to fp32 scores, whatever the inputs' dtype (fp16's finfo.min absorbs
+            # nothing there, where an fp16 sum would): its terms are read as applied in fp32 or wider; the other
+            # calls (need_weights=True's baddbmm) add it in q's dtype
+            applied = torch.promote_types(q4v.dtype, torch.float32) if sdpa else q4v.dtype
+            spec = analyze_mask(b.graph.owning_module, [MaskTerm(op, t, fill, applied) for op, t, fill in terms],
                                 batch=q4v.shape[0], q_heads=q4v.shape[1], q_len=q4v.shape[2], k_len=k4v.shape[2],
                                 scores_dtype=q4v.dtype, insert_before=node, sdpa=sdpa)
         except Exception as e:  # analysis is an optimisation: never let it break an exact rewrite

@@ -38,7 +38,7 @@ without a finite fill (emit's "fill" path counts kv_lens's keys as filled ones, 
     host-bound: on CUDA the decode-step math lowering runs them over the whole cache as graph ops,
     which a limit would not shorten, and the reduction would be one more launch per layer.
 On the GPU, dispatch sends decode-shaped calls with kv_lens and a bias to the split-KV decode kernel
-(kernels/decode.py), which ends each sequence's reads at its kv_lens.
+(fa_compile/kernels/decode.py), which ends each sequence's reads at its kv_lens.
 """
 from __future__ import annotations
 

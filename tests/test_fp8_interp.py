@@ -1,4 +1,4 @@
-"""The FP8 attention kernel (kernels/fp8/kernel.py) under the Triton interpreter, against its emulation.
+"""The FP8 attention kernel (fa_compile/kernels/fp8/kernel.py) under the Triton interpreter, against its emulation.
 
 The interpreter must be on before Triton defines a kernel, so unless this process has TRITON_INTERPRET=1
 the module reruns itself in a child with it (one parent test). The interpreter's e4m3 products are exact

@@ -1,4 +1,4 @@
-"""FP8 quantization, scaling and smoothing (kernels/fp8/quantize.py) and the emulation (reference.py), on CPU.
+"""FP8 quantization, scaling and smoothing (fa_compile/kernels/fp8/quantize.py) and the emulation (reference.py), on CPU.
 
 Scales and e4m3 values are checked exactly against a block-by-block loop; the smoothing identities
 (softmax ignores k - kmean, lse gets q.kmean back) and the Hadamard rotation in fp32; the emulation

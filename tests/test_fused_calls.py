@@ -716,3 +716,21 @@ def test_decompositions_compile_with_inductor():
     assert_same(out, ref, **tolerances(torch.float32))
     torch.testing.assert_close(g, rg, atol=2e-5, rtol=2e-5)
     assert counters["fa_compile"]["sites_rewritten"] == 2 and counters["fa_compile"]["sites_missed"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sdpa_with_a_finfo_min_mask_built_in_the_graph(dtype):
+    # A key-padding mask built in the graph with the dtype's finfo.min, one sequence fully padded: SDPA adds it to
+    # fp32 scores, where fp16's -65504 absorbs nothing (such a row is softmax(s) @ v) and bf16's does (uniform).
+    keep = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    keep[1] = False
+    keep[0, ..., 3:] = False
+    q, k, v = rnd(2, 3, 6, 8, dtype=dtype, seed=1), rnd(2, 3, 5, 8, dtype=dtype, seed=2), rnd(2, 3, 5, 8, dtype=dtype, seed=3)
+
+    def fn(q, k, v, keep):
+        m = torch.where(keep, 0.0, torch.finfo(q.dtype).min).to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    out, cap = run(fn, q, k, v, keep)
+    assert only_report(cap).rewritten
+    assert_same(out, fn(q, k, v, keep), **tolerances(dtype))

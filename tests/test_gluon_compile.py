@@ -1,4 +1,4 @@
-"""The Gluon Hopper kernels (kernels/gluon_fwd.py, gluon_bwd.py) compiled for sm_90 on a machine without a GPU.
+"""The Gluon Hopper kernels (fa_compile/kernels/gluon_fwd.py, gluon_bwd.py) compiled for sm_90 on a machine without a GPU.
 
 Gluon has no interpreter, so numerics are checked on the GPU (test_kernels_gpu.py); this test keeps
 the kernel building under the Triton installed here (CI's) and pins the properties its speed rests

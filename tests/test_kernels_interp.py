@@ -63,7 +63,7 @@ def test_reasons_on_fake_tensors(monkeypatch):
 @pytest.mark.skipif(IN_CHILD, reason="runs in the parent process")
 def test_absorbing_float_bias_refused(monkeypatch):
     # A float bias whose dtype can hold values <= -1e29 may absorb whole rows, which the kernels read as
-    # empty (kernels/reference.py absorbing_bias_refusal): fp32 / bf16 / fp64 biases are refused, fp16
+    # empty (fa_compile/kernels/reference.py absorbing_bias_refusal): fp32 / bf16 / fp64 biases are refused, fp16
     # (finfo.min -65504 absorbs nothing in fp32) and bool masks are taken.
     from torch._subclasses.fake_tensor import FakeTensorMode
 

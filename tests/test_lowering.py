@@ -827,3 +827,41 @@ def test_gqa_through_the_cpu_kernel_with_and_without_its_own_head_groups(native,
     assert all(r.decision.lowered for r in records()[n_before:]) and len(records()) > n_before
     backward = next(g for g in graphs if "flash_attention_for_cpu_backward" in g)
     assert ("aten.expand" in backward) != native and ("aten.sum" in backward) != native, backward
+
+
+@pytest.mark.parametrize("read", [(0, 1), (0,), (1,)])
+def test_uniform_row_grad_backward_on_cuda_becomes_graph_arithmetic(read):
+    """On CUDA (FakeTensors: no GPU needed) fa3::uniform_row_grad_backward left over where no lowered backward
+    took it is written back as the sync-free terms in graph ops, for Inductor to fuse, computing only the
+    gradients that are read; on CPU the op stays (it skips the terms when no row needs them)."""
+    import operator
+
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fa_compile.lowering import graph_pass
+
+    op = torch.ops.fa3.uniform_row_grad_backward.default
+
+    def fn(dg, q, k, v):
+        dq, dk = op(dg, q, k, v, 0.25, 0.0)
+        return tuple(x for i, x in enumerate((dq, dk)) if i in read)
+
+    for device, kept in (("cuda", False), ("cpu", True)):
+        with FakeTensorMode():
+            q = torch.empty(2, 5, 4, 8, device=device, dtype=torch.bfloat16).transpose(1, 2)  # BSHD
+            k = torch.empty(2, 2, 5, 8, device=device, dtype=torch.bfloat16)
+            v = torch.empty(2, 2, 5, 8, device=device, dtype=torch.bfloat16)
+            dg = torch.empty(2, 4, 5, 8, device=device, dtype=torch.bfloat16)
+            gm = make_fx(fn, tracing_mode="fake")(dg, q, k, v)
+        graph_pass.lower_graph(gm.graph)
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        assert (op in targets) == kept, gm.code
+        if not kept:
+            outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+            want = {0: q, 1: k}
+            for o, i in zip(outs, read):
+                assert o.meta["val"].stride() == torch.empty_like(want[i]).stride(), gm.code
+            mms = sum(t in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default) for t in targets)
+            assert mms == 2 * len(read), gm.code  # two products per gradient read

@@ -1,4 +1,4 @@
-"""The split-KV decode kernel as the `fa3_decode::fwd` triton_op (kernels/decode_ops.py) and its lowering
+"""The split-KV decode kernel as the `fa3_decode::fwd` triton_op (fa_compile/kernels/decode_ops.py) and its lowering
 (fa_compile/lowering/decode.py), on CPU under the Triton interpreter: the op against the reference on
 every element (outputs poisoned first), the same as the run-time candidate's launch, sites with q_pos or
 with kv_lens beside a bias lowered into kernel nodes (pinned), and the sites it refuses.

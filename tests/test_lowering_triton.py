@@ -1,4 +1,4 @@
-"""The Triton family's triton_ops (kernels/triton_ops.py) and their lowering (fa_compile/lowering/triton.py)
+"""The Triton family's triton_ops (fa_compile/kernels/triton_ops.py) and their lowering (fa_compile/lowering/triton.py)
 on CPU, under the Triton interpreter: eager ops against the reference on every element (outputs poisoned
 first), the ops traced by AOTAutograd into triton_kernel_wrapper_functional nodes, the lowering spliced
 into graphs by lower_graph (pinned), and the sites it refuses.

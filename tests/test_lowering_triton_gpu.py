@@ -294,17 +294,21 @@ def test_training_fixup_and_its_backward_run_in_the_kernels(dtype):
     mask[2, 40:] = 0
     g = torch.randn(3, 77, 256, device="cuda", dtype=dtype)
 
-    def step(m, xx):
+    def step(m, params, xx):
+        for p in params:
+            p.grad = None
         xx = xx.detach().clone().requires_grad_()
         out, _ = m(xx, mask)
         out.backward(g.to(out.dtype))
-        return [out.detach(), xx.grad] + [p.grad for p in m.parameters()]
+        return [out.detach(), xx.grad] + [p.grad.clone() for p in params]
 
     torch._dynamo.reset()
     n = len(records())
     with capture_graphs() as graphs:
-        got = step(torch.compile(model, backend=fa_compile.backend(kernel="triton"), fullgraph=True), x)
-    want = step(ref, x.float())
+        got = step(torch.compile(model, backend=fa_compile.backend(kernel="triton"), fullgraph=True),
+                   list(model.parameters()), x)
+    want = step(ref, list(ref.parameters()), x.float())
+    eager = step(model, list(model.parameters()), x)  # eager's own rounding in this dtype
     decisions = _decisions_since(n)
     info = "\n".join(str(d) for d in decisions) + "\n" + "\n\n".join(graphs)
     assert [str(d) for d in decisions] == [
@@ -313,8 +317,13 @@ def test_training_fixup_and_its_backward_run_in_the_kernels(dtype):
         "q / k gradients by the kernel)"], info
     assert not any(op in gr for gr in graphs for op in ("aten.where", "aten.mean", "uniform_row_grad")), info
     assert "attn_bwd_empty_rows_kernel" in info or "UNIFORM" in info, info
-    for i, (a, e) in enumerate(zip(got, want)):
-        torch.testing.assert_close(a.float(), e, **TOL[dtype], msg=lambda m, i=i: f"value {i}: {m}")
+    for i, (a, e, r) in enumerate(zip(got, eager, want)):
+        # every element within the tolerance of fp32 eager, or within twice eager's own error in this dtype
+        # (weight gradients sum a few hundred rounded products: eager's own error reaches the tolerance there)
+        err, own = (a.float() - r).abs(), (e.float() - r).abs()
+        bad = (err > TOL[dtype]["atol"] + TOL[dtype]["rtol"] * r.abs()) & (err > 2 * own)
+        assert not bad.any(), f"value {i}: {int(bad.sum())} elements, worst {float(err[bad].max())} " \
+                              f"(eager's own error there {float(own[bad].max())})"
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

@@ -100,7 +100,7 @@ def test_absorbing_float_mask_on_cuda(kernel, mask_dtype):
     # An HF-style extended mask from a float attention_mask (data the pass cannot prove 0 / 1) reaches the
     # op as a float bias; sequence 1 is all padding, so eager (bf16, where s + finfo.min rounds to
     # finfo.min) weighs its rows uniformly. cuDNN and our Triton kernels read such rows as empty: dispatch
-    # refuses them for a bias that can hold such values (kernels/reference.py absorbing_bias_refusal).
+    # refuses them for a bias that can hold such values (fa_compile/kernels/reference.py absorbing_bias_refusal).
     q, k, v = _leaves((B, H, N, D), (B, H, N, D), (B, H, N, D))
     am, = _leaves((B, N), grad=False)
     am.data.fill_(1.0)

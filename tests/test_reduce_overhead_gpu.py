@@ -48,7 +48,7 @@ def test_reduce_overhead_replays_match_eager(kernel, shape):
     torch._dynamo.reset()
     fn = torch.compile(_layer, backend=fa_compile.backend(kernel=kernel, mode="reduce-overhead"))
     # forced to our Triton family, fp16: the family refuses a bf16 (or fp32) float bias, whose finfo.min
-    # could absorb a whole row's scores (kernels/reference.py absorbing_bias_refusal)
+    # could absorb a whole row's scores (fa_compile/kernels/reference.py absorbing_bias_refusal)
     dt = torch.float16 if kernel == "triton" else torch.bfloat16
     for seed in range(3):  # warm-up, record, replay
         q, k, v, mask = _inputs(seed, *shape, dt=dt, pad=100)

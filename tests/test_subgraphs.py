@@ -283,7 +283,14 @@ def test_hf_llama_gradient_checkpointing_in_training(reentrant):
     model.train()
     ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(int(reentrant)))
     c = Compiled(model, inner="aot_eager", fullgraph=False)
+    torch._dynamo.utils.counters["graph_break"].clear()
     out = c(ids).last_hidden_state
+    breaks = [k for k in torch._dynamo.utils.counters["graph_break"] if "HOP: Unsafe side effect" in k]
+    if not c.reports and breaks:
+        # transformers >= 5.25 sets a context variable inside each checkpointed layer, which Dynamo will not trace
+        # into the checkpoint HOP: the layers run eagerly, untouched, and no graph reaches the backend
+        pytest.skip(f"transformers {transformers.__version__}: Dynamo does not trace the checkpointed layers "
+                    f"({breaks[0].splitlines()[0]})")
     assert len(c.reports) == 2 and len(c.rewritten) == 2, [r.reason for r in c.missed]
     assert op_calls(c.graphs) == 2
     assert all("(inside torch.utils.checkpoint)" in r.where for r in c.rewritten)

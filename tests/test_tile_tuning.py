@@ -1,4 +1,4 @@
-"""First-call tile tuning (kernels/tile_tuning.py): which candidate wins, what is cached where, and when
+"""First-call tile tuning (fa_compile/kernels/tile_tuning.py): which candidate wins, what is cached where, and when
 nothing is measured. The timer is injected: these tests check the choice logic, not a GPU."""
 from __future__ import annotations
 

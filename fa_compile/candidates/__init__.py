@@ -34,7 +34,7 @@ bf16, medians of triton.testing.do_bench:
   cuDNN stays first); on other GPUs the `tl` pair keeps its place behind FA2. Our forward at B16 N1024
   fell behind FA2 (0.525 vs 0.279 ms; 0.250 with the `tl` forward on 11-29), not yet explained, so the
   forward order is unchanged (ours still leads FA2 at the other two prefill shapes).
-* Our split-KV decode kernel ("decode", kernels/decode.py) just ahead of our tiled family, for the calls
+* Our split-KV decode kernel ("decode", fa_compile/kernels/decode.py) just ahead of our tiled family, for the calls
   with run-time positions (q_pos) and 1..16 query tokens: a static-cache decode step (q_pos, padding as
   a key bias), which no peer takes. It packs a GQA group's rows so each K/V tile is read once, ends each
   sequence's keys at its largest position + 1 and splits what remains so that small batches fill the
@@ -100,7 +100,7 @@ def _limited_decode(args) -> bool:
 
 
 def _gluon_backward(args) -> bool:
-    """Our Triton family's backward runs its Gluon kernel (kernels/gluon_bwd.py) for these inputs."""
+    """Our Triton family's backward runs its Gluon kernel (fa_compile/kernels/gluon_bwd.py) for these inputs."""
     cap = common.device_capability(args.q.device)
     if cap is None:
         return False
@@ -137,7 +137,7 @@ TRITON_IMPORT_ERROR: list = []
 
 
 def triton_candidate():
-    """Our Triton family (`kernels/triton_family.py`), or None when it or triton is missing."""
+    """Our Triton family (`fa_compile/kernels/triton_family.py`), or None when it or triton is missing."""
     try:
         from ..kernels.triton_family import TRITON  # noqa: PLC0415
     except Exception as e:
@@ -147,7 +147,7 @@ def triton_candidate():
 
 
 def decode_candidate():
-    """Our split-KV decode kernel for decode-shaped calls (`kernels/decode.py`), or None without triton."""
+    """Our split-KV decode kernel for decode-shaped calls (`fa_compile/kernels/decode.py`), or None without triton."""
     try:
         from ..kernels.decode import DECODE  # noqa: PLC0415
     except Exception:

@@ -139,7 +139,7 @@ def common_feature_reasons(args, what: str, *, softcap: bool = False, dropout: b
     if args.softcap > 0 and not softcap:
         out.append(f"{what} has no softcap")
     if args.dropout_p > 0 and not dropout:
-        out.append(f"{what} cannot draw the op's dropout mask (the counter hash of kernels/dropout_hash.py)")
+        out.append(f"{what} cannot draw the op's dropout mask (the counter hash of fa_compile/kernels/dropout_hash.py)")
     nk = static_int(args.k.shape[2])
     if nk == 0:
         out.append(f"{what}: no keys (Nk = 0)")

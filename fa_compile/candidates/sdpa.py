@@ -107,7 +107,7 @@ class SdpaCandidate:
             b = args.bias
             if b is not None and b.dtype != torch.bool and b.dtype != args.q.dtype:
                 r.append(f"{what} adds the bias in q's dtype {args.q.dtype}; bias is {b.dtype} and rounding it would change scores")
-            r += c.absorbing_bias_refusal(b, what)  # (kernels/reference.py)
+            r += c.absorbing_bias_refusal(b, what)  # (fa_compile/kernels/reference.py)
         if args.needs_backward:
             r += c.deterministic_reasons(args, what, deterministic_backward=False)
             if args.bias_requires_grad and not self.bias_grad:

@@ -14,7 +14,7 @@ fails keeps the op (run-time dispatch); each decision is recorded (`records()`).
 
 Modules: `site_args` (node -> AttentionArgs), `choice` (which kernel, which lowering, or why none),
 `cpu_flash` / `sdpa` / `fa3` / `triton` / `decomposed` (the replacements; `fa3` through a thin custom op
-over FA3's C++ forward; `triton` calls the `fa3_triton` triton_ops of kernels/triton_ops.py;
+over FA3's C++ forward; `triton` calls the `fa3_triton` triton_ops of fa_compile/kernels/triton_ops.py;
 `decode` calls the split-KV decode kernel's `fa3_decode` triton_op; `decomposed` writes a decode step's
 reference math as graph ops), `empty_rows` (the rewrite's fix-up of rows with no admissible key, found
 after the op so that a kernel which writes that value itself takes it), `empty_rows_backward` (that

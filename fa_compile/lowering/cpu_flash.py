@@ -71,7 +71,7 @@ class CpuFlash:
         if args.softcap > 0:
             r.append(f"{what} has no softcap")
         if args.dropout_p > 0:
-            r.append(f"{what} cannot draw the op's dropout mask (the counter hash of kernels/dropout_hash.py)")
+            r.append(f"{what} cannot draw the op's dropout mask (the counter hash of fa_compile/kernels/dropout_hash.py)")
         if c.has_window(args):
             r.append(f"{what} has no sliding window")
         if args.causal and not c.causal_vacuous(args):

@@ -1,4 +1,4 @@
-"""CUDA: our split-KV decode kernel as the `fa3_decode::fwd` triton_op of kernels/decode_ops.py, so Inductor
+"""CUDA: our split-KV decode kernel as the `fa3_decode::fwd` triton_op of fa_compile/kernels/decode_ops.py, so Inductor
 launches its kernels from the generated code (and CUDA graphs capture them) instead of the fa3 op's run-time
 dispatch, which costs more host time than a decode step's GPU work.
 
@@ -11,7 +11,7 @@ Two ways in:
   time than the math's matmuls, casts and softmax or an SDPA op's call (generate() on the H200:
   benchmarks/generate_steps.py, BENCHMARKS.md). FA_COMPILE_DECODE_KERNEL=0 turns that off.
 
-The splits and the key tile are fixed here by the launcher's own rule (kernels/decode.py plan_splits,
+The splits and the key tile are fixed here by the launcher's own rule (fa_compile/kernels/decode.py plan_splits,
 which never reads the lengths: they live on the device). A cache length that is symbolic (Hugging Face's
 DynamicCache grows it every step: dynamic=True or Dynamo's automatic dynamic shapes) is fine: the kernel
 divides each sequence's own length among the splits at run time, so the count planned from the
@@ -91,7 +91,7 @@ class DecodeLowering:
                 or decode.kernel_not_supported_reasons(args) or self.reasons(args, direction))
 
     def _plan(self, args: dispatch.AttentionArgs) -> tuple[int, int]:
-        """(splits, keys per tile): kernels/decode.py's choice for a contiguous cache of Nk slots (a
+        """(splits, keys per tile): fa_compile/kernels/decode.py's choice for a contiguous cache of Nk slots (a
         symbolic Nk: its upper bound, else its hint)."""
         from ..kernels import decode
 

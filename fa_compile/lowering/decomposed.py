@@ -7,7 +7,7 @@ A decode step (a few query tokens against a short cache) does microseconds of GP
 its cost is host time and launches: a fused kernel's call plus the output conventions around it cost
 more than the attention itself. The same model's eager attention code under plain Inductor was the
 fastest variant of GPT-2's `generate()` on the H200 (BENCHMARKS.md). This lowering writes the op's
-reference (kernels/reference.py: fp32 scores and softmax, every mask argument, sinks, run-time
+reference (fa_compile/kernels/reference.py: fp32 scores and softmax, every mask argument, sinks, run-time
 positions and segment ids, empty rows out 0 / lse -inf) into the graph: GQA by grouping the query
 heads (no repeated K/V), the scores in fp32, no dense mask beyond the [B, Hq, Nq, Nk] scores.
 
@@ -99,7 +99,7 @@ choice.register("cuda", "decode_math", DECODE_MATH)
 
 class ReferenceMath:
     """CUDA sites of any size whose dispatch choice is the reference (no fused kernel is exact there, e.g. a
-    float bias that can absorb whole rows: kernels/reference.py absorbing_bias_refusal): the reference
+    float bias that can absorb whole rows: fa_compile/kernels/reference.py absorbing_bias_refusal): the reference
     forward and backward as graph ops, which Inductor fuses as it would the model's eager code, instead of
     the op's run-time calls of the Python reference (fp32 copies and products, a dense mask, a launch per
     step). bf16 inputs are multiplied in bf16 with fp32 accumulation, eager code's own precision; masks,

@@ -7,7 +7,7 @@ fills) or the mean of V over all keys, repeated over the query heads of each KV 
 finite fills). In a decode step those are launches of their own (a reduction over the cache and a
 `where`) around a kernel of a few microseconds; in an encoder's forward, a read of V and a pass over the
 output per layer. The decode kernel, our Triton forward and the CPU flash op can write either value
-themselves (`empty_fill` of kernels/decode_ops.py, kernels/triton_ops.py, fa_compile/cpu_flash_op.py), and
+themselves (`empty_fill` of fa_compile/kernels/decode_ops.py, fa_compile/kernels/triton_ops.py, fa_compile/cpu_flash_op.py), and
 the choice may prefer such a kernel for the site (choice._filling_kernel), so the lowering looks for the
 fix-up here, in the post-grad (decomposed ATen) form it has on the torch versions the project supports,
 and takes it only when:

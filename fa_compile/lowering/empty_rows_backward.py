@@ -1,6 +1,6 @@
 """The backward of emit's empty-row fix-up, recognized after AOTAutograd, for a lowered backward that
-computes it itself (fa_compile/cpu_flash_op.py: `fa3::cpu_flash_backward`; kernels/triton_ops.py:
-`fa3_triton::bwd` with `empty_grad`, whose last kernel is kernels/triton_empty_rows_bwd.py).
+computes it itself (fa_compile/cpu_flash_op.py: `fa3::cpu_flash_backward`; fa_compile/kernels/triton_ops.py:
+`fa3_triton::bwd` with `empty_grad`, whose last kernel is fa_compile/kernels/triton_empty_rows_bwd.py).
 
 Forward, emit wrote `res = where(isneginf(lse)[..., None], fill, out)` (empty_rows.py). Its backward, as
 AOTAutograd and Inductor's decompositions give it on the torch versions the project supports, with D the

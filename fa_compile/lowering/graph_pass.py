@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import operator
 import os
 import warnings
 from dataclasses import dataclass
@@ -146,6 +147,31 @@ def _zeros_for(graph: fx.Graph, node: fx.Node) -> None:
     graph.erase_node(node)
 
 
+_UNIFORM_ROW_GRAD_BACKWARD = torch.ops.fa3.uniform_row_grad_backward.default
+
+
+def _uniform_terms(graph: fx.Graph, node: fx.Node) -> None:
+    """fa3::uniform_row_grad_backward without a softcap off the CPU, left over where no lowered backward took
+    it (empty_rows_backward.py): its sync-free terms as graph arithmetic, which Inductor fuses (the op would
+    be a run-time call per layer), computing only the outputs that are read."""
+    from ..row_fixups import _terms_dtype, _uniform_grads
+    from . import conventions
+
+    dg, q, k, v, scale = node.args[:5]
+    softcap = node.args[5] if len(node.args) > 5 else node.kwargs.get("softcap", 0.0)
+    qv = q.meta.get("val") if isinstance(q, fx.Node) else None
+    if softcap != 0 or not isinstance(qv, torch.Tensor) or qv.device.type == "cpu":
+        return
+    read = {u.args[1] for u in node.users if u.op == "call_function" and u.target is operator.getitem and u.users}
+
+    def terms(dg, q, k, v):
+        dq, dk = _uniform_grads(dg, q, k, v, scale, _terms_dtype(q), 0 in read, 1 in read)
+        return (torch.zeros_like(q) if dq is None else conventions.dense_like(dq, q),
+                torch.zeros_like(k) if dk is None else conventions.dense_like(dk, k))
+
+    splice.replace_node(graph, node, terms, [dg, q, k, v])
+
+
 def lower_graph(graph: fx.Graph) -> list[choice.Decision]:
     """Lower every fa3.attention / fa3.attention_backward node of `graph` in place."""
     _load_lowerings()
@@ -170,6 +196,14 @@ def lower_graph(graph: fx.Graph) -> list[choice.Decision]:
             out.append(decision)
             _RECORDS.append(Record(name, decision))
             torch._dynamo.utils.counters["fa_compile"]["lowered" if decision.lowered else "kept_op"] += 1
+    if any(d.lowered for d in out):
+        graph.eliminate_dead_code()
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target is _UNIFORM_ROW_GRAD_BACKWARD]:
+        try:
+            _uniform_terms(graph, node)
+        except Exception as e:  # the op stays: exact, a run-time call
+            warnings.warn(f"fa_compile: writing {node.name} as graph arithmetic failed ({type(e).__name__}: "
+                          f"{str(e)[:200]}); it stays an op", RuntimeWarning, stacklevel=2)
     if any(d.lowered for d in out):
         graph.eliminate_dead_code()
         graph.lint()

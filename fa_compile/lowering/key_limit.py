@@ -1,5 +1,5 @@
 """fa3::key_limit (fa_compile/key_limit_op.py) after AOTAutograd: on CUDA one Triton kernel launched by
-Inductor (`fa3_decode::key_limit`, kernels/decode_ops.py), elsewhere its graph ops, which Inductor fuses.
+Inductor (`fa3_decode::key_limit`, fa_compile/kernels/decode_ops.py), elsewhere its graph ops, which Inductor fuses.
 
 Written as graph ops, the limit over a 16384-key cache was two reduction kernels per decode layer
 (Inductor splits a reduction of that length when it has few rows), 3.3 us of the step's 43 on the H200;

@@ -1,4 +1,4 @@
-"""CUDA: our Triton family (kernel "triton") as the `fa3_triton` triton_ops of kernels/triton_ops.py.
+"""CUDA: our Triton family (kernel "triton") as the `fa3_triton` triton_ops of fa_compile/kernels/triton_ops.py.
 
 The replacement calls `fa3_triton.fwd` / `fa3_triton.bwd` and is traced functionalized, so each op
 decomposes into `triton_kernel_wrapper_functional` nodes with constant strides, constexprs and grid
@@ -10,7 +10,7 @@ smaller one (`_smaller`), as its run-time OutOfResources retry would (none fitti
 the op, with one warning).
 
 Only the pointer kernels lower (wrap_triton takes neither host TensorDescriptors nor Gluon kernels:
-see kernels/triton_ops.py), so a site keeps the op, with its reason, where the family would run
+see fa_compile/kernels/triton_ops.py), so a site keeps the op, with its reason, where the family would run
 another member or something the straight-line form cannot reproduce: its TMA-descriptor or Gluon
 kernels (Hopper, 16-byte aligned strides; FA_COMPILE_TRITON_TMA=0 selects the pointer kernels),
 first-call tile tuning (FA_COMPILE_TUNE on Hopper), dynamic sizes. Dropout lowers: the node's seed
@@ -21,7 +21,7 @@ The forward writes emit's fix-up of rows with no admissible key itself where it 
 op's outputs (`fills_empty_rows`, empty_rows.py): NaN or the mean of V, read only by a tile with such a row;
 in training too for the mean of V (`fills_saved_empty_rows`). The backward takes that fix-up's backward
 (`folds_empty_row_grads`, empty_rows_backward.py): its kernels zero the dO of rows whose lse is -inf, and one
-more kernel (kernels/triton_empty_rows_bwd.py) adds the mean's and eager's uniform-row gradients, reading
+more kernel (fa_compile/kernels/triton_empty_rows_bwd.py) adds the mean's and eager's uniform-row gradients, reading
 only the lse when no row is empty. A padded BERT training step had run them as graph ops on every layer.
 
 On CPU the family runs under the Triton interpreter only; the lowering takes such sites (tests

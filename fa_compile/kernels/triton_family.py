@@ -13,7 +13,7 @@ Triton-language kernels (triton_fwd*.py, triton_bwd.py), whose backward uses no 
 
 Triton is imported lazily: without it this module still imports and reports "triton not installed".
 Arguments are duck-typed (q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
-softcap, dropout_p, dropout_seed, needs_backward, bias_requires_grad, sinks) so kernels/ never imports fa_compile.
+softcap, dropout_p, dropout_seed, needs_backward, bias_requires_grad, sinks) so fa_compile/kernels/ never imports fa_compile.
 Sinks ([Hq] logits in the denominator): the pointer forward takes them (the Gluon and TMA forwards are
 skipped); every backward kernel is unchanged, since P = exp(S - lse) with the lse that includes the sink
 is already the probability of the keys (the sinks' own gradient is a reduction over (dO, O, lse), ops.py).
@@ -128,7 +128,7 @@ def _smaller(cfg: BlockConfig) -> Optional[BlockConfig]:
     return None
 
 
-# Pruned candidates for first-call tile tuning (FA_COMPILE_TUNE=1, kernels/tile_tuning.py) on Hopper:
+# Pruned candidates for first-call tile tuning (FA_COMPILE_TUNE=1, fa_compile/kernels/tile_tuning.py) on Hopper:
 # the runners-up of the H200 tile runs (benchmarks/results/kernels.md), each within ~10% of the default
 # there, so another Hopper part or shape can pick differently; the default is always timed first.
 TUNE_CANDIDATES: dict[tuple[str, int], list[BlockConfig]] = {
@@ -342,7 +342,7 @@ GLUON_ROWBIAS_CONFIGS: dict[int, BlockConfig] = dict(GLUON_CONFIGS)
 # block, head) together so they read its rows from L2 (gluon_fwd._batch_inner_ids). Same runs as above,
 # medians: 449-464 TFLOP/s against 432-444 in the usual order (450-456 against 424-433 with ping-pong); a
 # [1, 1, N, N] bias (32 MB, read by every head) showed no gain and keeps the usual order. A switch for
-# benchmarks/kernels.py --bias.
+# benchmarks/kernel_peers.py --bias.
 GLUON_BIAS_BATCH_INNER = True
 
 
@@ -383,7 +383,7 @@ def _gluon_bias(bias: Optional[Tensor], q: Tensor) -> Optional[tuple[Tensor, int
 
 
 def _gluon_ok(args, tensors, cap: tuple[int, int], bias_kind: int, block: int, gb) -> bool:
-    """The Gluon forward (kernels/gluon_fwd.py) takes the structural masks, a float bias tile that TMA can
+    """The Gluon forward (fa_compile/kernels/gluon_fwd.py) takes the structural masks, a float bias tile that TMA can
     read (`gb`, from _gluon_bias) and a float or bool bias constant along query rows (_bias4 kinds 3, 4: read
     by plain loads, any strides), on Hopper, for head-dim blocks 64..256 (smaller heads keep the tl kernel,
     tuned for them)."""
@@ -463,7 +463,7 @@ GLUON_BWD_CONFIGS: dict[int, BlockConfig] = {
 
 
 def gluon_backward_applies(args, cap: tuple[int, int]) -> bool:
-    """Whether the backward of these inputs runs the Gluon kernel (kernels/gluon_bwd.py), from shapes and
+    """Whether the backward of these inputs runs the Gluon kernel (fa_compile/kernels/gluon_bwd.py), from shapes and
     settings alone (dispatch asks this of fake tensors): Hopper, structural masks only, head dims 33..128
     in multiples of 8 (rows of the fp32 dQ buffer must be 16-byte multiples for TMA), and not when torch
     asks for deterministic algorithms (its dQ sums arrive in varying order). The launcher also needs

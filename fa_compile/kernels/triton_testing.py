@@ -1,5 +1,5 @@
 """Test helpers for the Triton attention family: build a case, run it with poisoned outputs, compare
-every element with the reference (kernels/reference.py). Shared by the interpreter and GPU tests."""
+every element with the reference (fa_compile/kernels/reference.py). Shared by the interpreter and GPU tests."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

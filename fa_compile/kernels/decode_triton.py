@@ -14,7 +14,7 @@ and row sum per split) go to fp32 workspaces that the combine kernel reduces. Sc
 natural-log units (exp2 takes the difference times log2 e), so an additive finfo.min bias stays finite as
 in the reference: a row whose every key carries it is uniform over them, not empty, and its lse is exact.
 
-For `torch.ops.fa3.attention` (decode-shaped calls, kernels/decode.py attention_decode) the pass also
+For `torch.ops.fa3.attention` (decode-shaped calls, fa_compile/kernels/decode.py attention_decode) the pass also
 takes the op's run-time positions (HAS_QPOS: token i admits keys j <= q_pos[b, i], and the valid range
 ends at max over the tokens of q_pos + 1, so the splits divide what is valid, not the capacity), its
 diagonal (DIAG_CAUSAL: j <= i + diag_offset) and a bias of any broadcast (BIAS_KIND 1 float, 2 bool keep-

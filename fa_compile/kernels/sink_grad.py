@@ -1,4 +1,4 @@
-"""The gradient of attention sinks as one Triton reduction (kernels/reference.py: sink_grad_reference).
+"""The gradient of attention sinks as one Triton reduction (fa_compile/kernels/reference.py: sink_grad_reference).
 
 d sink_h = sum_{b,i} P_sink,i * (dlse_i - rowsum(dO_i * O_i)), P_sink,i = exp(sink_h - lse_i) (0 where lse is
 -inf). The reference spells it as torch ops on fp32 copies of dO and O (four passes over [B, Hq, Nq, Dv]);

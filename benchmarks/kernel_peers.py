@@ -8,7 +8,7 @@ three times (five for the bias rows) in alternating order (`in_turn`), each time
 triton.testing.do_bench; the row reports the median of those and keeps all of them (`*_runs`).
 FLOPs: forward 4*B*H*N*N*D (halved when causal), backward 2.5x forward.
 
-Run on a GPU machine:  python benchmarks/kernels.py [--quick] [--sweep] [--out DIR]
+Run on a GPU machine:  python benchmarks/kernel_peers.py [--quick] [--sweep] [--out DIR]
 Prints TFLOP/s and ratios, writes kernels.json and kernels.png to --out (default $OUT or /tmp).
 """
 from __future__ import annotations
@@ -596,7 +596,7 @@ def main() -> None:
                     "with the tl forward, cuDNN and FA3, then exit")
     opt = ap.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/kernels.py: needs a CUDA GPU (it times CUDA kernels) and none is visible here. "
+        raise SystemExit("benchmarks/kernel_peers.py: needs a CUDA GPU (it times CUDA kernels) and none is visible here. "
                          "On CPU the kernels' correctness tests run under the Triton interpreter: "
                          "pytest tests/test_kernels_interp.py")
     if opt.warm:

@@ -1,7 +1,7 @@
 """The split-KV decode kernel (decode_triton.py) as a `torch.library.triton_op`, for the compile-time
 lowering (fa_compile/lowering/decode.py): Inductor launches its two kernels from the generated code.
 
-`fa3_decode::fwd` computes what kernels/decode.py's `attention_decode` does for `torch.ops.fa3.attention`
+`fa3_decode::fwd` computes what fa_compile/kernels/decode.py's `attention_decode` does for `torch.ops.fa3.attention`
 (decode-shaped calls: 1..16 queries, a contiguous cache read through k / v's own strides, kv_lens, q_pos,
 a causal diagonal, a float or bool bias), with the number of splits and the key tile fixed by the caller
 (chosen at compile time from static shapes, as the run-time launcher chooses them). Every kernel
@@ -27,7 +27,7 @@ def fwd(
     scale: float, causal: bool, diag_offset: int, splits: int, block_n: int, empty_fill: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, Nq, Dv] stored BSHD, lse [B, Hq, Nq] fp32) of the op's arguments (q [B, Hq, Nq, D],
-    k / v [B, Hkv, Nk, D]); `splits` >= 1 and `block_n` as kernels/decode.py plans them. `empty_fill`: out
+    k / v [B, Hkv, Nk, D]); `splits` >= 1 and `block_n` as fa_compile/kernels/decode.py plans them. `empty_fill`: out
     on rows that admit no key, 0 the op's zeros, 1 NaN, 2 the mean of v over all Nk keys (lse stays -inf)."""
     from .decode_triton import decode_combine_kernel, decode_partial_kernel
 

@@ -50,7 +50,7 @@ NAMESPACE = "fa3_triton"
 # (fa3_triton::fwd here, fa3_decode::fwd): see fa_compile/lowering/empty_rows.py.
 EMPTY_FILLS = {"zero": 0, "nan": 1, "mean_v": 2}
 # What fa3_triton::bwd also computes of that fix-up's backward, its `empty_grad` (0: nothing, dout is the op's
-# own gradient): see fa_compile/lowering/empty_rows_backward.py and kernels/triton_empty_rows_bwd.py.
+# own gradient): see fa_compile/lowering/empty_rows_backward.py and fa_compile/kernels/triton_empty_rows_bwd.py.
 EMPTY_GRADS = {"none": 1, "mean_v": 2, "uniform": 3}
 _PRE_BLOCK_M_GPU = 64  # delta preprocess rows per program (the family's)
 
@@ -196,7 +196,7 @@ def bwd(
     `lse` is the forward's fp32 [B, Hq, Nq] (-inf on empty rows). With `empty_grad` (EMPTY_GRADS), `dout` is
     the gradient of emit's empty-row fix-up: the kernels zero it on rows with lse -inf, as the fix-up's
     `where` does, and for "mean_v" / "uniform" a last kernel adds the rest of its backward when some row
-    is empty (kernels/triton_empty_rows_bwd.py)."""
+    is empty (fa_compile/kernels/triton_empty_rows_bwd.py)."""
     from .triton_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 
     check_config("dkdv_config", dkdv_config)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-NEG_INF = float("-inf")
 
 
 @triton.jit
@@ -29,7 +28,7 @@ def _rows(LSE, row_base, m0, Nq, BLOCK_M: tl.constexpr):
     """(row indices, whether each is an existing row with lse -inf) of the query block at m0."""
     rows = m0 + tl.arange(0, BLOCK_M)
     lse = tl.load(LSE + row_base + rows, mask=rows < Nq, other=0.0)
-    return rows, (lse == NEG_INF) & (rows < Nq)
+    return rows, (lse == float("-inf")) & (rows < Nq)
 
 
 @triton.jit
