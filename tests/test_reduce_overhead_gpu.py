@@ -25,7 +25,7 @@ def _layer(q, k, v, mask):
     return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
-def _inputs(seed, b, hq, hkv, nq, nk, d=64, dt=torch.bfloat16, pad=0):
+def _inputs(seed, b, hq, hkv, nq, nk, d=64, dt=torch.bfloat16, pad=0, fill=None):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(b, hq, nq, d, device="cuda", dtype=dt, generator=g)
     k = torch.randn(b, hkv, nk, d, device="cuda", dtype=dt, generator=g)
@@ -35,7 +35,8 @@ def _inputs(seed, b, hq, hkv, nq, nk, d=64, dt=torch.bfloat16, pad=0):
         keep = keep.tril()
     if pad:
         keep[0, ..., nk - pad:] = False
-    mask = torch.zeros(keep.shape, device="cuda", dtype=dt).masked_fill(~keep, torch.finfo(dt).min)
+    fill = torch.finfo(dt).min if fill is None else fill
+    mask = torch.zeros(keep.shape, device="cuda", dtype=dt).masked_fill(~keep, fill)
     return q, k, v, mask
 
 
@@ -47,11 +48,12 @@ def _inputs(seed, b, hq, hkv, nq, nk, d=64, dt=torch.bfloat16, pad=0):
 def test_reduce_overhead_replays_match_eager(kernel, shape):
     torch._dynamo.reset()
     fn = torch.compile(_layer, backend=fa_compile.backend(kernel=kernel, mode="reduce-overhead"))
-    # forced to our Triton family, fp16: the family refuses a bf16 (or fp32) float bias, whose finfo.min
-    # could absorb a whole row's scores (fa_compile/kernels/reference.py absorbing_bias_refusal)
+    # forced to our Triton family, fp16 with a -1e4 mask: the family refuses a float bias whose values may absorb
+    # a whole row's scores (fa_compile/kernels/reference.py absorbing_bias_refusal): a bf16 finfo.min, and an fp16
+    # finfo.min added to fp16 scores, which the rewrite passes as fp32 finfo.min (patterns/masks untouched_add)
     dt = torch.float16 if kernel == "triton" else torch.bfloat16
     for seed in range(3):  # warm-up, record, replay
-        q, k, v, mask = _inputs(seed, *shape, dt=dt, pad=100)
+        q, k, v, mask = _inputs(seed, *shape, dt=dt, pad=100, fill=-1e4 if kernel == "triton" else None)
         got = fn(q, k, v, mask).clone()
         want = _layer(q.float(), k.float(), v.float(), mask.float())
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
