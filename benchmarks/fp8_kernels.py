@@ -34,10 +34,10 @@ from fa_compile.kernels.fp8 import launch as fp8_launch
 
 
 def _kernel_bench():
-    """benchmarks/kernel_peers.py (its Args, timing and input helpers), loaded by path: `kernels` is also a package."""
+    """benchmarks/kernel_peers.py (its Args, timing and input helpers), loaded by path."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.py")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_peers.py")
     spec = importlib.util.spec_from_file_location("bench_kernels", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
