@@ -41,15 +41,6 @@ def analyze_mask(
         return f"mask analysis failed: {type(e).__name__}: {e}"
 
 
-def _applied(term, scores_dtype: torch.dtype) -> torch.dtype:
-    """The dtype eager adds an additive term in (its node's result; the softmax input's when unknown)."""
-    from .symbolic import _dtype
-
-    mine = term.dtype if term.dtype is not None else scores_dtype
-    other = _dtype(term.tensor) if isinstance(term.tensor, fx.Node) else None
-    return torch.promote_types(mine, other) if other is not None and other.is_floating_point else mine
-
-
 def _analyze(gm, terms, *, batch, q_len, k_len, scores_dtype, insert_before, sdpa) -> Union[MaskSpec, str]:
     sdpa = sdpa or any(t.op == "bool" for t in terms)  # a bool keep-mask is SDPA's: empty rows give 0
     an = _Analyzer(gm)
@@ -67,7 +58,7 @@ def _analyze(gm, terms, *, batch, q_len, k_len, scores_dtype, insert_before, sdp
 
     def untouched_adds(src: list) -> list:
         # additive masks passed as they are: the op then does eager's own arithmetic on them
-        return [untouched_add(an, terms[i].tensor, _applied(terms[i], scores_dtype)) if is_mask_add(i) else t
+        return [untouched_add(an, terms[i].tensor, infos[i].applied) if is_mask_add(i) else t
                 for i, t in enumerate(src)]
 
     def destructured(src: list) -> list:

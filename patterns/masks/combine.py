@@ -31,6 +31,7 @@ class _TermInfo:
     converted: bool = True
     absorbs: bool = True  # additive 0-or-c: eager's s + c rounds to c, so a fully masked row is uniform
     finite: bool = False  # a fill whose c is not negligible next to admissible scores (see _negligible)
+    applied: Optional[torch.dtype] = None  # converted additive terms: the dtype eager adds them in
 
 
 def _absorbs(c: float, dtype: torch.dtype) -> bool:
@@ -88,7 +89,7 @@ def _term_info(an: _Analyzer, t: MaskTerm, scores_dtype: torch.dtype, q_len: Siz
             v = replace(v, keep=_lens_as_positions(v.keep, t.tensor, q_len))
         if isinstance(v, _Two) and v.on == 0 and _absorbs(v.c, eager_dt) and _band_fits(
                 v.keep, t.tensor, q_len, k_len):
-            return _TermInfo("add", v.c, keep=v.keep, extra=v.extra, absorbs=True)
+            return _TermInfo("add", v.c, keep=v.keep, extra=v.extra, absorbs=True, applied=eager_dt)
         return untouched_add(an, t.tensor, eager_dt)
     if t.op not in ("fill", "where", "bool"):
         return f"unknown mask term op {t.op!r}"
