@@ -200,14 +200,16 @@ else:
     def test_fp32_tf32_path():
         check_case(make_case(nq=25, nk=31, d=48, dtype=torch.float32, causal=True, diag_offset=6))
 
-    def test_dropout_mask_bit_exact():
+    @pytest.mark.parametrize("p", [0.4, 0.8])  # 0.8: a keep threshold past 2**31 (an int64 kernel argument)
+    def test_dropout_mask_bit_exact(p):
         # v = identity, so out = dropped, rescaled P: its zero pattern is the keep mask itself.
-        case = make_case(b=2, hq=2, nq=24, nk=32, d=32, dtype=torch.float32, dropout_p=0.4)
+        case = make_case(b=2, hq=2, nq=24, nk=32, d=32, dtype=torch.float32, dropout_p=p)
         case.v = torch.eye(32).expand(2, 2, 32, 32).contiguous()
         out, _ = poisoned_forward(case)
         from fa_compile.kernels.dropout_hash import dropout_keep_mask
 
-        keep = dropout_keep_mask(case.dropout_seed, 2, 2, 24, 32, 0.4, device="cpu")
+        keep = dropout_keep_mask(case.dropout_seed, 2, 2, 24, 32, p, device="cpu")
+        assert 0 < int(keep.sum()) < keep.numel()
         assert torch.equal(out != 0, keep)
 
     def test_dropout_forward_backward_with_bias_window():

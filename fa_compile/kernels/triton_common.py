@@ -56,9 +56,10 @@ def dropout_row_hash(seed, bh, Nq, rows):
 
 @triton.jit
 def dropout_keep(row_hash, cols, threshold):
-    """keep = hash32(row_hash ^ col) >= threshold (compared in int64: threshold may exceed 2**31)."""
+    """keep = hash32(row_hash ^ col) >= threshold, compared as uint32 (threshold < 2**32: one unsigned compare
+    per element; the launcher passes it as int32 or int64, whose low 32 bits hold it either way)."""
     x = hash32(row_hash ^ cols.to(tl.uint32))
-    return x.to(tl.int64) >= threshold
+    return x >= tl.cast(threshold, tl.uint32)
 
 
 @triton.jit
