@@ -31,9 +31,11 @@ elsewhere. Other masks get the graph ops.
 
 Where: decode-shaped sites only (Nq <= MAX_QUERIES, static Nk > MIN_KEYS), without dropout and
 without a finite fill (emit's "fill" path counts kv_lens's keys as filled ones, which hold weight).
-  - Prefill sites are left alone: their bias is [Nq, Nk], so the reduction is a second pass over it,
+  - Prefill sites are left alone here: their bias is [Nq, Nk], so the reduction is a second pass over it,
     and on the GPU the kernels that lead for prefill take fewer masks: FA3 none with a bias, cuDNN
-    builds one additive bias from bias + kv_lens per call and still reads every key.
+    builds one additive bias from bias + kv_lens per call and still reads every key. Where the lowering
+    sends a site to our Triton kernels, which cut key tiles at kv_lens, it adds the limit of a key-padding
+    mask itself (fa_compile/lowering/key_limit.py `for_site`).
   - Short caches (Nk <= MIN_KEYS, e.g. generate()'s default cache of prompt + new tokens) are
     host-bound: on CUDA the decode-step math lowering runs them over the whole cache as graph ops,
     which a limit would not shorten, and the reduction would be one more launch per layer.

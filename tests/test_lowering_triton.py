@@ -34,6 +34,7 @@ else:
 
     import fa_compile
     from fa_compile import ops  # noqa: F401  (registers torch.ops.fa3)
+    from fa_compile.kernels import decode_ops  # noqa: F401  (bound to the real `_empty` before any fixture patches it)
     from fa_compile.kernels import reference as ref
     from fa_compile.kernels import triton_ops
     from fa_compile.kernels.triton_testing import eager_empty_fill, finite_poison_empty, make_case, tolerances
@@ -49,14 +50,18 @@ else:
     def poisoned(monkeypatch):
         """Every output the ops allocate starts as NaN: an element no kernel writes fails the comparison."""
         def nan_empty(shape, stride, dtype, device):
-            return torch.empty_strided(shape, stride, dtype=dtype, device=device).fill_(float("nan"))
+            poison = float("nan") if dtype.is_floating_point else -7  # (a key limit's int32 output)
+            return torch.empty_strided(shape, stride, dtype=dtype, device=device).fill_(poison)
 
         monkeypatch.setattr(triton_ops, "_empty", nan_empty)
 
     @pytest.fixture
     def cpu_lowering(monkeypatch):
         """The lowering for CPU sites, which only the interpreter runs (Inductor never sees them)."""
+        from fa_compile.lowering import key_limit
+
         monkeypatch.setitem(choice.LOWERINGS, ("cpu", "triton"), triton_lowering.TRITON_LOWERING)
+        monkeypatch.setattr(key_limit, "DEVICES", ("cuda", "cpu"))  # and a key-padding mask's limit as its kernel
 
     def _empty_rows(case):
         case.bias = case.bias.clone()
@@ -196,7 +201,9 @@ else:
         case = CASES[name]()
         gm, inputs = _site(case)
         decisions = _lower(gm)
-        assert [str(d) for d in decisions] == ["triton -> fa3_triton.fwd"]
+        # a key-padding mask longer than one key tile: the kernels read keys up to its limit (key_limit.for_site)
+        note = f" ({choice.KEYS_CUT_TEXT})" if name == "bool_key_padding" else ""
+        assert [str(d) for d in decisions] == ["triton -> fa3_triton.fwd" + note]
         nodes = [n.target for n in gm.graph.nodes if n.op == "call_function"]
         assert FUNCTIONAL in nodes and site_args.FORWARD not in nodes
         out, lse = gm(*inputs)
@@ -204,9 +211,9 @@ else:
         dout = _dout(out)
         gm, inputs = _site(case, backward=True, dout=dout, out=out, lse=lse)
         decisions = _lower(gm)
-        assert [str(d) for d in decisions] == ["triton -> fa3_triton.bwd"]
+        assert [str(d) for d in decisions] == ["triton -> fa3_triton.bwd" + note]
         nodes = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-        assert nodes.count(FUNCTIONAL) == 3 and site_args.BACKWARD not in nodes
+        assert nodes.count(FUNCTIONAL) == 3 + bool(note) and site_args.BACKWARD not in nodes  # (+ the key limit)
         dq, dk, dv, dbias = gm(*inputs)
         _check_backward(case, dout, (dq, dk, dv), dbias)
         assert case.bias_requires_grad or dbias.numel() == 0
@@ -456,6 +463,118 @@ else:
         assert f"'ZERO_EMPTY': True" in bwd_code and (("UNIFORM': " + str(want_code == 3)) in bwd_code) == (
             want_code != 1), bwd_code
 
+    @pytest.mark.parametrize("fill", ["finfo_min", "neg_inf"])
+    @pytest.mark.parametrize("dropout", [0.0, 0.25])
+    def test_key_padding_limit_cuts_the_kernels_key_loops(fill, dropout, lowered_training):
+        """Two padded layers sharing one key-padding mask, training: each graph computes the mask's key limit once
+        (one kernel), both sites' kernels take it as kv_lens (HAS_KVLEN), and output and every gradient match
+        eager's: sequences of all 47 keys, of 9 (two whole tiles past it), of none, and of 33 with a kept key
+        in the last tile only; with dropout, against the fa3 op's own run-time dispatch (same counter hash)."""
+        from fa_compile.lowering.graph_pass import records
+
+        gen = torch.Generator().manual_seed(5)
+        layer = _padded_layer(fill, 1)
+
+        def two_layers(x, wq, wk, wv, wo, keep):
+            y = layer(x, wq, wk, wv, wo, keep)
+            return layer(y, wq, wk, wv, wo, keep)
+
+        if dropout:  # the same layer through the op's dropout: the rewrite keeps softmax -> dropout -> @ v
+            def layer(x, wq, wk, wv, wo, keep):  # noqa: F811
+                b, n, _ = x.shape
+                q, k, v = ((x @ w).view(b, n, -1, 16).transpose(1, 2) for w in (wq, wk, wv))
+                s = (q @ k.transpose(-1, -2) * 0.25).masked_fill(~keep, float("-inf"))
+                p = torch.nn.functional.dropout(torch.softmax(s.float(), dim=-1).to(q.dtype), dropout)
+                return (p @ v).transpose(1, 2).contiguous().view(b, n, -1) @ wo
+
+        x = torch.randn(4, 47, 32, generator=gen).half()
+        ws = [(torch.randn(32, 32, generator=gen) * 0.2).half() for _ in range(4)]
+        keep = torch.zeros(4, 1, 1, 47, dtype=torch.bool)
+        for i, n in enumerate((47, 9, 0, 33)):
+            keep[i, ..., :n] = True
+        keep[3, ..., 20:30] = False  # a hole: the limit is the last kept key, not the count
+        keep[3, ..., 45] = True
+        w = torch.randn(4, 47, 32, generator=gen).half()
+
+        def run(fn, dtype, batches):
+            leaves = [t.detach()[:batches] if i == 0 else t.detach() for i, t in enumerate([x] + ws)]
+            leaves = [t.to(dtype).clone().requires_grad_() for t in leaves]
+            if dropout:
+                torch.manual_seed(11)
+            out = fn(*leaves, keep[:batches])
+            (torch.nan_to_num(out, nan=0.0) * w[:batches].to(dtype)).sum().backward()
+            return [out] + [t.grad for t in leaves]
+
+        # eager's NaN rows (the -inf fill of the sequence with no key) reach every gradient: as in the test above,
+        # that case compares the batches with a kept key
+        batches = 4 if fill == "finfo_min" else 2
+        torch._dynamo.reset()
+        n_before = len(records())
+        # (fallback_random: Inductor's joint pass for random ops needs its own codegen context, which the fixture
+        # replaces; the op's dropout seed is drawn as in eager either way)
+        with torch._inductor.config.patch(fallback_random=True):
+            got = run(torch.compile(two_layers, backend=fa_compile.backend(kernel="triton")), torch.float16, batches)
+        graphs = lowered_training[-2:]  # forward, backward; their kernels' names now (dynamo.reset clears the table)
+        kernels = [[n for n in gm.graph.nodes if n.target is FUNCTIONAL] for gm in graphs]
+        names = [[triton_kernel_name(n) for n in ks] for ks in kernels]
+        if dropout:  # the same kernels reading every key (no limit): the same counter hash, the same values
+            from fa_compile.lowering import key_limit
+
+            torch._dynamo.reset()
+            with pytest.MonkeyPatch.context() as m, torch._inductor.config.patch(fallback_random=True):
+                m.setattr(key_limit, "cuts_keys", lambda *a: False)
+                want = run(torch.compile(two_layers, backend=fa_compile.backend(kernel="triton")), torch.float16,
+                           batches)
+        else:
+            want = run(two_layers, torch.float32, batches)
+        _, (ga, gr) = tolerances(torch.float16, "cpu")
+        for i, (a, e) in enumerate(zip(got, want)):
+            assert torch.equal(a.isnan(), e.isnan()), i
+            torch.testing.assert_close(a.float(), e.float(), atol=ga, rtol=gr, equal_nan=True,
+                                       msg=lambda m, i=i: f"{i}: {m}")
+        decisions = [r.decision for r in records()[n_before:]][:4]
+        assert [d.keys for d in decisions] == [choice.KEYS_CUT_TEXT] * 4, [str(d) for d in decisions]
+        for gm, ks, ns, n_attn in zip(graphs, kernels, names, (2, 4)):
+            assert ns.count("key_limit_kernel") == 1, ns  # one limit for both layers
+            attn = [n for n in ks if "KVLENS" in n.kwargs["kwargs"]]  # forward; dK/dV and dQ
+            assert len(attn) == n_attn, ns
+            assert gm.code.count("'HAS_KVLEN': True") == len(attn), gm.code
+
+    def triton_kernel_name(node) -> str:
+        from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+        k = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+        return getattr(k, "__name__", None) or getattr(getattr(k, "fn", None), "__name__", "?")
+
+    def _key_args(bias, **kw):
+        from fa_compile import dispatch
+
+        q = torch.empty(2, 4, 40, 16, dtype=torch.float16)
+        k = torch.empty(2, 4, 40, 16, dtype=torch.float16)
+        return dispatch.AttentionArgs(q=q, k=k, v=k, scale=0.25, bias=bias, **kw)
+
+    def test_which_sites_get_the_key_limit():
+        """key_limit.cuts_keys: one value per sequence and key (any dtype the op takes), more keys than a tile;
+        not a mask that varies along queries or heads, nor beside kv_lens or a bias gradient, nor a float mask
+        with structure (a causal / windowed row may see only absorbed keys, the cut ones among them)."""
+        from fa_compile.lowering.key_limit import cuts_keys
+
+        keyvec = torch.ones(2, 1, 1, 40, dtype=torch.bool)
+        add16 = torch.zeros(2, 1, 1, 40, dtype=torch.float16)
+        assert cuts_keys(_key_args(keyvec), 16)
+        assert cuts_keys(_key_args(keyvec.expand(2, 4, 40, 40)), 16)  # broadcast by strides 0
+        assert cuts_keys(_key_args(torch.ones(40, dtype=torch.bool)), 16)  # one mask for the batch
+        assert cuts_keys(_key_args(keyvec, causal=True, window_left=3), 16)  # a bool mask masks the cut keys itself
+        assert cuts_keys(_key_args(add16), 16)
+        assert not cuts_keys(_key_args(keyvec), 40)  # one tile holds every key
+        assert not cuts_keys(_key_args(torch.ones(2, 1, 40, 40, dtype=torch.bool)), 16)  # a row per query
+        assert not cuts_keys(_key_args(torch.ones(2, 4, 1, 40, dtype=torch.bool)), 16)  # a row per head
+        assert not cuts_keys(_key_args(keyvec, kv_lens=torch.full((2,), 40, dtype=torch.int32)), 16)
+        assert not cuts_keys(_key_args(add16, bias_requires_grad=True, needs_backward=True), 16)
+        for structure in (dict(causal=True), dict(window_left=5), dict(window_right=0),
+                          dict(q_pos=torch.zeros(2, 40, dtype=torch.int64))):
+            assert not cuts_keys(_key_args(add16, **structure), 16), structure
+
     def _emitted_site(case, kind, extra_use=False, grad=False):
         """The post-grad form of a site with emit's empty-row fix-up, forced to kernel "triton": emit_attention's
         graph traced to ATen with Inductor's decompositions (what the lowering pass sees after AOTAutograd).
@@ -571,6 +690,10 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
     def test_describe_names_the_triton_ops(cpu_lowering):
         text = choice.describe(_args(CASES["causal_offset_gqa"](), backward=True), "triton")
         assert text == "forward triton -> fa3_triton.fwd; backward triton -> fa3_triton.bwd", text
+        # explain() names the key-padding limit where the lowering will add it (29 keys, 16-key tiles)
+        text = choice.describe(_args(CASES["bool_key_padding"](), backward=True), "triton")
+        note = f" ({choice.KEYS_CUT_TEXT})"
+        assert text == f"forward triton -> fa3_triton.fwd{note}; backward triton -> fa3_triton.bwd{note}", text
 
     def test_descriptor_kernels_and_tile_tuning_keep_the_op(monkeypatch):
         # Hopper with TMA-aligned strides: beyond 1024 x 1024 scores the family's descriptor / Gluon

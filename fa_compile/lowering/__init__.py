@@ -19,7 +19,8 @@ over FA3's C++ forward; `triton` calls the `fa3_triton` triton_ops of fa_compile
 reference math as graph ops), `empty_rows` (the rewrite's fix-up of rows with no admissible key, found
 after the op so that a kernel which writes that value itself takes it), `empty_rows_backward` (that
 fix-up's backward, found around the backward node for an op that computes it), `key_limit` (a decode step's
-key limit, `fa3::key_limit`, as one Triton kernel on CUDA or as graph ops), `share` (one kv_lens /
+key limit, `fa3::key_limit`, as one Triton kernel on CUDA or as graph ops; and the limit of a key-padding mask
+for the sites our Triton kernels take, which end their key loops there), `share` (one kv_lens /
 key limit per step where every layer computes the same one), `splice` (tracing a
 replacement into the graph, and dropping the copies its own strides make no-ops), `graph_pass` (the
 Inductor CustomGraphPass).

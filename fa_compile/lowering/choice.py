@@ -38,6 +38,7 @@ class Decision:
     reason: str = ""
     refused: list = field(default_factory=list)
     folded: str = ""  # an output fix-up the lowered kernel computes itself (lowering/empty_rows.py)
+    keys: str = ""  # KEYS_CUT_TEXT where the kernel reads keys only up to a key-padding mask's limit (key_limit.py)
 
     @property
     def lowered(self) -> bool:
@@ -45,11 +46,13 @@ class Decision:
 
     def __str__(self) -> str:
         if self.lowered:
-            return f"{self.kernel} -> {self.target}" + (f" ({self.folded})" if self.folded else "")
+            notes = "; ".join(n for n in (self.folded, self.keys) if n)
+            return f"{self.kernel} -> {self.target}" + (f" ({notes})" if notes else "")
         return f"{self.kernel} (fa3 op, run-time dispatch: {self.reason})"
 
 
 LOWERINGS: dict[tuple[str, str], Lowering] = {}
+KEYS_CUT_TEXT = "keys read up to each sequence's last unmasked one"
 
 
 def register(device_type: str, kernel: str, lowering: Lowering) -> None:
@@ -254,6 +257,7 @@ def describe(args: dispatch.AttentionArgs, forced: Optional[str] = None, empty_f
         if d.lowered and empty_fix is not None and getattr(low, "fills_empty_rows", False) and (
                 fix is not None or (empty_fix == "mean_v" and getattr(low, "fills_saved_empty_rows", False))):
             d.folded = folded_text(empty_fix)
+        _note_keys(d, low, dispatch._for_direction(args, "forward"))
         parts.append("forward " + str(d))
     if args.needs_backward:
         with contextlib.suppress(Exception):
@@ -261,8 +265,17 @@ def describe(args: dispatch.AttentionArgs, forced: Optional[str] = None, empty_f
             if d.lowered and grad_fix is not None and getattr(LOWERINGS.get((args.q.device.type, d.kernel)),
                                                               "folds_empty_row_grads", False):
                 d.folded = empty_rows_backward.folded_text(grad_fix)
+            _note_keys(d, LOWERINGS.get((args.q.device.type, d.kernel)), args)
             parts.append("backward " + str(d))
     return "; ".join(parts)
+
+
+def _note_keys(d: Decision, low: Optional[Lowering], args: dispatch.AttentionArgs) -> None:
+    """d.keys where the lowering would give the site its key-padding mask's limit (graph_pass, key_limit.py)."""
+    from . import key_limit
+
+    if d.lowered and getattr(low, "cuts_padded_keys", False) and key_limit.cuts_keys(args, low.key_tile(args, d.direction)):
+        d.keys = KEYS_CUT_TEXT
 
 
 def explain_lines(rows: list) -> str:

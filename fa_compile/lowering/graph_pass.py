@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import operator
 import os
@@ -57,7 +58,7 @@ def _warn_once(node: fx.Node, decision: choice.Decision, err: Exception) -> None
                   RuntimeWarning, stacklevel=2)
 
 
-def _lower_node(graph: fx.Graph, node: fx.Node) -> Optional[choice.Decision]:
+def _lower_node(graph: fx.Graph, node: fx.Node, limits: dict) -> Optional[choice.Decision]:
     args = site_args.attention_args(node)
     if args is None:
         return None
@@ -71,6 +72,12 @@ def _lower_node(graph: fx.Graph, node: fx.Node) -> Optional[choice.Decision]:
     if not decision.lowered:
         return decision
     lowering = choice.LOWERINGS[(args.q.device.type, decision.kernel)]
+    if getattr(lowering, "cuts_padded_keys", False) and key_limit.cuts_keys(args, lowering.key_tile(args, direction)):
+        kv_lens = key_limit.for_site(graph, node, b["bias"], args, limits)  # shared by the graph's sites
+        if kv_lens is not None:
+            args = dataclasses.replace(args, kv_lens=kv_lens.meta["val"])
+            b = dict(b, kv_lens=kv_lens)
+            decision.keys = choice.KEYS_CUT_TEXT
     names = ["dout", "q", "k", "v", "out", "lse"] if backward else ["q", "k", "v"]
     names += [n for n in ("bias", "kv_lens") if b[n] is not None]
     if getattr(lowering, "takes_dropout_seed", False) and b["dropout_seed"] is not None:
@@ -176,6 +183,7 @@ def lower_graph(graph: fx.Graph) -> list[choice.Decision]:
     """Lower every fa3.attention / fa3.attention_backward node of `graph` in place."""
     _load_lowerings()
     out = []
+    limits: dict = {}  # key-padding mask -> its key limit, built for the sites whose kernel cuts keys there
     try:  # one kv_lens / key limit per step, not one per layer; each replacement leaves a valid graph
         share.share(graph)
     except Exception as e:  # never a failed compile: the copies are equal, computing each is only slower
@@ -191,11 +199,12 @@ def lower_graph(graph: fx.Graph) -> list[choice.Decision]:
         if node.op != "call_function" or node.target not in (site_args.FORWARD, site_args.BACKWARD):
             continue
         name = node.name
-        decision = _lower_node(graph, node)
+        decision = _lower_node(graph, node, limits)
         if decision is not None:
             out.append(decision)
             _RECORDS.append(Record(name, decision))
             torch._dynamo.utils.counters["fa_compile"]["lowered" if decision.lowered else "kept_op"] += 1
+    key_limit.lower_inserted(graph, limits)
     if any(d.lowered for d in out):
         graph.eliminate_dead_code()
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target is _UNIFORM_ROW_GRAD_BACKWARD]:

@@ -72,10 +72,16 @@ def replace_value(graph: fx.Graph, node: fx.Node, fn: Callable, inputs: Sequence
     return new
 
 
+def insert_value(graph: fx.Graph, before: fx.Node, fn: Callable, inputs: Sequence[fx.Node]) -> fx.Node:
+    """A new value `fn(*inputs)` (one tensor), traced as `replace_node` and copied in before `before`."""
+    return _copy_traced(graph, before, lambda *a: (fn(*a),), inputs, None)[0]
+
+
 def _copy_traced(graph: fx.Graph, node: fx.Node, fn: Callable, inputs: Sequence[fx.Node],
-                 outs: Sequence[torch.Tensor]) -> list[fx.Node]:
+                 outs: Optional[Sequence[torch.Tensor]]) -> list[fx.Node]:
     """`fn(*inputs)` (returning a tuple) traced on the inputs' FakeTensors and copied in before `node`, after
-    checking each result's sizes, strides and dtype against `outs`; the graph is untouched on a mismatch."""
+    checking each result's sizes, strides and dtype against `outs` (None: a new value, nothing to check
+    against); the graph is untouched on a mismatch."""
     vals = [n.meta["val"] for n in inputs]
     from torch._inductor.decomposition import select_decomp_table
 
@@ -84,9 +90,9 @@ def _copy_traced(graph: fx.Graph, node: fx.Node, fn: Callable, inputs: Sequence[
         sub = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="real")(*vals)
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     results = next(n for n in sub.graph.nodes if n.op == "output").args[0]
-    if len(results) != len(outs):
+    if outs is not None and len(results) != len(outs):
         raise SpliceError(f"the replacement returns {len(results)} values, the node {len(outs)}")
-    for i, (r, want) in enumerate(zip(results, outs)):
+    for i, (r, want) in enumerate(zip(results, outs or ())):
         got = r.meta.get("val") if isinstance(r, fx.Node) else None
         if not isinstance(got, torch.Tensor) or not strides_match(got, want):
             have = None if not isinstance(got, torch.Tensor) else (tuple(got.shape), got.stride(), got.dtype)

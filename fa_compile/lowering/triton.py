@@ -23,6 +23,9 @@ in training too for the mean of V (`fills_saved_empty_rows`). The backward takes
 (`folds_empty_row_grads`, empty_rows_backward.py): its kernels zero the dO of rows whose lse is -inf, and one
 more kernel (fa_compile/kernels/triton_empty_rows_bwd.py) adds the mean's and eager's uniform-row gradients, reading
 only the lse when no row is empty. A padded BERT training step had run them as graph ops on every layer.
+A site with a key-padding mask (one value per sequence and key) also gets that mask's key limit as kv_lens
+(`cuts_padded_keys`, graph_pass and key_limit.for_site): the kernels' key loops end at each sequence's last kept
+key, and the dK/dV programs past it write zeros.
 
 On CPU the family runs under the Triton interpreter only; the lowering takes such sites (tests
 register it for ("cpu", "triton")), never Inductor, which cannot build a user kernel for the CPU.
@@ -127,6 +130,19 @@ class TritonLowering:
     # and in training too (the mean of V): the backward zeroes the empty rows' dO, so their filled out weighs nothing
     fills_saved_empty_rows = True
     folds_empty_row_grads = True  # backward_fn takes empty_grad: the kernels compute the fix-up's backward
+    # kv_lens beside a bias ends each sequence's key loops (and its dK/dV programs) there: graph_pass gives a
+    # key-padding mask's limit to the site (key_limit.for_site) where it has more keys than one tile
+    cuts_padded_keys = True
+
+    def key_tile(self, args: dispatch.AttentionArgs, direction: str) -> int:
+        """The smallest key tile of the site's kernels (the family's tile table; nothing is run)."""
+        tf = _family()
+        cap = _capability(args.q)
+        block = max(tf._pow2(int(args.q.shape[3])), tf._pow2(int(args.v.shape[3])))
+        causal = bool(args.causal)
+        if direction == "forward":
+            return int(tf.pick_config("fwd", block, causal, cap, _bias_kind(args)).block_n)
+        return min(int(tf.pick_config(k, block, causal, cap).block_n) for k in ("dkdv", "dq"))
 
     def target(self, direction: str) -> str:
         return "fa3_triton.bwd" if direction == "backward" else "fa3_triton.fwd"
