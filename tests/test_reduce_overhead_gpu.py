@@ -21,11 +21,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not tf.triton_a
 def _layer(q, k, v, mask):
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + mask
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
     return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
-def _inputs(seed, b, hq, hkv, nq, nk, d=64, dt=torch.bfloat16, pad=0, fill=None):
+def _inputs(seed, b, hq, hkv, nq, nk, d=64, dt=torch.bfloat16, pad=0, fill=None, as_bool=False):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(b, hq, nq, d, device="cuda", dtype=dt, generator=g)
     k = torch.randn(b, hkv, nk, d, device="cuda", dtype=dt, generator=g)
@@ -35,6 +36,8 @@ def _inputs(seed, b, hq, hkv, nq, nk, d=64, dt=torch.bfloat16, pad=0, fill=None)
         keep = keep.tril()
     if pad:
         keep[0, ..., nk - pad:] = False
+    if as_bool:
+        return q, k, v, keep
     fill = torch.finfo(dt).min if fill is None else fill
     mask = torch.zeros(keep.shape, device="cuda", dtype=dt).masked_fill(~keep, fill)
     return q, k, v, mask
@@ -48,14 +51,13 @@ def _inputs(seed, b, hq, hkv, nq, nk, d=64, dt=torch.bfloat16, pad=0, fill=None)
 def test_reduce_overhead_replays_match_eager(kernel, shape):
     torch._dynamo.reset()
     fn = torch.compile(_layer, backend=fa_compile.backend(kernel=kernel, mode="reduce-overhead"))
-    # forced to our Triton family, fp16 with a -1e4 mask: the family refuses a float bias whose values may absorb
-    # a whole row's scores (fa_compile/kernels/reference.py absorbing_bias_refusal): a bf16 finfo.min, and an fp16
-    # finfo.min added to fp16 scores, which the rewrite passes as fp32 finfo.min (patterns/masks untouched_add)
-    dt = torch.float16 if kernel == "triton" else torch.bfloat16
+    # forced to our Triton family, the mask is a bool one (masked_fill): the family refuses a float data mask here
+    # (an additive bf16 / fp16 mask reaches the op as a bias whose values may absorb a whole row's scores:
+    # fa_compile/kernels/reference.py absorbing_bias_refusal, patterns/masks untouched_add)
     for seed in range(3):  # warm-up, record, replay
-        q, k, v, mask = _inputs(seed, *shape, dt=dt, pad=100, fill=-1e4 if kernel == "triton" else None)
+        q, k, v, mask = _inputs(seed, *shape, pad=100, as_bool=kernel == "triton")
         got = fn(q, k, v, mask).clone()
-        want = _layer(q.float(), k.float(), v.float(), mask.float())
+        want = _layer(q.float(), k.float(), v.float(), mask if mask.dtype == torch.bool else mask.float())
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
