@@ -1,0 +1,106 @@
+"""A padded encoder (benchmarks/models.py's BERT: 8 layers, hidden 1024, B32 x 512, the last half of the tokens of
+half the batch padded), bf16, forward (no grad) or training step, in ONE process: eager attention code under fa3
+whose Triton kernels read each sequence's keys only up to its mask's last kept one ("cut", the default), the same
+with that limit switched off ("every-key": fa_compile/lowering/key_limit.py `cuts_keys` patched to refuse), and the
+model's SDPA code under Inductor. Rounds interleave the variants (triton.testing.do_bench, median of the rounds);
+then the attention kernels of the first fa3 variant and of SDPA's code, GPU µs per step.
+
+    python benchmarks/padded_keys.py [--mode train|fwd] [--rounds 5] [--variants cut,every-key,sdpa] [--out F.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_diff import cuda_kernels  # noqa: E402
+from models import FULL, build, inputs  # noqa: E402
+
+ATTENTION = ("attn_", "sdpa", "flash", "fmha", "key_limit")  # kernel names counted as attention in the listing
+
+
+def make_step(variant: str, mode: str):
+    import fa_compile
+    from fa_compile.lowering import key_limit
+
+    spec = FULL["bert"]
+    model = build("bert", "sdpa" if variant == "sdpa" else "eager", spec["cfg"], "cuda", torch.bfloat16)
+    model.train(mode == "train")
+    kw = inputs("bert", model, spec, "cuda", torch.bfloat16)[1 if mode == "train" else 0]
+    if variant == "sdpa":
+        f = torch.compile(model)
+    else:
+        # the switch acts while the graphs are lowered, i.e. at this variant's first call below
+        key_limit.cuts_keys = REAL_CUTS if variant == "cut" else (lambda *a: False)
+        f = torch.compile(model, backend=fa_compile.backend())
+
+    def step():
+        if mode == "train":
+            f(**kw).loss.backward()
+            for p in model.parameters():
+                p.grad = None
+        else:
+            with torch.no_grad():
+                f(**kw)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=("train", "fwd"), default="train")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--variants", default="cut,every-key,sdpa")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from triton.testing import do_bench
+
+    from fa_compile.lowering import graph_pass, key_limit
+
+    global REAL_CUTS
+    REAL_CUTS = key_limit.cuts_keys
+    # every variant lowers its own graphs: a cached graph of another variant would be reused otherwise
+    inductor_config.fx_graph_cache = False
+    functorch_config.enable_autograd_cache = False
+    steps = {}
+    for v in args.variants.split(","):
+        t0 = time.time()
+        n0 = len(graph_pass.records())
+        steps[v] = make_step(v, args.mode)
+        print(f"{args.mode} {v}: compiled and warmed in {time.time() - t0:.1f} s", flush=True)
+        for r in graph_pass.records()[n0:n0 + 2]:
+            print("   ", r.decision)
+    times: dict[str, list[float]] = {v: [] for v in steps}
+    for _ in range(args.rounds):
+        for v, s in steps.items():
+            times[v].append(do_bench(s, warmup=5, rep=60))
+    med = {v: sorted(t)[len(t) // 2] for v, t in times.items()}
+    for v, t in times.items():
+        ratio = f"  vs sdpa {med[v] / med['sdpa']:.3f}" if "sdpa" in med else ""
+        print(f"{args.mode} {v:9s} median {med[v]:.3f} ms  rounds {[round(x, 3) for x in t]}{ratio}")
+    res = dict(mode=args.mode, times=times, median=med, torch=torch.__version__, gpu=torch.cuda.get_device_name())
+    for v in [v for v in steps if v != "every-key"][:2]:
+        k = cuda_kernels(steps[v], 3)
+        attn = {n: x for n, x in k.items() if any(a in n for a in ATTENTION)}
+        print(f"{args.mode} {v}: GPU us per step {sum(t for t, _ in k.values()):.0f}, attention kernels:")
+        for name, (t, c) in sorted(attn.items(), key=lambda kv: -kv[1][0]):
+            print(f"  {t:9.1f} us x {c:3d}  {name[:100]}")
+        res[f"kernels_{v}"] = k
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+REAL_CUTS = None
+
+if __name__ == "__main__":
+    main()
