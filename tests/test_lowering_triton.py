@@ -63,6 +63,12 @@ else:
         monkeypatch.setitem(choice.LOWERINGS, ("cpu", "triton"), triton_lowering.TRITON_LOWERING)
         monkeypatch.setattr(key_limit, "DEVICES", ("cuda", "cpu"))  # and a key-padding mask's limit as its kernel
 
+    def _cut_tail(case, n):
+        """Every key from n on masked: the key limit (key_limit.for_site) cuts the tiles past it."""
+        case.bias = case.bias.clone()
+        case.bias[..., n:] = False
+        return case
+
     def _empty_rows(case):
         case.bias = case.bias.clone()
         case.bias[..., 3, :] = False if case.bias.dtype == torch.bool else float("-inf")
@@ -75,6 +81,8 @@ else:
         "float_bias_grad_empty_row": lambda: _empty_rows(make_case(b=2, hq=2, nq=18, nk=23, d=16,
                                                                    bias_shape=(1, 2, 18, 23), bias_grad=True)),
         "bool_key_padding": lambda: make_case(b=2, hq=2, nq=17, nk=29, d=16, bias_shape=(2, 1, 1, 29), bias_bool=True),
+        "one_key_mask_for_the_batch": lambda: _cut_tail(make_case(b=3, hq=2, nq=17, nk=40, d=16, bias_shape=(1, 1, 1, 40),
+                                                                  bias_bool=True), 21),
         "kv_lens_empty_batch_fp32": lambda: make_case(b=3, hq=2, nq=14, nk=21, d=16, kv_lens=[21, 0, 9],
                                                       dtype=torch.float32),
         "window_softcap": lambda: make_case(b=1, hq=2, nq=22, nk=22, d=16, window_left=5, window_right=2, softcap=2.0),
@@ -196,13 +204,13 @@ else:
         return re.sub(r"(kernel_idx|constant_args_idx) = \d+", r"\1 = N", code.strip())
 
     @pytest.mark.parametrize("name", ["causal_offset_gqa", "float_bias_grad_empty_row", "bool_key_padding",
-                                      "kv_lens_empty_batch_fp32", "dropout_gqa"])
+                                      "one_key_mask_for_the_batch", "kv_lens_empty_batch_fp32", "dropout_gqa"])
     def test_lowered_site_matches_reference(name, cpu_lowering, poisoned):
         case = CASES[name]()
         gm, inputs = _site(case)
         decisions = _lower(gm)
         # a key-padding mask longer than one key tile: the kernels read keys up to its limit (key_limit.for_site)
-        note = f" ({choice.KEYS_CUT_TEXT})" if name == "bool_key_padding" else ""
+        note = f" ({choice.KEYS_CUT_TEXT})" if name in ("bool_key_padding", "one_key_mask_for_the_batch") else ""
         assert [str(d) for d in decisions] == ["triton -> fa3_triton.fwd" + note]
         nodes = [n.target for n in gm.graph.nodes if n.op == "call_function"]
         assert FUNCTIONAL in nodes and site_args.FORWARD not in nodes
