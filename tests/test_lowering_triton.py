@@ -69,6 +69,13 @@ else:
         case.bias[..., n:] = False
         return case
 
+    def _tails(case, lengths):
+        """Sequence i's keys from lengths[i] on masked (its other keys keep the case's random mask)."""
+        case.bias = case.bias.clone()
+        for i, n in enumerate(lengths):
+            case.bias[i, ..., n:] = False
+        return case
+
     def _empty_rows(case):
         case.bias = case.bias.clone()
         case.bias[..., 3, :] = False if case.bias.dtype == torch.bool else float("-inf")
@@ -81,6 +88,8 @@ else:
         "float_bias_grad_empty_row": lambda: _empty_rows(make_case(b=2, hq=2, nq=18, nk=23, d=16,
                                                                    bias_shape=(1, 2, 18, 23), bias_grad=True)),
         "bool_key_padding": lambda: make_case(b=2, hq=2, nq=17, nk=29, d=16, bias_shape=(2, 1, 1, 29), bias_bool=True),
+        "causal_key_padding": lambda: _tails(make_case(b=3, hq=4, hkv=2, nq=30, nk=40, d=16, causal=True, diag_offset=10,
+                                                       bias_shape=(3, 1, 1, 40), bias_bool=True), (40, 18, 5)),
         "one_key_mask_for_the_batch": lambda: _cut_tail(make_case(b=3, hq=2, nq=17, nk=40, d=16, bias_shape=(1, 1, 1, 40),
                                                                   bias_bool=True), 21),
         "kv_lens_empty_batch_fp32": lambda: make_case(b=3, hq=2, nq=14, nk=21, d=16, kv_lens=[21, 0, 9],
@@ -204,13 +213,15 @@ else:
         return re.sub(r"(kernel_idx|constant_args_idx) = \d+", r"\1 = N", code.strip())
 
     @pytest.mark.parametrize("name", ["causal_offset_gqa", "float_bias_grad_empty_row", "bool_key_padding",
-                                      "one_key_mask_for_the_batch", "kv_lens_empty_batch_fp32", "dropout_gqa"])
+                                      "one_key_mask_for_the_batch", "causal_key_padding", "kv_lens_empty_batch_fp32",
+                                      "dropout_gqa"])
     def test_lowered_site_matches_reference(name, cpu_lowering, poisoned):
         case = CASES[name]()
         gm, inputs = _site(case)
         decisions = _lower(gm)
         # a key-padding mask longer than one key tile: the kernels read keys up to its limit (key_limit.for_site)
-        note = f" ({choice.KEYS_CUT_TEXT})" if name in ("bool_key_padding", "one_key_mask_for_the_batch") else ""
+        cut = ("bool_key_padding", "one_key_mask_for_the_batch", "causal_key_padding")
+        note = f" ({choice.KEYS_CUT_TEXT})" if name in cut else ""
         assert [str(d) for d in decisions] == ["triton -> fa3_triton.fwd" + note]
         nodes = [n.target for n in gm.graph.nodes if n.op == "call_function"]
         assert FUNCTIONAL in nodes and site_args.FORWARD not in nodes
