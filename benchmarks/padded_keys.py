@@ -24,7 +24,7 @@ from models import FULL, build, inputs  # noqa: E402
 ATTENTION = ("attn_", "sdpa", "flash", "fmha", "key_limit")  # kernel names counted as attention in the listing
 
 
-def make_step(variant: str, mode: str):
+def make_step(variant: str, mode: str, cuts_keys):
     import fa_compile
     from fa_compile.lowering import key_limit
 
@@ -36,7 +36,7 @@ def make_step(variant: str, mode: str):
         f = torch.compile(model)
     else:
         # the switch acts while the graphs are lowered, i.e. at this variant's first call below
-        key_limit.cuts_keys = REAL_CUTS if variant == "cut" else (lambda *a: False)
+        key_limit.cuts_keys = cuts_keys if variant == "cut" else (lambda *a: False)
         f = torch.compile(model, backend=fa_compile.backend())
 
     def step():
@@ -67,8 +67,7 @@ def main() -> None:
 
     from fa_compile.lowering import graph_pass, key_limit
 
-    global REAL_CUTS
-    REAL_CUTS = key_limit.cuts_keys
+    cuts_keys = key_limit.cuts_keys  # the rule itself, put back for the "cut" variant
     # every variant lowers its own graphs: a cached graph of another variant would be reused otherwise
     inductor_config.fx_graph_cache = False
     functorch_config.enable_autograd_cache = False
@@ -76,7 +75,7 @@ def main() -> None:
     for v in args.variants.split(","):
         t0 = time.time()
         n0 = len(graph_pass.records())
-        steps[v] = make_step(v, args.mode)
+        steps[v] = make_step(v, args.mode, cuts_keys)
         print(f"{args.mode} {v}: compiled and warmed in {time.time() - t0:.1f} s", flush=True)
         for r in graph_pass.records()[n0:n0 + 2]:
             print("   ", r.decision)
@@ -99,8 +98,6 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
 
-
-REAL_CUTS = None
 
 if __name__ == "__main__":
     main()

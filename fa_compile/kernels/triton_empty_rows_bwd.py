@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def _rows(LSE, row_base, m0, Nq, BLOCK_M: tl.constexpr):
     """(row indices, whether each is an existing row with lse -inf) of the query block at m0."""

@@ -136,13 +136,7 @@ class TritonLowering:
 
     def key_tile(self, args: dispatch.AttentionArgs, direction: str) -> int:
         """The smallest key tile of the site's kernels (the family's tile table; nothing is run)."""
-        tf = _family()
-        cap = _capability(args.q)
-        block = max(tf._pow2(int(args.q.shape[3])), tf._pow2(int(args.v.shape[3])))
-        causal = bool(args.causal)
-        if direction == "forward":
-            return int(tf.pick_config("fwd", block, causal, cap, _bias_kind(args)).block_n)
-        return min(int(tf.pick_config(k, block, causal, cap).block_n) for k in ("dkdv", "dq"))
+        return min(int(c.block_n) for c in _table_configs(args, direction))
 
     def target(self, direction: str) -> str:
         return "fa3_triton.bwd" if direction == "backward" else "fa3_triton.fwd"
@@ -191,14 +185,7 @@ class TritonLowering:
             raise SpliceError(hit)
         if hit is not None:
             return hit
-        tf = _family()
-        cap = _capability(args.q)
-        block = max(tf._pow2(int(args.q.shape[3])), tf._pow2(int(args.v.shape[3])))
-        causal = bool(args.causal)
-        if direction == "forward":
-            cfgs = [tf.pick_config("fwd", block, causal, cap, _bias_kind(args))]
-        else:
-            cfgs = [tf.pick_config("dkdv", block, causal, cap), tf.pick_config("dq", block, causal, cap)]
+        cfgs = _table_configs(args, direction)
         if args.q.device.type == "cuda" and torch.cuda.is_available():
             cfgs = _verify(args, direction, cfgs)
         plan = [_tile(c) for c in cfgs] if not isinstance(cfgs, str) else cfgs
@@ -255,6 +242,17 @@ class TritonLowering:
             return (*grads, db)
 
         return _functionalized(fn)
+
+
+def _table_configs(args: dispatch.AttentionArgs, direction: str) -> list:
+    """The family's tiles for the site from its table (pick_config): [fwd], or [dK/dV, dQ] for the backward."""
+    tf = _family()
+    cap = _capability(args.q)
+    block = max(tf._pow2(int(args.q.shape[3])), tf._pow2(int(args.v.shape[3])))
+    causal = bool(args.causal)
+    if direction == "forward":
+        return [tf.pick_config("fwd", block, causal, cap, _bias_kind(args))]
+    return [tf.pick_config("dkdv", block, causal, cap), tf.pick_config("dq", block, causal, cap)]
 
 
 def _site_scalars(args: dispatch.AttentionArgs) -> tuple:
