@@ -37,9 +37,8 @@ def program_ids(n_inner, REVERSE: tl.constexpr):
 
 
 @triton.jit
-def hash32(x):
-    """Wellons' lowbias32 on uint32 (wrapping multiply, logical shifts): the same bits as dropout_hash.hash32."""
-    x = x ^ (x >> 16)
+def _hash32_tail(x):
+    """lowbias32 after its first xor-shift."""
     x = x * 0x7FEB352D
     x = x ^ (x >> 15)
     x = x * 0x846CA68B
@@ -48,17 +47,28 @@ def hash32(x):
 
 
 @triton.jit
-def dropout_row_hash(seed, bh, Nq, rows):
-    """Per-row part of the dropout hash: hash32(seed ^ hash32(row)), row = (b * H + h) * Nq + i."""
-    row = (bh.to(tl.int64) * Nq + rows).to(tl.uint32)
-    return hash32(seed ^ hash32(row))
+def hash32(x):
+    """Wellons' lowbias32 on uint32 (wrapping multiply, logical shifts): the same bits as dropout_hash.hash32."""
+    return _hash32_tail(x ^ (x >> 16))
 
 
 @triton.jit
-def dropout_keep(row_hash, cols, threshold):
-    """keep = hash32(row_hash ^ col) >= threshold, compared as uint32 (threshold < 2**32: one unsigned compare
-    per element; the launcher passes it as int32 or int64, whose low 32 bits hold it either way)."""
-    x = hash32(row_hash ^ cols.to(tl.uint32))
+def dropout_row_hash(seed, bh, Nq, rows):
+    """Per-row part of the dropout hash, r = hash32(seed ^ hash32(row)) with row = (b * H + h) * Nq + i, returned as
+    r ^ (r >> 16): the share of lowbias32's first xor-shift that dropout_keep takes from the row."""
+    row = (bh.to(tl.int64) * Nq + rows).to(tl.uint32)
+    r = hash32(seed ^ hash32(row))
+    return r ^ (r >> 16)
+
+
+@triton.jit
+def dropout_keep(row_part, cols, threshold):
+    """keep = hash32(r ^ col) >= threshold, compared as uint32 (threshold < 2**32: one unsigned compare per element;
+    the launcher passes it as int32 or int64, whose low 32 bits hold it either way). A logical shift distributes
+    over xor, so hash32's first step (r ^ c) ^ ((r ^ c) >> 16) is the row's part (dropout_row_hash) xor the column's
+    c ^ (c >> 16), a vector: each element pays one xor there instead of three."""
+    c = cols.to(tl.uint32)
+    x = _hash32_tail(row_part ^ (c ^ (c >> 16)))
     return x >= tl.cast(threshold, tl.uint32)
 
 
