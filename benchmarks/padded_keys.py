@@ -1,16 +1,19 @@
 """A padded encoder (benchmarks/models.py's BERT: 8 layers, hidden 1024, B32 x 512, the last half of the tokens of
 half the batch padded), bf16, forward (no grad) or training step, in ONE process: eager attention code under fa3
 whose Triton kernels read each sequence's keys only up to its mask's last kept one ("cut", the default), the same
-with that limit switched off ("every-key": fa_compile/lowering/key_limit.py `cuts_keys` patched to refuse), and the
-model's SDPA code under Inductor. Rounds interleave the variants (triton.testing.do_bench, median of the rounds);
-then the attention kernels of the first fa3 variant and of SDPA's code, GPU µs per step.
+with that limit switched off ("every-key": fa_compile/lowering/key_limit.py `cuts_keys` patched to refuse), "cut"
+with the backward's dQ kernel instead of dQ added by the dK/dV kernel ("dq-kernel": FA_COMPILE_FUSED_DQ=0 while it
+compiles), and the model's SDPA code under Inductor. Rounds interleave the variants (triton.testing.do_bench, median of the rounds);
+then the attention kernels of every variant but "every-key", GPU µs per step.
 
-    python benchmarks/padded_keys.py [--mode train|fwd] [--rounds 5] [--variants cut,every-key,sdpa] [--out F.json]
+    python benchmarks/padded_keys.py [--mode train|fwd] [--rounds 5] [--variants cut,every-key,dq-kernel,sdpa]
+                                     [--out F.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,7 +39,7 @@ def make_step(variant: str, mode: str, cuts_keys):
         f = torch.compile(model)
     else:
         # the switch acts while the graphs are lowered, i.e. at this variant's first call below
-        key_limit.cuts_keys = cuts_keys if variant == "cut" else (lambda *a: False)
+        key_limit.cuts_keys = (lambda *a: False) if variant == "every-key" else cuts_keys
         f = torch.compile(model, backend=fa_compile.backend())
 
     def step():
@@ -48,8 +51,17 @@ def make_step(variant: str, mode: str, cuts_keys):
             with torch.no_grad():
                 f(**kw)
 
-    for _ in range(3):
-        step()
+    before = os.environ.get("FA_COMPILE_FUSED_DQ")
+    if variant == "dq-kernel":
+        os.environ["FA_COMPILE_FUSED_DQ"] = "0"
+    try:
+        for _ in range(3):
+            step()
+    finally:
+        if before is None:
+            os.environ.pop("FA_COMPILE_FUSED_DQ", None)
+        else:
+            os.environ["FA_COMPILE_FUSED_DQ"] = before
     torch.cuda.synchronize()
     return step
 
@@ -88,7 +100,7 @@ def main() -> None:
         ratio = f"  vs sdpa {med[v] / med['sdpa']:.3f}" if "sdpa" in med else ""
         print(f"{args.mode} {v:9s} median {med[v]:.3f} ms  rounds {[round(x, 3) for x in t]}{ratio}")
     res = dict(mode=args.mode, times=times, median=med, torch=torch.__version__, gpu=torch.cuda.get_device_name())
-    for v in [v for v in steps if v != "every-key"][:2]:
+    for v in [v for v in steps if v != "every-key"]:
         k = cuda_kernels(steps[v], 3)
         attn = {n: x for n, x in k.items() if any(a in n for a in ATTENTION)}
         print(f"{args.mode} {v}: GPU us per step {sum(t for t, _ in k.values()):.0f}, attention kernels:")

@@ -112,6 +112,7 @@ def test_deterministic_backward():
     out, lse = poisoned_forward(case)
     dout = torch.randn_like(out)
     tf.LAST_COMPILED.pop("attn_bwd_gluon_kernel", None)
+    tf.LAST_COMPILED.pop("attn_bwd_dq_kernel", None)
     torch.use_deterministic_algorithms(True)
     try:
         a = poisoned_backward(case, dout, out, lse)
@@ -121,6 +122,23 @@ def test_deterministic_backward():
     for x, y in zip(a[:3], b[:3]):
         assert torch.equal(x, y)
     assert "attn_bwd_gluon_kernel" not in tf.LAST_COMPILED  # its dQ atomics are order-dependent
+    assert "attn_bwd_dq_kernel" in tf.LAST_COMPILED  # and so are the fused tl backward's
+
+
+@pytest.mark.parametrize("mode", ["1", "0"], ids=["fused_dq", "dq_kernel"])
+@pytest.mark.parametrize("kw", [
+    dict(b=4, hq=4, nq=300, nk=300, d=64, bias_shape=(4, 1, 1, 300), bias_bool=True, dropout_p=0.1,
+         kv_lens=[300, 170, 0, 41]),
+    dict(b=2, hq=8, hkv=2, nq=333, nk=520, d=128, causal=True, diag_offset=187, layout="bshd"),
+    dict(b=1, hq=2, nq=200, nk=257, d=256, softcap=20.0, window_left=64),
+], ids=["d64_keymask_dropout_kvlens", "d128_causal_gqa", "d256_softcap_window"])
+def test_tl_backward_dq_paths(kw, mode, monkeypatch):
+    # dQ added by the dK/dV kernel's atomics (fuses_dq) or by the dQ kernel; Gluon off so the tl pair runs
+    monkeypatch.setenv("FA_COMPILE_FUSED_DQ", mode)
+    monkeypatch.setenv("FA_COMPILE_GLUON", "0")
+    tf.LAST_COMPILED.pop("attn_bwd_dq_kernel", None)
+    _check(dtype=BF16, **kw)
+    assert ("attn_bwd_dq_kernel" in tf.LAST_COMPILED) == (mode == "0")
 
 
 @pytest.mark.skipif(not _hopper_gluon(), reason="the Gluon backward runs on Hopper only")
@@ -201,7 +219,8 @@ def test_float_bias_configs(shape, cfg, monkeypatch):
 
 @pytest.mark.parametrize("d,dkdv,dq", [(128, (64, 128, 8, 2), (128, 32, 4, 3)), (64, (64, 64, 4, 3), (128, 32, 4, 3))])
 def test_backward_configs(d, dkdv, dq, monkeypatch):
-    # The previous defaults (the current ones run in every other test).
+    # The previous defaults (the current ones run in every other test), with the dQ kernel.
+    monkeypatch.setenv("FA_COMPILE_FUSED_DQ", "0")
     monkeypatch.setitem(tf.CONFIG_OVERRIDE, ("dkdv", d), tf.BlockConfig(*dkdv))
     monkeypatch.setitem(tf.CONFIG_OVERRIDE, ("dq", d), tf.BlockConfig(*dq))
     _check(b=2, hq=4, hkv=2, nq=333, nk=500, d=d, dtype=BF16, causal=True, layout="bshd")

@@ -106,7 +106,21 @@ else:
     from fa_compile.kernels import reference as ref
     from fa_compile.kernels.triton_testing import check_case, make_case, poisoned_backward, poisoned_forward
 
+    import triton
+    import triton.language as tl
+
+    from fa_compile.kernels.triton_common import dropout_keep, dropout_row_hash
+
     F16 = torch.float16
+
+    @triton.jit
+    def keep_kernel(OUT, SEED, bh, Nq, col0, thr, BLOCK: tl.constexpr):
+        """The dropout keep bits of rows [0, BLOCK) and columns [col0, col0 + BLOCK), as the kernels compute them."""
+        rows = tl.arange(0, BLOCK)
+        cols = col0 + tl.arange(0, BLOCK)
+        row_part = dropout_row_hash(tl.load(SEED).to(tl.uint32), bh, Nq, rows)
+        keep = dropout_keep(row_part[:, None], cols[None, :], thr)
+        tl.store(OUT + rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :], keep.to(tl.int8))
 
     pytestmark = pytest.mark.usefixtures("tf32_matmul")
 
@@ -175,6 +189,22 @@ else:
         assert torch.isneginf(res["lse"][1]).all() and (res["out"][1] == 0).all()
         assert (res["dk"][1] == 0).all() and (res["dv"][1] == 0).all()
 
+    @pytest.mark.parametrize("mode", ["1", "0"], ids=["fused_dq", "dq_kernel"])
+    def test_nothing_past_kv_lens_is_read(mode, monkeypatch):
+        # Non-finite keys and values past a sequence's length (a cache's unused slots) change nothing: the key
+        # tile that straddles the limit zeroes them (dK/dV kernel) or never loads them (forward, dQ kernel).
+        monkeypatch.setenv("FA_COMPILE_FUSED_DQ", mode)
+        case = make_case(b=2, hq=4, hkv=2, nq=20, nk=45, d=32, kv_lens=[45, 21])
+        clean = check_case(case)
+        case.k, case.v = case.k.clone(), case.v.clone()
+        case.k[1, :, 21:] = float("nan")
+        case.v[1, :, 21:] = float("inf")
+        out, lse = poisoned_forward(case)
+        grads = poisoned_backward(case, clean["dout"], out, lse)
+        for name, got in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads[:3])):
+            assert torch.equal(got, clean[name]), name
+        assert (grads[1][1, :, 21:] == 0).all() and (grads[2][1, :, 21:] == 0).all()
+
     @pytest.mark.parametrize(
         "shape", [(2, 2, 30, 41), (1, 2, 1, 41), (30, 41), (2, 1, 1, 41)], ids=["full", "heads_keys", "2d", "batch_keys"]
     )
@@ -212,6 +242,20 @@ else:
         assert 0 < int(keep.sum()) < keep.numel()
         assert torch.equal(out != 0, keep)
 
+    def test_dropout_hash_past_65536_keys():
+        # dropout_keep splits lowbias32's first xor-shift between the row and the column; a column's high half only
+        # reaches it past 2**16 keys: the kernels' bits against dropout_hash's formula on columns around there.
+        from fa_compile.kernels.dropout_hash import hash32, keep_threshold
+
+        seed, bh, nq, p = 987654321, 3, 16, 0.5
+        for col0 in (0, 65536 - 8, 3 * 65536 + 5):
+            out = torch.empty(16, 16, dtype=torch.int8)
+            keep_kernel[(1,)](out, torch.tensor([seed]), bh, nq, col0, keep_threshold(p), BLOCK=16)
+            row = torch.arange(bh * nq, bh * nq + 16, dtype=torch.int64).view(16, 1)
+            col = torch.arange(col0, col0 + 16, dtype=torch.int64).view(1, 16)
+            want = hash32(hash32(seed ^ hash32(row)) ^ col) >= keep_threshold(p)
+            assert torch.equal(out.bool(), want), col0
+
     def test_dropout_forward_backward_with_bias_window():
         check_case(make_case(hq=4, hkv=2, nq=29, nk=35, d=32, dropout_p=0.3, bias_shape=(29, 35), bias_grad=True,
                              window_left=12, softcap=2.0))
@@ -229,6 +273,16 @@ else:
             torch.use_deterministic_algorithms(prev)
         for x, y in zip(a, b):
             assert torch.equal(x, y)
+
+    @pytest.mark.parametrize("mode", ["1", "0"], ids=["fused_dq", "dq_kernel"])
+    def test_fused_dq_switch(mode, monkeypatch):
+        # FA_COMPILE_FUSED_DQ: dQ by the dK/dV kernel's atomics, or the dQ kernel; the same gradients either way
+        monkeypatch.setenv("FA_COMPILE_FUSED_DQ", mode)
+        tf.LAST_COMPILED.pop("attn_bwd_dq_kernel", None)
+        res = check_case(make_case(hq=4, hkv=2, nq=37, nk=45, d=32, dropout_p=0.2, causal=True, diag_offset=8,
+                                   kv_lens=[45, 20], bias_shape=(2, 1, 1, 45), bias_bool=True, softcap=3.0))
+        assert ("attn_bwd_dq_kernel" in tf.LAST_COMPILED) == (mode == "0")
+        assert torch.isfinite(res["dq"]).all()
 
     def test_through_the_op_with_autograd():
         from fa_compile import dispatch, ops  # noqa: F401  (ops registers torch.ops.fa3)

@@ -9,6 +9,7 @@ Shapes are tiny; fp16 / fp32 only (the interpreter's bf16 dot is unreliable).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 
@@ -104,11 +105,20 @@ else:
                               case.diag_offset, case.window_left, case.window_right, case.softcap, case.dropout_p,
                               TILE)
 
-    def _bwd(case, dout, out, lse):
+    def _bwd(case, dout, out, lse, fused_dq=False):
         want_ds = bool(case.bias_requires_grad)
         return triton_ops.bwd(dout, case.q, case.k, case.v, out, lse, case.bias, case.kv_lens, case.dropout_seed,
                               case.scale, case.causal, case.diag_offset, case.window_left, case.window_right,
-                              case.softcap, case.dropout_p, want_ds, TILE, TILE)
+                              case.softcap, case.dropout_p, want_ds, TILE, TILE, 0, fused_dq)
+
+    @contextlib.contextmanager
+    def _deterministic():
+        prev = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(prev)
 
     def _dout(out):
         g = torch.Generator().manual_seed(1234)
@@ -132,13 +142,18 @@ else:
         if case.bias_requires_grad:
             torch.testing.assert_close(dbias, r[3], atol=ga, rtol=gr, msg=lambda m: "dbias: " + m)
 
+    @pytest.mark.parametrize("fused", [True, False], ids=["fused_dq", "dq_kernel"])
     @pytest.mark.parametrize("name", list(CASES))
-    def test_ops_eager_match_reference(name, poisoned):
+    def test_ops_eager_match_reference(name, fused, poisoned):
         case = CASES[name]()
         out, lse = _fwd(case)
         _check_forward(case, out, lse)
         dout = _dout(out)
-        dq, dk, dv, ds = _bwd(case, dout, out, lse)
+        if fused and case.bias_requires_grad:
+            with pytest.raises(ValueError, match="write_ds"):  # the bias gradient needs the dQ kernel's dS
+                _bwd(case, dout, out, lse, fused_dq=True)
+            return
+        dq, dk, dv, ds = _bwd(case, dout, out, lse, fused_dq=fused)
         dbias = tf._reduce_dbias(ds, case.bias) if case.bias_requires_grad else None
         assert case.bias_requires_grad or ds.numel() == 0
         _check_backward(case, dout, (dq, dk, dv), dbias)
@@ -215,13 +230,19 @@ else:
     @pytest.mark.parametrize("name", ["causal_offset_gqa", "float_bias_grad_empty_row", "bool_key_padding",
                                       "one_key_mask_for_the_batch", "causal_key_padding", "kv_lens_empty_batch_fp32",
                                       "dropout_gqa"])
-    def test_lowered_site_matches_reference(name, cpu_lowering, poisoned):
+    @pytest.mark.parametrize("fused", [True, False], ids=["fused_dq", "dq_kernel"])
+    def test_lowered_site_matches_reference(name, fused, cpu_lowering, poisoned, monkeypatch):
+        # fused: the dK/dV kernel adds dQ by atomics (FA_COMPILE_FUSED_DQ=1); else the dQ kernel (the default)
+        monkeypatch.setenv("FA_COMPILE_FUSED_DQ", "1" if fused else "0")
         case = CASES[name]()
         gm, inputs = _site(case)
         decisions = _lower(gm)
         # a key-padding mask longer than one key tile: the kernels read keys up to its limit (key_limit.for_site)
         cut = ("bool_key_padding", "one_key_mask_for_the_batch", "causal_key_padding")
         note = f" ({choice.KEYS_CUT_TEXT})" if name in cut else ""
+        fuses = fused and not case.bias_requires_grad  # the dQ kernel writes the bias gradient's dS
+        notes = [n for n in (choice.KEYS_CUT_TEXT if note else "", triton_lowering.FUSED_DQ_TEXT if fuses else "") if n]
+        bnote = f" ({'; '.join(notes)})" if notes else ""
         assert [str(d) for d in decisions] == ["triton -> fa3_triton.fwd" + note]
         nodes = [n.target for n in gm.graph.nodes if n.op == "call_function"]
         assert FUNCTIONAL in nodes and site_args.FORWARD not in nodes
@@ -230,9 +251,10 @@ else:
         dout = _dout(out)
         gm, inputs = _site(case, backward=True, dout=dout, out=out, lse=lse)
         decisions = _lower(gm)
-        assert [str(d) for d in decisions] == ["triton -> fa3_triton.bwd" + note]
+        assert [str(d) for d in decisions] == ["triton -> fa3_triton.bwd" + bnote]
         nodes = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-        assert nodes.count(FUNCTIONAL) == 3 + bool(note) and site_args.BACKWARD not in nodes  # (+ the key limit)
+        # delta, dK/dV (and dQ unless fused), + the key limit
+        assert nodes.count(FUNCTIONAL) == 3 - fuses + bool(note) and site_args.BACKWARD not in nodes
         dq, dk, dv, dbias = gm(*inputs)
         _check_backward(case, dout, (dq, dk, dv), dbias)
         assert case.bias_requires_grad or dbias.numel() == 0
@@ -331,9 +353,10 @@ else:
         grads = torch.autograd.grad(fill, leaves, dg, allow_unused=True)
         return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
 
+    @pytest.mark.parametrize("fused", [True, False], ids=["fused_dq", "dq_kernel"])
     @pytest.mark.parametrize("kind", ["none", "mean_v", "uniform"])
     @pytest.mark.parametrize("name", list(GRAD_CASES))
-    def test_bwd_op_computes_the_fixups_backward(name, kind, poisoned):
+    def test_bwd_op_computes_the_fixups_backward(name, kind, fused, poisoned):
         case = GRAD_CASES[name]()
         out, lse = triton_ops.fwd(case.q, case.k, case.v, case.bias, case.kv_lens, case.dropout_seed, case.scale,
                                   case.causal, case.diag_offset, case.window_left, case.window_right, case.softcap,
@@ -346,7 +369,7 @@ else:
         dq, dk, dv, _ = triton_ops.bwd(dout, case.q, case.k, case.v, out, lse, case.bias, case.kv_lens,
                                        case.dropout_seed, case.scale, case.causal, case.diag_offset,
                                        case.window_left, case.window_right, case.softcap, case.dropout_p, False,
-                                       TILE, TILE, triton_ops.EMPTY_GRADS[kind])
+                                       TILE, TILE, triton_ops.EMPTY_GRADS[kind], fused)
         want = ref.attention_backward_reference(dout.masked_fill(empty[..., None], 0.0), case.q, case.k, case.v,
                                                 bias_requires_grad=False, **case.mask_kwargs())
         if kind != "none":
@@ -553,9 +576,10 @@ else:
                                        msg=lambda m, i=i: f"{i}: {m}")
         decisions = [r.decision for r in records()[n_before:]][:4]
         assert [d.keys for d in decisions] == [choice.KEYS_CUT_TEXT] * 4, [str(d) for d in decisions]
-        for gm, ks, ns, n_attn in zip(graphs, kernels, names, (2, 4)):
+        n_bwd = 2 if tf.fuses_dq(16, False) else 4  # dK/dV per layer, and dQ unless dK/dV adds it
+        for gm, ks, ns, n_attn in zip(graphs, kernels, names, (2, n_bwd)):
             assert ns.count("key_limit_kernel") == 1, ns  # one limit for both layers
-            attn = [n for n in ks if "KVLENS" in n.kwargs["kwargs"]]  # forward; dK/dV and dQ
+            attn = [n for n in ks if "KVLENS" in n.kwargs["kwargs"]]  # forward; dK/dV (and dQ)
             assert len(attn) == n_attn, ns
             assert gm.code.count("'HAS_KVLEN': True") == len(attn), gm.code
 
@@ -682,7 +706,7 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
     triton_kernel_wrapper_functional_proxy = torch.ops.higher_order.triton_kernel_wrapper_functional(kernel_idx = N, constant_args_idx = N, grid = [(4, 1, 1)], tma_descriptor_metadata = {}, kwargs = {'O': arg4_1, 'DO': arg0_1, 'DELTA': empty_1, 'stride_ob': 640, 'stride_oh': 16, 'stride_om': 32, 'stride_db': 640, 'stride_dh': 320, 'stride_dm': 16, 'Hq': 2, 'Nq': 20, 'DV': 16, 'BLOCK_M': 16, 'BLOCK_DV': 16}, tensors_to_clone = ['O', 'DO', 'DELTA']);  arg4_1 = arg0_1 = empty_1 = None
     getitem_5 = triton_kernel_wrapper_functional_proxy['DO']
     getitem_6 = triton_kernel_wrapper_functional_proxy['DELTA'];  triton_kernel_wrapper_functional_proxy = None
-    triton_kernel_wrapper_functional_proxy_1 = torch.ops.higher_order.triton_kernel_wrapper_functional(kernel_idx = N, constant_args_idx = N, grid = [(4, 1, 1)], tma_descriptor_metadata = {}, kwargs = {'Q': arg1_1, 'K': arg2_1, 'V': arg3_1, 'DO': getitem_5, 'LSE': arg5_1, 'DELTA': getitem_6, 'DK': empty_strided_1, 'DV_': empty_strided_2, 'BIAS': arg6_1, 'KVLENS': arg1_1, 'SEED': arg1_1, 'q_desc': arg1_1, 'k_desc': arg1_1, 'v_desc': arg1_1, 'do_desc': arg1_1, 'stride_qb': 640, 'stride_qh': 320, 'stride_qm': 16, 'stride_kb': 640, 'stride_kh': 320, 'stride_kn': 16, 'stride_vb': 640, 'stride_vh': 320, 'stride_vn': 16, 'stride_dob': 640, 'stride_doh': 320, 'stride_dom': 16, 'stride_dkb': 640, 'stride_dkh': 320, 'stride_dkn': 16, 'stride_dvb': 640, 'stride_dvh': 320, 'stride_dvn': 16, 'stride_bb': 400, 'stride_bh': 0, 'stride_bm': 20, 'stride_bn': 1, 'Hq': 2, 'Hkv': 2, 'G': 1, 'Nq': 20, 'Nk': 20, 'D': 16, 'DV': 16, 'qk_scale': 0.36067376022224085, 'softcap': 0.0, 'cap_scale': 0.0, 'scale': 0.25, 'diag_offset': 0, 'window_left': -1, 'window_right': -1, 'drop_threshold': 0, 'drop_scale': 1.0, 'BLOCK_D': 16, 'BLOCK_DV': 16, 'USE_TMA': False, 'IS_CAUSAL': False, 'HAS_WL': False, 'HAS_WR': False, 'HAS_KVLEN': False, 'BIAS_KIND': 1, 'SOFTCAP': False, 'DROPOUT': False, 'PLAIN': False, 'BLOCK_M': 16, 'BLOCK_N': 16, 'QPOS': arg1_1, 'stride_pb': 0, 'stride_pm': 0, 'HAS_QPOS': False, 'QSEG': arg1_1, 'stride_qsb': 0, 'stride_qsm': 0, 'KSEG': arg1_1, 'stride_ksb': 0, 'stride_ksn': 0, 'HAS_SEG': False, 'ZERO_EMPTY': False}, tensors_to_clone = ['Q', 'K', 'V', 'DO', 'LSE', 'DELTA', 'DK', 'DV_', 'BIAS', 'KVLENS', 'SEED', 'q_desc', 'k_desc', 'v_desc', 'do_desc', 'QPOS', 'QSEG', 'KSEG']);  arg1_1 = arg2_1 = arg3_1 = getitem_5 = arg5_1 = getitem_6 = empty_strided_1 = empty_strided_2 = arg6_1 = None
+    triton_kernel_wrapper_functional_proxy_1 = torch.ops.higher_order.triton_kernel_wrapper_functional(kernel_idx = N, constant_args_idx = N, grid = [(4, 1, 1)], tma_descriptor_metadata = {}, kwargs = {'Q': arg1_1, 'K': arg2_1, 'V': arg3_1, 'DO': getitem_5, 'LSE': arg5_1, 'DELTA': getitem_6, 'DK': empty_strided_1, 'DV_': empty_strided_2, 'BIAS': arg6_1, 'KVLENS': arg1_1, 'SEED': arg1_1, 'q_desc': arg1_1, 'k_desc': arg1_1, 'v_desc': arg1_1, 'do_desc': arg1_1, 'stride_qb': 640, 'stride_qh': 320, 'stride_qm': 16, 'stride_kb': 640, 'stride_kh': 320, 'stride_kn': 16, 'stride_vb': 640, 'stride_vh': 320, 'stride_vn': 16, 'stride_dob': 640, 'stride_doh': 320, 'stride_dom': 16, 'stride_dkb': 640, 'stride_dkh': 320, 'stride_dkn': 16, 'stride_dvb': 640, 'stride_dvh': 320, 'stride_dvn': 16, 'stride_bb': 400, 'stride_bh': 0, 'stride_bm': 20, 'stride_bn': 1, 'Hq': 2, 'Hkv': 2, 'G': 1, 'Nq': 20, 'Nk': 20, 'D': 16, 'DV': 16, 'qk_scale': 0.36067376022224085, 'softcap': 0.0, 'cap_scale': 0.0, 'scale': 0.25, 'diag_offset': 0, 'window_left': -1, 'window_right': -1, 'drop_threshold': 0, 'drop_scale': 1.0, 'BLOCK_D': 16, 'BLOCK_DV': 16, 'USE_TMA': False, 'IS_CAUSAL': False, 'HAS_WL': False, 'HAS_WR': False, 'HAS_KVLEN': False, 'BIAS_KIND': 1, 'SOFTCAP': False, 'DROPOUT': False, 'PLAIN': False, 'BLOCK_M': 16, 'BLOCK_N': 16, 'QPOS': arg1_1, 'stride_pb': 0, 'stride_pm': 0, 'HAS_QPOS': False, 'QSEG': arg1_1, 'stride_qsb': 0, 'stride_qsm': 0, 'KSEG': arg1_1, 'stride_ksb': 0, 'stride_ksn': 0, 'HAS_SEG': False, 'ZERO_EMPTY': False, 'DQA': arg1_1, 'FUSED_DQ': False}, tensors_to_clone = ['Q', 'K', 'V', 'DO', 'LSE', 'DELTA', 'DK', 'DV_', 'BIAS', 'KVLENS', 'SEED', 'q_desc', 'k_desc', 'v_desc', 'do_desc', 'QPOS', 'QSEG', 'KSEG', 'DQA']);  arg1_1 = arg2_1 = arg3_1 = getitem_5 = arg5_1 = getitem_6 = empty_strided_1 = empty_strided_2 = arg6_1 = None
     getitem_8 = triton_kernel_wrapper_functional_proxy_1['K']
     getitem_9 = triton_kernel_wrapper_functional_proxy_1['V']
     getitem_10 = triton_kernel_wrapper_functional_proxy_1['DO']
@@ -691,13 +715,53 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
     getitem_13 = triton_kernel_wrapper_functional_proxy_1['DK']
     getitem_14 = triton_kernel_wrapper_functional_proxy_1['DV_']
     getitem_15 = triton_kernel_wrapper_functional_proxy_1['BIAS']
-    getitem_24 = triton_kernel_wrapper_functional_proxy_1['KSEG'];  triton_kernel_wrapper_functional_proxy_1 = None
-    triton_kernel_wrapper_functional_proxy_2 = torch.ops.higher_order.triton_kernel_wrapper_functional(kernel_idx = N, constant_args_idx = N, grid = [(4, 1, 1)], tma_descriptor_metadata = {}, kwargs = {'Q': getitem_24, 'K': getitem_8, 'V': getitem_9, 'DO': getitem_10, 'LSE': getitem_11, 'DELTA': getitem_12, 'DQ': empty_strided, 'DS': full, 'BIAS': getitem_15, 'KVLENS': getitem_24, 'SEED': getitem_24, 'q_desc': getitem_24, 'k_desc': getitem_24, 'v_desc': getitem_24, 'do_desc': getitem_24, 'stride_qb': 640, 'stride_qh': 320, 'stride_qm': 16, 'stride_kb': 640, 'stride_kh': 320, 'stride_kn': 16, 'stride_vb': 640, 'stride_vh': 320, 'stride_vn': 16, 'stride_dob': 640, 'stride_doh': 320, 'stride_dom': 16, 'stride_dqb': 640, 'stride_dqh': 320, 'stride_dqm': 16, 'stride_bb': 400, 'stride_bh': 0, 'stride_bm': 20, 'stride_bn': 1, 'Hq': 2, 'G': 1, 'Nq': 20, 'Nk': 20, 'D': 16, 'DV': 16, 'qk_scale': 0.36067376022224085, 'softcap': 0.0, 'cap_scale': 0.0, 'scale': 0.25, 'diag_offset': 0, 'window_left': -1, 'window_right': -1, 'drop_threshold': 0, 'drop_scale': 1.0, 'BLOCK_D': 16, 'BLOCK_DV': 16, 'WRITE_DS': True, 'REVERSE_M': False, 'USE_TMA': False, 'IS_CAUSAL': False, 'HAS_WL': False, 'HAS_WR': False, 'HAS_KVLEN': False, 'BIAS_KIND': 1, 'SOFTCAP': False, 'DROPOUT': False, 'PLAIN': False, 'BLOCK_M': 16, 'BLOCK_N': 16, 'QPOS': getitem_24, 'stride_pb': 0, 'stride_pm': 0, 'HAS_QPOS': False, 'QSEG': getitem_24, 'stride_qsb': 0, 'stride_qsm': 0, 'KSEG': getitem_24, 'stride_ksb': 0, 'stride_ksn': 0, 'HAS_SEG': False, 'ZERO_EMPTY': False}, tensors_to_clone = ['Q', 'K', 'V', 'DO', 'LSE', 'DELTA', 'DQ', 'DS', 'BIAS', 'KVLENS', 'SEED', 'q_desc', 'k_desc', 'v_desc', 'do_desc', 'QPOS', 'QSEG', 'KSEG']);  getitem_24 = getitem_8 = getitem_9 = getitem_10 = getitem_11 = getitem_12 = empty_strided = full = getitem_15 = None
-    getitem_31 = triton_kernel_wrapper_functional_proxy_2['DQ']
-    getitem_32 = triton_kernel_wrapper_functional_proxy_2['DS'];  triton_kernel_wrapper_functional_proxy_2 = None
-    sum_1 = torch.ops.aten.sum.dim_IntList(getitem_32, [1], True);  getitem_32 = None
+    getitem_25 = triton_kernel_wrapper_functional_proxy_1['DQA'];  triton_kernel_wrapper_functional_proxy_1 = None
+    triton_kernel_wrapper_functional_proxy_2 = torch.ops.higher_order.triton_kernel_wrapper_functional(kernel_idx = N, constant_args_idx = N, grid = [(4, 1, 1)], tma_descriptor_metadata = {}, kwargs = {'Q': getitem_25, 'K': getitem_8, 'V': getitem_9, 'DO': getitem_10, 'LSE': getitem_11, 'DELTA': getitem_12, 'DQ': empty_strided, 'DS': full, 'BIAS': getitem_15, 'KVLENS': getitem_25, 'SEED': getitem_25, 'q_desc': getitem_25, 'k_desc': getitem_25, 'v_desc': getitem_25, 'do_desc': getitem_25, 'stride_qb': 640, 'stride_qh': 320, 'stride_qm': 16, 'stride_kb': 640, 'stride_kh': 320, 'stride_kn': 16, 'stride_vb': 640, 'stride_vh': 320, 'stride_vn': 16, 'stride_dob': 640, 'stride_doh': 320, 'stride_dom': 16, 'stride_dqb': 640, 'stride_dqh': 320, 'stride_dqm': 16, 'stride_bb': 400, 'stride_bh': 0, 'stride_bm': 20, 'stride_bn': 1, 'Hq': 2, 'G': 1, 'Nq': 20, 'Nk': 20, 'D': 16, 'DV': 16, 'qk_scale': 0.36067376022224085, 'softcap': 0.0, 'cap_scale': 0.0, 'scale': 0.25, 'diag_offset': 0, 'window_left': -1, 'window_right': -1, 'drop_threshold': 0, 'drop_scale': 1.0, 'BLOCK_D': 16, 'BLOCK_DV': 16, 'WRITE_DS': True, 'REVERSE_M': False, 'USE_TMA': False, 'IS_CAUSAL': False, 'HAS_WL': False, 'HAS_WR': False, 'HAS_KVLEN': False, 'BIAS_KIND': 1, 'SOFTCAP': False, 'DROPOUT': False, 'PLAIN': False, 'BLOCK_M': 16, 'BLOCK_N': 16, 'QPOS': getitem_25, 'stride_pb': 0, 'stride_pm': 0, 'HAS_QPOS': False, 'QSEG': getitem_25, 'stride_qsb': 0, 'stride_qsm': 0, 'KSEG': getitem_25, 'stride_ksb': 0, 'stride_ksn': 0, 'HAS_SEG': False, 'ZERO_EMPTY': False}, tensors_to_clone = ['Q', 'K', 'V', 'DO', 'LSE', 'DELTA', 'DQ', 'DS', 'BIAS', 'KVLENS', 'SEED', 'q_desc', 'k_desc', 'v_desc', 'do_desc', 'QPOS', 'QSEG', 'KSEG']);  getitem_25 = getitem_8 = getitem_9 = getitem_10 = getitem_11 = getitem_12 = empty_strided = full = getitem_15 = None
+    getitem_32 = triton_kernel_wrapper_functional_proxy_2['DQ']
+    getitem_33 = triton_kernel_wrapper_functional_proxy_2['DS'];  triton_kernel_wrapper_functional_proxy_2 = None
+    sum_1 = torch.ops.aten.sum.dim_IntList(getitem_33, [1], True);  getitem_33 = None
     convert_element_type = torch.ops.prims.convert_element_type.default(sum_1, torch.float16);  sum_1 = None
-    return (getitem_31, getitem_13, getitem_14, convert_element_type)""")
+    return (getitem_32, getitem_13, getitem_14, convert_element_type)""")
+
+    def test_lowered_fused_backward_graph_is_pinned(cpu_lowering, monkeypatch):
+        # dQ through the dK/dV kernel: a zeroed fp32 buffer it adds into, then one scaled cast into dq's strides
+        monkeypatch.setenv("FA_COMPILE_FUSED_DQ", "1")
+        case = make_case(b=1, hq=2, nq=20, nk=20, d=16, causal=True)
+        out, lse = _fwd(case)
+        gm, inputs = _site(case, backward=True, dout=_dout(out), out=out, lse=lse)
+        _lower(gm)
+        expecttest.assert_expected_inline(_normalized(gm.code), """\
+def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1):
+    empty_strided = torch.ops.aten.empty_strided.default([1, 2, 20, 16], [640, 320, 16, 1], dtype = torch.float16, device = device(type='cpu'), pin_memory = False)
+    empty_strided_1 = torch.ops.aten.empty_strided.default([1, 2, 20, 16], [640, 320, 16, 1], dtype = torch.float16, device = device(type='cpu'), pin_memory = False)
+    empty_strided_2 = torch.ops.aten.empty_strided.default([1, 2, 20, 16], [640, 320, 16, 1], dtype = torch.float16, device = device(type='cpu'), pin_memory = False)
+    empty_1 = torch.ops.aten.empty.memory_format([1, 2, 20], dtype = torch.float32, device = device(type='cpu'), pin_memory = False)
+    triton_kernel_wrapper_functional_proxy = torch.ops.higher_order.triton_kernel_wrapper_functional(kernel_idx = N, constant_args_idx = N, grid = [(4, 1, 1)], tma_descriptor_metadata = {}, kwargs = {'O': arg4_1, 'DO': arg0_1, 'DELTA': empty_1, 'stride_ob': 640, 'stride_oh': 16, 'stride_om': 32, 'stride_db': 640, 'stride_dh': 320, 'stride_dm': 16, 'Hq': 2, 'Nq': 20, 'DV': 16, 'BLOCK_M': 16, 'BLOCK_DV': 16}, tensors_to_clone = ['O', 'DO', 'DELTA']);  arg4_1 = arg0_1 = empty_1 = None
+    getitem_5 = triton_kernel_wrapper_functional_proxy['DO']
+    getitem_6 = triton_kernel_wrapper_functional_proxy['DELTA'];  triton_kernel_wrapper_functional_proxy = None
+    full = torch.ops.aten.full.default([1, 2, 20, 16], 0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'), pin_memory = False)
+    triton_kernel_wrapper_functional_proxy_1 = torch.ops.higher_order.triton_kernel_wrapper_functional(kernel_idx = N, constant_args_idx = N, grid = [(4, 1, 1)], tma_descriptor_metadata = {}, kwargs = {'Q': arg1_1, 'K': arg2_1, 'V': arg3_1, 'DO': getitem_5, 'LSE': arg5_1, 'DELTA': getitem_6, 'DK': empty_strided_1, 'DV_': empty_strided_2, 'BIAS': arg1_1, 'KVLENS': arg1_1, 'SEED': arg1_1, 'q_desc': arg1_1, 'k_desc': arg1_1, 'v_desc': arg1_1, 'do_desc': arg1_1, 'stride_qb': 640, 'stride_qh': 320, 'stride_qm': 16, 'stride_kb': 640, 'stride_kh': 320, 'stride_kn': 16, 'stride_vb': 640, 'stride_vh': 320, 'stride_vn': 16, 'stride_dob': 640, 'stride_doh': 320, 'stride_dom': 16, 'stride_dkb': 640, 'stride_dkh': 320, 'stride_dkn': 16, 'stride_dvb': 640, 'stride_dvh': 320, 'stride_dvn': 16, 'stride_bb': 0, 'stride_bh': 0, 'stride_bm': 0, 'stride_bn': 0, 'Hq': 2, 'Hkv': 2, 'G': 1, 'Nq': 20, 'Nk': 20, 'D': 16, 'DV': 16, 'qk_scale': 0.36067376022224085, 'softcap': 0.0, 'cap_scale': 0.0, 'scale': 0.25, 'diag_offset': 0, 'window_left': -1, 'window_right': -1, 'drop_threshold': 0, 'drop_scale': 1.0, 'BLOCK_D': 16, 'BLOCK_DV': 16, 'USE_TMA': False, 'IS_CAUSAL': True, 'HAS_WL': False, 'HAS_WR': False, 'HAS_KVLEN': False, 'BIAS_KIND': 0, 'SOFTCAP': False, 'DROPOUT': False, 'PLAIN': True, 'BLOCK_M': 16, 'BLOCK_N': 16, 'QPOS': arg1_1, 'stride_pb': 0, 'stride_pm': 0, 'HAS_QPOS': False, 'QSEG': arg1_1, 'stride_qsb': 0, 'stride_qsm': 0, 'KSEG': arg1_1, 'stride_ksb': 0, 'stride_ksn': 0, 'HAS_SEG': False, 'ZERO_EMPTY': False, 'DQA': full, 'FUSED_DQ': True}, tensors_to_clone = ['Q', 'K', 'V', 'DO', 'LSE', 'DELTA', 'DK', 'DV_', 'BIAS', 'KVLENS', 'SEED', 'q_desc', 'k_desc', 'v_desc', 'do_desc', 'QPOS', 'QSEG', 'KSEG', 'DQA']);  arg1_1 = arg2_1 = arg3_1 = getitem_5 = arg5_1 = getitem_6 = empty_strided_1 = empty_strided_2 = full = None
+    getitem_13 = triton_kernel_wrapper_functional_proxy_1['DK']
+    getitem_14 = triton_kernel_wrapper_functional_proxy_1['DV_']
+    getitem_25 = triton_kernel_wrapper_functional_proxy_1['DQA'];  triton_kernel_wrapper_functional_proxy_1 = None
+    mul = torch.ops.aten.mul.Tensor(getitem_25, 0.25);  getitem_25 = None
+    copy = torch.ops.aten.copy.default(empty_strided, mul);  empty_strided = mul = None
+    empty_2 = torch.ops.aten.empty.memory_format([0], dtype = torch.float16, layout = torch.strided, device = device(type='cpu'), pin_memory = False)
+    return (copy, getitem_13, getitem_14, empty_2)""")
+
+    def test_deterministic_mode_lowers_the_dq_kernel(cpu_lowering, poisoned, monkeypatch):
+        monkeypatch.setenv("FA_COMPILE_FUSED_DQ", "1")  # asked for, and refused in deterministic mode
+        case = CASES["causal_offset_gqa"]()
+        out, lse = _fwd(case)
+        dout = _dout(out)
+        with _deterministic():
+            gm, inputs = _site(case, backward=True, dout=dout, out=out, lse=lse)
+            assert [str(d) for d in _lower(gm)] == ["triton -> fa3_triton.bwd"]
+        kernels = [n.kwargs["kernel_idx"] for n in gm.graph.nodes if n.target is FUNCTIONAL]
+        assert len(kernels) == 3  # delta, dK/dV, dQ
+        first = gm(*inputs)
+        _check_backward(case, dout, first[:3], None)
+        assert all(torch.equal(a, b) for a, b in zip(first, gm(*inputs)))
 
     def _args(case, backward=False) -> "object":
         from fa_compile import dispatch
@@ -711,8 +775,21 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
         assert text == "forward triton -> fa3_triton.fwd; backward triton -> fa3_triton.bwd", text
         # explain() names the key-padding limit where the lowering will add it (29 keys, 16-key tiles)
         text = choice.describe(_args(CASES["bool_key_padding"](), backward=True), "triton")
-        note = f" ({choice.KEYS_CUT_TEXT})"
-        assert text == f"forward triton -> fa3_triton.fwd{note}; backward triton -> fa3_triton.bwd{note}", text
+        note = choice.KEYS_CUT_TEXT
+        assert text == f"forward triton -> fa3_triton.fwd ({note}); backward triton -> fa3_triton.bwd ({note})", text
+        # and dQ added by the dK/dV kernel where asked for; not with a bias gradient (the dQ kernel writes dS),
+        # nor in deterministic mode
+        with pytest.MonkeyPatch.context() as m:
+            m.setenv("FA_COMPILE_FUSED_DQ", "1")
+            text = choice.describe(_args(CASES["bool_key_padding"](), backward=True), "triton")
+            fused = triton_lowering.FUSED_DQ_TEXT
+            assert text == (f"forward triton -> fa3_triton.fwd ({note}); "
+                            f"backward triton -> fa3_triton.bwd ({note}; {fused})"), text
+            text = choice.describe(_args(CASES["float_bias_grad_empty_row"](), backward=True), "triton")
+            assert text == "forward triton -> fa3_triton.fwd; backward triton -> fa3_triton.bwd", text
+            with _deterministic():
+                text = choice.describe(_args(CASES["causal_offset_gqa"](), backward=True), "triton")
+            assert text == "forward triton -> fa3_triton.fwd; backward triton -> fa3_triton.bwd", text
 
     def test_descriptor_kernels_and_tile_tuning_keep_the_op(monkeypatch):
         # Hopper with TMA-aligned strides: beyond 1024 x 1024 scores the family's descriptor / Gluon

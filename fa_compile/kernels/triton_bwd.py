@@ -45,10 +45,11 @@ def _dkdv_tile(
     offs_m, offs_n, offs_d, offs_dv,
     stride_qm, stride_dom, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
     qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
-    start_m, qp, qs, ks,
+    start_m, qp, qs, ks, dqa_base,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, USE_TMA: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
     PLAIN: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_SEG: tl.constexpr, ZERO_EMPTY: tl.constexpr,
+    FUSED_DQ: tl.constexpr,
 ):
     m_ok = offs_m < Nq
     if USE_TMA:  # zero fill past Nq and past the head dim
@@ -107,6 +108,10 @@ def _dkdv_tile(
     if SOFTCAP:
         dsT = dsT * (1.0 - tT * tT)
     dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
+    if FUSED_DQ:  # this key tile's share of dQ (unscaled), summed in fp32 over the key tiles by atomics
+        dq = tl.dot(tl.trans(dsT.to(k.dtype)), k)
+        tl.atomic_add(dqa_base + offs_m[:, None].to(tl.int64) * D + offs_d[None, :], dq,
+                      mask=m_ok[:, None] & (offs_d[None, :] < D), sem="relaxed")
     return dk, dv
 
 
@@ -116,10 +121,11 @@ def _dkdv_range(
     offs_n, offs_d, offs_dv,
     stride_qm, stride_dom, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
     qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
-    lo, hi, qpos_base, stride_pm, qseg_base, stride_qsm, ks, q_first, q_last,
+    lo, hi, qpos_base, stride_pm, qseg_base, stride_qsm, ks, q_first, q_last, dqa_base,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, USE_TMA: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
     PLAIN: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_SEG: tl.constexpr, ZERO_EMPTY: tl.constexpr,
+    FUSED_DQ: tl.constexpr,
 ):
     if HAS_QPOS or HAS_SEG:  # only the span of query tiles that can reach these keys
         lo = tl.maximum(lo, q_first)
@@ -138,9 +144,9 @@ def _dkdv_range(
             offs_m, offs_n, offs_d, offs_dv,
             stride_qm, stride_dom, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
             qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
-            start_m, qp, qs, ks,
+            start_m, qp, qs, ks, dqa_base,
             BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA, IS_CAUSAL, HAS_WL, HAS_WR, MASK, BIAS_KIND, SOFTCAP, DROPOUT,
-            PLAIN, HAS_QPOS, HAS_SEG, ZERO_EMPTY,
+            PLAIN, HAS_QPOS, HAS_SEG, ZERO_EMPTY, FUSED_DQ,
         )
     return dk, dv
 
@@ -163,7 +169,7 @@ def attn_bwd_dkdv_kernel(
     USE_TMA: tl.constexpr,
     QPOS=None, stride_pb=0, stride_pm=0, HAS_QPOS: tl.constexpr = False,
     QSEG=None, stride_qsb=0, stride_qsm=0, KSEG=None, stride_ksb=0, stride_ksn=0, HAS_SEG: tl.constexpr = False,
-    ZERO_EMPTY: tl.constexpr = False,
+    ZERO_EMPTY: tl.constexpr = False, DQA=None, FUSED_DQ: tl.constexpr = False,
 ):
     # Inductor's launcher types float arguments fp64; the math is fp32 (a dot's accumulator must stay fp32).
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -192,6 +198,10 @@ def attn_bwd_dkdv_kernel(
             mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
         )
     n_lim = key_limit(KVLENS, b, Nk, HAS_KVLEN)
+    if HAS_KVLEN:  # keys past the limit are never read (as in the dQ kernel): their dS is then exactly 0,
+        # where a non-finite key or value there would make it NaN (and reach dQ in the fused form)
+        k = tl.where((offs_n < n_lim)[:, None], k, 0.0)
+        v = tl.where((offs_n < n_lim)[:, None], v, 0.0)
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED).to(tl.uint32)
@@ -225,6 +235,9 @@ def attn_bwd_dkdv_kernel(
         do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
         lse_base = LSE + bh.to(tl.int64) * Nq
         delta_base = DELTA + bh.to(tl.int64) * Nq
+        dqa_base = DQA
+        if FUSED_DQ:
+            dqa_base = DQA + bh.to(tl.int64) * Nq * D
         bias_base = BIAS
         if BIAS_KIND != 0:
             bias_base = BIAS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
@@ -233,27 +246,27 @@ def attn_bwd_dkdv_kernel(
             offs_n, offs_d, offs_dv,
             stride_qm, stride_dom, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
             qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
-            full_lo, full_hi, qpos_base, stride_pm, qseg_base, stride_qsm, ks, q_first, q_last,
+            full_lo, full_hi, qpos_base, stride_pm, qseg_base, stride_qsm, ks, q_first, q_last, dqa_base,
             BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA, IS_CAUSAL, HAS_WL, HAS_WR, False, BIAS_KIND, SOFTCAP, DROPOUT, PLAIN,
-            HAS_QPOS, HAS_SEG, ZERO_EMPTY,
+            HAS_QPOS, HAS_SEG, ZERO_EMPTY, FUSED_DQ,
         )
         dk, dv = _dkdv_range(
             dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, delta_base, bias_base, seed, bh,
             offs_n, offs_d, offs_dv,
             stride_qm, stride_dom, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
             qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
-            lo, full_lo, qpos_base, stride_pm, qseg_base, stride_qsm, ks, q_first, q_last,
+            lo, full_lo, qpos_base, stride_pm, qseg_base, stride_qsm, ks, q_first, q_last, dqa_base,
             BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, PLAIN,
-            HAS_QPOS, HAS_SEG, ZERO_EMPTY,
+            HAS_QPOS, HAS_SEG, ZERO_EMPTY, FUSED_DQ,
         )
         dk, dv = _dkdv_range(
             dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, delta_base, bias_base, seed, bh,
             offs_n, offs_d, offs_dv,
             stride_qm, stride_dom, stride_bm, stride_bn, Nq, Nk, n_lim, D, DV,
             qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, drop_scale,
-            full_hi, hi, qpos_base, stride_pm, qseg_base, stride_qsm, ks, q_first, q_last,
+            full_hi, hi, qpos_base, stride_pm, qseg_base, stride_qsm, ks, q_first, q_last, dqa_base,
             BLOCK_M, BLOCK_D, BLOCK_DV, USE_TMA, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, PLAIN,
-            HAS_QPOS, HAS_SEG, ZERO_EMPTY,
+            HAS_QPOS, HAS_SEG, ZERO_EMPTY, FUSED_DQ,
         )
     dk = dk * scale
     st_mask = n_ok[:, None]

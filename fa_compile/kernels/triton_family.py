@@ -9,7 +9,8 @@ bool bias constant along query rows such as a key-padding mask; head dims 33..25
 warp-specialized kernel of gluon_fwd.py, and the backward of the structural-mask cases (head-dim blocks
 64 and 128) the Gluon kernel of gluon_bwd.py, which sums dQ by TMA reductions; everything else, other
 GPUs, the interpreter and deterministic mode (torch.use_deterministic_algorithms) run the
-Triton-language kernels (triton_fwd*.py, triton_bwd.py), whose backward uses no atomics.
+Triton-language kernels (triton_fwd*.py, triton_bwd.py). Their backward runs a dQ kernel of its own, or adds dQ
+inside the dK/dV kernel by fp32 atomics where `fuses_dq` says so (FA_COMPILE_FUSED_DQ=1; never in deterministic mode).
 
 Triton is imported lazily: without it this module still imports and reports "triton not installed".
 Arguments are duck-typed (q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
@@ -63,7 +64,7 @@ class BlockConfig:
 
 
 # Tests and the benchmark may pin configurations: {(kind, head_dim_block[, causal]): BlockConfig}, kind one of
-# "fwd", "fwd_bias", "dkdv", "dq"; a key with `causal` wins over one without.
+# "fwd", "fwd_bias", "dkdv", "dkdv_fused", "dq"; a key with `causal` wins over one without.
 CONFIG_OVERRIDE: dict = {}
 # The last compiled kernel handle per kernel name (registers, spills, PTX for the benchmark's report).
 LAST_COMPILED: dict = {}
@@ -103,6 +104,8 @@ def pick_config(kind: str, block_d: int, causal: bool, cap: tuple[int, int], bia
             return BlockConfig(64, 64, 4, 3, qreg=True) if hopper else BlockConfig(128, 32, 8, 2)
         # 535 / causal 522; with qreg 410 (255 regs), 128x32 w8 s3 qreg 515.
         return BlockConfig(128, 64, 8, 2) if hopper else BlockConfig(64, 32, 4, 2)
+    if kind == "dkdv_fused":
+        return BlockConfig(64, 64, 4, 2) if hopper else BlockConfig(32, 64, 4, 2)
     if kind == "dkdv":
         # With dq 64x64 w4 s2: d128 403 TFLOP/s (dK/dV 255 regs, 8 B spilled) vs 390 for 64x128 w8 s2 +
         # dq 128x32 w4 s3; d64 339 vs 332.
@@ -113,6 +116,24 @@ def pick_config(kind: str, block_d: int, causal: bool, cap: tuple[int, int], bia
     if block_d <= 128:
         return BlockConfig(64, 64, 4, 2) if hopper else BlockConfig(64, 32, 4, 2)
     return BlockConfig(128, 32, 8, 2) if hopper else BlockConfig(32, 32, 4, 1)
+
+
+# Head-dim blocks whose Triton-language backward adds dQ inside the dK/dV kernel by default (see fuses_dq): none.
+# On the H200 (bf16, 2026-12-03) the fused form took 0.97x the two kernels' time at d64 B32 x 512 with dropout,
+# 1.06x without, and 1.16-1.44x at N 1024 causal (d64, d128, GQA) and d128 with dropout.
+FUSED_DQ_BLOCKS: tuple = ()
+
+
+def fuses_dq(block_d: int, want_dbias: bool) -> bool:
+    """Whether the Triton-language backward adds each key tile's share of dQ inside the dK/dV kernel (fp32 atomics
+    into a zeroed buffer, then one scaled cast) instead of running the dQ kernel, which computes the scores, P,
+    dP and the dropout mask a second time. Not with a bias gradient (the dQ kernel writes dS), and not in
+    deterministic mode (the atomic sums arrive in varying order). FA_COMPILE_FUSED_DQ=1 asks for it (where allowed),
+    =0 refuses it; by default the head-dim blocks of FUSED_DQ_BLOCKS."""
+    mode = os.environ.get("FA_COMPILE_FUSED_DQ", "auto")
+    if mode == "0" or want_dbias or torch.are_deterministic_algorithms_enabled():
+        return False
+    return mode == "1" or block_d in FUSED_DQ_BLOCKS
 
 
 def _smaller(cfg: BlockConfig) -> Optional[BlockConfig]:
@@ -702,7 +723,12 @@ def attention_backward(
                 warnings.warn(f"fa_compile: the Gluon backward failed to build ({type(e).__name__}: "
                               f"{str(e)[:200]}); using the Triton backward instead", RuntimeWarning)
 
+        fused = fuses_dq(block_d, want_dbias)
+        dqa = torch.empty((b, hq, nq, d), device=q.device, dtype=torch.float32) if fused else q
+
         def dkdv(c: BlockConfig) -> None:
+            if fused:  # the atomics add into it: zeroed before each launch (tuning runs several)
+                dqa.zero_()
             _launch(
                 attn_bwd_dkdv_kernel, lambda c: (triton_cdiv(nk, c.block_n) * b * hkv,), c,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -710,7 +736,7 @@ def attention_backward(
                 dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
                 *bstr, hq, hkv, hq // hkv, nq, nk, d, dv, *common,
                 BLOCK_D=block_d, BLOCK_DV=block_dv, PLAIN=_plain(args, bias_kind), USE_TMA=use_tma, **consts,
-                **struct_kw,
+                **struct_kw, DQA=dqa, FUSED_DQ=fused,
                 args_fn=lambda c: (q, k, v, dout, lse, delta, dk, dvv, bias_arg, kvl, seed, *descs(c, "dkdv")),
             )
 
@@ -728,8 +754,12 @@ def attention_backward(
 
         # Each kernel stores (never accumulates) its outputs, so timing candidates leaves nothing behind.
         causal = bool(args.causal)
-        dkdv(_tuned("dkdv", block, pick_config("dkdv", block, causal, cap), q, causal, bias_kind, cap, dkdv))
-        dq_(_tuned("dq", block, pick_config("dq", block, causal, cap), q, causal, bias_kind, cap, dq_))
+        kind = "dkdv_fused" if fused else "dkdv"
+        dkdv(_tuned(kind, block, pick_config(kind, block, causal, cap), q, causal, bias_kind, cap, dkdv))
+        if fused:
+            dq.copy_(dqa.mul_(float(args.scale)))
+        else:
+            dq_(_tuned("dq", block, pick_config("dq", block, causal, cap), q, causal, bias_kind, cap, dq_))
     dbias = _reduce_dbias(ds, args.bias) if want_dbias else None
     return dq, dk, dvv, dbias
 

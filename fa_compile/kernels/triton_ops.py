@@ -189,18 +189,22 @@ def bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bias: Optional[Tensor],
     kv_lens: Optional[Tensor], dropout_seed: Optional[Tensor], scale: float, causal: bool, diag_offset: int,
     window_left: int, window_right: int, softcap: float, dropout_p: float, write_ds: bool,
-    dkdv_config: list[int], dq_config: list[int], empty_grad: int = 0,
+    dkdv_config: list[int], dq_config: list[int], empty_grad: int = 0, fused_dq: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, ds): dq/dk/dv dense in q/k/v's dimension order; ds the fp32 [B, Hq, Nq, Nk] score
     gradient when `write_ds` (the caller reduces it to the bias' shape), else an empty tensor.
     `lse` is the forward's fp32 [B, Hq, Nq] (-inf on empty rows). With `empty_grad` (EMPTY_GRADS), `dout` is
     the gradient of emit's empty-row fix-up: the kernels zero it on rows with lse -inf, as the fix-up's
     `where` does, and for "mean_v" / "uniform" a last kernel adds the rest of its backward when some row
-    is empty (fa_compile/kernels/triton_empty_rows_bwd.py)."""
-    from .triton_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
+    is empty (fa_compile/kernels/triton_empty_rows_bwd.py). With `fused_dq` (not with `write_ds`), the dK/dV kernel
+    also adds each key tile's share of dQ into an fp32 buffer by atomics (no dQ kernel; `dq_config` unused), so the
+    sums arrive in varying order: the lowering asks for it only outside deterministic mode."""
+    from .triton_bwd import attn_bwd_dkdv_kernel, attn_bwd_preprocess_kernel
 
     check_config("dkdv_config", dkdv_config)
     check_config("dq_config", dq_config)
+    if fused_dq and write_ds:
+        raise ValueError("fused_dq: the dQ kernel writes dS, so write_ds needs fused_dq=False")
     if empty_grad != 0 and empty_grad not in EMPTY_GRADS.values():
         raise ValueError(f"empty_grad: expected 0 or one of {sorted(EMPTY_GRADS.values())}, got {empty_grad}")
     dq, dk, dvv = (_empty(t.shape, _dense_strides(t), t.dtype, t.device) for t in (q, k, v))
@@ -230,13 +234,32 @@ def bwd(
     )
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
+    # fp32 sums of the key tiles' dQ shares (the fused form; zeros it starts from), [B, Hq, Nq, D] contiguous
+    dqa = torch.zeros((b, hq, nq, d), device=q.device, dtype=torch.float32) if fused_dq else q
     _launcher(attn_bwd_dkdv_kernel)[(tf.triton_cdiv(nk, int(dkdv_config[1])) * b * hkv, 1, 1)](
         q, k, v, dout, lse, delta, dk, dvv, bias_arg, kvl, seed, q, q, q, q, *strides,
         dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
         *bstr, hq, hkv, hq // hkv, nq, nk, d, dv, *common,
         BLOCK_D=block_d, BLOCK_DV=block_dv, USE_TMA=False, **consts, **_tile_kwargs(dkdv_config),
-        **_no_positions(q), ZERO_EMPTY=empty_grad != 0,
+        **_no_positions(q), ZERO_EMPTY=empty_grad != 0, DQA=dqa, FUSED_DQ=bool(fused_dq),
     )
+    if fused_dq:
+        dq.copy_(dqa * scale)
+    else:
+        _launch_dq(q, k, v, dout, lse, delta, dq, ds_arg, bias_arg, kvl, seed, strides, bstr, common, consts,
+                   dq_config, write_ds, causal, empty_grad)
+    if empty_grad in (EMPTY_GRADS["mean_v"], EMPTY_GRADS["uniform"]):
+        _empty_rows_grads(dout, q, k, v, lse, dq, dk, dvv, scale, empty_grad == EMPTY_GRADS["uniform"])
+    return dq, dk, dvv, ds
+
+
+def _launch_dq(q, k, v, dout, lse, delta, dq, ds_arg, bias_arg, kvl, seed, strides, bstr, common, consts,
+               dq_config, write_ds: bool, causal: bool, empty_grad: int) -> None:
+    from .triton_bwd import attn_bwd_dq_kernel
+
+    b, hq, nq, d = q.shape
+    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
+    block_d, block_dv = tf._pow2(d), tf._pow2(dv)
     _launcher(attn_bwd_dq_kernel)[(tf.triton_cdiv(nq, int(dq_config[0])) * b * hq, 1, 1)](
         q, k, v, dout, lse, delta, dq, ds_arg, bias_arg, kvl, seed, q, q, q, q, *strides,
         dq.stride(0), dq.stride(1), dq.stride(2),
@@ -244,9 +267,6 @@ def bwd(
         BLOCK_D=block_d, BLOCK_DV=block_dv, WRITE_DS=bool(write_ds), REVERSE_M=bool(causal), USE_TMA=False,
         **consts, **_tile_kwargs(dq_config), **_no_positions(q), ZERO_EMPTY=empty_grad != 0,
     )
-    if empty_grad in (EMPTY_GRADS["mean_v"], EMPTY_GRADS["uniform"]):
-        _empty_rows_grads(dout, q, k, v, lse, dq, dk, dvv, scale, empty_grad == EMPTY_GRADS["uniform"])
-    return dq, dk, dvv, ds
 
 
 def _empty_rows_grads(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, dq: Tensor, dk: Tensor,

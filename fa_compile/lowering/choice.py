@@ -39,6 +39,7 @@ class Decision:
     refused: list = field(default_factory=list)
     folded: str = ""  # an output fix-up the lowered kernel computes itself (lowering/empty_rows.py)
     keys: str = ""  # KEYS_CUT_TEXT where the kernel reads keys only up to a key-padding mask's limit (key_limit.py)
+    backward_note: str = ""  # how a lowered backward computes its gradients, where its lowering says (backward_note)
 
     @property
     def lowered(self) -> bool:
@@ -46,7 +47,7 @@ class Decision:
 
     def __str__(self) -> str:
         if self.lowered:
-            notes = "; ".join(n for n in (self.folded, self.keys) if n)
+            notes = "; ".join(n for n in (self.folded, self.keys, self.backward_note) if n)
             return f"{self.kernel} -> {self.target}" + (f" ({notes})" if notes else "")
         return f"{self.kernel} (fa3 op, run-time dispatch: {self.reason})"
 
@@ -266,6 +267,7 @@ def describe(args: dispatch.AttentionArgs, forced: Optional[str] = None, empty_f
                                                               "folds_empty_row_grads", False):
                 d.folded = empty_rows_backward.folded_text(grad_fix)
             _note_keys(d, LOWERINGS.get((args.q.device.type, d.kernel)), args)
+            note_backward(d, LOWERINGS.get((args.q.device.type, d.kernel)), args)
             parts.append("backward " + str(d))
     return "; ".join(parts)
 
@@ -276,6 +278,12 @@ def _note_keys(d: Decision, low: Optional[Lowering], args: dispatch.AttentionArg
 
     if d.lowered and getattr(low, "cuts_padded_keys", False) and key_limit.cuts_keys(args, low.key_tile(args, d.direction)):
         d.keys = KEYS_CUT_TEXT
+
+
+def note_backward(d: Decision, low: Optional[Lowering], args: dispatch.AttentionArgs) -> None:
+    """d.backward_note from the lowering (e.g. the Triton family's dQ summed inside its dK/dV kernel)."""
+    if d.lowered and d.direction == "backward" and hasattr(low, "backward_note"):
+        d.backward_note = low.backward_note(args)
 
 
 def explain_lines(rows: list) -> str:

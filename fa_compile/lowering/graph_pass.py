@@ -78,6 +78,8 @@ def _lower_node(graph: fx.Graph, node: fx.Node, limits: dict) -> Optional[choice
             args = dataclasses.replace(args, kv_lens=kv_lens.meta["val"])
             b = dict(b, kv_lens=kv_lens)
             decision.keys = choice.KEYS_CUT_TEXT
+    if backward:
+        choice.note_backward(decision, lowering, args)
     names = ["dout", "q", "k", "v", "out", "lse"] if backward else ["q", "k", "v"]
     names += [n for n in ("bias", "kv_lens") if b[n] is not None]
     if getattr(lowering, "takes_dropout_seed", False) and b["dropout_seed"] is not None:

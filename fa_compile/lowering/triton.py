@@ -95,7 +95,23 @@ def _signature(args: dispatch.AttentionArgs, direction: str) -> tuple:
     overrides = tuple(sorted(_family().CONFIG_OVERRIDE.items(), key=repr))
     return (direction, meta(args.q), meta(args.k), meta(args.v), meta(args.bias), meta(args.kv_lens),
             bool(args.causal), int(args.diag_offset), int(args.window_left), int(args.window_right),
-            float(args.softcap), float(args.scale), bool(args.bias_requires_grad), overrides)
+            float(args.softcap), float(args.scale), bool(args.bias_requires_grad), overrides,
+            direction == "backward" and fuses_dq(args))
+
+
+def _wants_dbias(args: dispatch.AttentionArgs) -> bool:
+    return bool(args.bias_requires_grad) and args.bias is not None and args.bias.dtype != torch.bool
+
+
+def fuses_dq(args: dispatch.AttentionArgs) -> bool:
+    """Whether the site's backward adds dQ inside the dK/dV kernel (the family's rule, triton_family.fuses_dq)."""
+    tf = _family()
+    block = tf._pow2(int(args.q.shape[3]))
+    return tf.fuses_dq(block, _wants_dbias(args))
+
+
+# explain(): how the lowered backward sums dQ where it has no dQ kernel of its own
+FUSED_DQ_TEXT = "dQ added by the dK/dV kernel through fp32 atomics (a dQ kernel in deterministic mode)"
 
 
 def settings_key() -> tuple:
@@ -109,6 +125,7 @@ def settings_key() -> tuple:
     here = os.path.dirname(os.path.abspath(tf.__file__))
     files = tuple(os.path.join(here, f) for f in ("triton_family.py", "triton_ops.py", "decode.py", "decode_ops.py"))
     return (os.environ.get("FA_COMPILE_TRITON_TMA", "auto"), os.environ.get("FA_COMPILE_TRITON_LOWER", "auto"),
+            os.environ.get("FA_COMPILE_FUSED_DQ", "auto"), torch.are_deterministic_algorithms_enabled(),
             tile_tuning.enabled(),
             repr(sorted(tf.CONFIG_OVERRIDE.items(), key=repr)), get_hash_for_files(files).hex())
 
@@ -137,6 +154,10 @@ class TritonLowering:
     def key_tile(self, args: dispatch.AttentionArgs, direction: str) -> int:
         """The smallest key tile of the site's kernels (the family's tile table; nothing is run)."""
         return min(int(c.block_n) for c in _table_configs(args, direction))
+
+    def backward_note(self, args: dispatch.AttentionArgs) -> str:
+        """For explain(): FUSED_DQ_TEXT where the lowered backward has no dQ kernel."""
+        return FUSED_DQ_TEXT if fuses_dq(args) else ""
 
     def target(self, direction: str) -> str:
         return "fa3_triton.bwd" if direction == "backward" else "fa3_triton.fwd"
@@ -220,18 +241,19 @@ class TritonLowering:
         add that fix-up's backward; `out_strides` (dq, dk, dv; None: the op's own) are then the strides of
         the graph values the gradients stand for."""
         dkdv_config, dq_config = self._plan(args, "backward")
+        fused = fuses_dq(args)
         bwd = _ops().bwd
         grad_code = 0 if empty_grad is None else _ops().EMPTY_GRADS[empty_grad]
         strides = out_strides or (None, None, None)
         s = _site_scalars(args)
         unpack = _optional_inputs(args)
-        want_ds = bool(args.bias_requires_grad) and args.bias is not None and args.bias.dtype != torch.bool
+        want_ds = _wants_dbias(args)
         reduce_dbias = _family()._reduce_dbias
 
         def fn(dout, q, k, v, out, lse, *rest):
             bias, kv_lens, seed, _sinks = unpack(q, rest)  # lse includes the sinks: P is exp(s - lse)
             dq, dk, dv, ds = bwd(dout, q, k, v, out, lse, bias, kv_lens, seed, *s, want_ds, dkdv_config, dq_config,
-                                 grad_code)
+                                 grad_code, fused)
             if want_ds:
                 db = reduce_dbias(ds, bias)
                 db = conventions.with_strides(db, tuple(make_contiguous_strides_for(bias.shape)))
@@ -252,7 +274,8 @@ def _table_configs(args: dispatch.AttentionArgs, direction: str) -> list:
     causal = bool(args.causal)
     if direction == "forward":
         return [tf.pick_config("fwd", block, causal, cap, _bias_kind(args))]
-    return [tf.pick_config("dkdv", block, causal, cap), tf.pick_config("dq", block, causal, cap)]
+    kind = "dkdv_fused" if fuses_dq(args) else "dkdv"
+    return [tf.pick_config(kind, block, causal, cap), tf.pick_config("dq", block, causal, cap)]
 
 
 def _site_scalars(args: dispatch.AttentionArgs) -> tuple:
@@ -309,10 +332,8 @@ def _verify(args: dispatch.AttentionArgs, direction: str, cfgs: list):
                     else:
                         out, lse = ops.fwd(real.q, real.k, real.v, real.bias, real.kv_lens, seed, *s,
                                            _tile(tf.pick_config("fwd", 16, False, (0, 0))))
-                        want_ds = bool(args.bias_requires_grad) and real.bias is not None and \
-                            real.bias.dtype != torch.bool
                         ops.bwd(torch.randn_like(out), real.q, real.k, real.v, out, lse, real.bias, real.kv_lens,
-                                seed, *s, want_ds, _tile(cfgs[0]), _tile(cfgs[1]))
+                                seed, *s, _wants_dbias(args), _tile(cfgs[0]), _tile(cfgs[1]), 0, fuses_dq(args))
                     torch.cuda.synchronize(real.q.device)
                 return cfgs
             except OutOfResources as e:  # the message does not name the kernel: shrink every tile that can
