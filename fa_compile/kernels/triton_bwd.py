@@ -1,4 +1,4 @@
-"""Fused attention backward in Triton: delta preprocess, dK/dV kernel, dQ kernel (no atomics).
+"""Fused attention backward in Triton: delta preprocess, dK/dV kernel, dQ kernel (no atomics by default).
 
 dK/dV: one program per (key block, B * Hkv); it loops over the G query heads of its group and over
 the query blocks that reach its keys, so the GQA reduction happens in registers. It works on the
@@ -6,6 +6,10 @@ transposed score tile (keys down), as the operand layouts of P^T dO and dS^T Q w
 dQ: one program per (query block, B * Hq), looping over key blocks like the forward; with a bias
 that needs its gradient, it also writes dS (fp32) for the launcher to reduce over broadcast dims.
 Each output element is written by exactly one program, so the backward is deterministic.
+FUSED_DQ (opt-in, triton_family.fuses_dq): the dK/dV kernel also adds each tile's dS^T K into an fp32 dQ buffer
+by atomics (DQA, [B * Hq, Nq, D], zeroed by the launcher, scaled and cast after) and no dQ kernel runs; the
+sums then arrive in varying order. Keys and values past kv_lens are zeroed in the dK/dV kernel, as the dQ
+kernel never loads them: their dS is exactly 0 whatever those slots hold.
 Run-time positions and segments (HAS_QPOS, HAS_SEG; see triton_fwd.py): dQ reads keys as the forward does
 (up to the tile's largest position, within the span of key tiles whose ids can meet the query tile's);
 dK/dV loops over the span of query tiles that can reach its keys: some position at or after its first

@@ -23,6 +23,9 @@ in training too for the mean of V (`fills_saved_empty_rows`). The backward takes
 (`folds_empty_row_grads`, empty_rows_backward.py): its kernels zero the dO of rows whose lse is -inf, and one
 more kernel (fa_compile/kernels/triton_empty_rows_bwd.py) adds the mean's and eager's uniform-row gradients, reading
 only the lse when no row is empty. A padded BERT training step had run them as graph ops on every layer.
+The backward runs the dK/dV and dQ kernels, or adds dQ inside the dK/dV kernel where the family's `fuses_dq`
+says so (FA_COMPILE_FUSED_DQ=1; never with a bias gradient or in deterministic mode, which the pass's cache key
+and the tiles' signature include; explain() names it, FUSED_DQ_TEXT).
 A site with a key-padding mask (one value per sequence and key) also gets that mask's key limit as kv_lens
 (`cuts_padded_keys`, graph_pass and key_limit.for_site): the kernels' key loops end at each sequence's last kept
 key, and the dK/dV programs past it write zeros.
