@@ -24,7 +24,11 @@ def kernels_per_step(name: str, attn: str, backend: str, train: bool, steps: int
     model.train(train)
     f = torch.compile(model, backend=backend_for(backend, "inductor"))
     kw = inputs(name, model, spec, "cuda", torch.bfloat16)[1 if train else 0]
+    return cuda_kernels(model_step(f, model, kw, train), steps)
 
+
+def model_step(f, model, kw: dict, train: bool):
+    """One call of the compiled model `f`: a training step (loss backward, gradients dropped) or a no-grad forward."""
     def step():
         if train:
             f(**kw).loss.backward()
@@ -34,7 +38,7 @@ def kernels_per_step(name: str, attn: str, backend: str, train: bool, steps: int
             with torch.no_grad():
                 f(**kw)
 
-    return cuda_kernels(step, steps)
+    return step
 
 
 def cuda_kernels(fn, calls: int, warmup: int = 3) -> dict[str, tuple[float, int]]:

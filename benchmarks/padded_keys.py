@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_diff import cuda_kernels  # noqa: E402
+from kernel_diff import cuda_kernels, model_step  # noqa: E402
 from models import FULL, build, inputs  # noqa: E402
 
 ATTENTION = ("attn_", "sdpa", "flash", "fmha", "key_limit")  # kernel names counted as attention in the listing
@@ -42,15 +42,7 @@ def make_step(variant: str, mode: str, cuts_keys):
         key_limit.cuts_keys = (lambda *a: False) if variant == "every-key" else cuts_keys
         f = torch.compile(model, backend=fa_compile.backend())
 
-    def step():
-        if mode == "train":
-            f(**kw).loss.backward()
-            for p in model.parameters():
-                p.grad = None
-        else:
-            with torch.no_grad():
-                f(**kw)
-
+    step = model_step(f, model, kw, mode == "train")
     before = os.environ.get("FA_COMPILE_FUSED_DQ")
     if variant == "dq-kernel":
         os.environ["FA_COMPILE_FUSED_DQ"] = "0"

@@ -576,7 +576,7 @@ else:
                                        msg=lambda m, i=i: f"{i}: {m}")
         decisions = [r.decision for r in records()[n_before:]][:4]
         assert [d.keys for d in decisions] == [choice.KEYS_CUT_TEXT] * 4, [str(d) for d in decisions]
-        n_bwd = 2 if tf.fuses_dq(16, False) else 4  # dK/dV per layer, and dQ unless dK/dV adds it
+        n_bwd = 2 if tf.fuses_dq(False) else 4  # dK/dV per layer, and dQ unless dK/dV adds it
         for gm, ks, ns, n_attn in zip(graphs, kernels, names, (2, n_bwd)):
             assert ns.count("key_limit_kernel") == 1, ns  # one limit for both layers
             attn = [n for n in ks if "KVLENS" in n.kwargs["kwargs"]]  # forward; dK/dV (and dQ)

@@ -64,7 +64,7 @@ class BlockConfig:
 
 
 # Tests and the benchmark may pin configurations: {(kind, head_dim_block[, causal]): BlockConfig}, kind one of
-# "fwd", "fwd_bias", "dkdv", "dkdv_fused", "dq"; a key with `causal` wins over one without.
+# "fwd", "fwd_bias", "dkdv", "dq"; a key with `causal` wins over one without.
 CONFIG_OVERRIDE: dict = {}
 # The last compiled kernel handle per kernel name (registers, spills, PTX for the benchmark's report).
 LAST_COMPILED: dict = {}
@@ -104,8 +104,6 @@ def pick_config(kind: str, block_d: int, causal: bool, cap: tuple[int, int], bia
             return BlockConfig(64, 64, 4, 3, qreg=True) if hopper else BlockConfig(128, 32, 8, 2)
         # 535 / causal 522; with qreg 410 (255 regs), 128x32 w8 s3 qreg 515.
         return BlockConfig(128, 64, 8, 2) if hopper else BlockConfig(64, 32, 4, 2)
-    if kind == "dkdv_fused":
-        return BlockConfig(64, 64, 4, 2) if hopper else BlockConfig(32, 64, 4, 2)
     if kind == "dkdv":
         # With dq 64x64 w4 s2: d128 403 TFLOP/s (dK/dV 255 regs, 8 B spilled) vs 390 for 64x128 w8 s2 +
         # dq 128x32 w4 s3; d64 339 vs 332.
@@ -118,22 +116,15 @@ def pick_config(kind: str, block_d: int, causal: bool, cap: tuple[int, int], bia
     return BlockConfig(128, 32, 8, 2) if hopper else BlockConfig(32, 32, 4, 1)
 
 
-# Head-dim blocks whose Triton-language backward adds dQ inside the dK/dV kernel by default (see fuses_dq): none.
-# On the H200 (bf16, 2026-12-03) the fused form took 0.97x the two kernels' time at d64 B32 x 512 with dropout,
-# 1.06x without, and 1.16-1.44x at N 1024 causal (d64, d128, GQA) and d128 with dropout.
-FUSED_DQ_BLOCKS: tuple = ()
-
-
-def fuses_dq(block_d: int, want_dbias: bool) -> bool:
+def fuses_dq(want_dbias: bool) -> bool:
     """Whether the Triton-language backward adds each key tile's share of dQ inside the dK/dV kernel (fp32 atomics
-    into a zeroed buffer, then one scaled cast) instead of running the dQ kernel, which computes the scores, P,
-    dP and the dropout mask a second time. Not with a bias gradient (the dQ kernel writes dS), and not in
-    deterministic mode (the atomic sums arrive in varying order). FA_COMPILE_FUSED_DQ=1 asks for it (where allowed),
-    =0 refuses it; by default the head-dim blocks of FUSED_DQ_BLOCKS."""
-    mode = os.environ.get("FA_COMPILE_FUSED_DQ", "auto")
-    if mode == "0" or want_dbias or torch.are_deterministic_algorithms_enabled():
-        return False
-    return mode == "1" or block_d in FUSED_DQ_BLOCKS
+    into a zeroed buffer, then one scaled cast; the dK/dV kernel's tiles) instead of running the dQ kernel, which
+    computes the scores, P, dP and the dropout mask a second time. Only where FA_COMPILE_FUSED_DQ=1 asks for it,
+    and never with a bias gradient (the dQ kernel writes dS) or in deterministic mode (the atomic sums arrive in
+    varying order). Off by default: on the H200 (bf16, 2026-12-03) it took 0.97x the two kernels' time at d64
+    B32 x 512 with dropout, 1.06x without, and 1.13-1.44x at N 1024 causal (d64, d128, GQA) and d128 with dropout."""
+    return (os.environ.get("FA_COMPILE_FUSED_DQ") == "1" and not want_dbias
+            and not torch.are_deterministic_algorithms_enabled())
 
 
 def _smaller(cfg: BlockConfig) -> Optional[BlockConfig]:
@@ -723,7 +714,7 @@ def attention_backward(
                 warnings.warn(f"fa_compile: the Gluon backward failed to build ({type(e).__name__}: "
                               f"{str(e)[:200]}); using the Triton backward instead", RuntimeWarning)
 
-        fused = fuses_dq(block_d, want_dbias)
+        fused = fuses_dq(want_dbias)
         dqa = torch.empty((b, hq, nq, d), device=q.device, dtype=torch.float32) if fused else q
 
         def dkdv(c: BlockConfig) -> None:
@@ -754,8 +745,7 @@ def attention_backward(
 
         # Each kernel stores (never accumulates) its outputs, so timing candidates leaves nothing behind.
         causal = bool(args.causal)
-        kind = "dkdv_fused" if fused else "dkdv"
-        dkdv(_tuned(kind, block, pick_config(kind, block, causal, cap), q, causal, bias_kind, cap, dkdv))
+        dkdv(_tuned("dkdv", block, pick_config("dkdv", block, causal, cap), q, causal, bias_kind, cap, dkdv))
         if fused:
             dq.copy_(dqa.mul_(float(args.scale)))
         else:

@@ -108,9 +108,7 @@ def _wants_dbias(args: dispatch.AttentionArgs) -> bool:
 
 def fuses_dq(args: dispatch.AttentionArgs) -> bool:
     """Whether the site's backward adds dQ inside the dK/dV kernel (the family's rule, triton_family.fuses_dq)."""
-    tf = _family()
-    block = tf._pow2(int(args.q.shape[3]))
-    return tf.fuses_dq(block, _wants_dbias(args))
+    return _family().fuses_dq(_wants_dbias(args))
 
 
 # explain(): how the lowered backward sums dQ where it has no dQ kernel of its own
@@ -277,8 +275,7 @@ def _table_configs(args: dispatch.AttentionArgs, direction: str) -> list:
     causal = bool(args.causal)
     if direction == "forward":
         return [tf.pick_config("fwd", block, causal, cap, _bias_kind(args))]
-    kind = "dkdv_fused" if fuses_dq(args) else "dkdv"
-    return [tf.pick_config(kind, block, causal, cap), tf.pick_config("dq", block, causal, cap)]
+    return [tf.pick_config("dkdv", block, causal, cap), tf.pick_config("dq", block, causal, cap)]
 
 
 def _site_scalars(args: dispatch.AttentionArgs) -> tuple:
