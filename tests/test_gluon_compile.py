@@ -251,10 +251,17 @@ def test_backward_builds_for_sm90(sm90, d, causal, masks, group):
     assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add", ptx)
     assert not re.search(r"\b(atom|red)\.global", ptx)
     ir = k.asm["ttgir"]
-    # Five products per query block; Pᵀ and dSᵀ are register operands, and the only register-to-shared
+    # Five products per query block; Pᵀ and dSᵀ are register operands, and the consumers' only register-to-shared
     # stores are dSᵀ (for dQ = dS·K, which needs both warpgroups' halves) and the dQ tile.
     assert len(re.findall(r"ttng\.warp_group_dot ", ir)) == 5
-    assert len(re.findall(r"ttg\.local_store ", ir)) == 2
+    consumer = ir[ir.index("default {"):ir.index("partition0(")]
+    producer = ir[ir.index("partition0("):ir.index("partition1(")]
+    assert len(re.findall(r"ttg\.local_store ", consumer)) == 2
+    # The consumers read each block's lse and δ from shared memory: the producer warp loads them into the
+    # Q/dO slot, so no global load sits on the consumers' critical path.
+    assert not re.search(r"= tt\.load ", consumer)
+    assert len(re.findall(r"ttg\.local_load .*#ttg\.slice<\{dim = 0", consumer)) == 2
+    assert len(re.findall(r"= tt\.load ", producer)) == 2 and len(re.findall(r"ttg\.local_store ", producer)) == 2
     assert k.metadata.shared <= 232448
 
 

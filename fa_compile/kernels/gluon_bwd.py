@@ -6,7 +6,13 @@ FA3's schedule:
 - a program owns BLOCK_N = 128 keys of one K/V head and loops over the query blocks (of every q head
   of its GQA group) that reach them; K and V stay in shared memory for the whole loop. Each program
   starts its sweep at its own query block, so programs running together reduce into different dQ tiles;
-- a producer warp moves each Q and dO tile by TMA into a ring of STAGES shared-memory slots;
+- a producer warp moves each Q and dO tile by TMA into a ring of STAGES shared-memory slots, and the block's
+  lse and δ rows beside them (plain loads issued before it waits for the slot). The consumers read those
+  from shared memory: when they loaded them from global memory themselves, at the top of each step, the
+  load's latency sat on their critical path (Nsight Compute on the H200, d64 N 16k: 3.1 of 9.7 cycles
+  between issues stalled on a long scoreboard); moving them here took the kernel from 0.83-0.91x cuDNN's
+  backward to 0.93-1.00x (benchmarks/results/gluon-bwd-lse-smem-h200-2026-12-04.txt). Prefetching them a
+  step ahead in the consumers' registers instead gained less at d64 and spilled at d128;
 - the consumer is two warpgroups (8 warps, 64 keys each) holding dK and dV in registers. Per query
   block of BLOCK_M rows they compute
 
@@ -19,7 +25,8 @@ FA3's schedule:
   (cp.reduce.async.bulk.tensor), double-buffered, while the consumers go on; the launcher casts it.
 Measured on H200 (benchmarks/results/kernels.md, 2026-12-01): without any dQ reduction the loop runs at
 ~650 TFLOP/s at d128; per-element atomics from the consumers cost a third of that (395-441), a single TMA
-reduction issued by the consumers themselves 407, the writer warp 484 (cuDNN 540).
+reduction issued by the consumers themselves 407, the writer warp 484 (cuDNN 540); with lse and δ from
+shared memory 515-534 against cuDNN's 521-534 (2026-12-04).
 The reduction order varies from run to run, so the launcher uses the `tl` kernels when torch asks for
 deterministic algorithms.
 
@@ -76,8 +83,13 @@ def _block_of(i, n_mblk, rot, lo, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_full, q_empty,
-                  b, hk, G, n0, lo, n_mblk, n_iter, rot, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+def _bwd_producer(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem,
+                  kv_bar, q_full, q_empty, b, hk, G, Hq, n0, lo, n_mblk, n_iter, rot, Nq,
+                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: K and V once, then per step the Q and dO tiles by TMA and the block's lse and δ rows by plain
+    loads (issued before it waits for the slot, so their latency overlaps that wait) into the same slot."""
+    row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    rows0 = gl.arange(0, BLOCK_M, layout=row_layout)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     _tma_load(k_desc, [b, hk, n0, 0], kv_bar, k_smem)
     _tma_load(v_desc, [b, hk, n0, 0], kv_bar, v_smem)
@@ -85,7 +97,15 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sm
         slot = i % STAGES
         g, start_m = _block_of(i, n_mblk, rot, lo, BLOCK_M)
         h = hk * G + g
+        bh = (b * Hq + h).to(gl.int64)
+        rows = start_m + rows0
+        # Rows past Nq: lse = +inf makes their probabilities exactly 0; an empty row (lse = -inf) reads 0.
+        lse = gl.load(LSE + bh * Nq + rows, mask=rows < Nq, other=float("inf"))
+        delta = gl.load(DELTA + bh * Nq + rows, mask=rows < Nq, other=0.0)
         mbarrier.wait(q_empty.index(slot), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+        lse_smem.index(slot).store(lse)
+        dl_smem.index(slot).store(delta)
+        _partition_barrier()  # every lane's rows are stored before the expect's arrive releases them
         mbarrier.expect(q_full.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         _tma_load(q_desc, [b, h, start_m, 0], q_full.index(slot), q_smem.index(slot))
         _tma_load(do_desc, [b, h, start_m, 0], q_full.index(slot), do_smem.index(slot))
@@ -105,10 +125,10 @@ def _bwd_dq_writer(dqa_desc, dq_smem, dq_full, dq_empty, hk, G, Hq, b, lo, n_mbl
 
 
 @gluon.jit
-def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_full, q_empty, dq_full, dq_empty,
-                  LSE, DELTA, DK, DV,
+def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem, kv_bar, q_full, q_empty,
+                  dq_full, dq_empty, DK, DV,
                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                  b, hk, G, Hq, n0, lo, full_lo, full_hi, n_mblk, n_iter, rot, Nq, Nk, n_lim, D, DVD,
+                  b, hk, n0, lo, full_lo, full_hi, n_mblk, n_iter, rot, Nq, Nk, n_lim, D, DVD,
                   qk_scale, scale, diag_offset, window_left, window_right,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr):
@@ -137,16 +157,12 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_f
     v2 = v_smem.reshape([BLOCK_N, BLOCK_DV])
     for i in range(n_iter):
         slot = i % STAGES
-        g, start_m = _block_of(i, n_mblk, rot, lo, BLOCK_M)
-        bh = (b * Hq + hk * G + g).to(gl.int64)
+        _, start_m = _block_of(i, n_mblk, rot, lo, BLOCK_M)
         qcols = start_m + qcols0
-        m_ok = qcols < Nq
-        # Rows past Nq: lse = +inf makes their probabilities exactly 0; an empty row (lse = -inf) reads 0.
-        lse = gl.load(LSE + bh * Nq + qcols, mask=m_ok, other=float("inf"))
-        lse2 = gl.where(lse == float("-inf"), 0.0, lse) * LOG2E
-        delta = gl.load(DELTA + bh * Nq + qcols, mask=m_ok, other=0.0)
-
         mbarrier.wait(q_full.index(slot), (i // STAGES) & 1)
+        lse = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+        delta = dl_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+        lse2 = gl.where(lse == float("-inf"), 0.0, lse) * LOG2E
         q2 = q_smem.index(slot).reshape([BLOCK_M, BLOCK_D])
         do2 = do_smem.index(slot).reshape([BLOCK_M, BLOCK_DV])
         s_tok = warpgroup_mma(k2, q2.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -218,6 +234,9 @@ def attn_bwd_gluon_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, BLOCK_DV], v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    row_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem_layout)
+    dl_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, BLOCK_D], dqa_desc.layout)
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -240,13 +259,14 @@ def attn_bwd_gluon_kernel(
     rot = pid_n % gl.maximum(n_mblk, 1)
 
     gl.warp_specialize([
-        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_full, q_empty, dq_full,
-                         dq_empty, LSE, DELTA, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                         b, hk, G, Hq, n0, lo, full_lo, full_hi, n_mblk, n_iter, rot, Nq, Nk, n_lim, D, DVD,
+        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem, kv_bar, q_full,
+                         q_empty, dq_full, dq_empty, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                         b, hk, n0, lo, full_lo, full_hi, n_mblk, n_iter, rot, Nq, Nk, n_lim, D, DVD,
                          qk_scale, scale, diag_offset, window_left, window_right,
                          BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, IS_CAUSAL, HAS_WL, HAS_WR)),
-        (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_full,
-                         q_empty, b, hk, G, n0, lo, n_mblk, n_iter, rot, BLOCK_M, STAGES)),
+        (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, lse_smem,
+                         dl_smem, kv_bar, q_full, q_empty, b, hk, G, Hq, n0, lo, n_mblk, n_iter, rot, Nq, BLOCK_M,
+                         STAGES)),
         (_bwd_dq_writer, (dqa_desc, dq_smem, dq_full, dq_empty, hk, G, Hq, b, lo, n_mblk, n_iter, rot, BLOCK_M)),
     ], [1, 1], [24, 24])
 

@@ -467,7 +467,9 @@ def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int, cfg: Bl
 # Gluon backward tiles on Hopper, {head-dim block: BlockConfig(query rows per step, keys per program = 128,
 # num_warps 8 = two consumer warpgroups, Q/dO ring stages)}. H200, bf16, 16k tokens, 2026-12-01: d128
 # s2 484 TFLOP/s (three stages do not fit beside the dQ tiles); d64 s3 381 vs s2 371 (causal 365 / 367);
-# 128 query rows at d64 spill (248).
+# 128 query rows at d64 spill (248). Again 2026-12-04 with lse and delta staged in shared memory
+# (benchmarks/results/gluon-bwd-tiles-h200-2026-12-04.txt): d64 s3 422 vs s2 412 (causal 411 / 410), d128
+# s2 534 (causal 503).
 GLUON_BWD_CONFIGS: dict[int, BlockConfig] = {
     64: BlockConfig(64, 128, 8, 3),
     128: BlockConfig(64, 128, 8, 2),
