@@ -106,6 +106,71 @@ def log_softmax_of(node: Any) -> Optional[fx.Node]:
         return None
     return src
 
+def row_max_of(m: Any, s: Any) -> Optional[fx.Node]:
+    """The max/amax node when m is s.amax(-1, keepdim=True) or s.max(-1, keepdim=True)[0] (detached or not)."""
+    while isinstance(m, fx.Node) and m.op == "call_method" and m.target == "detach":
+        m = m.args[0]
+    if not isinstance(m, fx.Node) or tensor_of(s) is None:
+        return None
+    if m.target is operator.getitem and m.args[1] == 0:
+        m = m.args[0]
+        names = ("max",)
+    else:
+        names = ("amax",)
+    name = m.target if m.op == "call_method" else getattr(m.target, "__name__", "")
+    if name not in names or not m.args or m.args[0] is not s:
+        return None
+    dim, keep = arg(m, 1, "dim"), arg(m, 2, "keepdim", False)
+    nd = tensor_of(s).dim()
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    if not isinstance(dim, int) or dim % nd != nd - 1 or keep is not True:
+        return None
+    return m
+
+
+_DIV_FNS = (operator.truediv, torch.div, torch.divide, torch.true_divide, torch.Tensor.div)
+_SUM_FNS = (torch.sum, torch.Tensor.sum)
+
+
+def _is_last_dim_sum(node: Any, x: fx.Node) -> bool:
+    """node is x.sum(-1, keepdim=True) (any spelling of the last dim, no dtype)."""
+    if not isinstance(node, fx.Node) or not node.args or node.args[0] is not x or "dtype" in node.kwargs:
+        return False
+    if not ((node.op == "call_method" and node.target == "sum") or
+            (node.op == "call_function" and node.target in _SUM_FNS)):
+        return False
+    dim, keep = arg(node, 1, "dim"), arg(node, 2, "keepdim", False)
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    t = tensor_of(x)
+    return t is not None and isinstance(dim, int) and dim % max(t.dim(), 1) == t.dim() - 1 and keep is True
+
+
+def exp_sum_of(node: Any) -> Optional[tuple[fx.Node, fx.Node]]:
+    """(E, S) when `node` is E / S with E = exp(s - rowmax(s)) and S = E.sum(-1, keepdim=True): softmax(s)
+    written out with its own formula. Only with the row max subtracted: there eager's exp cannot overflow,
+    as softmax's cannot; exp(s) / Σ exp(s) overflows where softmax does not, so it is not read as one.
+    E and S may have other readers: the site finder refuses those."""
+    if not isinstance(node, fx.Node) or len(node.args) != 2 or node.kwargs:
+        return None
+    is_div = (node.op == "call_method" and node.target in ("div", "__truediv__")) or \
+        (node.op == "call_function" and node.target in _DIV_FNS)
+    e, den = node.args
+    if not is_div or not isinstance(e, fx.Node) or not _is_last_dim_sum(den, e):
+        return None
+    is_exp = (e.op == "call_method" and e.target == "exp") or (e.op == "call_function" and e.target in _EXP_FNS)
+    if not is_exp or len(e.args) != 1 or e.kwargs:
+        return None
+    y = e.args[0]
+    shifted = isinstance(y, fx.Node) and len(y.args) == 2 and not y.kwargs and (
+        (y.op == "call_method" and y.target in ("sub", "__sub__"))
+        or (y.op == "call_function" and y.target in (operator.sub, torch.sub, torch.subtract, torch.Tensor.sub)))
+    if not shifted or row_max_of(y.args[1], y.args[0]) is None:
+        return None
+    return e, den
+
+
 _FUNCTIONS: Optional[dict] = None
 
 
@@ -131,6 +196,8 @@ def kind(node: Any) -> Optional[str]:
         return None
     if k == "cast" and not _is_dtype_cast(node):
         return None
+    if k == "div" and exp_sum_of(node) is not None:
+        k = "softmax"
     return k
 
 
@@ -178,7 +245,11 @@ def _is_dtype_cast(node: fx.Node) -> bool:
 
 def softmax_args(node: fx.Node) -> tuple[fx.Node, Optional[int], Optional[torch.dtype]]:
     """(input, dim normalised to >= 0 or None when it cannot be read, dtype argument); for exp of a
-    log_softmax, those of the log_softmax."""
+    log_softmax, those of the log_softmax; for exp(y) / Σ exp(y), (y, its last dim, None)."""
+    es = exp_sum_of(node)
+    if es is not None:
+        y = es[0].args[0]
+        return y, tensor_of(y).dim() - 1, None
     node = log_softmax_of(node) or node
     x = node.args[0]
     dim = arg(node, 1, "dim")

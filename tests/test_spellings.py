@@ -6,7 +6,9 @@
   its functional op; aliased or grad-mode-crossing updates are left alone;
 - a read of only the scores' shape / dtype (`torch.ones_like(s)`, `s.new_ones(...)`) is not a use
   of their values;
-- F.linear(q, k) is Q·Kᵀ (its bias an additive mask), exp(log_softmax(s)) is softmax(s), a
+- F.linear(q, k) is Q·Kᵀ (its bias an additive mask), exp(log_softmax(s)) is softmax(s), so is
+  exp(s - rowmax(s)) / Σ exp(s - rowmax(s)) (softmax's own formula; without the row max it is not: eager's
+  exp overflows where softmax does not), a
   multiplicative 0/1 mask `s * m + (1 - m) * c` is masked_fill(m == 0, c) (m proven 0/1, or refused),
   baddbmm's beta * input is an additive bias for every beta.
 Each is compared with eager on fresh random inputs: output, inputs afterwards and every gradient.
@@ -289,6 +291,72 @@ def log_probs_also_used(q, k, v):
 def test_log_probabilities_read_elsewhere_are_refused():
     res = check(log_probs_also_used, qkv(), rewritten=0)
     assert "the log-probabilities are also read by" in reasons(res)
+
+
+# ------------------------------------------------------------------------ exp over its row sum (written out)
+
+def _exp_sum(s, rowmax, total):
+    e = torch.exp(s - rowmax(s))
+    return e / total(e)
+
+
+EXP_SUM_FORMS = {
+    "amax.sum": lambda q, k, v: _exp_sum(q @ k.transpose(-2, -1) * 0.25, lambda s: s.amax(-1, keepdim=True),
+                                         lambda e: e.sum(-1, keepdim=True)) @ v,
+    "max.values_detached.torch.sum": lambda q, k, v: _exp_sum(
+        q @ k.transpose(-2, -1) / 4.0, lambda s: s.max(dim=-1, keepdim=True)[0].detach(),
+        lambda e: torch.sum(e, dim=3, keepdim=True)) @ v,
+    "causal masked_fill": lambda q, k, v: _exp_sum(
+        (q @ k.transpose(-2, -1) * 0.25).masked_fill(causal_bool(), -math.inf),
+        lambda s: torch.amax(s, dim=(-1,), keepdim=True), lambda e: e.sum(dim=-1, keepdim=True)) @ v,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("form", list(EXP_SUM_FORMS))
+def test_exp_over_its_row_sum_is_softmax(form, dtype):
+    res = check(EXP_SUM_FORMS[form], qkv(dtype=dtype), dtype=dtype, rewritten=1)
+    assert ("causal" in res.rewritten[0].mask) == ("causal" in form)
+
+
+def exp_sum_unshifted(q, k, v):
+    e = torch.exp(q @ k.transpose(-2, -1) * 0.25)
+    return e / e.sum(-1, keepdim=True) @ v
+
+
+def exp_also_read(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    return (e / e.sum(-1, keepdim=True)) @ v + e.mean(-1, keepdim=True)
+
+
+def row_sum_also_read(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    z = e.sum(-1, keepdim=True)
+    return (e / z) @ v + z.log()
+
+
+def test_exp_over_its_row_sum_without_the_row_max_is_not_softmax():
+    # exp(s) overflows for a large logit where softmax(s) does not: eager's inf / inf is NaN, not a probability
+    check(exp_sum_unshifted, qkv(), rewritten=0)
+    q, k, v = qkv(grad=False)
+    big = exp_sum_unshifted(q * 40, k * 40, v)
+    assert big.isnan().any() and torch.compile(exp_sum_unshifted, backend="fa3")(q * 40, k * 40, v).isnan().any()
+
+
+@pytest.mark.parametrize("fn", [exp_also_read, row_sum_also_read], ids=["exp", "row_sum"])
+def test_exp_or_row_sum_read_elsewhere_are_refused(fn):
+    res = check(fn, qkv(), rewritten=0)
+    assert "only the softmax's own division may read them" in reasons(res)
+
+
+class TestPinnedExpSum(expecttest.TestCase):
+    def test_pinned_exp_over_row_sum(self):
+        self.assertExpectedInline(pinned(EXP_SUM_FORMS["amax.sum"], *qkv()), """\
+fa3.attention(l_q_, l_k_, l_v_, 0.25, False, 0, -1, -1, None, None, 0.0, 0.0, None, None)
+getitem(attention_default, 0)
+contiguous(getitem)""")
 
 
 # ------------------------------------------------------------------------------------ multiplicative masks

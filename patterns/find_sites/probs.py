@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..canonicalize import dropout_args, is_finite_number, kind, log_softmax_of
+from ..canonicalize import dropout_args, exp_sum_of, is_finite_number, kind, log_softmax_of
 from ..layout import Contraction, contraction, identity
 from ..site import PassOptions
 from .scores import Miss, _describe, _regroups_batch
@@ -51,7 +51,15 @@ def walk_probs(sm: fx.Node, options: PassOptions, gm: Optional[fx.GraphModule] =
     if lsm is not None and len(lsm.users) != 1:
         names = ", ".join(u.name for u in lsm.users if u is not sm)
         raise Miss(f"the log-probabilities are also read by {names}; only the exp to the probabilities may read them")
-    cur, nodes, dropout_p = sm, ([lsm] if lsm is not None else []) + [sm], 0.0
+    es = exp_sum_of(sm)  # exp(y) / Σ exp(y), y = s - rowmax(s): the exp, its sum and the division are the softmax
+    if es is not None:
+        e, den = es
+        if set(e.users) != {den, sm} or set(den.users) != {sm}:
+            names = ", ".join(u.name for n in (e, den) for u in n.users if u not in (den, sm))
+            raise Miss(f"the exponentiated scores or their row sums are also read by {names}; only the softmax's own "
+                       "division may read them")
+    pre = [lsm] if lsm is not None else (list(es) if es is not None else [])
+    cur, nodes, dropout_p = sm, pre + [sm], 0.0
     for _ in range(32):
         users = list(cur.users)
         if any(u.op == "output" for u in users):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -13,6 +12,7 @@ import torch.fx as fx
 from ..canonicalize import (
     arg, constant_value, is_finite_number, is_inplace, is_symbolic_scalar, kind, reads_only_metadata, tensor_of,
 )
+from ..canonicalize import row_max_of as _row_max_of
 from ..layout import Contraction, contraction, identity
 from ..mult_mask import match_mult_mask
 from ..shapes import known_eq, known_one
@@ -146,29 +146,6 @@ def _clamp_min_of(node: fx.Node, t: torch.Tensor) -> Optional[fx.Node]:
     if constant_value(b) != float(torch.finfo(t.dtype).min) or tensor_of(a) is None:
         return None
     return a
-
-
-def _row_max_of(m: Any, s: Any) -> Optional[fx.Node]:
-    """The max/amax node when m is s.amax(-1, keepdim=True) or s.max(-1, keepdim=True)[0] (detached or not)."""
-    while isinstance(m, fx.Node) and m.op == "call_method" and m.target == "detach":
-        m = m.args[0]
-    if not isinstance(m, fx.Node) or tensor_of(s) is None:
-        return None
-    if m.target is operator.getitem and m.args[1] == 0:
-        m = m.args[0]
-        names = ("max",)
-    else:
-        names = ("amax",)
-    name = m.target if m.op == "call_method" else getattr(m.target, "__name__", "")
-    if name not in names or not m.args or m.args[0] is not s:
-        return None
-    dim, keep = arg(m, 1, "dim"), arg(m, 2, "keepdim", False)
-    nd = tensor_of(s).dim()
-    if isinstance(dim, (list, tuple)) and len(dim) == 1:
-        dim = dim[0]
-    if not isinstance(dim, int) or dim % nd != nd - 1 or keep is not True:
-        return None
-    return m
 
 
 def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None) -> Scores:
