@@ -592,6 +592,8 @@ def main() -> None:
                     "H 16)")
     ap.add_argument("--bwd", default=None, help="head dims (e.g. 64,128): compare the Gluon backward's tiles "
                     "with the tl backward and cuDNN")
+    ap.add_argument("--bwd-n", type=int, default=16384, help="with --bwd: the sequence length (16k tokens per "
+                    "batch, so B = 16384 // N; e.g. 512 for a BERT-sized batch of 32)")
     ap.add_argument("--gluon", default=None, help="head dims (e.g. 64,128,256): compare the Gluon forward's tiles "
                     "with the tl forward, cuDNN and FA3, then exit")
     opt = ap.parse_args()
@@ -627,7 +629,7 @@ def main() -> None:
         json.dump(result, open(os.path.join(opt.out, "kernels_bias.json"), "w"), indent=1, default=str)
         return
     if opt.bwd:
-        result["bwd"] = run_bwd_compare([int(x) for x in opt.bwd.split(",")])
+        result["bwd"] = run_bwd_compare([int(x) for x in opt.bwd.split(",")], n=opt.bwd_n)
         os.makedirs(opt.out, exist_ok=True)
         json.dump(result, open(os.path.join(opt.out, "kernels_bwd.json"), "w"), indent=1, default=str)
         return
