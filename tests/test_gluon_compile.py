@@ -262,6 +262,12 @@ def test_backward_builds_for_sm90(sm90, d, causal, masks, group):
     assert not re.search(r"= tt\.load ", consumer)
     assert len(re.findall(r"ttg\.local_load .*#ttg\.slice<\{dim = 0", consumer)) == 2
     assert len(re.findall(r"= tt\.load ", producer)) == 2 and len(re.findall(r"ttg\.local_store ", producer)) == 2
+    # A dQ tile reaches the writer warp by a named-barrier arrival that does not block the consumers (the
+    # writer waits there): one barrier over the consumer partition per step, for dSᵀ's two halves, not two.
+    writer = ir[ir.index("partition1("):]
+    assert len(re.findall(r"\b(ttg|gpu)\.barrier\b", consumer)) == 1
+    assert consumer.count('"bar.arrive $1, 288;') == 1 and writer.count('"bar.sync $1, 288;') == 1
+    assert "ttng.wait_barrier" not in writer
     assert k.metadata.shared <= 232448
 
 

@@ -23,6 +23,10 @@ FA3's schedule:
   dQ = dS·K needs the whole 128-key tile, half of which the other warpgroup computed;
 - a writer warp adds each dQ tile into a zeroed fp32 [B·Hq, Nq, D] buffer with one TMA bulk reduction
   (cp.reduce.async.bulk.tensor), double-buffered, while the consumers go on; the launcher casts it.
+  The consumers hand it a tile by a non-blocking arrival at a hardware named barrier (bar.arrive) on
+  which the writer waits (bar.sync), as FA3 does: with an mbarrier, one thread's arrival had to follow
+  a barrier over all 256 consumer threads, the second of two per step, and that wait cost 2-6%
+  (benchmarks/results/gluon-bwd-named-barrier-h200-2026-12-04.txt).
 Measured on H200 (benchmarks/results/kernels.md, 2026-12-01): without any dQ reduction the loop runs at
 ~650 TFLOP/s at d128; per-element atomics from the consumers cost a third of that (395-441), a single TMA
 reduction issued by the consumers themselves 407, the writer warp 484 (cuDNN 540); with lse and δ from
@@ -70,6 +74,26 @@ def _tma_reduce_add_36(desc, coord, src, _semantic=None):
 # Later releases have the call: tma.async_atomic_add(desc, coord, src).
 _tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
 
+# Hardware named barriers 8 and 9 (of 16) carry the dQ tiles of even and odd steps from the consumers to the
+# writer warp; Triton's own barriers here are 0 (the consumer partition's) and 1 (the whole block's). Two ids,
+# because the consumers may arrive for step i + 1 before the writer has waited for step i.
+DQ_FULL_BAR = gl.constexpr(8)
+
+
+@gluon.jit
+def _dq_full_arrive(bar_id):
+    """Every consumer thread arrives at named barrier bar_id without waiting: 256 consumer threads plus the
+    writer warp's 32 complete it (the kernel runs with num_warps=8 and a one-warp writer). Memory accesses
+    before the arrival are visible to the threads that wait there."""
+    gl.inline_asm_elementwise("bar.arrive $1, 288;\n mov.u32 $0, 0;", "=r,r", [bar_id], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _dq_full_wait(bar_id):
+    gl.inline_asm_elementwise("bar.sync $1, 288;\n mov.u32 $0, 0;", "=r,r", [bar_id], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
 
 @gluon.jit
 def _block_of(i, n_mblk, rot, lo, BLOCK_M: gl.constexpr):
@@ -112,13 +136,12 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_smem, do_smem, 
 
 
 @gluon.jit
-def _bwd_dq_writer(dqa_desc, dq_smem, dq_full, dq_empty, hk, G, Hq, b, lo, n_mblk, n_iter, rot,
-                   BLOCK_M: gl.constexpr):
+def _bwd_dq_writer(dqa_desc, dq_smem, dq_empty, hk, G, Hq, b, lo, n_mblk, n_iter, rot, BLOCK_M: gl.constexpr):
     """One warp: each block's scale·dQ tile goes from shared memory into the fp32 buffer by one TMA
     reduction (rows past Nq are clipped by TMA), so the consumers only store it and move on."""
     for i in range(n_iter):
         g, start_m = _block_of(i, n_mblk, rot, lo, BLOCK_M)
-        mbarrier.wait(dq_full.index(i % 2), (i // 2) & 1)
+        _dq_full_wait(DQ_FULL_BAR + i % 2)
         _tma_reduce_add(dqa_desc, [0, b * Hq + hk * G + g, start_m, 0], dq_smem.index(i % 2))
         tma.store_wait(0)  # the tile has been read out of shared memory
         mbarrier.arrive(dq_empty.index(i % 2))
@@ -126,7 +149,7 @@ def _bwd_dq_writer(dqa_desc, dq_smem, dq_full, dq_empty, hk, G, Hq, b, lo, n_mbl
 
 @gluon.jit
 def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem, kv_bar, q_full, q_empty,
-                  dq_full, dq_empty, DK, DV,
+                  dq_empty, DK, DV,
                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                   b, hk, n0, lo, full_lo, full_hi, n_mblk, n_iter, rot, Nq, Nk, n_lim, D, DVD,
                   qk_scale, scale, diag_offset, window_left, window_right,
@@ -191,9 +214,8 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, d
         dq = warpgroup_mma_wait(2, deps=[dq_tok])
         mbarrier.wait(dq_empty.index(i % 2), ((i // 2) & 1) ^ 1)
         dq_smem.index(i % 2).reshape([BLOCK_M, BLOCK_D]).store(dq * scale)
-        fence_async_shared()
-        _partition_barrier()
-        mbarrier.arrive(dq_full.index(i % 2))
+        fence_async_shared()  # the generic-proxy stores, before the writer's TMA reads them
+        _dq_full_arrive(DQ_FULL_BAR + i % 2)
         dk, dv = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok])
 
     rows_k = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
@@ -238,7 +260,6 @@ def attn_bwd_gluon_kernel(
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem_layout)
     dl_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, BLOCK_D], dqa_desc.layout)
-    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -248,7 +269,6 @@ def attn_bwd_gluon_kernel(
         mbarrier.init(q_full.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
     for i in gl.static_range(2):
-        mbarrier.init(dq_full.index(i), count=1)
         mbarrier.init(dq_empty.index(i), count=1)
 
     n_lim = _key_limit(KVLENS, b, Nk, HAS_KVLEN)
@@ -260,14 +280,14 @@ def attn_bwd_gluon_kernel(
 
     gl.warp_specialize([
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem, kv_bar, q_full,
-                         q_empty, dq_full, dq_empty, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                         q_empty, dq_empty, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                          b, hk, n0, lo, full_lo, full_hi, n_mblk, n_iter, rot, Nq, Nk, n_lim, D, DVD,
                          qk_scale, scale, diag_offset, window_left, window_right,
                          BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, IS_CAUSAL, HAS_WL, HAS_WR)),
         (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, lse_smem,
                          dl_smem, kv_bar, q_full, q_empty, b, hk, G, Hq, n0, lo, n_mblk, n_iter, rot, Nq, BLOCK_M,
                          STAGES)),
-        (_bwd_dq_writer, (dqa_desc, dq_smem, dq_full, dq_empty, hk, G, Hq, b, lo, n_mblk, n_iter, rot, BLOCK_M)),
+        (_bwd_dq_writer, (dqa_desc, dq_smem, dq_empty, hk, G, Hq, b, lo, n_mblk, n_iter, rot, BLOCK_M)),
     ], [1, 1], [24, 24])
 
     mbarrier.invalidate(kv_bar)
@@ -275,5 +295,4 @@ def attn_bwd_gluon_kernel(
         mbarrier.invalidate(q_full.index(i))
         mbarrier.invalidate(q_empty.index(i))
     for i in gl.static_range(2):
-        mbarrier.invalidate(dq_full.index(i))
         mbarrier.invalidate(dq_empty.index(i))
