@@ -101,13 +101,19 @@ def _dkdv_tile(
     if DROPOUT:
         row_hash = dropout_row_hash(seed, bh, Nq, offs_m)[None, :]
         keep = dropout_keep(row_hash, offs_n[:, None], drop_threshold)
-        pdT = tl.where(keep, pT * drop_scale, 0.0)
+        # The keep mask rides in Pᵀ's sign (Pᵀ >= 0) across the next product instead of as a [BN, BM] mask of
+        # its own: at d64 with 64 x 64 tiles that mask held the registers the kernel spilled (255 registers,
+        # 48 bytes of spills under ptxas for sm_90; none with the sign). An element with Pᵀ = 0 gets dSᵀ = 0
+        # either way.
+        pT = tl.where(keep, pT, -pT)
+        pdT = tl.maximum(pT, 0.0) * drop_scale
     else:
         pdT = pT
     dv = tl.dot(pdT.to(do.dtype), do, dv)
     dpT = tl.dot(v, tl.trans(do))  # [BN, BM]
     if DROPOUT:
-        dpT = tl.where(keep, dpT * drop_scale, 0.0)
+        dpT = tl.where(pT > 0.0, dpT * drop_scale, 0.0)
+        pT = tl.abs(pT)
     dsT = pT * (dpT - delta[None, :])
     if SOFTCAP:
         dsT = dsT * (1.0 - tT * tT)
