@@ -13,7 +13,15 @@ forward), printed as "bound".
     python benchmarks/generate_steps.py --model llama --batch 8 --prompt 4096 --new 128 --max-cache-len 16384
     python benchmarks/generate_steps.py --model gpt2 --batch 4 --dynamic-cache   # generate()'s default cache
     python benchmarks/generate_steps.py --fa3-env FA_COMPILE_DECODE_KERNEL=0 ...   # one more fa3 variant
+    python benchmarks/generate_steps.py --hf-compile ...   # transformers' own compile of the decode steps
     python benchmarks/generate_steps.py --smoke     # tiny models on CPU, to check the script
+
+--hf-compile leaves the compiling to `generate()` itself, as a user of a static cache gets it: transformers
+runs the prefill eagerly and compiles the decode step with its `CompileConfig` (Inductor, mode
+"reduce-overhead": CUDA graphs). The fa3 variant passes `CompileConfig(backend=fa_compile.backend())`, which
+is what `FA_COMPILE=1` gives such a user without any code change. The forward's host time is not split out
+there (the compiled call is transformers' own); "decode tokens/s" counts the tokens after the first one over
+the time from the first token's logits to the end, in every mode.
 """
 from __future__ import annotations
 
@@ -33,6 +41,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import FULL, SMOKE, backend_for, build  # noqa: E402
 
 VARIANTS = (("eager+fa3", "eager", "fa3"), ("sdpa+inductor", "sdpa", "inductor"), ("eager+inductor", "eager", "inductor"))
+
+
+class FirstTokenClock:
+    """A logits processor that notes when the prefill's logits exist (one synchronization per generate()):
+    the decode steps are what follows."""
+
+    def __init__(self, device: str):
+        self.device, self.t = device, None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.t is None:
+            _sync(self.device)
+            self.t = time.perf_counter()
+        return scores
 
 
 class TimedForward:
@@ -86,6 +108,8 @@ def main(argv: Optional[list] = None) -> int:
                     help="one more eager+fa3 variant compiled with this environment variable set (repeatable)")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also list each variant's N most launched CUDA kernels per step")
+    ap.add_argument("--hf-compile", action="store_true", help="let generate() compile its decode steps itself "
+                    "(transformers' CompileConfig, mode reduce-overhead); see the docstring")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
@@ -98,7 +122,7 @@ def main(argv: Optional[list] = None) -> int:
 
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "device":
            torch.cuda.get_device_name() if device == "cuda" else "cpu", "model": args.model, "batch": args.batch,
-           "prompt": args.prompt, "new": args.new, "max_cache_len": args.max_cache_len}
+           "prompt": args.prompt, "new": args.new, "max_cache_len": args.max_cache_len, "hf_compile": args.hf_compile}
     print(json.dumps(env), flush=True)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
 
@@ -112,20 +136,39 @@ def main(argv: Optional[list] = None) -> int:
         name, _, value = kv.partition("=")
         wanted.append((f"eager+fa3[{kv}]", "eager", "fa3", {name: value}))
     kernel_tables: dict[str, list] = {}
+    clocks: dict[str, FirstTokenClock] = {}
     for label, attn, backend, env_vars in wanted:
         model = build(args.model, attn, dict(spec["cfg"]), device, dtype).eval()
         be = backend_for(backend, inner)
-        timer = TimedForward(torch.compile(model.forward, backend=be, dynamic=None if args.dynamic_cache else False))
-        model.forward = timer
-        kw = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, disable_compile=True,
-                  pad_token_id=0)
+        clock = FirstTokenClock(device)
+        from transformers import LogitsProcessorList, StaticCache
 
-        def run(model=model, kw=kw) -> torch.Tensor:
-            extra: dict = {} if args.dynamic_cache else dict(cache_implementation="static")
-            if args.max_cache_len:
-                from transformers import StaticCache
+        kw = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0,
+                  logits_processor=LogitsProcessorList([clock]))
+        if args.hf_compile:
+            from transformers import CompileConfig
 
-                extra = dict(past_key_values=StaticCache(config=model.config, max_cache_len=args.max_cache_len))
+            # transformers' default is (Inductor, "reduce-overhead"); the aot_eager smoke run takes no mode
+            cc = CompileConfig(backend=be, mode=None if args.smoke else "reduce-overhead")
+            cc._compile_all_devices = args.smoke
+            kw["compile_config"] = cc
+            timer = TimedForward(model.forward)  # not installed: transformers compiles its own call
+        else:
+            kw["disable_compile"] = True
+            timer = TimedForward(torch.compile(model.forward, backend=be, dynamic=None if args.dynamic_cache else False))
+            model.forward = timer
+        # One cache per variant, reset before each generate(): its buffers keep their addresses, as CUDA graphs
+        # and the static addresses transformers marks on them need.
+        cache = None
+        if not args.dynamic_cache:
+            cache = StaticCache(config=model.config, max_cache_len=args.max_cache_len or args.prompt + args.new)
+
+        def run(model=model, kw=kw, cache=cache, clock=clock) -> torch.Tensor:
+            extra: dict = {}
+            if cache is not None:
+                cache.reset()
+                extra = dict(past_key_values=cache)
+            clock.t = None
             with torch.no_grad():
                 return model.generate(ids, **kw, **extra)
 
@@ -142,10 +185,11 @@ def main(argv: Optional[list] = None) -> int:
                     os.environ.pop(n, None)
                 else:
                     os.environ[n] = old
-        print(f"{label}: compiled and warmed in {time.time() - t0:.1f} s", flush=True)
-        runs[label], timers[label] = run, timer
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        print(f"{label}: compiled and warmed in {time.time() - t0:.1f} s ({graphs} graphs compiled so far)", flush=True)
+        runs[label], timers[label], clocks[label] = run, timer, clock
 
-    results: dict[str, dict] = {k: dict(wall=[], fwd=[], prefill=[], calls=[]) for k in runs}
+    results: dict[str, dict] = {k: dict(wall=[], fwd=[], prefill=[], calls=[], decode=[]) for k in runs}
     env["variants"] = list(runs)
     for _ in range(args.rounds):
         for label, run in runs.items():
@@ -155,20 +199,31 @@ def main(argv: Optional[list] = None) -> int:
             t0 = time.perf_counter()
             run()
             _sync(device)
-            wall = time.perf_counter() - t0
-            results[label]["wall"].append(wall)
-            results[label]["prefill"].append(timer.calls[0])
-            results[label]["fwd"].append(sum(timer.calls[1:]))
-            results[label]["calls"].append(len(timer.calls) - 1)  # decode steps: the first token comes from prefill
+            t1 = time.perf_counter()
+            results[label]["wall"].append(t1 - t0)
+            results[label]["decode"].append(t1 - clocks[label].t)
+            if args.hf_compile:
+                results[label]["prefill"].append(float("nan"))  # the decode calls are transformers' compiled ones, not timed here
+                results[label]["fwd"].append(float("nan"))
+                results[label]["calls"].append(args.new - 1)
+            else:
+                results[label]["prefill"].append(timer.calls[0])
+                results[label]["fwd"].append(sum(timer.calls[1:]))
+                results[label]["calls"].append(len(timer.calls) - 1)  # decode steps: the first token is prefill's
     steps = args.new
     rows = []
     for label, r in results.items():
         i = sorted(range(len(r["wall"])), key=lambda j: r["wall"][j])[len(r["wall"]) // 2]  # the median run
         wall, fwd, pre, n = r["wall"][i], r["fwd"][i], r["prefill"][i], max(r["calls"][i], 1)
+        dec = sorted(r["decode"])[len(r["decode"]) // 2]
         row = dict(variant=label, tokens_per_s=round(args.batch * steps / wall, 1),
                    tokens_per_s_runs=[round(args.batch * steps / w, 1) for w in r["wall"]],
+                   decode_tokens_per_s=round(args.batch * (steps - 1) / dec, 1),
+                   decode_tokens_per_s_runs=[round(args.batch * (steps - 1) / d, 1) for d in r["decode"]],
                    ms_per_step=round((wall - pre) / n * 1e3, 3),  # setup and the last sync fall in "outside"
                    forward_host_ms_per_step=round(fwd / n * 1e3, 3), prefill_host_ms=round(pre * 1e3, 2))
+        if args.hf_compile:  # the prefill's forward is eager here: the steps are timed from the first token on
+            row["ms_per_step"] = round(dec / (steps - 1) * 1e3, 3)
         row["outside_ms_per_step"] = round(row["ms_per_step"] - row["forward_host_ms_per_step"], 3)
         if device == "cuda":
             busy, launches, kernel_tables[label] = _gpu_per_step(runs[label], n)
@@ -179,15 +234,18 @@ def main(argv: Optional[list] = None) -> int:
     print(json.dumps({"greedy_tokens_equal_to_first_variant": same}), flush=True)
 
     base = next((r for r in rows if r["variant"] == "sdpa+inductor"), None)
-    head = ("| variant | tokens/s | vs sdpa | ms / step | in forward (host) | outside forward | GPU busy / step | "
+    head = ("| variant | tokens/s | vs sdpa | decode tokens/s | vs sdpa | ms / step | in forward (host) | outside forward | GPU busy / step | "
             "launches / step | bound |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
         vs = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        vs_dec = f"{r['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x" if base else "-"
         # A forward that cost nothing: the step would be the time outside it (or the GPU's, if larger).
-        floor = max(r["outside_ms_per_step"], r.get("gpu_us_per_step", 0) / 1e3)
+        outside = r["outside_ms_per_step"] if r["outside_ms_per_step"] == r["outside_ms_per_step"] else 0.0  # nan
+        floor = max(outside, r.get("gpu_us_per_step", 0) / 1e3)
         bound = f"{base['ms_per_step'] / floor:.2f}x" if base and floor > 0 else "-"
-        lines.append(f"| {r['variant']} | {r['tokens_per_s']} | {vs} | {r['ms_per_step']} | "
+        lines.append(f"| {r['variant']} | {r['tokens_per_s']} | {vs} | {r['decode_tokens_per_s']} | {vs_dec} | "
+                     f"{r['ms_per_step']} | "
                      f"{r['forward_host_ms_per_step']} | {r['outside_ms_per_step']} | "
                      f"{r.get('gpu_us_per_step', '-')} us | {r.get('launches_per_step', '-')} | {bound} |")
     text = "\n".join(lines)

@@ -63,7 +63,9 @@ def test_reduce_overhead_replays_match_eager(kernel, shape):
 
 def _generate_matches_eager(backend: str) -> None:
     """Greedy static-cache generate() of a tiny Llama, its forward compiled with `backend` under
-    reduce-overhead, against eager: the same tokens."""
+    reduce-overhead, against eager: the same tokens. backend "auto": transformers compiles the decode
+    steps itself (its default CompileConfig: Inductor, reduce-overhead), and FA_COMPILE=1 in this
+    process's environment puts our pass inside that compile, with no change to the user's code."""
     import transformers
 
     torch.manual_seed(0)
@@ -75,8 +77,18 @@ def _generate_matches_eager(backend: str) -> None:
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, do_sample=False,
               cache_implementation="static")
     with torch.no_grad():
-        ref = model.generate(ids, **kw)
+        ref = model.generate(ids, **kw, disable_compile=True)
         torch._dynamo.reset()
+        if backend == "auto":
+            from torch._dynamo.utils import counters
+
+            for _ in range(2):  # the second call replays the recorded CUDA graphs
+                out = model.generate(ids, **kw)
+                assert torch.equal(out, ref), (out, ref)
+            # every decode step's attention sites, rewritten inside transformers' own compile
+            assert counters["fa_compile"]["sites_rewritten"] >= cfg.num_hidden_layers, dict(counters["fa_compile"])
+            print("sites rewritten", counters["fa_compile"]["sites_rewritten"])
+            return
         if backend == "fa3":
             compiled = torch.compile(model.forward, backend=fa_compile.backend(mode="reduce-overhead"))
         else:
@@ -93,8 +105,9 @@ def _generate_matches_eager(backend: str) -> None:
     assert torch.equal(out, ref), (out, ref)
 
 
-def _in_subprocess(backend: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+def _in_subprocess(backend: str, **extra_env: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
+               **extra_env)
     return subprocess.run([sys.executable, "-P", __file__, backend], capture_output=True, text=True, env=env,
                           timeout=600)
 
@@ -112,6 +125,16 @@ def test_reduce_overhead_static_cache_generate_matches_eager():
     assert base.returncode == 0, base.stderr[-3000:]
     ours = _in_subprocess("fa3")
     assert ours.returncode == 0, f"fa3 failed where plain Inductor passed (rc {ours.returncode}):\n{ours.stderr[-3000:]}"
+
+
+def test_transformers_own_compile_with_the_env_opt_in_matches_eager():
+    """The path a static-cache user takes without writing any compile call: generate() compiles its
+    decode steps with Inductor and mode="reduce-overhead", its prefill runs eagerly (which also allocates
+    the cache outside the compiled region), and FA_COMPILE=1 chains our pass into that compile."""
+    pytest.importorskip("transformers")
+    r = _in_subprocess("auto", FA_COMPILE="1", TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0")
+    assert r.returncode == 0, f"rc {r.returncode}:\n{r.stderr[-3000:]}"
+    assert "sites rewritten" in r.stdout
 
 
 if __name__ == "__main__":
