@@ -3,10 +3,12 @@ half the batch padded), bf16, forward (no grad) or training step, in ONE process
 whose Triton kernels read each sequence's keys only up to its mask's last kept one ("cut", the default), the same
 with that limit switched off ("every-key": fa_compile/lowering/key_limit.py `cuts_keys` patched to refuse), "cut"
 with the backward's dQ kernel instead of dQ added by the dK/dV kernel ("dq-kernel": FA_COMPILE_FUSED_DQ=0 while it
-compiles), and the model's SDPA code under Inductor. Rounds interleave the variants (triton.testing.do_bench, median of the rounds);
+compiles), "cut" with the backward on the pointer kernels where the Gluon kernel would take it on Hopper
+("pointer-bwd": FA_COMPILE_GLUON=0 while it compiles), and the model's SDPA code under Inductor. Rounds interleave the variants (triton.testing.do_bench, median of the rounds);
 then the attention kernels of every variant but "every-key", GPU µs per step.
 
-    python benchmarks/padded_keys.py [--mode train|fwd] [--rounds 5] [--variants cut,every-key,dq-kernel,sdpa]
+    python benchmarks/padded_keys.py [--mode train|fwd] [--rounds 5]
+                                     [--variants cut,every-key,dq-kernel,pointer-bwd,sdpa]
                                      [--out F.json]
 """
 from __future__ import annotations
@@ -43,17 +45,18 @@ def make_step(variant: str, mode: str, cuts_keys):
         f = torch.compile(model, backend=fa_compile.backend())
 
     step = model_step(f, model, kw, mode == "train")
-    before = os.environ.get("FA_COMPILE_FUSED_DQ")
-    if variant == "dq-kernel":
-        os.environ["FA_COMPILE_FUSED_DQ"] = "0"
+    name = {"dq-kernel": "FA_COMPILE_FUSED_DQ", "pointer-bwd": "FA_COMPILE_GLUON"}.get(variant)
+    before = os.environ.get(name) if name else None
+    if name:
+        os.environ[name] = "0"
     try:
         for _ in range(3):
             step()
     finally:
-        if before is None:
-            os.environ.pop("FA_COMPILE_FUSED_DQ", None)
-        else:
-            os.environ["FA_COMPILE_FUSED_DQ"] = before
+        if name and before is None:
+            os.environ.pop(name, None)
+        elif name:
+            os.environ[name] = before
     torch.cuda.synchronize()
     return step
 

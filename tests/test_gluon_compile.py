@@ -222,7 +222,8 @@ def test_batch_inner_order_for_batch_shared_bias(bias_shape, batch, want, monkey
     assert tf._bias_batch_inner(gb, batch) is False
 
 
-def _compile_bwd(d: int, cfg: tf.BlockConfig, causal: bool, masks: bool, group: int):
+def _compile_bwd(d: int, cfg: tf.BlockConfig, causal: bool, masks: bool, group: int, dropout: bool = False,
+                 key_mask: bool = False):
     from fa_compile.kernels.gluon_bwd import attn_bwd_gluon_kernel
 
     b, h, n = 1, 4, 256
@@ -233,9 +234,11 @@ def _compile_bwd(d: int, cfg: tf.BlockConfig, causal: bool, masks: bool, group: 
         tf._gluon_desc(q, cfg.block_m, d), tf._gluon_desc(q, cfg.block_n, d), tf._gluon_desc(q, cfg.block_n, d),
         tf._gluon_desc(q, cfg.block_m, d), lse, lse, tf._gluon_desc(dqa, cfg.block_m, d), q, q, lse,
         *q.stride()[:3], *q.stride()[:3],
-        h, h // group, group, n, n, d, d, 0.1, 0.1, 0, 16, 16,
+        h, h // group, group, n, n, d, d, 0.1, 0.1, 0, 16, 16, torch.empty(1, dtype=torch.int64), 429496729, 1.0 / 0.9,
+        torch.empty(b, n, dtype=torch.uint8), n, 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d, BLOCK_DV=d, STAGES=cfg.num_stages, IS_CAUSAL=causal,
-        HAS_WL=masks, HAS_WR=masks, HAS_KVLEN=masks, num_warps=cfg.num_warps, grid=(1,),
+        HAS_WL=masks, HAS_WR=masks, HAS_KVLEN=masks, DROPOUT=dropout, KEY_MASK=key_mask, num_warps=cfg.num_warps,
+        grid=(1,),
     )
 
 
@@ -269,6 +272,19 @@ def test_backward_builds_for_sm90(sm90, d, causal, masks, group):
     assert consumer.count('"bar.arrive $1, 288;') == 1 and writer.count('"bar.sync $1, 288;') == 1
     assert "ttng.wait_barrier" not in writer
     assert k.metadata.shared <= 232448
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_with_dropout_and_key_mask_builds_for_sm90(sm90, d):
+    # The dropout hash and a key-padding mask in the consumers: the mask's bytes for the program's keys are one
+    # load before the loop (the same for every query block and head), not a load per step.
+    k = _compile_bwd(d, tf.GLUON_BWD_CONFIGS[d], False, True, 2, dropout=True, key_mask=True)
+    assert "wgmma.mma_async" in k.asm["ptx"]
+    ir = k.asm["ttgir"]
+    consumer = ir[ir.index("default {"):ir.index("partition0(")]
+    assert len(re.findall(r"= tt\.load ", consumer)) == 1
+    loop = consumer[consumer.index("scf.for"):]
+    assert not re.search(r"= tt\.load ", loop)
 
 
 def test_backward_host_launch_and_refusals(monkeypatch):
@@ -309,7 +325,16 @@ def test_backward_host_launch_and_refusals(monkeypatch):
     assert not applies(make_case(b=1, hq=2, nq=64, nk=64, d=36, dtype=torch.bfloat16), cap)  # not a multiple of 8
     assert not applies(c, (8, 0))
     assert not applies(_case(softcap=20.0), cap)
-    assert not applies(_case(dropout_p=0.1), cap)
+    assert applies(_case(dropout_p=0.1), cap)  # the forward's counter-hash mask, in the kernel
+    # a boolean key-padding mask shared by heads and query rows, read as bytes per key; no other bias
+    assert applies(_case(bias_shape=(2, 1, 1, 904), bias_bool=True), cap)
+    assert applies(_case(bias_shape=(904,), bias_bool=True), cap)
+    assert not applies(_case(bias_shape=(2, 4, 1, 904), bias_bool=True), cap)  # one per head
+    assert not applies(_case(bias_shape=(2, 1, 300, 904), bias_bool=True), cap)  # one per query row
+    assert not applies(_case(bias_shape=(2, 1, 1, 904)), cap)  # additive
+    km = tf.gluon_key_mask(_case(bias_shape=(2, 1, 1, 904), bias_bool=True).bias)
+    assert km[0].dtype == torch.uint8 and km[1:] == (904, 1)
+    assert tf.gluon_key_mask(_case(bias_shape=(904,), bias_bool=True).bias)[1:] == (0, 1)
     torch.use_deterministic_algorithms(True)
     try:
         assert not applies(c, cap)  # reduction order varies

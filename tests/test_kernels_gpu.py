@@ -153,8 +153,13 @@ def test_tl_backward_dq_paths(kw, mode, monkeypatch):
     (64, (128, 2), dict(causal=True, diag_offset=201)),
     (96, (64, 2), dict()),
     (128, (64, 2), dict(dv=64, causal=True)),
+    (64, (64, 3), dict(dropout_p=0.2, kv_lens=[0, 640])),
+    (128, (64, 2), dict(causal=True, dropout_p=0.1, hkv=1)),
+    (64, (64, 3), dict(bias_shape=(2, 1, 1, 901), bias_bool=True, dropout_p=0.1, dtype=torch.float16)),
+    (128, (64, 2), dict(bias_shape=(901,), bias_bool=True, window_left=200, window_right=30)),
 ], ids=["d128_causal", "d128_neg_offset_lens", "d128_window_bhsd", "d128_window_lens0", "d128_mqa_br",
-        "d64_causal_fp16", "d64_s3_lens0", "d64_m128_br", "d96", "d128_dv64"])
+        "d64_causal_fp16", "d64_s3_lens0", "d64_m128_br", "d96", "d128_dv64", "d64_dropout_lens0",
+        "d128_causal_dropout_mqa", "d64_keymask_dropout_fp16", "d128_keymask_window"])
 def test_gluon_backward(d, cfg, kw, monkeypatch):
     # Every element of dQ / dK / dV against the reference, on ragged GQA shapes whose masks leave some
     # query rows and some key blocks empty, under each tile the tuning compares.

@@ -259,6 +259,43 @@ else:
         _check_backward(case, dout, (dq, dk, dv), dbias)
         assert case.bias_requires_grad or dbias.numel() == 0
 
+    @pytest.mark.parametrize("name", ["dropout_gqa", "bool_key_padding", "kv_lens_empty_batch_fp32"])
+    def test_gluon_backward_site_calls_the_gluon_op(name, cpu_lowering, poisoned, monkeypatch):
+        """On Hopper a backward the Gluon kernel takes becomes a call of fa3_gluon.bwd, which launches it at run time
+        (wrap_triton cannot); that decision (triton_lowering.gluon_backward) needs a Hopper GPU and is forced here.
+        Under the interpreter the op's body runs the pointer kernels instead (no Gluon on CPU), so the lowered
+        graph's values are checked against the reference, every element, outputs poisoned."""
+        monkeypatch.setattr(triton_lowering, "gluon_backward", lambda args: True)
+        case = CASES[name]()
+        out, lse = _fwd(case)
+        dout = _dout(out)
+        gm, inputs = _site(case, backward=True, dout=dout, out=out, lse=lse)
+        decisions = _lower(gm)
+        cut = name == "bool_key_padding"  # and its key limit, computed by one kernel in the graph
+        notes = "; ".join(n for n in (choice.KEYS_CUT_TEXT if cut else "", triton_lowering.GLUON_BWD_TEXT) if n)
+        assert [str(d) for d in decisions] == [f"triton -> fa3_gluon.bwd ({notes})"]
+        nodes = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        assert nodes.count(torch.ops.fa3_gluon.bwd.default) == 1 and nodes.count(FUNCTIONAL) == int(cut)
+        assert site_args.BACKWARD not in nodes
+        dq, dk, dv, dbias = gm(*inputs)
+        _check_backward(case, dout, (dq, dk, dv), dbias)
+        assert dbias.numel() == 0
+
+    def test_lowered_gluon_backward_graph_is_pinned(cpu_lowering, monkeypatch):
+        monkeypatch.setattr(triton_lowering, "gluon_backward", lambda args: True)
+        case = CASES["dropout_gqa"]()
+        out, lse = _fwd(case)
+        gm, _ = _site(case, backward=True, dout=_dout(out), out=out, lse=lse)
+        _lower(gm)
+        expecttest.assert_expected_inline(_normalized(gm.code), """\
+def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1, arg7_1):
+    bwd = torch.ops.fa3_gluon.bwd.default(arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, None, arg6_1, arg7_1, 0.25, False, 0, -1, -1, 0.3, 0, [16, 16, 4, 1], [16, 16, 4, 1]);  arg0_1 = arg1_1 = arg2_1 = arg3_1 = arg4_1 = arg5_1 = arg6_1 = arg7_1 = None
+    getitem_4 = bwd[0]
+    getitem_5 = bwd[1]
+    getitem_6 = bwd[2];  bwd = None
+    empty = torch.ops.aten.empty.memory_format([0], dtype = torch.float16, layout = torch.strided, device = device(type='cpu'), pin_memory = False)
+    return (getitem_4, getitem_5, getitem_6, empty)""")
+
     def test_lowered_site_with_sinks_matches_reference(cpu_lowering, poisoned):
         # Sinks lower with the forward kernel's sink step; the backward kernels take the lse that includes
         # them (so P is the probability beside the sink), and a row without keys attends to the sink alone.

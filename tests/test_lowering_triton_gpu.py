@@ -373,3 +373,60 @@ def test_bwd_op_computes_the_fixups_backward_on_the_gpu(d):
     extra = torch.autograd.grad(fill, leaves, dout.double().masked_fill(~empty, 0.0))
     for name, got, w, e in zip(("dq", "dk", "dv"), (dq, dk, dv), want, extra):
         torch.testing.assert_close(got.double(), w + e, **TOL[torch.bfloat16], msg=lambda m, n=name: f"{n}: {m}")
+
+
+class DropoutEncoderAttention(PaddedEncoderAttention):
+    """The padded encoder's attention with dropout on the probabilities, as BERT's eager code has it."""
+
+    def forward(self, x, mask):
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, self.h, self.d).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        add = torch.zeros(b, 1, 1, n, dtype=x.dtype, device=x.device).masked_fill(mask[:, None, None, :] == 0,
+                                                                                 torch.finfo(x.dtype).min)
+        p = torch.softmax(q @ k.transpose(-1, -2) * self.d ** -0.5 + add, dim=-1)
+        p = nn.functional.dropout(p, 0.1, training=self.training)
+        return (p @ v).transpose(1, 2).reshape(b, n, self.h * self.d), v
+
+
+@pytest.mark.parametrize("heads", [4, 2], ids=["d64", "d128"])
+def test_hopper_training_backward_calls_the_gluon_kernel(heads, monkeypatch):
+    # On Hopper, with the descriptor path on (the default), a padded encoder's training backward with dropout is
+    # lowered to fa3_gluon.bwd: one pass of the Gluon kernel, the key-padding mask read per key, the forward's
+    # dropout bits. Against the same compiled model with the Gluon backward switched off (the pointer kernels,
+    # the same counter hash): output and every gradient; and the Gluon kernel is what ran.
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon backward runs on Hopper only")
+    from fa_compile.kernels import triton_family as tf
+
+    monkeypatch.delenv("FA_COMPILE_TRITON_TMA")
+    torch.manual_seed(0)
+    model = DropoutEncoderAttention(256, heads).to("cuda", torch.bfloat16).train()
+    x = torch.randn(4, 300, 256, device="cuda", dtype=torch.bfloat16)
+    mask = torch.ones(4, 300, device="cuda", dtype=torch.long)
+    mask[1, 150:] = 0
+    mask[2, 7:] = 0
+    mask[3] = 0  # a sequence with no key: eager's uniform rows (the fix-up and its backward)
+    g = torch.randn(4, 300, 256, device="cuda", dtype=torch.bfloat16)
+
+    def step(env: str):
+        monkeypatch.setenv("FA_COMPILE_GLUON", env)
+        torch._dynamo.reset()
+        torch.manual_seed(11)  # the op's dropout seed is drawn from torch's generator, as in eager
+        model.zero_grad(set_to_none=True)
+        xx = x.detach().clone().requires_grad_()
+        n = len(records())
+        out, _ = torch.compile(model, backend=fa_compile.backend(kernel="triton"), fullgraph=True)(xx, mask)
+        out.backward(g)
+        grads = [("out", out.detach()), ("dx", xx.grad)] + [(f"d{k}", p.grad.clone())
+                                                          for k, p in model.named_parameters()]
+        return grads, _decisions_since(n)
+
+    tf.LAST_COMPILED.pop("attn_bwd_gluon_kernel", None)
+    got, decisions = step("1")
+    assert "attn_bwd_gluon_kernel" in tf.LAST_COMPILED
+    assert [d.target for d in decisions] == ["fa3_triton.fwd", "fa3_gluon.bwd"], [str(d) for d in decisions]
+    want, decisions = step("0")
+    assert [d.target for d in decisions] == ["fa3_triton.fwd", "fa3_triton.bwd"], [str(d) for d in decisions]
+    for (name, a), (_, b) in zip(got, want):
+        assert torch.isfinite(a).all(), name
+    _compare(got, want, torch.bfloat16, "Gluon backward against the pointer kernels")

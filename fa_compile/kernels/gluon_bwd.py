@@ -35,9 +35,10 @@ The reduction order varies from run to run, so the launcher uses the `tl` kernel
 deterministic algorithms.
 
 Scope: the structural masks (causal in any alignment, sliding window, key-padding lengths, ragged
-Nq / Nk), GQA, BSHD / BHSD strides TMA accepts, fp16 / bf16, head-dim blocks 64 and 128 with head dims
-a multiple of 8, positive scale. Bias, softcap and dropout run on the `tl` kernels. Tested on the GPU
-only (no Gluon interpreter).
+Nq / Nk), a boolean key-padding mask shared by the heads ([B, 1, 1, Nk], as encoders build from their
+attention_mask), GQA, dropout (the op's counter hash, as the forward drew it), BSHD / BHSD strides TMA
+accepts, fp16 / bf16, head-dim blocks 64 and 128 with head dims a multiple of 8, positive scale. Other
+biases and softcap run on the `tl` kernels. Tested on the GPU only (no Gluon interpreter).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
 from .gluon_fwd import LOG2E, _tma_load
-from .triton_common import key_limit, program_ids, q_block_range, structural_ok
+from .triton_common import dropout_keep, dropout_row_hash, key_limit, program_ids, q_block_range, structural_ok
 
 # A barrier over the calling partition's warps: Triton 3.6 names it thread_barrier, later releases barrier.
 _partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -59,6 +60,8 @@ _q_range = gluon.jit(q_block_range.fn)
 _key_limit = gluon.jit(key_limit.fn)
 _structural_ok = gluon.jit(structural_ok.fn)
 _program_ids = gluon.jit(program_ids.fn)
+_dropout_row_hash = gluon.jit(dropout_row_hash.fn)
+_dropout_keep = gluon.jit(dropout_keep.fn)
 
 
 @_gl_builtin
@@ -151,10 +154,12 @@ def _bwd_dq_writer(dqa_desc, dq_smem, dq_empty, hk, G, Hq, b, lo, n_mblk, n_iter
 def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem, kv_bar, q_full, q_empty,
                   dq_empty, DK, DV,
                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                  b, hk, n0, lo, full_lo, full_hi, n_mblk, n_iter, rot, Nq, Nk, n_lim, D, DVD,
-                  qk_scale, scale, diag_offset, window_left, window_right,
+                  b, hk, G, Hq, n0, lo, full_lo, full_hi, n_mblk, n_iter, rot, Nq, Nk, n_lim, D, DVD,
+                  qk_scale, scale, diag_offset, window_left, window_right, seed, drop_threshold, drop_scale,
+                  KMASK, stride_kmb, stride_kmn,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
-                  STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr):
+                  STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr,
+                  DROPOUT: gl.constexpr, KEY_MASK: gl.constexpr):
     dtype: gl.constexpr = k_smem.dtype
     # Two warpgroups split the key rows of Sᵀ, dPᵀ, dK and dV; for dQ (BLOCK_M rows) they split the columns.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
@@ -175,12 +180,15 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, d
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=dq_layout)
 
+    if KEY_MASK:  # this program's keys of a key-padding mask, the same for every query row and head
+        kept = gl.load(KMASK + b.to(gl.int64) * stride_kmb + keys.to(gl.int64) * stride_kmn, mask=keys < Nk,
+                       other=0) != 0
     mbarrier.wait(kv_bar, 0)
     k2 = k_smem.reshape([BLOCK_N, BLOCK_D])
     v2 = v_smem.reshape([BLOCK_N, BLOCK_DV])
     for i in range(n_iter):
         slot = i % STAGES
-        _, start_m = _block_of(i, n_mblk, rot, lo, BLOCK_M)
+        g, start_m = _block_of(i, n_mblk, rot, lo, BLOCK_M)
         qcols = start_m + qcols0
         mbarrier.wait(q_full.index(slot), (i // STAGES) & 1)
         lse = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
@@ -195,9 +203,23 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, d
             ok = _structural_ok(gl.expand_dims(qcols, 0), gl.expand_dims(keys, 1), n_lim, diag_offset,
                                 window_left, window_right, IS_CAUSAL, HAS_WL, HAS_WR)
             st = gl.where(ok, st, float("-inf"))
+        if KEY_MASK:
+            st = gl.where(gl.expand_dims(kept, 1), st, float("-inf"))
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-        pt16 = gl.convert_layout(pt.to(dtype), pt_op)
-        dpt = warpgroup_mma_wait(0, deps=[dp_tok])
+        if DROPOUT:
+            # The op's counter-hash mask (dropout_hash.py), the forward's bits. Kept elements carry Pᵀ, dropped
+            # ones -Pᵀ (Pᵀ >= 0): dV takes max(Pᵀ, 0) / (1 - p), dPᵀ is kept where Pᵀ > 0, and dSᵀ uses |Pᵀ|,
+            # so no mask stays live across the products (an element with Pᵀ = 0 gets dSᵀ = 0 either way).
+            row_part = _dropout_row_hash(seed, b * Hq + hk * G + g, Nq, qcols)
+            keep = _dropout_keep(gl.expand_dims(row_part, 0), gl.expand_dims(keys, 1), drop_threshold)
+            pt = gl.where(keep, pt, -pt)
+            pt16 = gl.convert_layout((gl.maximum(pt, 0.0) * drop_scale).to(dtype), pt_op)
+            dpt = warpgroup_mma_wait(0, deps=[dp_tok])
+            dpt = gl.where(pt > 0.0, dpt * drop_scale, 0.0)
+            pt = gl.abs(pt)
+        else:
+            pt16 = gl.convert_layout(pt.to(dtype), pt_op)
+            dpt = warpgroup_mma_wait(0, deps=[dp_tok])
         dst16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         buf = ds_smem.index(i % 2)
         buf.store(dst16)
@@ -236,14 +258,17 @@ def attn_bwd_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, LSE, DELTA, dqa_desc, DK, DV, KVLENS,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     Hq, Hkv, G, Nq, Nk, D, DVD, qk_scale, scale, diag_offset, window_left, window_right,
+    SEED, drop_threshold, drop_scale, KMASK, stride_kmb, stride_kmn,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr,
-    HAS_KVLEN: gl.constexpr,
+    HAS_KVLEN: gl.constexpr, DROPOUT: gl.constexpr, KEY_MASK: gl.constexpr,
 ):
     """One program per (BLOCK_N keys, batch x K/V head); launched with num_warps=8 (the consumer).
 
     dqa_desc: TMA descriptor of a zeroed fp32 [1, B * Hq, Nq, D] buffer that receives scale · dQ;
-    DK / DV are written once per element."""
+    DK / DV are written once per element. DROPOUT: SEED points to the op's seed, drop_threshold and
+    drop_scale as the `tl` kernels take them. KEY_MASK: KMASK holds a key-padding mask as bytes (nonzero: kept),
+    key j of batch b at b * stride_kmb + j * stride_kmn, the same for every head and query row."""
     dtype: gl.constexpr = q_desc.dtype
     pid_n, bhk = _program_ids((Nk + BLOCK_N - 1) // BLOCK_N, False)
     b = bhk // Hkv
@@ -271,6 +296,9 @@ def attn_bwd_gluon_kernel(
     for i in gl.static_range(2):
         mbarrier.init(dq_empty.index(i), count=1)
 
+    seed = 0
+    if DROPOUT:
+        seed = gl.load(SEED).to(gl.uint32)
     n_lim = _key_limit(KVLENS, b, Nk, HAS_KVLEN)
     lo, full_lo, full_hi, hi = _q_range(n0, Nq, n_lim, diag_offset, window_left, window_right,
                                         IS_CAUSAL, HAS_WL, HAS_WR, BLOCK_M, BLOCK_N)
@@ -281,9 +309,10 @@ def attn_bwd_gluon_kernel(
     gl.warp_specialize([
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem, kv_bar, q_full,
                          q_empty, dq_empty, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                         b, hk, n0, lo, full_lo, full_hi, n_mblk, n_iter, rot, Nq, Nk, n_lim, D, DVD,
-                         qk_scale, scale, diag_offset, window_left, window_right,
-                         BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, IS_CAUSAL, HAS_WL, HAS_WR)),
+                         b, hk, G, Hq, n0, lo, full_lo, full_hi, n_mblk, n_iter, rot, Nq, Nk, n_lim, D, DVD,
+                         qk_scale, scale, diag_offset, window_left, window_right, seed, drop_threshold,
+                         drop_scale, KMASK, stride_kmb, stride_kmn, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
+                         IS_CAUSAL, HAS_WL, HAS_WR, DROPOUT, KEY_MASK)),
         (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, lse_smem,
                          dl_smem, kv_bar, q_full, q_empty, b, hk, G, Hq, n0, lo, n_mblk, n_iter, rot, Nq, BLOCK_M,
                          STAGES)),

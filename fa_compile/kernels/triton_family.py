@@ -478,7 +478,8 @@ GLUON_BWD_CONFIGS: dict[int, BlockConfig] = {
 
 def gluon_backward_applies(args, cap: tuple[int, int]) -> bool:
     """Whether the backward of these inputs runs the Gluon kernel (fa_compile/kernels/gluon_bwd.py), from shapes and
-    settings alone (dispatch asks this of fake tensors): Hopper, structural masks only, head dims 33..128
+    settings alone (dispatch asks this of fake tensors): Hopper, structural masks, a boolean key-padding mask
+    shared by the heads (gluon_key_mask) and dropout only, head dims 33..128
     in multiples of 8 (rows of the fp32 dQ buffer must be 16-byte multiples for TMA), and not when torch
     asks for deterministic algorithms (its dQ sums arrive in varying order). The launcher also needs
     strides TMA accepts (_tma_ok)."""
@@ -487,11 +488,22 @@ def gluon_backward_applies(args, cap: tuple[int, int]) -> bool:
     d, dv = args.q.shape[-1], args.v.shape[-1]
     if not all(isinstance(x, int) and x % 8 == 0 and _pow2(x) in GLUON_BWD_CONFIGS for x in (d, dv)):
         return False
-    if args.bias is not None or float(args.softcap) != 0 or float(args.dropout_p) > 0 or float(args.scale) <= 0:
+    if (args.bias is not None and gluon_key_mask(args.bias) is None) or float(args.softcap) != 0 \
+            or float(args.scale) <= 0:
         return False
     if getattr(args, "q_pos", None) is not None or getattr(args, "q_seg", None) is not None:
         return False  # no run-time position / segment mask in the Gluon backward
     return not torch.are_deterministic_algorithms_enabled()
+
+
+def gluon_key_mask(bias: Tensor) -> Optional[tuple[Tensor, int, int]]:
+    """(bytes, batch stride, key stride) of a boolean bias the Gluon backward reads as a key-padding mask: one
+    value per batch (or one for all) and key, broadcast over heads and query rows ([B | 1, 1, 1, Nk] or fewer
+    dims); None for any other bias."""
+    if bias.dtype != torch.bool or not 1 <= bias.dim() <= 4 or any(int(x) != 1 for x in bias.shape[-3:-1]):
+        return None
+    t = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)) if bias.dim() < 4 else bias
+    return t.view(torch.uint8), (int(t.stride(0)) if int(t.shape[0]) > 1 else 0), int(t.stride(3))
 
 
 def _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d: int, block_dv: int,
@@ -505,16 +517,22 @@ def _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d: int, 
     # scale·dQ summed in fp32 over the key blocks (TMA reductions), then cast into dq's own strides.
     dqa = torch.zeros((1, b * hq, nq, d), device=q.device, dtype=torch.float32)
     kvl = args.kv_lens
+    dropout = float(args.dropout_p) > 0
+    seed = args.dropout_seed.to(q.device).reshape(1) if dropout else lse
+    sc = _scalars(args)
+    km = gluon_key_mask(args.bias) if args.bias is not None else None
+    kmask, s_kmb, s_kmn = km if km is not None else (lse, 0, 0)
     handle = attn_bwd_gluon_kernel[(triton_cdiv(nk, cfg.block_n) * b * hkv,)](
         _gluon_desc(q, cfg.block_m, block_d), _gluon_desc(k, cfg.block_n, block_d),
         _gluon_desc(v, cfg.block_n, block_dv), _gluon_desc(dout, cfg.block_m, block_dv),
         lse, delta, _gluon_desc(dqa, cfg.block_m, block_d), dk, dvv, kvl if kvl is not None else lse,
         dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
         hq, hkv, hq // hkv, nq, nk, d, dv, float(args.scale) * LOG2E, float(args.scale), int(args.diag_offset),
-        int(args.window_left), int(args.window_right),
+        int(args.window_left), int(args.window_right), seed, sc["drop_threshold"], sc["drop_scale"],
+        kmask, s_kmb, s_kmn,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, STAGES=cfg.num_stages,
         IS_CAUSAL=bool(args.causal), HAS_WL=int(args.window_left) >= 0, HAS_WR=int(args.window_right) >= 0,
-        HAS_KVLEN=kvl is not None, num_warps=8,
+        HAS_KVLEN=kvl is not None, DROPOUT=dropout, KEY_MASK=km is not None, num_warps=8,
     )
     dq.copy_(dqa.view(b, hq, nq, d))
     LAST_COMPILED["attn_bwd_gluon_kernel"] = (cfg, handle)
@@ -648,12 +666,24 @@ def _reduce_dbias(ds: Tensor, bias: Tensor) -> Tensor:
     return (full.sum(dim=dims, keepdim=True) if dims else full).to(bias.dtype)
 
 
+def bwd_delta(out: Tensor, dout: Tensor, delta: Tensor, cap: tuple[int, int]) -> None:
+    """delta[b, h, i] = rowsum(out * dout) in fp32 (the backward's δ; out and dout with unit last strides)."""
+    from .triton_bwd import attn_bwd_preprocess_kernel
+
+    b, hq, nq, dv = out.shape
+    pre_m = 16 if cap == (0, 0) else 64
+    attn_bwd_preprocess_kernel[(triton_cdiv(nq, pre_m) * b * hq,)](
+        out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
+        dout.stride(2), hq, nq, dv, BLOCK_M=pre_m, BLOCK_DV=_pow2(dv),
+    )
+
+
 def attention_backward(
     args, dout: Tensor, out: Tensor, lse: Tensor,
     grads: Optional[tuple[Tensor, Tensor, Tensor]] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """(dq, dk, dv, dbias | None); `grads` = preallocated (dq, dk, dv) buffers (tests poison them)."""
-    from .triton_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
+    from .triton_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 
     q, k, v = _unit_last(args.q), _unit_last(args.k), _unit_last(args.v)
     dout, out = _unit_last(dout), _unit_last(out)
@@ -694,13 +724,9 @@ def attention_backward(
                 _desc(v, [1, 1, bn, block_dv]), _desc(dout, [1, 1, bm, block_dv]))
 
     with _device_ctx(q):
-        pre_m = 16 if cap == (0, 0) else 64
-        attn_bwd_preprocess_kernel[(triton_cdiv(nq, pre_m) * b * hq,)](
-            out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
-            dout.stride(2), hq, nq, dv, BLOCK_M=pre_m, BLOCK_DV=block_dv,
-        )
+        bwd_delta(out, dout, delta, cap)
         block = max(block_d, block_dv)
-        gkey = ("bwd", block_d, block_dv, q.dtype, bool(args.causal))
+        gkey = ("bwd", block_d, block_dv, q.dtype, bool(args.causal), consts["DROPOUT"], bias_kind)
         if gkey not in _GLUON_FAILED and gluon_backward_applies(args, cap) and _tma_ok((q, k, v, dout), cap):
             try:
                 cfg = CONFIG_OVERRIDE.get(("bwd_gluon", block)) or GLUON_BWD_CONFIGS[block]

@@ -240,7 +240,9 @@ def decide(args: dispatch.AttentionArgs, forced: Optional[str], direction: str, 
     why = lowering.reasons(args, direction)
     if why:
         return Decision(direction, name, reason="; ".join(why), refused=refused)
-    return Decision(direction, name, target=lowering.target(direction), refused=refused)
+    site_target = getattr(lowering, "target_for", None)  # a lowering whose op depends on the site
+    target = site_target(args, direction) if site_target is not None else lowering.target(direction)
+    return Decision(direction, name, target=target, refused=refused)
 
 
 def describe(args: dispatch.AttentionArgs, forced: Optional[str] = None, empty_fix: Optional[str] = None,

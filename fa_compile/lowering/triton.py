@@ -113,6 +113,35 @@ def fuses_dq(args: dispatch.AttentionArgs) -> bool:
 
 # explain(): how the lowered backward sums dQ where it has no dQ kernel of its own
 FUSED_DQ_TEXT = "dQ added by the dK/dV kernel through fp32 atomics (a dQ kernel in deterministic mode)"
+# explain(): the lowered backward that calls the Gluon kernel's op
+GLUON_BWD_TEXT = "the Gluon backward kernel: one pass over the score tiles, launched by the op"
+
+
+# Without dropout the lowered backward takes the Gluon kernel from Nq x Nk = 512 x 512 on: on the H200 (bf16,
+# d64, the models of benchmarks/models.py) a ViT training step (B64 x 197) ran 1.2% more GPU time with it than with
+# the pointer pair, while at B32 x 512 it took 0.326 ms against 0.346 and at 1024 keys less still. With dropout the
+# pair computes the dropout hash in both of its kernels and the Gluon kernel once: 1.24-1.38x at 512 and 1024 keys
+# (benchmarks/results/gluon-bwd-dropout-h200-2026-12-04.txt), so there it takes every size (below 512 unmeasured).
+GLUON_BWD_MIN_SCORES = 512 * 512
+
+
+def gluon_backward(args: dispatch.AttentionArgs) -> bool:
+    """Whether the lowered backward calls fa3_gluon::bwd (fa_compile/kernels/gluon_ops.py) rather than the pointer
+    kernels: on Hopper, where the family's Gluon backward takes the site (triton_family.gluon_backward_applies,
+    which also reads FA_COMPILE_GLUON and deterministic mode), TMA takes q, k, v and a BSHD dout's strides, and
+    the site has dropout or at least GLUON_BWD_MIN_SCORES scores per head."""
+    if args.q.device.type != "cuda" or _wants_dbias(args):
+        return False
+    if float(args.dropout_p) == 0 and int(args.q.shape[2]) * int(args.k.shape[2]) < GLUON_BWD_MIN_SCORES:
+        return False
+    cap = _capability(args.q)
+    tf = _family()
+    if cap[0] != 9 or not tf.gluon_backward_applies(args, cap):
+        return False
+    b, hq, nq = (int(x) for x in args.q.shape[:3])
+    dv = int(args.v.shape[3])
+    bshd = ((b, hq, nq, dv), conventions.bshd_strides(b, hq, nq, dv), args.q.dtype)
+    return _descriptor_path([(t.shape, t.stride(), t.dtype) for t in (args.q, args.k, args.v)] + [bshd], cap)
 
 
 def settings_key() -> tuple:
@@ -124,8 +153,10 @@ def settings_key() -> tuple:
 
     tf = _family()
     here = os.path.dirname(os.path.abspath(tf.__file__))
-    files = tuple(os.path.join(here, f) for f in ("triton_family.py", "triton_ops.py", "decode.py", "decode_ops.py"))
+    files = tuple(os.path.join(here, f) for f in ("triton_family.py", "triton_ops.py", "decode.py", "decode_ops.py",
+                                                  "gluon_ops.py"))
     return (os.environ.get("FA_COMPILE_TRITON_TMA", "auto"), os.environ.get("FA_COMPILE_TRITON_LOWER", "auto"),
+            os.environ.get("FA_COMPILE_GLUON", "1"),
             os.environ.get("FA_COMPILE_FUSED_DQ", "auto"), torch.are_deterministic_algorithms_enabled(),
             tile_tuning.enabled(),
             repr(sorted(tf.CONFIG_OVERRIDE.items(), key=repr)), get_hash_for_files(files).hex())
@@ -157,11 +188,17 @@ class TritonLowering:
         return min(int(c.block_n) for c in _table_configs(args, direction))
 
     def backward_note(self, args: dispatch.AttentionArgs) -> str:
-        """For explain(): FUSED_DQ_TEXT where the lowered backward has no dQ kernel."""
+        """For explain(): GLUON_BWD_TEXT where the lowered backward calls the Gluon kernel's op, FUSED_DQ_TEXT
+        where it has no dQ kernel."""
+        if gluon_backward(args):
+            return GLUON_BWD_TEXT
         return FUSED_DQ_TEXT if fuses_dq(args) else ""
 
     def target(self, direction: str) -> str:
         return "fa3_triton.bwd" if direction == "backward" else "fa3_triton.fwd"
+
+    def target_for(self, args: dispatch.AttentionArgs, direction: str) -> str:
+        return "fa3_gluon.bwd" if direction == "backward" and gluon_backward(args) else self.target(direction)
 
     def reasons(self, args: dispatch.AttentionArgs, direction: str) -> list[str]:
         tf = _family()
@@ -241,9 +278,10 @@ class TritonLowering:
         `empty_grad` (empty_rows_backward.py), dout is the gradient of emit's empty-row fix-up and the kernels
         add that fix-up's backward; `out_strides` (dq, dk, dv; None: the op's own) are then the strides of
         the graph values the gradients stand for."""
-        dkdv_config, dq_config = self._plan(args, "backward")
+        dkdv_config, dq_config = self._plan(args, "backward")  # also the Gluon op's fallback tiles
         fused = fuses_dq(args)
         bwd = _ops().bwd
+        gluon = gluon_backward(args)
         grad_code = 0 if empty_grad is None else _ops().EMPTY_GRADS[empty_grad]
         strides = out_strides or (None, None, None)
         s = _site_scalars(args)
@@ -253,8 +291,16 @@ class TritonLowering:
 
         def fn(dout, q, k, v, out, lse, *rest):
             bias, kv_lens, seed, _sinks = unpack(q, rest)  # lse includes the sinks: P is exp(s - lse)
-            dq, dk, dv, ds = bwd(dout, q, k, v, out, lse, bias, kv_lens, seed, *s, want_ds, dkdv_config, dq_config,
-                                 grad_code, fused)
+            if gluon:  # no softcap, and no bias but a boolean key-padding mask, here (gluon_backward)
+                from ..kernels import gluon_ops
+
+                scale, causal, diag_offset, wl, wr, _softcap, dropout_p = s
+                dq, dk, dv = gluon_ops.bwd(dout, q, k, v, out, lse, bias, kv_lens, seed, scale, causal, diag_offset,
+                                           wl, wr, dropout_p, grad_code, dkdv_config, dq_config)
+                ds = None
+            else:
+                dq, dk, dv, ds = bwd(dout, q, k, v, out, lse, bias, kv_lens, seed, *s, want_ds, dkdv_config,
+                                     dq_config, grad_code, fused)
             if want_ds:
                 db = reduce_dbias(ds, bias)
                 db = conventions.with_strides(db, tuple(make_contiguous_strides_for(bias.shape)))
