@@ -203,11 +203,12 @@ def test_dropout_lowers_with_the_ops_mask():
 
 class PaddedEncoderAttention(nn.Module):
     """An encoder's eager attention: scores plus an additive key-padding mask, finfo.min where the mask is 0
-    (the masked_fill form; a mask the pass passes to the kernel as bool key padding)."""
+    (the masked_fill form; a mask the pass passes to the kernel as bool key padding); with `dropout`, dropout on
+    the probabilities in training, as BERT's eager code has it."""
 
-    def __init__(self, hidden: int, heads: int):
+    def __init__(self, hidden: int, heads: int, dropout: float = 0.0):
         super().__init__()
-        self.h, self.d = heads, hidden // heads
+        self.h, self.d, self.dropout = heads, hidden // heads, dropout
         self.qkv = nn.Linear(hidden, 3 * hidden)
 
     def forward(self, x, mask):
@@ -216,6 +217,8 @@ class PaddedEncoderAttention(nn.Module):
         add = torch.zeros(b, 1, 1, n, dtype=x.dtype, device=x.device).masked_fill(mask[:, None, None, :] == 0,
                                                                                  torch.finfo(x.dtype).min)
         p = torch.softmax(q @ k.transpose(-1, -2) * self.d ** -0.5 + add, dim=-1)
+        if self.dropout:
+            p = nn.functional.dropout(p, self.dropout, training=self.training)
         return (p @ v).transpose(1, 2).reshape(b, n, self.h * self.d), v
 
 
@@ -375,19 +378,6 @@ def test_bwd_op_computes_the_fixups_backward_on_the_gpu(d):
         torch.testing.assert_close(got.double(), w + e, **TOL[torch.bfloat16], msg=lambda m, n=name: f"{n}: {m}")
 
 
-class DropoutEncoderAttention(PaddedEncoderAttention):
-    """The padded encoder's attention with dropout on the probabilities, as BERT's eager code has it."""
-
-    def forward(self, x, mask):
-        b, n, _ = x.shape
-        q, k, v = (t.view(b, n, self.h, self.d).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
-        add = torch.zeros(b, 1, 1, n, dtype=x.dtype, device=x.device).masked_fill(mask[:, None, None, :] == 0,
-                                                                                 torch.finfo(x.dtype).min)
-        p = torch.softmax(q @ k.transpose(-1, -2) * self.d ** -0.5 + add, dim=-1)
-        p = nn.functional.dropout(p, 0.1, training=self.training)
-        return (p @ v).transpose(1, 2).reshape(b, n, self.h * self.d), v
-
-
 @pytest.mark.parametrize("heads", [4, 2], ids=["d64", "d128"])
 def test_hopper_training_backward_calls_the_gluon_kernel(heads, monkeypatch):
     # On Hopper, with the descriptor path on (the default), a padded encoder's training backward with dropout is
@@ -400,7 +390,7 @@ def test_hopper_training_backward_calls_the_gluon_kernel(heads, monkeypatch):
 
     monkeypatch.delenv("FA_COMPILE_TRITON_TMA")
     torch.manual_seed(0)
-    model = DropoutEncoderAttention(256, heads).to("cuda", torch.bfloat16).train()
+    model = PaddedEncoderAttention(256, heads, dropout=0.1).to("cuda", torch.bfloat16).train()
     x = torch.randn(4, 300, 256, device="cuda", dtype=torch.bfloat16)
     mask = torch.ones(4, 300, device="cuda", dtype=torch.long)
     mask[1, 150:] = 0
