@@ -3,10 +3,12 @@
 `wrap_triton` cannot launch Gluon kernels (triton_ops.py says why), so where the lowering would give a
 site's backward to the pointer kernels of `fa3_triton::bwd` and the Gluon kernel takes it (Hopper, strides
 TMA accepts, structural masks, key lengths, a boolean key-padding mask, dropout: `gluon_backward` in
-fa_compile/lowering/triton.py), it calls this op instead. Inductor keeps the op as an extern call: one Python call per
-site and step, which a training step's GPU time hides, for a kernel that does one pass over the score
-tiles where the pointer pair does two (at BERT's B32 x 512, d64: 0.33 ms against 0.41 on the H200,
-benchmarks/results/gluon-bwd-short-h200-2026-12-04.txt).
+fa_compile/lowering/triton.py), it calls this op instead. Inductor keeps the op as an extern call: one
+Python call per site and step, for a kernel that does one pass over the score tiles where the pointer pair
+does two (a padded BERT's B32 x 512, d64, dropout 0.1: 0.40 ms against 0.50 on the H200,
+benchmarks/results/gluon-bwd-dropout-h200-2026-12-04.txt). Whether that call's host time stays hidden behind
+the GPU's work is not settled: a BERT training step took 0.92x of SDPA's GPU time in two runs but 0.91x and
+1.07x of its wall time (BENCHMARKS.md).
 
 The body runs δ (the family's preprocess kernel), the Gluon kernel, dQ's cast, and, where the site folds
 the empty-row fix-up's backward (`empty_grad`, triton_ops.EMPTY_GRADS), that fix-up's last kernel. On an
@@ -42,7 +44,7 @@ def bwd(
     window_right: int, dropout_p: float, empty_grad: int, dkdv_config: list[int], dq_config: list[int],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), dense in q / k / v's dimension order; arguments as fa3_triton::bwd takes them (no softcap,
-    no dS; bias: None or a boolean key-padding mask, triton_family.gluon_key_mask). dkdv_config / dq_config:
+    no dS; bias: None or a boolean key-padding mask, triton_family.is_key_mask). dkdv_config / dq_config:
     the pointer kernels' tiles, for the fallback."""
     from .. import dispatch
     from . import triton_family as tf

@@ -479,7 +479,7 @@ GLUON_BWD_CONFIGS: dict[int, BlockConfig] = {
 def gluon_backward_applies(args, cap: tuple[int, int]) -> bool:
     """Whether the backward of these inputs runs the Gluon kernel (fa_compile/kernels/gluon_bwd.py), from shapes and
     settings alone (dispatch asks this of fake tensors): Hopper, structural masks, a boolean key-padding mask
-    shared by the heads (gluon_key_mask) and dropout only, head dims 33..128
+    shared by the heads (is_key_mask) and dropout only, head dims 33..128
     in multiples of 8 (rows of the fp32 dQ buffer must be 16-byte multiples for TMA), and not when torch
     asks for deterministic algorithms (its dQ sums arrive in varying order). The launcher also needs
     strides TMA accepts (_tma_ok)."""
@@ -488,19 +488,24 @@ def gluon_backward_applies(args, cap: tuple[int, int]) -> bool:
     d, dv = args.q.shape[-1], args.v.shape[-1]
     if not all(isinstance(x, int) and x % 8 == 0 and _pow2(x) in GLUON_BWD_CONFIGS for x in (d, dv)):
         return False
-    if (args.bias is not None and gluon_key_mask(args.bias) is None) or float(args.softcap) != 0 \
-            or float(args.scale) <= 0:
+    if (args.bias is not None and not is_key_mask(args.bias)) or float(args.softcap) != 0 or float(args.scale) <= 0:
         return False
     if getattr(args, "q_pos", None) is not None or getattr(args, "q_seg", None) is not None:
         return False  # no run-time position / segment mask in the Gluon backward
     return not torch.are_deterministic_algorithms_enabled()
 
 
+def is_key_mask(bias: Tensor) -> bool:
+    """A boolean bias the Gluon backward reads as a key-padding mask: one value per batch (or one for all) and key,
+    broadcast over heads and query rows ([B | 1, 1, 1, Nk] or fewer dims). Sizes only, and a symbolic size of the
+    head or query dim is no (nothing here adds a guard)."""
+    return bias.dtype == torch.bool and 1 <= bias.dim() <= 4 and all(
+        isinstance(x, int) and x == 1 for x in bias.shape[-3:-1])
+
+
 def gluon_key_mask(bias: Tensor) -> Optional[tuple[Tensor, int, int]]:
-    """(bytes, batch stride, key stride) of a boolean bias the Gluon backward reads as a key-padding mask: one
-    value per batch (or one for all) and key, broadcast over heads and query rows ([B | 1, 1, 1, Nk] or fewer
-    dims); None for any other bias."""
-    if bias.dtype != torch.bool or not 1 <= bias.dim() <= 4 or any(int(x) != 1 for x in bias.shape[-3:-1]):
+    """(bytes, batch stride, key stride) of a bias that is_key_mask accepts, None for any other; for the launch."""
+    if not is_key_mask(bias):
         return None
     t = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)) if bias.dim() < 4 else bias
     return t.view(torch.uint8), (int(t.stride(0)) if int(t.shape[0]) > 1 else 0), int(t.stride(3))

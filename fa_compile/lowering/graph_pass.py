@@ -280,7 +280,6 @@ class LoweringPass(CustomGraphPass):
 
     def __call__(self, graph: fx.Graph) -> None:
         from .. import config, ops, tuning
-        from ..kernels import gluon_ops  # noqa: F401  (fa3_gluon::bwd, which Inductor's cached code may call)
 
         if not config.killed() and ops._CP_HOOK is None:  # under context_parallel the op runs the ring
             with tuning.scoped(self.tune):
