@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import math
 import os
 import pstats
 import sys
@@ -129,7 +130,7 @@ def main(argv: Optional[list] = None) -> int:
     gen = torch.Generator(device="cpu").manual_seed(2)
     ids = torch.randint(0, spec["cfg"].get("vocab_size", 32000), (args.batch, args.prompt), generator=gen).to(device)
     runs: dict[str, Callable] = {}
-    timers: dict[str, TimedForward] = {}
+    timers: dict[str, Optional[TimedForward]] = {}
     outs: dict[str, torch.Tensor] = {}
     wanted = [(label, attn, backend, {}) for label, attn, backend in VARIANTS if label in args.variants.split(",")]
     for kv in args.fa3_env:
@@ -152,7 +153,7 @@ def main(argv: Optional[list] = None) -> int:
             cc = CompileConfig(backend=be, mode=None if args.smoke else "reduce-overhead")
             cc._compile_all_devices = args.smoke
             kw["compile_config"] = cc
-            timer = TimedForward(model.forward)  # not installed: transformers compiles its own call
+            timer = None  # transformers compiles its own call, which is not timed here
         else:
             kw["disable_compile"] = True
             timer = TimedForward(torch.compile(model.forward, backend=be, dynamic=None if args.dynamic_cache else False))
@@ -194,7 +195,8 @@ def main(argv: Optional[list] = None) -> int:
     for _ in range(args.rounds):
         for label, run in runs.items():
             timer = timers[label]
-            timer.calls.clear()
+            if timer is not None:
+                timer.calls.clear()
             _sync(device)
             t0 = time.perf_counter()
             run()
@@ -202,8 +204,8 @@ def main(argv: Optional[list] = None) -> int:
             t1 = time.perf_counter()
             results[label]["wall"].append(t1 - t0)
             results[label]["decode"].append(t1 - clocks[label].t)
-            if args.hf_compile:
-                results[label]["prefill"].append(float("nan"))  # the decode calls are transformers' compiled ones, not timed here
+            if timer is None:  # --hf-compile
+                results[label]["prefill"].append(float("nan"))
                 results[label]["fwd"].append(float("nan"))
                 results[label]["calls"].append(args.new - 1)
             else:
@@ -241,7 +243,7 @@ def main(argv: Optional[list] = None) -> int:
         vs = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
         vs_dec = f"{r['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x" if base else "-"
         # A forward that cost nothing: the step would be the time outside it (or the GPU's, if larger).
-        outside = r["outside_ms_per_step"] if r["outside_ms_per_step"] == r["outside_ms_per_step"] else 0.0  # nan
+        outside = 0.0 if math.isnan(r["outside_ms_per_step"]) else r["outside_ms_per_step"]  # nan: --hf-compile
         floor = max(outside, r.get("gpu_us_per_step", 0) / 1e3)
         bound = f"{base['ms_per_step'] / floor:.2f}x" if base and floor > 0 else "-"
         lines.append(f"| {r['variant']} | {r['tokens_per_s']} | {vs} | {r['decode_tokens_per_s']} | {vs_dec} | "

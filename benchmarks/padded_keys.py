@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -45,18 +46,10 @@ def make_step(variant: str, mode: str, cuts_keys):
         f = torch.compile(model, backend=fa_compile.backend())
 
     step = model_step(f, model, kw, mode == "train")
-    name = {"dq-kernel": "FA_COMPILE_FUSED_DQ", "pointer-bwd": "FA_COMPILE_GLUON"}.get(variant)
-    before = os.environ.get(name) if name else None
-    if name:
-        os.environ[name] = "0"
-    try:
+    switch = {"dq-kernel": "FA_COMPILE_FUSED_DQ", "pointer-bwd": "FA_COMPILE_GLUON"}.get(variant)
+    with mock.patch.dict(os.environ, {switch: "0"} if switch else {}):  # read while the first calls compile
         for _ in range(3):
             step()
-    finally:
-        if name and before is None:
-            os.environ.pop(name, None)
-        elif name:
-            os.environ[name] = before
     torch.cuda.synchronize()
     return step
 

@@ -6,42 +6,41 @@ TMA accepts, structural masks, key lengths, a boolean key-padding mask, dropout:
 fa_compile/lowering/triton.py), it calls this op instead. Inductor keeps the op as an extern call: one
 Python call per site and step, for a kernel that does one pass over the score tiles where the pointer pair
 does two (a padded BERT's B32 x 512, d64, dropout 0.1: 0.40 ms against 0.50 on the H200,
-benchmarks/results/gluon-bwd-dropout-h200-2026-12-04.txt). Whether that call's host time stays hidden behind
-the GPU's work is not settled: a BERT training step took 0.92x of SDPA's GPU time in two runs but 0.91x and
-1.07x of its wall time (BENCHMARKS.md).
+benchmarks/results/gluon-bwd-dropout-h200-2026-12-04.txt). Whether that call's host time stays hidden
+behind the GPU's work is not settled: a BERT training step took 0.92x of SDPA's GPU time in two measurements,
+but 0.91x and 1.07x of its wall time (BENCHMARKS.md).
 
 The body runs δ (the family's preprocess kernel), the Gluon kernel, dQ's cast, and, where the site folds
 the empty-row fix-up's backward (`empty_grad`, triton_ops.EMPTY_GRADS), that fix-up's last kernel. On an
 empty row P is 0, so its dout weighs nothing in the Gluon kernel's products as long as it is finite (the
 pointer kernels zero it outright; a non-finite dout there turns into NaN in dV here, where eager's fix-up
 puts it into the mean of V's gradient). Whatever the Gluon kernel cannot take at run time (strides TMA
-refuses, a failed build, which warns once) runs `fa3_triton::bwd`'s kernels with the given tiles.
+refuses, a failed build, which warns once: triton_family.backward_gluon, as the op's run-time dispatch) runs
+`fa3_triton::bwd`'s kernels with the given tiles.
 
-This module imports no Triton until the op runs: the lowering's cache key (graph_pass.uuid) imports it,
-so that the op exists before Inductor's cached code calls it in a fresh process."""
+This module imports no Triton until the op is traced or runs: the lowering's cache key (graph_pass.uuid) imports
+it, so that the op exists before Inductor's cached code calls it in a fresh process."""
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-_FAILED: set = set()
 
+def _outputs(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv allocated as fa3_triton::bwd allocates them (its `_empty`, which tests poison)."""
+    from .triton_ops import _dense_strides, _empty
 
-def _dense_like(t: Tensor) -> Tensor:
-    from torch._prims_common import compute_elementwise_output_strides
-
-    return torch.empty_strided(t.shape, tuple(compute_elementwise_output_strides(t)), dtype=t.dtype, device=t.device)
+    return tuple(_empty(t.shape, _dense_strides(t), t.dtype, t.device) for t in (q, k, v))
 
 
 @torch.library.custom_op("fa3_gluon::bwd", mutates_args=())
 def bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bias: Optional[Tensor],
-    kv_lens: Optional[Tensor],
-    dropout_seed: Optional[Tensor], scale: float, causal: bool, diag_offset: int, window_left: int,
-    window_right: int, dropout_p: float, empty_grad: int, dkdv_config: list[int], dq_config: list[int],
+    kv_lens: Optional[Tensor], dropout_seed: Optional[Tensor], scale: float, causal: bool, diag_offset: int,
+    window_left: int, window_right: int, dropout_p: float, empty_grad: int, dkdv_config: list[int],
+    dq_config: list[int],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), dense in q / k / v's dimension order; arguments as fa3_triton::bwd takes them (no softcap,
     no dS; bias: None or a boolean key-padding mask, triton_family.is_key_mask). dkdv_config / dq_config:
@@ -54,32 +53,21 @@ def bwd(
                                   window_right=window_right, bias=bias, kv_lens=kv_lens, dropout_p=dropout_p,
                                   dropout_seed=dropout_seed, needs_backward=True)
     cap = tf._capability(q.device)
-    qq, kk, vv, dd = (tf._unit_last(t) for t in (q, k, v, dout))
-    b, hq, nq, d = q.shape
-    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
-    block_d, block_dv = tf._pow2(d), tf._pow2(dv)
-    key = (block_d, block_dv, q.dtype, bool(causal), dropout_p > 0, bias is not None)
-    if (key not in _FAILED and b * hq * nq > 0 and b * hkv * nk > 0 and tf.gluon_backward_applies(args, cap)
-            and tf._tma_ok((qq, kk, vv, dd), cap)):
-        dq, dk, dvv = _dense_like(q), _dense_like(k), _dense_like(v)
+    b, hq, nq = q.shape[:3]
+    hkv, nk = k.shape[1], k.shape[2]
+    if cap[0] == 9 and b * hq * nq > 0 and b * hkv * nk > 0:
+        qq, kk, vv, dd, oo = (tf._unit_last(t) for t in (q, k, v, dout, out))
         lse32 = lse.to(torch.float32).contiguous()
-        oo = tf._unit_last(out)
+        dq, dk, dvv = _outputs(q, k, v)
         delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
-        try:
-            with tf._device_ctx(q):
-                tf.bwd_delta(oo, dd, delta, cap)
-                cfg = tf.CONFIG_OVERRIDE.get(("bwd_gluon", max(block_d, block_dv))) or \
-                    tf.GLUON_BWD_CONFIGS[max(block_d, block_dv)]
-                tf._backward_gluon(args, qq, kk, vv, dd, lse32, delta, dq, dk, dvv, block_d, block_dv, cfg)
-        except Exception as e:  # a failed build: nothing was written that the kernels below do not rewrite
-            _FAILED.add(key)
-            warnings.warn(f"fa_compile: the Gluon backward failed to build ({type(e).__name__}: {str(e)[:200]}); "
-                          "using the Triton backward instead", RuntimeWarning)
-        else:
-            if empty_grad in (triton_ops.EMPTY_GRADS["mean_v"], triton_ops.EMPTY_GRADS["uniform"]):
-                triton_ops._empty_rows_grads(dd, qq, kk, vv, lse32, dq, dk, dvv, scale,
-                                             empty_grad == triton_ops.EMPTY_GRADS["uniform"])
-            return dq, dk, dvv
+        with tf._device_ctx(q):
+            tf.bwd_delta(oo, dd, delta, cap)
+            if tf.backward_gluon(args, qq, kk, vv, dd, lse32, delta, dq, dk, dvv, cap,
+                                 tf._bias4(bias, b, hq, nq, nk)[1]):
+                if empty_grad in (triton_ops.EMPTY_GRADS["mean_v"], triton_ops.EMPTY_GRADS["uniform"]):
+                    triton_ops._empty_rows_grads(dd, qq, kk, vv, lse32, dq, dk, dvv, scale,
+                                                 empty_grad == triton_ops.EMPTY_GRADS["uniform"])
+                return dq, dk, dvv
     dq, dk, dvv, _ = triton_ops.bwd(dout, q, k, v, out, lse, bias, kv_lens, dropout_seed, scale, causal, diag_offset,
                                     window_left, window_right, 0.0, dropout_p, False, dkdv_config, dq_config,
                                     empty_grad, False)
@@ -89,4 +77,4 @@ def bwd(
 @bwd.register_fake
 def _(dout, q, k, v, out, lse, bias, kv_lens, dropout_seed, scale, causal, diag_offset, window_left, window_right,
       dropout_p, empty_grad, dkdv_config, dq_config):
-    return _dense_like(q), _dense_like(k), _dense_like(v)
+    return _outputs(q, k, v)

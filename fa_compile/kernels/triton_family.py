@@ -671,6 +671,32 @@ def _reduce_dbias(ds: Tensor, bias: Tensor) -> Tensor:
     return (full.sum(dim=dims, keepdim=True) if dims else full).to(bias.dtype)
 
 
+def backward_gluon(args, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, dq: Tensor,
+                   dk: Tensor, dvv: Tensor, cap: tuple[int, int], bias_kind: int) -> bool:
+    """dq, dk, dv by the Gluon kernel where it takes the inputs (gluon_backward_applies, strides TMA accepts) and
+    builds: True when it wrote them. q, k, v, dout with unit last strides, lse fp32 contiguous, delta computed
+    (bwd_delta), on q's device. A failed build warns once per kind and returns False (FA_COMPILE_GLUON=1 raises),
+    having written nothing the caller's `tl` kernels do not rewrite."""
+    block_d, block_dv = _pow2(q.shape[-1]), _pow2(v.shape[-1])
+    block = max(block_d, block_dv)
+    gkey = ("bwd", block_d, block_dv, q.dtype, bool(args.causal), float(args.dropout_p) > 0, bias_kind)
+    if gkey in _GLUON_FAILED or not gluon_backward_applies(args, cap) or not _tma_ok((q, k, v, dout), cap):
+        return False
+    try:
+        cfg = CONFIG_OVERRIDE.get(("bwd_gluon", block)) or GLUON_BWD_CONFIGS[block]
+        cfg = _tuned("bwd_gluon", block, cfg, q, bool(args.causal), bias_kind, cap,
+                     lambda c: _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d, block_dv, c))
+        _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d, block_dv, cfg)
+        return True
+    except Exception as e:  # compile-time failure
+        if os.environ.get("FA_COMPILE_GLUON") == "1":
+            raise
+        _GLUON_FAILED.add(gkey)
+        warnings.warn(f"fa_compile: the Gluon backward failed to build ({type(e).__name__}: "
+                      f"{str(e)[:200]}); using the Triton backward instead", RuntimeWarning)
+        return False
+
+
 def bwd_delta(out: Tensor, dout: Tensor, delta: Tensor, cap: tuple[int, int]) -> None:
     """delta[b, h, i] = rowsum(out * dout) in fp32 (the backward's δ; out and dout with unit last strides)."""
     from .triton_bwd import attn_bwd_preprocess_kernel
@@ -730,22 +756,9 @@ def attention_backward(
 
     with _device_ctx(q):
         bwd_delta(out, dout, delta, cap)
+        if backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, cap, bias_kind):
+            return dq, dk, dvv, None
         block = max(block_d, block_dv)
-        gkey = ("bwd", block_d, block_dv, q.dtype, bool(args.causal), consts["DROPOUT"], bias_kind)
-        if gkey not in _GLUON_FAILED and gluon_backward_applies(args, cap) and _tma_ok((q, k, v, dout), cap):
-            try:
-                cfg = CONFIG_OVERRIDE.get(("bwd_gluon", block)) or GLUON_BWD_CONFIGS[block]
-                cfg = _tuned("bwd_gluon", block, cfg, q, bool(args.causal), bias_kind, cap,
-                             lambda c: _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d,
-                                                       block_dv, c))
-                _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d, block_dv, cfg)
-                return dq, dk, dvv, None
-            except Exception as e:  # compile-time failure: every output is rewritten by the tl kernels below
-                if os.environ.get("FA_COMPILE_GLUON") == "1":
-                    raise
-                _GLUON_FAILED.add(gkey)
-                warnings.warn(f"fa_compile: the Gluon backward failed to build ({type(e).__name__}: "
-                              f"{str(e)[:200]}); using the Triton backward instead", RuntimeWarning)
 
         fused = fuses_dq(want_dbias)
         dqa = torch.empty((b, hq, nq, d), device=q.device, dtype=torch.float32) if fused else q

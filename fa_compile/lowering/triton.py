@@ -82,6 +82,15 @@ def _descriptor_path(tensors: list, cap: tuple[int, int]) -> bool:
     return True
 
 
+def _site_meta(args: dispatch.AttentionArgs) -> list:
+    """(shape, strides, dtype) of q, k, v and of the forward's out / the backward's dout (taken to have out's BSHD
+    strides), for _descriptor_path."""
+    b, hq, nq = (int(x) for x in args.q.shape[:3])
+    dv = int(args.v.shape[3])
+    bshd = ((b, hq, nq, dv), conventions.bshd_strides(b, hq, nq, dv), args.q.dtype)
+    return [(t.shape, t.stride(), t.dtype) for t in (args.q, args.k, args.v)] + [bshd]
+
+
 def _bias_kind(args: dispatch.AttentionArgs) -> int:
     b, hq, nq, nk = (int(x) for x in (args.q.shape[0], args.q.shape[1], args.q.shape[2], args.k.shape[2]))
     return _family()._bias4(args.bias, b, hq, nq, nk)[1]
@@ -138,10 +147,7 @@ def gluon_backward(args: dispatch.AttentionArgs) -> bool:
     tf = _family()
     if cap[0] != 9 or not tf.gluon_backward_applies(args, cap):
         return False
-    b, hq, nq = (int(x) for x in args.q.shape[:3])
-    dv = int(args.v.shape[3])
-    bshd = ((b, hq, nq, dv), conventions.bshd_strides(b, hq, nq, dv), args.q.dtype)
-    return _descriptor_path([(t.shape, t.stride(), t.dtype) for t in (args.q, args.k, args.v)] + [bshd], cap)
+    return _descriptor_path(_site_meta(args), cap)
 
 
 def settings_key() -> tuple:
@@ -217,13 +223,8 @@ class TritonLowering:
         if dev == "cuda" and mode == "0":
             return [f"{what} is off (FA_COMPILE_TRITON_LOWER=0)"]
         cap = _capability(args.q)
-        b, hq, nq = (int(x) for x in args.q.shape[:3])
-        dv = int(args.v.shape[3])
-        # the forward's out, and the backward's dout (taken to have out's BSHD strides): both BSHD
-        bshd = ((b, hq, nq, dv), conventions.bshd_strides(b, hq, nq, dv), args.q.dtype)
-        meta = [(t.shape, t.stride(), t.dtype) for t in (args.q, args.k, args.v)] + [bshd]
-        nk = int(args.k.shape[2])
-        if _descriptor_path(meta, cap) and mode != "1" and nq * nk > SHORT_SCORES:
+        nq, nk = int(args.q.shape[2]), int(args.k.shape[2])
+        if _descriptor_path(_site_meta(args), cap) and mode != "1" and nq * nk > SHORT_SCORES:
             r.append(f"{what}: on this GPU the family runs its TMA-descriptor / Gluon kernels for these strides "
                      f"and lengths (Nq x Nk = {nq} x {nk} > 1024 x 1024), which wrap_triton cannot launch "
                      "(FA_COMPILE_TRITON_LOWER=1 lowers the pointer kernels anyway)")
