@@ -70,7 +70,7 @@ def _compile(d: int, cfg: tf.BlockConfig, causal: bool, masks: bool, bias: bool 
     rb_kind = 0 if row_bias is None else (2 if row_bias == torch.uint8 else 1)
     return attn_fwd_gluon_ws_kernel.warmup(
         desc(64), desc(cfg.block_n), desc(cfg.block_n), desc(64), lse, lse, bias_desc, 0, 1, *rb_args, h, 1, n, n, 0.1,
-        0, 16, 0,
+        0, 16, 0, 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d, BLOCK_DV=d, STAGES=cfg.num_stages, IS_CAUSAL=causal,
         HAS_WL=masks, HAS_WR=masks, HAS_KVLEN=masks, REVERSE_M=causal, QREG=cfg.qreg, CONSUMER_REGS=240,
         PINGPONG=cfg.pingpong, HAS_BIAS=bias, ROW_BIAS=rb_kind, BATCH_INNER=batch_inner,
@@ -85,9 +85,11 @@ def _assert_fast_path(k) -> None:
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)  # consumers raised to 240
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24\b", ptx)  # producer lowered to 24
     # P stays in registers as the A operand of P·V: the only register-to-shared stores are the two
-    # consumers' O tiles, and no shared buffer is allocated from a register value (a staged P would be).
+    # consumers' O tiles (and, with key lengths, the [32, D] row chunks that zero the value tile straddling
+    # one: zero_rows_from), and no shared buffer is allocated from a register value (a staged P would be).
     ir = k.asm["ttgir"]
-    assert len(re.findall(r"ttg\.local_store ", ir)) == 2
+    stores = re.findall(r"ttg\.local_store [^\n]*: tensor<(\d+)x", ir)
+    assert stores.count("64") == 2 and set(stores) <= {"64", "32"}
     assert not re.search(r"ttg\.local_alloc %", ir)
     assert k.metadata.shared <= 232448  # fits the 227 KB an H100/H200 block may use
 
@@ -191,6 +193,8 @@ def test_host_launch_arguments(monkeypatch):
         assert lse_arg is lse and kvl is c.kv_lens
         assert rb_args == [None] * 4 and kw["ROW_BIAS"] == 0  # constexpr None: compiled as before they existed
         assert a[13:15] == (4, 2)  # Hq, group size
+        # causal: 3 query blocks x 8 (batch, head) in groups of >= 2·SMs / 3 = 6 (sm_count is 8 off a GPU): one
+        assert a[21] == 1
         assert kw["HAS_BIAS"] == (bias_shape is not None) and kw["IS_CAUSAL"] and kw["HAS_KVLEN"]
         assert kw["BATCH_INNER"] is False  # no bias, or one per batch element: the usual order
         assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["STAGES"], kw["PINGPONG"]) == (
@@ -235,7 +239,7 @@ def _compile_bwd(d: int, cfg: tf.BlockConfig, causal: bool, masks: bool, group: 
         tf._gluon_desc(q, cfg.block_m, d), lse, lse, tf._gluon_desc(dqa, cfg.block_m, d), q, q, lse,
         *q.stride()[:3], *q.stride()[:3],
         h, h // group, group, n, n, d, d, 0.1, 0.1, 0, 16, 16, torch.empty(1, dtype=torch.int64), 429496729, 1.0 / 0.9,
-        torch.empty(b, n, dtype=torch.uint8), n, 1,
+        torch.empty(b, n, dtype=torch.uint8), n, 1, 2,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d, BLOCK_DV=d, STAGES=cfg.num_stages, IS_CAUSAL=causal,
         HAS_WL=masks, HAS_WR=masks, HAS_KVLEN=masks, DROPOUT=dropout, KEY_MASK=key_mask, num_warps=cfg.num_warps,
         grid=(1,),
@@ -259,7 +263,10 @@ def test_backward_builds_for_sm90(sm90, d, causal, masks, group):
     assert len(re.findall(r"ttng\.warp_group_dot ", ir)) == 5
     consumer = ir[ir.index("default {"):ir.index("partition0(")]
     producer = ir[ir.index("partition0("):ir.index("partition1(")]
-    assert len(re.findall(r"ttg\.local_store ", consumer)) == 2
+    loop = consumer[consumer.index("scf.for"):]
+    assert len(re.findall(r"ttg\.local_store ", loop)) == 2
+    # Before the loop, with key lengths only: the [32, D] row chunks that zero K and V past the length (zero_rows_from).
+    assert set(re.findall(r"ttg\.local_store [^\n]*: tensor<(\d+)x", consumer[:consumer.index("scf.for")])) <= {"32"}
     # The consumers read each block's lse and δ from shared memory: the producer warp loads them into the
     # Q/dO slot, so no global load sits on the consumers' critical path.
     assert not re.search(r"= tt\.load ", consumer)
@@ -268,7 +275,7 @@ def test_backward_builds_for_sm90(sm90, d, causal, masks, group):
     # A dQ tile reaches the writer warp by a named-barrier arrival that does not block the consumers (the
     # writer waits there): one barrier over the consumer partition per step, for dSᵀ's two halves, not two.
     writer = ir[ir.index("partition1("):]
-    assert len(re.findall(r"\b(ttg|gpu)\.barrier\b", consumer)) == 1
+    assert len(re.findall(r"\b(ttg|gpu)\.barrier\b", loop)) == 1
     assert consumer.count('"bar.arrive $1, 288;') == 1 and writer.count('"bar.sync $1, 288;') == 1
     assert "ttng.wait_barrier" not in writer
     assert k.metadata.shared <= 232448
@@ -310,6 +317,8 @@ def test_backward_host_launch_and_refusals(monkeypatch):
     assert dqa_desc.block_shape == [1, 1, cfg.block_m, 128]
     assert dk_arg is dk and dv_arg is dv and kvl is c.kv_lens and lse_arg is lse and delta_arg is delta
     assert a[16:19] == (4, 2, 2)  # Hq, Hkv, group size
+    # causal: 8 key blocks x 4 (batch, K/V head) in groups of >= 2·SMs / 8 = 2 of them (sm_count is 8 off a GPU)
+    assert a[34] == 2
     assert kw["IS_CAUSAL"] and kw["HAS_KVLEN"] and kw["num_warps"] == 8
     assert torch.equal(dq, torch.zeros_like(dq))  # cast from the (here untouched) fp32 buffer
     assert tf.LAST_COMPILED["attn_bwd_gluon_kernel"] == (cfg, "handle")
@@ -436,3 +445,45 @@ def test_lowered_backward_takes_the_gluon_op_where_measured_faster(monkeypatch):
     monkeypatch.delenv("FA_COMPILE_GLUON")
     cap[0] = (8, 0)
     assert not takes(site(512, dropout_p=0.1))
+
+
+def test_gluon_op_body_launches_kernels_directly(monkeypatch):
+    # Inductor's code calls fa3_gluon.bwd as an extern op on real tensors: its launches must not go through
+    # wrap_triton's higher-order op (~240 against ~70 us of host time per launch on the H200). Off a Hopper GPU
+    # the body takes the pointer kernels' path, which records here whether wrap_triton would trace.
+    from torch._library.triton import is_wrap_triton_enabled
+
+    from fa_compile.kernels import gluon_ops  # noqa: F401  (registers the op)
+    from fa_compile.kernels import triton_ops
+
+    seen = []
+
+    def fallback(dout, q, k, v, *rest):
+        seen.append(is_wrap_triton_enabled())
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
+
+    monkeypatch.setattr(triton_ops, "bwd", fallback)
+    q = torch.randn(1, 2, 8, 16)
+    lse = torch.zeros(1, 2, 8)
+    dq, dk, dv = torch.ops.fa3_gluon.bwd(q, q, q, q, q, lse, None, None, None, 0.25, False, 0, -1, -1, 0.0, 0,
+                                         [16, 16, 4, 1], [16, 16, 4, 1])
+    assert seen == [False] and is_wrap_triton_enabled()
+    assert dq.shape == q.shape and not dq.any()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.empty(2, 3, 5, 8),
+    lambda: torch.empty(2, 5, 3, 8).transpose(1, 2),  # BSHD storage
+    lambda: torch.empty(2, 5, 1, 8).transpose(1, 2),  # one head: a size-1 dim with a tied stride
+    lambda: torch.empty(2, 1, 5, 8).expand(2, 3, 5, 8),  # a broadcast: not dense
+    lambda: torch.empty(2, 3, 5, 16)[..., ::2],  # strided last dim
+    lambda: torch.empty(0, 3, 5, 8).transpose(1, 2),
+])
+def test_dense_strides_memo_is_empty_like(make):
+    from fa_compile.kernels import triton_ops
+
+    t = make()
+    want = torch.empty_like(t).stride()
+    assert triton_ops._dense_strides(t) == want
+    assert triton_ops._dense_strides(t) == want  # from the memo
+    assert (tuple(t.shape), tuple(t.stride())) in triton_ops._DENSE_STRIDES

@@ -366,3 +366,44 @@ def test_gluon_float_key_mask_empty_batch_as_tl(monkeypatch):
     assert "attn_fwd_gluon_kernel" not in tf.LAST_COMPILED
     torch.testing.assert_close(out, out_tl, atol=1.6e-2, rtol=1.6e-2)
     torch.testing.assert_close(lse, lse_tl, atol=1e-4, rtol=1e-4)  # -inf where the other is -inf
+
+
+@pytest.mark.parametrize("path", ["gluon", "tl_tma", "pointer"])
+@pytest.mark.parametrize("kw", [
+    dict(b=3, hq=4, hkv=2, nq=300, nk=520, d=128, kv_lens=[520, 201, 77]),
+    dict(b=3, hq=4, nq=333, nk=333, d=64, causal=True, kv_lens=[333, 130, 255], dropout_p=0.1),
+], ids=["d128_gqa", "d64_causal_dropout"])
+def test_nothing_past_kv_lens_is_read(kw, path, monkeypatch):
+    # A cache's unused slots (here NaN past each sequence's length) change no output, lse or gradient bit, and
+    # every value stays finite: TMA loads whole tiles, so the tile that straddles a length is zeroed past it.
+    from fa_compile.kernels.triton_testing import make_case, poisoned_backward, poisoned_forward
+
+    if path == "gluon" and not _hopper_gluon():
+        pytest.skip("the Gluon kernels run on Hopper only")
+    if path != "gluon":
+        monkeypatch.setenv("FA_COMPILE_GLUON", "0")
+    if path == "pointer":
+        monkeypatch.setenv("FA_COMPILE_TRITON_TMA", "0")
+    case = make_case(device="cuda", dtype=BF16, layout="bshd", **kw)
+    dout = torch.randn(case.q.shape, device="cuda", dtype=BF16)
+    for name in ("attn_fwd_gluon_kernel", "attn_bwd_gluon_kernel"):
+        tf.LAST_COMPILED.pop(name, None)
+    results = []
+    for fill in (0.0, float("nan")):
+        for name in ("k", "v"):
+            t = getattr(case, name).clone()
+            for b, n in enumerate(kw["kv_lens"]):
+                t[b, :, n:] = fill
+            setattr(case, name, t)
+        out, lse = poisoned_forward(case)
+        results.append((out, lse, *poisoned_backward(case, dout, out, lse)[:3]))
+    if path == "gluon":  # the Gluon forward has no dropout (the tl forward with descriptors takes it)
+        assert "attn_bwd_gluon_kernel" in tf.LAST_COMPILED
+        assert ("attn_fwd_gluon_kernel" in tf.LAST_COMPILED) == ("dropout_p" not in kw)
+    for name, clean, poisoned in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert torch.isfinite(poisoned).all(), name
+        # dQ's fp32 sums (atomics) may arrive in another order; everything else is bit-identical
+        if name == "dq":
+            torch.testing.assert_close(poisoned, clean, atol=2e-2, rtol=2e-2)
+        else:
+            assert torch.equal(poisoned, clean), name

@@ -109,7 +109,7 @@ else:
     import triton
     import triton.language as tl
 
-    from fa_compile.kernels.triton_common import dropout_keep, dropout_row_hash
+    from fa_compile.kernels.triton_common import dropout_keep, dropout_row_hash, grouped_program_ids
 
     F16 = torch.float16
 
@@ -121,6 +121,12 @@ else:
         row_part = dropout_row_hash(tl.load(SEED).to(tl.uint32), bh, Nq, rows)
         keep = dropout_keep(row_part[:, None], cols[None, :], thr)
         tl.store(OUT + rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :], keep.to(tl.int8))
+
+    @triton.jit
+    def grouped_ids_kernel(OUT, n_inner, n_groups, REVERSE: tl.constexpr):
+        inner, outer = grouped_program_ids(n_inner, n_groups, REVERSE)
+        tl.store(OUT + 2 * tl.program_id(0), inner)
+        tl.store(OUT + 2 * tl.program_id(0) + 1, outer)
 
     pytestmark = pytest.mark.usefixtures("tf32_matmul")
 
@@ -189,11 +195,14 @@ else:
         assert torch.isneginf(res["lse"][1]).all() and (res["out"][1] == 0).all()
         assert (res["dk"][1] == 0).all() and (res["dv"][1] == 0).all()
 
+    @pytest.mark.parametrize("tma", ["0", "1"], ids=["pointers", "descriptors"])
     @pytest.mark.parametrize("mode", ["1", "0"], ids=["fused_dq", "dq_kernel"])
-    def test_nothing_past_kv_lens_is_read(mode, monkeypatch):
+    def test_nothing_past_kv_lens_is_read(mode, tma, monkeypatch):
         # Non-finite keys and values past a sequence's length (a cache's unused slots) change nothing: the key
-        # tile that straddles the limit zeroes them (dK/dV kernel) or never loads them (forward, dQ kernel).
+        # tile that straddles the limit zeroes them (dK/dV kernel) or never loads them (forward, dQ kernel); with
+        # tensor descriptors (the Hopper path, which loads whole tiles) the forward and dQ kernel zero them too.
         monkeypatch.setenv("FA_COMPILE_FUSED_DQ", mode)
+        monkeypatch.setenv("FA_COMPILE_TRITON_TMA", tma)
         case = make_case(b=2, hq=4, hkv=2, nq=20, nk=45, d=32, kv_lens=[45, 21])
         clean = check_case(case)
         case.k, case.v = case.k.clone(), case.v.clone()
@@ -255,6 +264,23 @@ else:
             col = torch.arange(col0, col0 + 16, dtype=torch.int64).view(1, 16)
             want = hash32(hash32(seed ^ hash32(row)) ^ col) >= keep_threshold(p)
             assert torch.equal(out.bool(), want), col0
+
+    @pytest.mark.parametrize("n_inner,n_outer,n_groups", [(5, 7, 3), (4, 6, 6), (3, 5, 1), (1, 4, 2), (6, 9, 4)])
+    @pytest.mark.parametrize("reverse", [False, True])
+    def test_grouped_program_ids(n_inner, n_outer, n_groups, reverse):
+        # Launch order: balanced contiguous groups of outer ids (sizes differ by at most one), the inner id
+        # slowest inside a group; every (inner, outer) exactly once. n_groups = n_outer is program_ids' order.
+        out = torch.full((n_inner * n_outer, 2), -1, dtype=torch.int32)
+        grouped_ids_kernel[(n_inner * n_outer,)](out, n_inner, n_groups, REVERSE=reverse)
+        sizes = [n_outer // n_groups + (1 if g < n_outer % n_groups else 0) for g in range(n_groups)]
+        want, first = [], 0
+        for size in sizes:
+            for r in range(size * n_inner):
+                inner = r // size
+                want.append((n_inner - 1 - inner if reverse else inner, first + r % size))
+            first += size
+        assert out.tolist() == [list(w) for w in want]
+        assert len(set(want)) == n_inner * n_outer
 
     def test_dropout_forward_backward_with_bias_window():
         check_case(make_case(hq=4, hkv=2, nq=29, nk=35, d=32, dropout_p=0.3, bias_shape=(29, 35), bias_grad=True,

@@ -9,14 +9,13 @@ Triton is imported on first launch only, so this module imports on a machine wit
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .decode_reference import cache_view
-from .triton_family import device_reasons, interpreting, triton_available  # noqa: F401  (re-exported: decode.triton_available)
+from .triton_family import device_reasons, interpreting, sm_count, triton_available  # noqa: F401  (re-exported: decode.triton_available)
 
 MAX_HEAD_DIM = 256
 MAX_ROWS = 128  # G * Nq rows per program: one tile of the packed query group
@@ -57,18 +56,6 @@ def choose_num_splits(batch: int, kv_heads: int, max_len: int, num_sms: int, *, 
     by_len = max(1, max_len // max(min_keys, block_n))
     s = min(target // programs, by_len, max_splits)
     return max(1, s)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    """SMs of `device`; the interpreter (CPU) pretends to be a small GPU so splits get exercised."""
-    if device.type == "cuda":
-        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return 8
 
 
 def launch_options(block_n: int, block_d: int, block_dv: int) -> tuple[dict, dict]:

@@ -39,6 +39,9 @@ Nq / Nk), a boolean key-padding mask shared by the heads ([B, 1, 1, Nk], as enco
 attention_mask), GQA, dropout (the op's counter hash, as the forward drew it), BSHD / BHSD strides TMA
 accepts, fp16 / bf16, head-dim blocks 64 and 128 with head dims a multiple of 8, positive scale. Other
 biases and softcap run on the `tl` kernels. Tested on the GPU only (no Gluon interpreter).
+Keys and values past a key length are never used: the key block that straddles it zeroes them in shared memory
+before its loop (zero_rows_from), since TMA loads whole tiles. Causal programs launch in groups of heads, the
+key block with the most query rows first (grouped_program_ids).
 """
 from __future__ import annotations
 
@@ -48,18 +51,16 @@ from triton.experimental.gluon.language._core import builtin as _gl_builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
-from .gluon_fwd import LOG2E, _tma_load
-from .triton_common import dropout_keep, dropout_row_hash, key_limit, program_ids, q_block_range, structural_ok
+from .gluon_fwd import LOG2E, _partition_barrier, _tma_load, zero_rows_from
+from .triton_common import dropout_keep, dropout_row_hash, grouped_program_ids, key_limit, q_block_range, structural_ok
 
-# A barrier over the calling partition's warps: Triton 3.6 names it thread_barrier, later releases barrier.
-_partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 # Helpers of the tl kernels, re-wrapped for Gluon: query-block bounds of a key block (blocks in
 # [full_lo, full_hi) need no mask), the admissible (row, key) pairs, the one-axis grid's ids.
 _q_range = gluon.jit(q_block_range.fn)
 _key_limit = gluon.jit(key_limit.fn)
 _structural_ok = gluon.jit(structural_ok.fn)
-_program_ids = gluon.jit(program_ids.fn)
+_grouped_ids = gluon.jit(grouped_program_ids.fn)
 _dropout_row_hash = gluon.jit(dropout_row_hash.fn)
 _dropout_keep = gluon.jit(dropout_keep.fn)
 
@@ -159,7 +160,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, d
                   KMASK, stride_kmb, stride_kmn,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr,
-                  DROPOUT: gl.constexpr, KEY_MASK: gl.constexpr):
+                  DROPOUT: gl.constexpr, KEY_MASK: gl.constexpr, HAS_KVLEN: gl.constexpr):
     dtype: gl.constexpr = k_smem.dtype
     # Two warpgroups split the key rows of Sᵀ, dPᵀ, dK and dV; for dQ (BLOCK_M rows) they split the columns.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
@@ -186,6 +187,14 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, d
     mbarrier.wait(kv_bar, 0)
     k2 = k_smem.reshape([BLOCK_N, BLOCK_D])
     v2 = v_smem.reshape([BLOCK_N, BLOCK_DV])
+    if HAS_KVLEN:
+        if (n0 < n_lim) & (n0 + BLOCK_N > n_lim):
+            # The key block that straddles the length: its keys and values past it are zeroed in shared memory
+            # (P is 0 there, but 0 times a non-finite value is NaN in dPᵀ and in dQ's product with K).
+            zero_rows_from(k2, n_lim - n0, BLOCK_N, BLOCK_D, 8)
+            zero_rows_from(v2, n_lim - n0, BLOCK_N, BLOCK_DV, 8)
+            fence_async_shared()
+            _partition_barrier()
     for i in range(n_iter):
         slot = i % STAGES
         g, start_m = _block_of(i, n_mblk, rot, lo, BLOCK_M)
@@ -258,7 +267,7 @@ def attn_bwd_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, LSE, DELTA, dqa_desc, DK, DV, KVLENS,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     Hq, Hkv, G, Nq, Nk, D, DVD, qk_scale, scale, diag_offset, window_left, window_right,
-    SEED, drop_threshold, drop_scale, KMASK, stride_kmb, stride_kmn,
+    SEED, drop_threshold, drop_scale, KMASK, stride_kmb, stride_kmn, n_groups,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr,
     HAS_KVLEN: gl.constexpr, DROPOUT: gl.constexpr, KEY_MASK: gl.constexpr,
@@ -268,9 +277,11 @@ def attn_bwd_gluon_kernel(
     dqa_desc: TMA descriptor of a zeroed fp32 [1, B * Hq, Nq, D] buffer that receives scale · dQ;
     DK / DV are written once per element. DROPOUT: SEED points to the op's seed, drop_threshold and
     drop_scale as the `tl` kernels take them. KEY_MASK: KMASK holds a key-padding mask as bytes (nonzero: kept),
-    key j of batch b at b * stride_kmb + j * stride_kmn, the same for every head and query row."""
+    key j of batch b at b * stride_kmb + j * stride_kmn, the same for every head and query row.
+    n_groups: the launch order's (batch x K/V head) groups (triton_family.launch_groups; causal: key block 0,
+    which has the most query rows, first in each group)."""
     dtype: gl.constexpr = q_desc.dtype
-    pid_n, bhk = _program_ids((Nk + BLOCK_N - 1) // BLOCK_N, False)
+    pid_n, bhk = _grouped_ids((Nk + BLOCK_N - 1) // BLOCK_N, n_groups, False)
     b = bhk // Hkv
     hk = bhk % Hkv
     n0 = pid_n * BLOCK_N
@@ -312,7 +323,7 @@ def attn_bwd_gluon_kernel(
                          b, hk, G, Hq, n0, lo, full_lo, full_hi, n_mblk, n_iter, rot, Nq, Nk, n_lim, D, DVD,
                          qk_scale, scale, diag_offset, window_left, window_right, seed, drop_threshold,
                          drop_scale, KMASK, stride_kmb, stride_kmn, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
-                         IS_CAUSAL, HAS_WL, HAS_WR, DROPOUT, KEY_MASK)),
+                         IS_CAUSAL, HAS_WL, HAS_WR, DROPOUT, KEY_MASK, HAS_KVLEN)),
         (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, lse_smem,
                          dl_smem, kv_bar, q_full, q_empty, b, hk, G, Hq, n0, lo, n_mblk, n_iter, rot, Nq, BLOCK_M,
                          STAGES)),

@@ -22,7 +22,9 @@ Nq / Nk), GQA, any [B, H, N, D] strides TMA accepts, fp16 / bf16, head-dim block
 filled by TMA past D), positive scale; a float bias tile [B|1, H|1, Nq, Nk] by TMA (HAS_BIAS), or a
 bias constant along query rows (ROW_BIAS: an HF key-padding mask [B, 1, 1, Nk], float or bool) read
 as one [BLOCK_N] vector per key block. Other biases, softcap and dropout run on the `tl` kernels.
-Gluon has no interpreter: this kernel is tested on the GPU only, against the same reference.
+Values past a key length are never used: TMA loads whole tiles, so the consumers zero the rows of the key tile
+that straddles it (zero_rows_from) before its P·V. Causal programs launch in groups of heads, longest rows first
+(grouped_program_ids). Gluon has no interpreter: this kernel is tested on the GPU only, against the same reference.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
-from .triton_common import key_limit, kv_block_range, program_ids
+from .triton_common import grouped_program_ids, key_limit, kv_block_range
 
 LN2 = gl.constexpr(0.6931471805599453)
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -41,12 +43,15 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
+# A barrier over the calling partition's warps: Triton 3.6 names it thread_barrier, later releases barrier.
+_partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
 # Helpers of the tl kernels, re-wrapped for Gluon (they use scalar tl builtins only): key-block bounds
 # (blocks in [full_lo, full_hi) need no mask, blocks outside [lo, hi) are skipped), a batch's key count
 # (kv_lens) and the one-axis grid's (query block, batch x head) ids.
 _kv_range = gluon.jit(kv_block_range.fn)
 _key_limit = gluon.jit(key_limit.fn)
-_program_ids = gluon.jit(program_ids.fn)
+_grouped_ids = gluon.jit(grouped_program_ids.fn)
 
 
 @gluon.jit
@@ -61,6 +66,21 @@ def _batch_inner_ids(n_m, Hq, REVERSE: gl.constexpr):
     if REVERSE:
         m = n_m - 1 - m
     return m, (pid % n_b) * Hq + rest // n_m
+
+
+@gluon.jit
+def zero_rows_from(buf, first, ROWS: gl.constexpr, COLS: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """Zero rows [first, ROWS) of a [ROWS, COLS] shared tile, 32 rows at a time (registers stay few), by the
+    calling partition's NUM_WARPS warps. For the key tile that straddles a sequence's length: TMA loads
+    whole tiles, and a non-finite key or value past the length times a probability of 0 is NaN. The caller
+    fences (fence_async_shared) and synchronizes its warps before a wgmma reads the tile."""
+    CHUNK: gl.constexpr = 32
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+    for c in gl.static_range(ROWS // CHUNK):
+        part = buf.slice(c * CHUNK, CHUNK)
+        x = part.load(layout)
+        r = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+        part.store(gl.where(gl.expand_dims(r < first, 1), x, gl.zeros_like(x)))
 
 
 @gluon.jit
@@ -203,7 +223,7 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
                  WG_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
                  STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr,
                  QREG: gl.constexpr, PINGPONG: gl.constexpr, FIRST: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 ROW_BIAS: gl.constexpr, SINKS, HAS_SINKS: gl.constexpr):
+                 ROW_BIAS: gl.constexpr, SINKS, HAS_SINKS: gl.constexpr, HAS_KVLEN: gl.constexpr):
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -287,6 +307,14 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
         last = n_blocks - 1
         mbarrier.wait(v_full.index(last % STAGES), (last // STAGES) & 1)
         v_j = v_smem.index(last % STAGES).reshape([BLOCK_N, BLOCK_DV])
+        if HAS_KVLEN:
+            # The key range ends at the length (kv_block_range), so only the last tile can straddle it. Both
+            # warpgroups zero the same rows of the shared tile (each before its own product; they write only zeros).
+            last_n = lo + last * BLOCK_N
+            if last_n + BLOCK_N > n_lim:
+                zero_rows_from(v_j, n_lim - last_n, BLOCK_N, BLOCK_DV, 4)
+                fence_async_shared()
+                _partition_barrier()
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         turn_phase = _take_turn(my_turn, turn_phase, PINGPONG)
         o_tok = warpgroup_mma(p_op, v_j, acc, is_async=True)
@@ -318,7 +346,7 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
 def attn_fwd_gluon_ws_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE, KVLENS, bias_desc, bias_b_mul, bias_h_mul,
     row_bias, rb_stride_b, rb_stride_h, rb_stride_n,
-    Hq, G, Nq, Nk, qk_scale, diag_offset, window_left, window_right,
+    Hq, G, Nq, Nk, qk_scale, diag_offset, window_left, window_right, n_groups,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr,
     HAS_KVLEN: gl.constexpr, REVERSE_M: gl.constexpr, QREG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -331,13 +359,14 @@ def attn_fwd_gluon_ws_kernel(
     + h·rb_stride_h + key·rb_stride_n (strides of its broadcast [B, Hq, 1, Nk] view, 0 on broadcast dims);
     without it the four arguments are None (constexpr: the kernel's signature and code stay as they were).
     BATCH_INNER: launch order with the batch fastest (_batch_inner_ids), for a bias tile shared by the batch.
+    n_groups: otherwise, the launch order's (batch x head) groups (triton_family.launch_groups).
     HAS_SINKS: SINKS [Hq] (any float dtype), each head's logit in the softmax denominator (ops.py)."""
     WG_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_desc.dtype
     if BATCH_INNER:
         pid_m, bh = _batch_inner_ids((Nq + BLOCK_M - 1) // BLOCK_M, Hq, REVERSE_M)
     else:
-        pid_m, bh = _program_ids((Nq + BLOCK_M - 1) // BLOCK_M, REVERSE_M)
+        pid_m, bh = _grouped_ids((Nq + BLOCK_M - 1) // BLOCK_M, n_groups, REVERSE_M)
     b = bh // Hq
     h = bh % Hq
     hk = h // G
@@ -384,12 +413,13 @@ def attn_fwd_gluon_ws_kernel(
                         k_empty, v_empty, b_full, b_empty, turn.index(0), turn.index(1), o_desc, LSE, b, h, bh, m0,
                         Nq, n_lim, lo, n_blocks, qk_scale, diag_offset, window_left, window_right, row_bias,
                         rb_stride_b, rb_stride_h, rb_stride_n, WG_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, IS_CAUSAL,
-                        HAS_WL, HAS_WR, QREG, PINGPONG, True, HAS_BIAS, ROW_BIAS, SINKS, HAS_SINKS)),
+                        HAS_WL, HAS_WR, QREG, PINGPONG, True, HAS_BIAS, ROW_BIAS, SINKS, HAS_SINKS, HAS_KVLEN)),
         (_ws_consumer, (q_smem.index(1), o_smem.index(1), k_smem, v_smem, b_smem, q_bar.index(1), k_full, v_full,
                         k_empty, v_empty, b_full, b_empty, turn.index(1), turn.index(0), o_desc, LSE, b, h, bh,
                         m0 + WG_M, Nq, n_lim, lo, n_blocks, qk_scale, diag_offset, window_left, window_right,
                         row_bias, rb_stride_b, rb_stride_h, rb_stride_n, WG_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
-                        IS_CAUSAL, HAS_WL, HAS_WR, QREG, PINGPONG, False, HAS_BIAS, ROW_BIAS, SINKS, HAS_SINKS)),
+                        IS_CAUSAL, HAS_WL, HAS_WR, QREG, PINGPONG, False, HAS_BIAS, ROW_BIAS, SINKS, HAS_SINKS,
+                        HAS_KVLEN)),
         (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full,
                         k_empty, v_empty, b_full, b_empty, b, h, hk, b * bias_b_mul, h * bias_h_mul, m0, lo,
                         n_blocks, WG_M, BLOCK_N, STAGES, HAS_BIAS)),

@@ -6,9 +6,11 @@ TMA accepts, structural masks, key lengths, a boolean key-padding mask, dropout:
 fa_compile/lowering/triton.py), it calls this op instead. Inductor keeps the op as an extern call: one
 Python call per site and step, for a kernel that does one pass over the score tiles where the pointer pair
 does two (a padded BERT's B32 x 512, d64, dropout 0.1: 0.40 ms against 0.50 on the H200,
-benchmarks/results/gluon-bwd-dropout-h200-2026-12-04.txt). Whether that call's host time stays hidden
-behind the GPU's work is not settled: a BERT training step took 0.92x of SDPA's GPU time in two measurements,
-but 0.91x and 1.07x of its wall time (BENCHMARKS.md).
+benchmarks/results/gluon-bwd-dropout-h200-2026-12-04.txt). That call costs ~320-390 us of host time on the
+H200's host (benchmarks/gluon_op_host.py), about what its kernels take on the GPU at that shape; its launches
+go straight to the kernels (set_wrap_triton_enabled(False)): through wrap_triton's higher-order op the
+empty-row kernel's launch took ~240 us of host time against ~70 directly, and a padded BERT training step ran
+at 1.07x of SDPA's wall time with 0.92x of its GPU time; with direct launches, 0.955x (BENCHMARKS.md).
 
 The body runs δ (the family's preprocess kernel), the Gluon kernel, dQ's cast, and, where the site folds
 the empty-row fix-up's backward (`empty_grad`, triton_ops.EMPTY_GRADS), that fix-up's last kernel. On an
@@ -45,6 +47,17 @@ def bwd(
     """(dq, dk, dv), dense in q / k / v's dimension order; arguments as fa3_triton::bwd takes them (no softcap,
     no dS; bias: None or a boolean key-padding mask, triton_family.is_key_mask). dkdv_config / dq_config:
     the pointer kernels' tiles, for the fallback."""
+    from torch._library.triton import set_wrap_triton_enabled
+
+    # The body sees real tensors only: `wrap_triton` launches (the empty-row kernel, the fallback's) go straight
+    # to the kernels instead of through the higher-order op's dispatch (~240 against ~70 us of host time).
+    with set_wrap_triton_enabled(False):
+        return _bwd(dout, q, k, v, out, lse, bias, kv_lens, dropout_seed, scale, causal, diag_offset, window_left,
+                    window_right, dropout_p, empty_grad, dkdv_config, dq_config)
+
+
+def _bwd(dout, q, k, v, out, lse, bias, kv_lens, dropout_seed, scale, causal, diag_offset, window_left,
+         window_right, dropout_p, empty_grad, dkdv_config, dq_config):
     from .. import dispatch
     from . import triton_family as tf
     from . import triton_ops

@@ -306,6 +306,9 @@ def _dq_tile(
     if USE_TMA:
         kT = tl.trans(k_desc.load([b, hk, start_n, 0]).reshape(BLOCK_N, BLOCK_D))
         vT = tl.trans(v_desc.load([b, hk, start_n, 0]).reshape(BLOCK_N, BLOCK_DV))
+        if MASK:  # TMA loads whole tiles: the one that straddles the limit is zeroed past it, as the loads below do
+            kT = tl.where(n_read[None, :], kT, 0.0)
+            vT = tl.where(n_read[None, :], vT, 0.0)
     else:
         kT = tl.load(
             k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None],

@@ -37,6 +37,31 @@ def program_ids(n_inner, REVERSE: tl.constexpr):
 
 
 @triton.jit
+def grouped_program_ids(n_inner, n_groups, REVERSE: tl.constexpr):
+    """(inner, outer) ids in a 1-D grid of n_inner * n_outer programs, the outer ids split into n_groups
+    contiguous groups of balanced sizes (1 <= n_groups <= n_outer), launched group by group with the inner id
+    slowest inside a group: REVERSE as in program_ids. Where the work per program depends on the inner id
+    (causal: the longest rows or key columns first), the long programs of a group start together and the short
+    ones fill in behind them, instead of each (batch, head)'s long program starting only when the (batch, head)
+    before it is done; a small group keeps the rows read by programs running together few (L2).
+    n_groups = n_outer is program_ids' order."""
+    pid = tl.program_id(0)
+    n_outer = tl.num_programs(0) // n_inner
+    base = tl.maximum(n_outer // n_groups, 1)
+    extra = n_outer - base * n_groups  # the first `extra` groups hold base + 1 outer ids
+    big = extra * (base + 1) * n_inner  # programs of those groups
+    in_big = pid < big
+    size = tl.where(in_big, base + 1, base)
+    g = tl.where(in_big, pid // ((base + 1) * n_inner), (pid - big) // (base * n_inner))
+    first_outer = tl.where(in_big, g * (base + 1), extra * (base + 1) + g * base)
+    rest = tl.where(in_big, pid - g * (base + 1) * n_inner, pid - big - g * base * n_inner)
+    inner = rest // size
+    if REVERSE:
+        inner = n_inner - 1 - inner
+    return inner, first_outer + rest % size
+
+
+@triton.jit
 def _hash32_tail(x):
     """lowbias32 after its first xor-shift."""
     x = x * 0x7FEB352D

@@ -24,8 +24,10 @@ def _fwd_tma_range(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-    WARP_SPEC: tl.constexpr, PLAIN: tl.constexpr, BIAS_FMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr, PLAIN: tl.constexpr, BIAS_FMA: tl.constexpr, KV_TAIL: tl.constexpr = False,
 ):
+    """KV_TAIL: the range holds the key tile that straddles kv_lens, whose values past it are zeroed after the
+    whole-tile load (a non-finite value there times a probability of 0 would be NaN; keys there are masked)."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -41,6 +43,8 @@ def _fwd_tma_range(
         if DROPOUT:
             p = tl.where(dropout_keep(row_hash, offs_n[None, :], drop_threshold), p, 0.0)
         v = v_desc.load([b, hk, start_n, 0]).reshape(BLOCK_N, BLOCK_DV)
+        if KV_TAIL:
+            v = tl.where((offs_n < n_lim)[:, None], v, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
     return acc, l_i, m_i
@@ -93,7 +97,7 @@ def attn_fwd_tma_kernel(
         acc, l_i, m_i, q, k_desc, v_desc, b, hk, bias_base, row_hash, offs_m, stride_bm, stride_bn, Nq, Nk, n_lim,
         qk_scale, softcap, cap_scale, diag_offset, window_left, window_right, drop_threshold, full_hi, hi,
         BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, HAS_WL, HAS_WR, True, BIAS_KIND, SOFTCAP, DROPOUT, False, PLAIN,
-        BIAS_FMA,
+        BIAS_FMA, HAS_KVLEN,
     )
     if HAS_WL:
         acc, l_i, m_i = _fwd_tma_range(
