@@ -71,8 +71,9 @@ def attention(
     An fp32 / bf16 / fp64 float bias can hold values that absorb a whole row (finfo.min padding), which
     the fused kernels read as empty rows: such calls run the reference (exact); a bias whose values fit
     fp16 keeps our Triton kernels when passed as fp16, a mask when passed as bool.
-    kv_lens: int32/int64 [B], the valid keys of each batch entry: keys j >= kv_lens[b] are masked.
-    Values are clamped to [0, Nk] (beyond Nk: every key; 0 or below: none, out 0). They are not
+    kv_lens: int32/int64 [B], the valid keys of each batch entry: keys j >= kv_lens[b] are masked, and
+        neither they nor their values are read (a cache's unused slots may hold anything, NaN included).
+    The lengths are clamped to [0, Nk] (beyond Nk: every key; 0 or below: none, out 0). They are not
     checked, since reading them would cost a device sync on every call.
     Zero-size inputs (any of B, H, Nq, Nk, D, Dv = 0) give eager's result and zero gradients.
     sinks: float [Hq], one logit per query head in each row's softmax denominator only (GPT-OSS's

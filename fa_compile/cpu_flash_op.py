@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .kernels.reference import zero_past_kv_lens
 from .ops import _LIB, _TAGS
 
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -101,19 +102,22 @@ def corrected_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], k
     from .lowering import conventions
 
     mask = conventions.additive_mask(q, k, bias, kv_lens)
-    finite = checked and _all_finite(q) and _all_finite(k)
-    kk, bad_rows = k, None
+    # keys and values past kv_lens are never read (a cache's unused slots may hold NaN); an empty row's
+    # mean-of-V fill below still averages the given v, as the fix-up it stands for does
+    kz, vz = zero_past_kv_lens(k, kv_lens), zero_past_kv_lens(v, kv_lens)
+    finite = checked and _all_finite(q) and _all_finite(kz)
+    kk, bad_rows = kz, None
     if not finite and (kv_lens is not None or (bias is not None and bias.dtype == torch.bool)):
         # masks the op applies by exclusion, which the kernel receives added: conventions.without_nan_keys
-        kk, bad_rows = conventions.without_nan_keys(q, k, mask, causal, groups)
+        kk, bad_rows = conventions.without_nan_keys(q, kz, mask, causal, groups)
     rep = 1 if native_gqa() else groups
-    raw, lse = _FWD(q, _repeat_kv(kk, rep), _repeat_kv(v, rep), 0.0, causal, attn_mask=mask, scale=scale)
+    raw, lse = _FWD(q, _repeat_kv(kk, rep), _repeat_kv(vz, rep), 0.0, causal, attn_mask=mask, scale=scale)
     out, lse = raw, lse.to(torch.float32)
     empty = conventions.empty_rows(q, k, mask, kv_lens, causal, bias)
     if checked and empty is not None and not bool(empty.any()):
         empty = None
     if not finite:
-        nan = _nan_rows(q, k, out, lse, groups)
+        nan = _nan_rows(q, kz, out, lse, groups)
         if bad_rows is not None:
             nan = nan | bad_rows
         if empty is not None:  # structurally empty rows stay empty rows

@@ -86,6 +86,7 @@ class ReferenceCandidate:
     """Plain torch math, fp32 accumulation: any device, every feature; the fallback and the oracle."""
 
     name: str = "reference"
+    never_reads_past_kv_lens: bool = True  # the reference zeroes K and V there itself
 
     def not_supported_reasons(self, args: AttentionArgs) -> list[str]:
         return []
@@ -324,7 +325,7 @@ class _Chosen:
 
     def _run(self, method: str, args, *extra):
         try:
-            return getattr(self.cand, method)(args, *extra)
+            return getattr(self.cand, method)(_within_kv_lens(self.cand, args), *extra)
         except Exception as e:
             if self.forced or _is_fake(args.q):
                 raise
@@ -332,7 +333,7 @@ class _Chosen:
                 if nxt is self.cand or _reasons(nxt, args, forced=False):
                     continue
                 _warn_once(self.cand.name, self.direction, e, nxt.name)
-                return getattr(nxt, method)(args, *extra)
+                return getattr(nxt, method)(_within_kv_lens(nxt, args), *extra)
             raise
 
     def forward(self, args):
@@ -340,6 +341,18 @@ class _Chosen:
 
     def backward(self, args, dout, out, lse):
         return self._run("backward", args, dout, out, lse)
+
+
+def _within_kv_lens(cand, args: AttentionArgs) -> AttentionArgs:
+    """The op never reads keys or values past kv_lens[b]: a cache's unused slots may hold anything, NaN
+    included. Our Triton, Gluon and decode kernels never load them, FA3 takes the lengths as seqused_k and the
+    reference zeroes them itself (`never_reads_past_kv_lens`); the SDPA backends mask those keys' scores but still
+    multiply their values by a probability of 0, so they get K and V with those rows zeroed (copies). The
+    gradients there are 0 either way."""
+    if args.kv_lens is None or getattr(cand, "never_reads_past_kv_lens", False):
+        return args
+    return dataclasses.replace(args, k=_ref.zero_past_kv_lens(args.k, args.kv_lens),
+                               v=_ref.zero_past_kv_lens(args.v, args.kv_lens))
 
 
 _WARNED: set = set()

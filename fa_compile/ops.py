@@ -11,6 +11,8 @@ softcap, dropout_p, dropout_seed, force_kernel, sinks, q_pos, q_seg, k_seg) -> (
 - bias: an additive float tensor or a boolean mask (True = attend) that broadcasts to [B, Hq, Nq, Nk];
   kv_lens: int [B], keys at j >= kv_lens[b] are masked (key padding), so values are in effect
   clamped to [0, Nk]; not checked against those bounds (reading them costs a device sync per call).
+  Keys and values there are never read: a cache's unused slots may hold anything, NaN included, and
+  their gradients are 0 (dispatch zeroes them for a kernel that would multiply them by 0, `_within_kv_lens`).
 - zero-size dimensions (B, H, Nq, Nk, D or Dv = 0) are exact, as in eager (no keys: out 0, lse -inf;
   head dim 0: scores 0 + bias); dispatch sends them to the reference before any kernel is asked.
 - softcap > 0: s = softcap * tanh(s / softcap) before bias and masks.

@@ -20,7 +20,8 @@ Schema (all tensors on one device):
 - cache_seqlens: int32 / int64 [B], the end (exclusive) of each sequence's valid keys, at most the
   capacity (max_pages * page, or Lmax); 0 is an empty sequence (out 0, lse -inf).
 - cache_leftpad: int32 / int64 [B] or None: keys before it are not valid (left padding), so the
-  valid keys are [cache_leftpad[b], cache_seqlens[b]) — FA3's convention.
+  valid keys are [cache_leftpad[b], cache_seqlens[b]) — FA3's convention. Slots outside that range are never
+  read: they may hold anything, NaN included (a pool from torch.empty).
 - causal: query i of sequence b sits at position cache_seqlens[b] - Nq + i and sees keys up to it
   (bottom-right alignment within the valid keys; rows left with no key give out 0, lse -inf).
 - num_splits: split-KV parallelism of the kernels that have it; 0 lets the kernel choose.

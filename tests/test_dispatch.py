@@ -12,6 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import fa_compile
 import fa_compile.ops  # noqa: F401  (registers torch.ops.fa3)
 from fa_compile import dispatch, tuning
 from fa_compile.candidates import common, fa3, fa4, sdpa
@@ -782,3 +783,46 @@ def test_backward_order_puts_gluon_backward_ahead_of_fa2(hopper, monkeypatch):
         torch.use_deterministic_algorithms(False)
     monkeypatch.setattr(common, "device_capability", lambda device: (8, 0))
     assert not order(d=128)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_nothing_past_kv_lens_is_read_through_dispatch(dtype, causal):
+    # A cache's unused slots (NaN / inf past each length) change no output or gradient bit, on whatever kernel
+    # dispatch picks here (the reference on CPU, which multiplies a value by its probability of 0 unless
+    # dispatch zeroes it first): the same contract as the kernels that never load those rows.
+    torch.manual_seed(0)
+    lens = torch.tensor([40, 13, 0])
+    q = torch.randn(3, 4, 6, 32, dtype=dtype)
+    k, v = torch.randn(3, 2, 40, 32, dtype=dtype), torch.randn(3, 2, 40, 24, dtype=dtype)
+    from fa_compile.kernels.triton_testing import past_lens_filled
+
+    results = []
+    for poison in (False, True):
+        kk, vv = past_lens_filled(k, v, lens, poison)
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, kk, vv))
+        out = fa_compile.attention(qg, kg, vg, kv_lens=lens, causal=causal)
+        results.append((out, *torch.autograd.grad(out.float().sum(), (qg, kg, vg))))
+    for name, clean, poisoned in zip(("out", "dq", "dk", "dv"), *results):
+        assert torch.isfinite(poisoned).all(), name
+        assert torch.equal(poisoned, clean), name
+    assert (results[1][2][1, :, 13:] == 0).all() and (results[1][3][1, :, 13:] == 0).all()
+
+
+def test_kv_lens_zeroed_only_for_kernels_that_would_read_them():
+    # dispatch zeroes K and V past kv_lens (copies) for a kernel that masks scores but reads every value, and
+    # hands the inputs through untouched to one that never loads those rows.
+    q, k, v = torch.randn(2, 2, 4, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    args = AttentionArgs(q, k, v, 0.5, False, kv_lens=torch.tensor([9, 3]))
+    reader = types.SimpleNamespace(name="reads_all")
+    skipper = types.SimpleNamespace(name="skips", never_reads_past_kv_lens=True)
+    got = dispatch._within_kv_lens(reader, args)
+    assert torch.equal(got.k[1, :, 3:], torch.zeros(2, 6, 8)) and torch.equal(got.v[1, :, :3], v[1, :, :3])
+    assert torch.equal(got.k[0], k[0]) and k[1, :, 3:].abs().sum() > 0  # the caller's tensors are not written
+    assert dispatch._within_kv_lens(skipper, args) is args
+    no_lens = AttentionArgs(q, k, v, 0.5, False)
+    assert dispatch._within_kv_lens(reader, no_lens) is no_lens
+    from fa_compile.kernels import decode, triton_family
+
+    assert triton_family.TRITON.never_reads_past_kv_lens and decode.DECODE.never_reads_past_kv_lens
+    assert not getattr(sdpa.CUDNN, "never_reads_past_kv_lens", False)

@@ -700,6 +700,33 @@ def test_explain_reads_the_empty_row_fixup_before_aot(fill, grad):
     assert emitted_grad_fix(reports[0].call) == want_grad
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_lowered_op_call_never_reads_past_kv_lens(causal):
+    """A compiled call of the op with kv_lens (lowered to the CPU kernel) reads no key or value past each length,
+    as the op does: NaN and inf there give the bits zeros there give, forward and backward."""
+    q, k, v = _inputs(b=3, hq=4, hkv=2, nq=6, nk=9, d=8, dtype=torch.float32, seed=7)
+    lens = torch.tensor([9, 4, 0])
+
+    def fn(q, k, v):
+        return fa_compile.attention(q, k, v, kv_lens=lens, causal="bottom_right" if causal else False)
+
+    from fa_compile.kernels.triton_testing import past_lens_filled
+
+    compiled = torch.compile(fn, backend="fa3", fullgraph=True)
+    results = []
+    for poison in (False, True):
+        kk, vv = past_lens_filled(k, v, lens, poison)
+        torch._dynamo.reset()
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, kk, vv))
+        out = compiled(qg, kg, vg)
+        results.append((out, *torch.autograd.grad(out.sum(), (qg, kg, vg))))
+        want = fn(q, kk, vv)
+        torch.testing.assert_close(out.detach(), want, **TOL[torch.float32])
+    for name, clean, poisoned in zip(("out", "dq", "dk", "dv"), *results):
+        assert torch.isfinite(poisoned).all(), name
+        torch.testing.assert_close(poisoned, clean, rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("empty_fill", ["zero", "nan", "mean_v"])
 @pytest.mark.parametrize("case", ["padding", "kv_lens_gqa", "float_bias", "causal"])
 def test_cpu_flash_op_matches_the_reference_and_its_fake(case, empty_fill):

@@ -110,6 +110,11 @@ def naive(c: Cache) -> tuple[Tensor, Tensor]:
     return torch.stack(outs), torch.stack(lses)
 
 
+def cache_view_of(c: Cache, t: Tensor) -> Tensor:
+    """A cache as [blocks (or B), page (or Lmax), Hkv, D], whatever its layout."""
+    return t if c.layout == "bshd" else t.transpose(1, 2)
+
+
 def run_op(c: Cache, **kw) -> tuple[Tensor, Tensor]:
     return torch.ops.fa3.paged_attention(*c.args(), scale=c.scale, causal=c.causal, layout=c.layout, **kw)
 
@@ -137,6 +142,31 @@ if not IN_CHILD:
         torch.testing.assert_close(out, r_out, atol=1e-10, rtol=1e-10)
         torch.testing.assert_close(lse.double(), r_lse, atol=1e-5, rtol=1e-6)  # the reference's lse is fp32
         assert lse.dtype == torch.float32
+
+    @pytest.mark.parametrize("name", ["paged_bhsd_p16_nq4", "prefix_sharing", "leftpad", "contiguous_bshd"])
+    def test_slots_outside_the_sequences_are_never_read(name):
+        # Every cache slot no sequence uses ([cache_leftpad, cache_seqlens) of each) is set to NaN or inf, as
+        # uninitialised memory may be: the op (the reference on CPU) gives the same bits as with zeros there.
+        c = make_cache(dtype=torch.float32, **REFERENCE_CASES[name])
+        kv = [cache_view_of(c, t).clone() for t in (c.k, c.v)]
+        used = torch.zeros(kv[0].shape[:2], dtype=torch.bool)
+        for i in range(c.q.shape[0]):
+            start = int(c.leftpad[i]) if c.leftpad is not None else 0
+            for p in range(start, int(c.seqlens[i])):
+                page = kv[0].shape[1]
+                used[(int(c.table[i, p // page]), p % page) if c.table is not None else (i, p)] = True
+        results = []
+        for fill in (0.0, float("nan")):
+            for t in kv:
+                t[~used] = fill if fill == 0.0 or t is kv[0] else float("inf")
+            k, v = (t if c.layout == "bshd" else t.transpose(1, 2) for t in kv)
+            q = c.q.clone().requires_grad_()
+            out, lse = torch.ops.fa3.paged_attention(q, k, v, c.seqlens, c.table, c.leftpad, scale=c.scale,
+                                                     causal=c.causal, layout=c.layout)
+            results.append((out, lse, torch.autograd.grad(out.sum(), q)[0]))
+        for what, clean, poisoned in zip(("out", "lse", "dq"), *results):
+            assert torch.equal(poisoned, clean), what
+            assert not torch.isnan(poisoned).any(), what
 
     def test_op_on_cpu_runs_the_reference_with_empty_rows():
         c = make_cache(lens=[0, 2, 9], nq=4, dtype=torch.float32)

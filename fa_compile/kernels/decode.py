@@ -278,6 +278,7 @@ class DecodeAttention:
     on decode-shaped calls; forward only (the lse is the op's, so any backward follows it)."""
 
     name = "decode"
+    never_reads_past_kv_lens = True  # its key loops end at each sequence's length
 
     def not_supported_reasons(self, args) -> list[str]:
         return attention_not_supported_reasons(args)

@@ -78,8 +78,15 @@ def paged_attention_reference(
                 torch.zeros((b, q.shape[2], nq), dtype=torch.float32, device=q.device))
     k = gather_cache(kc, page_table, b)
     v = gather_cache(vc, page_table, b)
-    _, keep = key_positions(cache_seqlens.to(q.device), None if cache_leftpad is None else cache_leftpad.to(q.device),
-                            nq, k.shape[1], causal)
+    lens = cache_seqlens.to(q.device)
+    leftpad = None if cache_leftpad is None else cache_leftpad.to(q.device)
+    _, keep = key_positions(lens, leftpad, nq, k.shape[1], causal)
+    # Slots outside [cache_leftpad, cache_seqlens) are never read (they may hold anything, NaN included): masking
+    # their scores is not enough where their values are still multiplied by a probability of 0.
+    _, valid = key_positions(lens, leftpad, 1, k.shape[1], False)
+    valid = valid.reshape(b, k.shape[1], 1, 1)
+    k = torch.where(valid, k, torch.zeros((), dtype=k.dtype, device=k.device))
+    v = torch.where(valid, v, torch.zeros((), dtype=v.dtype, device=v.device))
     out, lse = attention_reference(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, bias=keep.unsqueeze(1),
     )

@@ -152,6 +152,18 @@ def _probabilities(s: Tensor, sinks: Optional[Tensor] = None) -> tuple[Tensor, T
     return p, lse
 
 
+def zero_past_kv_lens(t: Tensor, kv_lens: Optional[Tensor]) -> Tensor:
+    """t [B, H, Nk, D] with rows j >= kv_lens[b] set to 0 (t itself without kv_lens). What lies past a
+    sequence's length is never read by the op (a cache's unused slots may hold anything, NaN included):
+    masking a key's score is not enough for math that still multiplies its value by a probability of 0."""
+    if kv_lens is None:
+        return t
+    b, nk = t.shape[0], t.shape[2]
+    j = torch.arange(nk, device=t.device)
+    keep = (j.view(1, nk) < kv_lens.to(t.device).view(b, 1)).view(b, 1, nk, 1)
+    return torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
 def attention_reference(
     q: Tensor,
     k: Tensor,
@@ -180,6 +192,7 @@ def attention_reference(
     b, hq, nq, _ = q.shape
     hkv, nk, dv = v.shape[1], v.shape[2], v.shape[3]
     acc = _acc_dtype(q.dtype)
+    k, v = zero_past_kv_lens(k, kv_lens), zero_past_kv_lens(v, kv_lens)  # never read (a cache's unused slots)
     s = scores_reference(
         q, k, scale=scale, causal=causal, diag_offset=diag_offset, window_left=window_left,
         window_right=window_right, bias=bias, kv_lens=kv_lens, softcap=softcap, q_pos=q_pos, q_seg=q_seg,
@@ -237,6 +250,7 @@ def attention_backward_reference(
     hkv, nk, dv_ = v.shape[1], v.shape[2], v.shape[3]
     g = hq // hkv if hkv else 1  # no heads at all (Hq = Hkv = 0): an empty result
     acc = _acc_dtype(q.dtype)
+    k, v = zero_past_kv_lens(k, kv_lens), zero_past_kv_lens(v, kv_lens)  # never read (a cache's unused slots)
     low = bf16_products and all(t.dtype == torch.bfloat16 for t in (q, k, v, dout))
     mm = torch.bfloat16 if low else acc  # the products' operand dtype
     qa, ka, va, doa = q.to(mm), k.to(mm), v.to(mm), dout.to(mm)

@@ -93,7 +93,7 @@ def launch_groups(n_inner: int, n_outer: int, device: torch.device, uneven: bool
     group's programs fill the GPU twice over and its long ones start in its first wave, while the rows the
     running programs read stay those of a few heads. Not past 64 blocks per (batch, head): there one head's
     programs already fill the GPU and the tail is short (H200, causal, 16k tokens, 128 blocks: 0.97-1.02x of
-    the plain order across two runs; 1k-4k tokens: 1.00-1.16x; benchmarks/launch_order.py)."""
+    the plain order across two runs; 1k-8k tokens: 1.00-1.16x; benchmarks/launch_order.py)."""
     if not uneven or n_outer <= 1 or n_inner > 64:
         return max(n_outer, 1)
     per_group = -(-2 * sm_count(device) // max(n_inner, 1))
@@ -834,6 +834,7 @@ class TritonAttention:
     """Candidate object for fa_compile.dispatch (duck-typed args)."""
 
     name = "triton"
+    never_reads_past_kv_lens = True  # pointer loads are masked there; TMA tiles are zeroed past the length
 
     def not_supported_reasons(self, args) -> list[str]:
         if not triton_available():

@@ -98,6 +98,16 @@ def poisoned_backward(case: Case, dout: Tensor, out: Tensor, lse: Tensor):
     return tf.attention_backward(case, dout, out, lse, grads=grads)
 
 
+def past_lens_filled(k: Tensor, v: Tensor, lens, poison: bool) -> tuple[Tensor, Tensor]:
+    """Copies of k and v [B, H, Nk, D] whose rows past lens[b] hold 0 (poison False) or what uninitialised
+    memory may hold (K NaN, V inf): a cache's unused slots, which the op never reads."""
+    k, v = k.clone(), v.clone()
+    for b, n in enumerate(lens.tolist() if isinstance(lens, Tensor) else lens):
+        k[b, :, n:] = float("nan") if poison else 0.0
+        v[b, :, n:] = float("inf") if poison else 0.0
+    return k, v
+
+
 def tolerances(dtype: torch.dtype, device) -> tuple:
     if dtype == torch.float32 and torch.device(device).type == "cuda":
         return TOL_TF32

@@ -42,6 +42,7 @@ import torch
 from .. import dispatch
 from ..candidates import common as c
 from ..cpu_flash_op import _BWD, _CPU_FLASH_BACKWARD, _CPU_FLASH_FORWARD, _repeat_kv, corrected_forward, native_gqa
+from ..kernels.reference import zero_past_kv_lens
 from . import choice, conventions
 
 
@@ -144,10 +145,12 @@ class CpuFlash:
         groups = int(args.q.shape[1]) // int(args.k.shape[1])
         native = groups > 1 and native_gqa()  # the kernel reads each kv head for its group itself
 
-        def fn(dout, q, k, v, out, lse, *rest):
+        def fn(dout, q, k0, v0, out, lse, *rest):
             bias = rest[0] if has_bias else None
             kv_lens = rest[-1] if has_lens else None
-            mask = conventions.additive_mask(q, k, bias, kv_lens)
+            mask = conventions.additive_mask(q, k0, bias, kv_lens)
+            # keys and values past kv_lens are never read (a cache's unused slots): zeroed, as the forward does
+            k, v = zero_past_kv_lens(k0, kv_lens), zero_past_kv_lens(v0, kv_lens)
             if empty_grad is not None:
                 grads = _CPU_FLASH_BACKWARD(dout, q, k, v, out, lse, mask, scale, causal, groups, empty_grad)
                 grads = [g if s is None else conventions.with_strides(g, s)
@@ -162,7 +165,7 @@ class CpuFlash:
                 b, hkv, nk, d = k.shape
                 dk = dk.view(b, hkv, groups, nk, d).sum(dim=2)
                 dv = dv.view(b, hkv, groups, nk, v.shape[3]).sum(dim=2)
-            return (conventions.dense_like(dq, q), conventions.dense_like(dk, k), conventions.dense_like(dv, v),
+            return (conventions.dense_like(dq, q), conventions.dense_like(dk, k0), conventions.dense_like(dv, v0),
                     q.new_empty((0,)))
 
         return fn

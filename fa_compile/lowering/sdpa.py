@@ -14,6 +14,7 @@ from torch._prims_common import make_contiguous_strides_for
 from .. import dispatch
 from ..candidates import common as c
 from ..candidates.sdpa import _BIAS_ALIGN
+from ..kernels.reference import zero_past_kv_lens
 from . import choice, conventions
 
 aten = torch.ops.aten
@@ -79,6 +80,7 @@ class SdpaLowering:
             bias = rest[0] if has_bias else None
             kv_lens = rest[-1] if has_lens else None
             b, hq, nq = q.shape[0], q.shape[1], q.shape[2]
+            k, v = zero_past_kv_lens(k, kv_lens), zero_past_kv_lens(v, kv_lens)  # never read (unused cache slots)
             mask, bad_rows = None, None
             if excludes:
                 mask = conventions.additive_mask(q, k, bias, kv_lens)
@@ -113,6 +115,7 @@ class SdpaLowering:
             bias = rest[0] if has_bias else None
             kv_lens = rest[-1] if has_lens else None
             q0, k0, v0 = q, k, v
+            k, v = zero_past_kv_lens(k, kv_lens), zero_past_kv_lens(v, kv_lens)  # as the forward read them
             q, k, v, out = (_last_dim_contiguous(t) for t in (q, k, v, out))
             dout = conventions.with_strides(dout, out.stride())  # the kernels read dO with out's strides
             b, hq, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
