@@ -100,6 +100,11 @@ def launch_groups(n_inner: int, n_outer: int, device: torch.device, uneven: bool
     return max(1, n_outer // per_group)
 
 
+def _uneven_work(args) -> bool:
+    """Whether a causal mask or a window makes each block's work depend on its position (launch_groups)."""
+    return bool(args.causal) or int(args.window_left) >= 0 or int(args.window_right) >= 0
+
+
 def _capability(device: torch.device) -> tuple[int, int]:
     if device.type != "cuda":
         return (0, 0)
@@ -477,12 +482,11 @@ def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int, cfg: Bl
         raise ValueError(f"Gluon forward config {cfg}: block_m must be 128 (two warpgroups of 64) and num_warps 4")
     wg_m = 64
     n_mblk = triton_cdiv(nq, cfg.block_m)
-    uneven = bool(args.causal) or int(args.window_left) >= 0 or int(args.window_right) >= 0
     handle = attn_fwd_gluon_ws_kernel[(n_mblk * b * hq,)](
         desc(q, wg_m, block_d), desc(k, cfg.block_n, block_d), desc(v, cfg.block_n, block_dv),
         desc(out, wg_m, block_dv), lse, kvl if kvl is not None else lse, *bias_args, *rb_args,
         hq, hq // hkv, nq, nk, float(args.scale) * LOG2E, int(args.diag_offset), int(args.window_left),
-        int(args.window_right), launch_groups(n_mblk, b * hq, q.device, uneven),
+        int(args.window_right), launch_groups(n_mblk, b * hq, q.device, _uneven_work(args)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, STAGES=cfg.num_stages,
         IS_CAUSAL=bool(args.causal), HAS_WL=int(args.window_left) >= 0, HAS_WR=int(args.window_right) >= 0,
         HAS_KVLEN=kvl is not None, REVERSE_M=bool(args.causal), QREG=cfg.qreg, CONSUMER_REGS=240,
@@ -556,7 +560,6 @@ def _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d: int, 
     km = gluon_key_mask(args.bias) if args.bias is not None else None
     kmask, s_kmb, s_kmn = km if km is not None else (lse, 0, 0)
     n_kblk = triton_cdiv(nk, cfg.block_n)
-    uneven = bool(args.causal) or int(args.window_left) >= 0 or int(args.window_right) >= 0
     handle = attn_bwd_gluon_kernel[(n_kblk * b * hkv,)](
         _gluon_desc(q, cfg.block_m, block_d), _gluon_desc(k, cfg.block_n, block_d),
         _gluon_desc(v, cfg.block_n, block_dv), _gluon_desc(dout, cfg.block_m, block_dv),
@@ -564,7 +567,7 @@ def _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d: int, 
         dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
         hq, hkv, hq // hkv, nq, nk, d, dv, float(args.scale) * LOG2E, float(args.scale), int(args.diag_offset),
         int(args.window_left), int(args.window_right), seed, sc["drop_threshold"], sc["drop_scale"],
-        kmask, s_kmb, s_kmn, launch_groups(n_kblk, b * hkv, q.device, uneven),
+        kmask, s_kmb, s_kmn, launch_groups(n_kblk, b * hkv, q.device, _uneven_work(args)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, STAGES=cfg.num_stages,
         IS_CAUSAL=bool(args.causal), HAS_WL=int(args.window_left) >= 0, HAS_WR=int(args.window_right) >= 0,
         HAS_KVLEN=kvl is not None, DROPOUT=dropout, KEY_MASK=km is not None, num_warps=8,
