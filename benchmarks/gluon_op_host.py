@@ -1,70 +1,93 @@
 """Host time of one `fa3_gluon::bwd` call and of its parts, on the H200's host (the op runs as an extern call in
-Inductor's code: every microsecond here is paid once per site and training step).
+Inductor's code: every microsecond here is paid once per site and training step, and in a short training step the
+GPU waits for it).
 
 Shape: a padded BERT layer's backward (B32 x 512, 16 heads, d64, bf16, a boolean key-padding mask and key
-lengths, dropout 0.1). Each line is the least of three means over 50 calls, in µs, measured without
-synchronizing (the GPU work of these calls is ~0.4 ms, so the queue never fills). "empty rows kernel" is that
-kernel's launch through `wrap_triton` outside the op, where it goes through the higher-order op's dispatch;
-inside the op it is launched directly (its share is the difference of the first two lines).
+lengths, dropout 0.1). Each line is the least and the median of seven means over 20 calls, in µs, measured
+without synchronizing (the GPU work of these calls is ~0.4 ms, so the queue never fills). The parts are those of
+`triton_family.backward_gluon` and of Triton's launch of the Gluon kernel (`kernel[grid](...)`: the binder, which
+specializes the arguments, then the compiled kernel's launcher, which encodes the TMA descriptors).
 
 Run on a Hopper GPU:  python benchmarks/gluon_op_host.py
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
 
 from fa_compile import dispatch
-from fa_compile.kernels import gluon_ops, triton_family as tf, triton_ops
+from fa_compile.kernels import gluon_ops, triton_family as tf
 
 
 def main() -> None:
+    import triton
+    from torch._library.triton import set_wrap_triton_enabled
+
+    from fa_compile.kernels.gluon_bwd import attn_bwd_gluon_kernel
+
     b, h, n, d = 32, 16, 512, 64
     q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(4))
     out = torch.randn_like(q)
     lse = torch.randn(b, h, n, device="cuda").abs() + 5
+    delta = (out.float() * do.float()).sum(-1)
     keep = torch.ones(b, 1, 1, n, dtype=torch.bool, device="cuda")
     keep[:16, ..., 256:] = False
     kvl = torch.full((b,), n, dtype=torch.int32, device="cuda")
     kvl[:16] = 256
     seed = torch.tensor([5], device="cuda")
-    tail = (seed, 0.125, False, 0, -1, -1)
     cfgs = ([64, 64, 4, 2], [64, 64, 4, 2])
-    empty_mean_v = triton_ops.EMPTY_GRADS["mean_v"]
     args = dispatch.AttentionArgs(q, k, v, 0.125, False, diag_offset=0, window_left=-1, window_right=-1, bias=keep,
                                   kv_lens=kvl, dropout_p=0.1, dropout_seed=seed, needs_backward=True)
-    dq, dk, dvv = gluon_ops._outputs(q, k, v)
-    delta = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
+    dqs, dk, dvv = gluon_ops._outputs(q, k, v)
     cap = tf._capability(q.device)
+    assert tf.backward_gluon(args, q, k, v, do, lse, delta, dqs, dk, dvv, cap, 2, dq_sums=True), "not on Hopper?"
+    cfg, handle = tf.LAST_COMPILED["attn_bwd_gluon_kernel"]
+    descs = [tf._gluon_desc(q, cfg.block_m, d), tf._gluon_desc(k, 128, d), tf._gluon_desc(v, 128, d),
+             tf._gluon_desc(do, cfg.block_m, d), tf._gluon_desc(dqs.view(1, b * h, n, d), cfg.block_m, d)]
+    km = tf.gluon_key_mask(keep)
+    sc = tf._scalars(args)
+    n_kblk = tf.triton_cdiv(n, 128)
+    pos = (*descs[:4], lse, delta, descs[4], dk, dvv, kvl, dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0),
+           dvv.stride(1), dvv.stride(2), h, h, 1, n, n, d, d, 0.125 * tf.LOG2E, 0.125, 0, -1, -1, seed,
+           sc["drop_threshold"], sc["drop_scale"], *km, tf.launch_groups(n_kblk, b * h, q.device, False))
+    kw = dict(BLOCK_M=cfg.block_m, BLOCK_N=128, BLOCK_D=d, BLOCK_DV=d, STAGES=cfg.num_stages, IS_CAUSAL=False,
+              HAS_WL=False, HAS_WR=False, HAS_KVLEN=True, DROPOUT=True, KEY_MASK=True, num_warps=8)
+    grid = (n_kblk * b * h,)
+    binder = attn_bwd_gluon_kernel.device_caches[torch.cuda.current_device()][4]
+    bound = list(binder(*pos, **kw)[0].values())
     parts = {
-        "op, with the empty-row fix-up": lambda: torch.ops.fa3_gluon.bwd(
-            do, q, k, v, out, lse, keep, kvl, *tail, 0.1, empty_mean_v, *cfgs),
-        "op, without it": lambda: torch.ops.fa3_gluon.bwd(do, q, k, v, out, lse, keep, kvl, *tail, 0.1, 0, *cfgs),
-        "op body, without it": lambda: gluon_ops._bwd(do, q, k, v, out, lse, keep, kvl, *tail, 0.1, 0, *cfgs),
-        "AttentionArgs": lambda: dispatch.AttentionArgs(
-            q, k, v, 0.125, False, diag_offset=0, window_left=-1, window_right=-1, bias=keep, kv_lens=kvl,
-            dropout_p=0.1, dropout_seed=seed, needs_backward=True),
-        "output allocation": lambda: gluon_ops._outputs(q, k, v),
-        "lse cast, delta allocation": lambda: (lse.to(torch.float32).contiguous(), torch.empty((b, h, n), device="cuda")),
-        "delta kernel": lambda: tf.bwd_delta(out, do, delta, cap),
-        "backward_gluon (the Gluon kernel)": lambda: tf.backward_gluon(args, q, k, v, do, lse, delta, dq, dk, dvv, cap, 2),
-        "dQ buffer zeros": lambda: torch.zeros((1, b * h, n, d), device="cuda"),
-        "5 TMA descriptors": lambda: [tf._gluon_desc(t, 64, 64) for t in (q, k, v, do, q)],
-        "empty rows kernel": lambda: triton_ops._empty_rows_grads(do, q, k, v, lse, dq, dk, dvv, 0.125, False),
+        "fa3_gluon.bwd": lambda: torch.ops.fa3_gluon.bwd(do, q, k, v, out, lse, delta, keep, kvl, seed, 0.125, False,
+                                                         0, -1, -1, 0.1, True, *cfgs),
+        "its body": lambda: gluon_ops._bwd(do, q, k, v, out, lse, delta, keep, kvl, seed, 0.125, False, 0, -1, -1,
+                                           0.1, True, *cfgs),
+        "  output allocation": lambda: gluon_ops._outputs(q, k, v),
+        "  backward_gluon": lambda: tf.backward_gluon(args, q, k, v, do, lse, delta, dqs, dk, dvv, cap, 2,
+                                                      dq_sums=True),
+        "    gluon_backward_applies": lambda: tf.gluon_backward_applies(args, cap),
+        "    _tma_ok (strides, alignment)": lambda: tf._tma_ok((q, k, v, do), cap),
+        "    zeroing the dQ sums": lambda: dqs.zero_(),
+        "    5 TensorDescriptor objects": lambda: [tf._gluon_desc(t, 64, 64) for t in (q, k, v, do, q)],
+        "    gluon_key_mask": lambda: tf.gluon_key_mask(keep),
+        "    kernel[grid](...)": lambda: attn_bwd_gluon_kernel[grid](*pos, **kw),
+        "      Triton's binder": lambda: binder(*pos, **kw),
+        "      compiled kernel's launch": lambda: handle[(grid[0], 1, 1)](*bound),
     }
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; host µs per call", flush=True)
-    for name, f in parts.items():
-        f()
-        torch.cuda.synchronize()
-        means = []
-        for _ in range(3):
-            t = time.perf_counter()
-            for _ in range(50):
-                f()
-            means.append((time.perf_counter() - t) / 50 * 1e6)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+          "host µs per call (least / median of 7 means of 20)", flush=True)
+    with set_wrap_triton_enabled(False):
+        for name, f in parts.items():
+            f()
             torch.cuda.synchronize()
-        print(f"{name:36s} {min(means):7.1f}", flush=True)
+            means = []
+            for _ in range(7):
+                t = time.perf_counter()
+                for _ in range(20):
+                    f()
+                means.append((time.perf_counter() - t) / 20 * 1e6)
+                torch.cuda.synchronize()
+            print(f"{name:36s} {min(means):7.1f} {statistics.median(means):7.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,12 @@ with that limit switched off ("every-key": fa_compile/lowering/key_limit.py `cut
 with the backward's dQ kernel instead of dQ added by the dK/dV kernel ("dq-kernel": FA_COMPILE_FUSED_DQ=0 while it
 compiles), "cut" with the backward on the pointer kernels where the Gluon kernel would take it on Hopper
 ("pointer-bwd": FA_COMPILE_GLUON=0 while it compiles), and the model's SDPA code under Inductor. Rounds interleave the variants (triton.testing.do_bench, median of the rounds);
-then the attention kernels of every variant but "every-key", GPU µs per step.
+then the attention kernels of every variant but "every-key", GPU µs per step. Each round also times 10 steps run
+back to back (one CUDA event pair around them, as a training loop runs them: the host may enqueue ahead of the
+GPU), and `--idle` adds, per variant, the GPU's idle time over 3 profiled steps (the gaps between its kernels:
+where it waits for the host).
 
-    python benchmarks/padded_keys.py [--mode train|fwd] [--rounds 5]
+    python benchmarks/padded_keys.py [--mode train|fwd] [--rounds 5] [--idle]
                                      [--variants cut,every-key,dq-kernel,pointer-bwd,sdpa]
                                      [--out F.json]
 """
@@ -54,12 +57,50 @@ def make_step(variant: str, mode: str, cuts_keys):
     return step
 
 
+def back_to_back(step, n: int = 10) -> float:
+    """ms per step over n steps enqueued without synchronizing (after one synchronized step)."""
+    step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def gpu_idle_ms(step, n: int = 3) -> tuple[float, float]:
+    """(span, idle) in ms per step over n profiled steps: the time between the first kernel's start and the last
+    one's end, and the part of it no kernel, copy or fill was running."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, (lo, hi) = 0.0, spans[0]
+    for s, e in spans[1:]:
+        if s > hi:
+            busy += hi - lo
+            lo = s
+        hi = max(hi, e)
+    busy += hi - lo
+    span = hi - spans[0][0]
+    return span / n / 1e3, (span - busy) / n / 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=("train", "fwd"), default="train")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--variants", default="cut,every-key,sdpa")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--idle", action="store_true")
     args = ap.parse_args()
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
@@ -80,14 +121,26 @@ def main() -> None:
         for r in graph_pass.records()[n0:n0 + 2]:
             print("   ", r.decision)
     times: dict[str, list[float]] = {v: [] for v in steps}
+    b2b: dict[str, list[float]] = {v: [] for v in steps}
     for _ in range(args.rounds):
         for v, s in steps.items():
             times[v].append(do_bench(s, warmup=5, rep=60))
+            b2b[v].append(back_to_back(s))
     med = {v: sorted(t)[len(t) // 2] for v, t in times.items()}
+    med_b2b = {v: sorted(t)[len(t) // 2] for v, t in b2b.items()}
     for v, t in times.items():
         ratio = f"  vs sdpa {med[v] / med['sdpa']:.3f}" if "sdpa" in med else ""
         print(f"{args.mode} {v:9s} median {med[v]:.3f} ms  rounds {[round(x, 3) for x in t]}{ratio}")
-    res = dict(mode=args.mode, times=times, median=med, torch=torch.__version__, gpu=torch.cuda.get_device_name())
+    for v, t in b2b.items():
+        ratio = f"  vs sdpa {med_b2b[v] / med_b2b['sdpa']:.3f}" if "sdpa" in med_b2b else ""
+        print(f"{args.mode} {v:9s} back to back: median {med_b2b[v]:.3f} ms  rounds {[round(x, 3) for x in t]}{ratio}")
+    res = dict(mode=args.mode, times=times, median=med, back_to_back=b2b, median_back_to_back=med_b2b,
+               torch=torch.__version__, gpu=torch.cuda.get_device_name())
+    if args.idle:
+        for v, s in steps.items():
+            span, idle = gpu_idle_ms(s)
+            print(f"{args.mode} {v:9s} profiled: {span:.2f} ms per step, GPU idle {idle:.2f} ms of it", flush=True)
+            res[f"idle_{v}"] = dict(span_ms=span, idle_ms=idle)
     for v in [v for v in steps if v != "every-key"]:
         k = cuda_kernels(steps[v], 3)
         attn = {n: x for n, x in k.items() if any(a in n for a in ATTENTION)}

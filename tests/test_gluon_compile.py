@@ -465,10 +465,11 @@ def test_gluon_op_body_launches_kernels_directly(monkeypatch):
     monkeypatch.setattr(triton_ops, "bwd", fallback)
     q = torch.randn(1, 2, 8, 16)
     lse = torch.zeros(1, 2, 8)
-    dq, dk, dv = torch.ops.fa3_gluon.bwd(q, q, q, q, q, lse, None, None, None, 0.25, False, 0, -1, -1, 0.0, 0,
-                                         [16, 16, 4, 1], [16, 16, 4, 1])
+    dq, dk, dv = torch.ops.fa3_gluon.bwd(q, q, q, q, q, lse, lse, None, None, None, 0.25, False, 0, -1, -1, 0.0,
+                                         False, [16, 16, 4, 1], [16, 16, 4, 1])
     assert seen == [False] and is_wrap_triton_enabled()
-    assert dq.shape == q.shape and not dq.any()
+    # the fallback's dq comes back as the Gluon kernel's dQ sums would: fp32, contiguous
+    assert dq.shape == q.shape and dq.dtype == torch.float32 and dq.is_contiguous() and not dq.any()
 
 
 @pytest.mark.parametrize("make", [

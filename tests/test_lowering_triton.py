@@ -289,12 +289,17 @@ else:
         _lower(gm)
         expecttest.assert_expected_inline(_normalized(gm.code), """\
 def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1, arg7_1):
-    bwd = torch.ops.fa3_gluon.bwd.default(arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, None, arg6_1, arg7_1, 0.25, False, 0, -1, -1, 0.3, 0, [16, 16, 4, 1], [16, 16, 4, 1]);  arg0_1 = arg1_1 = arg2_1 = arg3_1 = arg4_1 = arg5_1 = arg6_1 = arg7_1 = None
+    convert_element_type = torch.ops.prims.convert_element_type.default(arg4_1, torch.float32)
+    convert_element_type_1 = torch.ops.prims.convert_element_type.default(arg0_1, torch.float32)
+    mul = torch.ops.aten.mul.Tensor(convert_element_type, convert_element_type_1);  convert_element_type = convert_element_type_1 = None
+    sum_1 = torch.ops.aten.sum.dim_IntList(mul, [-1]);  mul = None
+    bwd = torch.ops.fa3_gluon.bwd.default(arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, sum_1, None, arg6_1, arg7_1, 0.25, False, 0, -1, -1, 0.3, False, [16, 16, 4, 1], [16, 16, 4, 1]);  arg0_1 = arg1_1 = arg2_1 = arg3_1 = arg4_1 = arg5_1 = sum_1 = arg6_1 = arg7_1 = None
     getitem_4 = bwd[0]
     getitem_5 = bwd[1]
     getitem_6 = bwd[2];  bwd = None
+    convert_element_type_2 = torch.ops.prims.convert_element_type.default(getitem_4, torch.float16);  getitem_4 = None
     empty = torch.ops.aten.empty.memory_format([0], dtype = torch.float16, layout = torch.strided, device = device(type='cpu'), pin_memory = False)
-    return (getitem_4, getitem_5, getitem_6, empty)""")
+    return (convert_element_type_2, getitem_5, getitem_6, empty)""")
 
     def test_lowered_site_with_sinks_matches_reference(cpu_lowering, poisoned):
         # Sinks lower with the forward kernel's sink step; the backward kernels take the lse that includes
@@ -390,35 +395,59 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1, arg7_1
         grads = torch.autograd.grad(fill, leaves, dg, allow_unused=True)
         return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
 
-    @pytest.mark.parametrize("fused", [True, False], ids=["fused_dq", "dq_kernel"])
-    @pytest.mark.parametrize("kind", ["none", "mean_v", "uniform"])
-    @pytest.mark.parametrize("name", list(GRAD_CASES))
-    def test_bwd_op_computes_the_fixups_backward(name, kind, fused, poisoned):
+    def _fixup_case(name, kind):
+        """(case, out, lse, dout) of GRAD_CASES[name] for the fix-up `kind`: dout holds what the fix-up's `where`
+        hides from the op on empty rows, NaN where its fill has no gradient (NaN fill), else large."""
         case = GRAD_CASES[name]()
         out, lse = triton_ops.fwd(case.q, case.k, case.v, case.bias, case.kv_lens, case.dropout_seed, case.scale,
                                   case.causal, case.diag_offset, case.window_left, case.window_right, case.softcap,
                                   case.dropout_p, TILE, None, triton_ops.EMPTY_FILLS["zero" if kind == "none" else "mean_v"])
         empty = torch.isneginf(lse)
         assert 0 < int(empty.sum()) < empty.numel()
-        dout = _dout(out)
-        # what the fix-up's `where` hides from the op: NaN where its fill has no gradient (NaN fill), else large
-        dout = dout.masked_fill(empty[..., None], float("nan") if kind == "none" else 30.0)
-        dq, dk, dv, _ = triton_ops.bwd(dout, case.q, case.k, case.v, out, lse, case.bias, case.kv_lens,
-                                       case.dropout_seed, case.scale, case.causal, case.diag_offset,
-                                       case.window_left, case.window_right, case.softcap, case.dropout_p, False,
-                                       TILE, TILE, triton_ops.EMPTY_GRADS[kind], fused)
+        dout = _dout(out).masked_fill(empty[..., None], float("nan") if kind == "none" else 30.0)
+        return case, out, lse, dout
+
+    def _check_fixup_grads(case, kind, dout, lse, grads):
+        """The reference's gradients on the empty rows' dout zeroed, plus autograd through the fill; dq / dk / dv in
+        their inputs' dtypes and dense strides."""
+        empty = torch.isneginf(lse)
         want = ref.attention_backward_reference(dout.masked_fill(empty[..., None], 0.0), case.q, case.k, case.v,
                                                 bias_requires_grad=False, **case.mask_kwargs())
         if kind != "none":
             want = [w.float() + f for w, f in zip(want, _fixup_grads(case, kind, dout, lse))]
         _, (ga, gr) = tolerances(case.q.dtype, "cpu")
-        for g, got, w, like in zip(("dq", "dk", "dv"), (dq, dk, dv), want, (case.q, case.k, case.v)):
+        for g, got, w, like in zip(("dq", "dk", "dv"), grads, want, (case.q, case.k, case.v)):
             torch.testing.assert_close(got.float(), w.float(), atol=ga, rtol=gr, msg=lambda m, g=g: f"{g}: {m}")
-            assert got.stride() == torch.empty_like(like).stride(), g
+            assert got.dtype == like.dtype and got.stride() == torch.empty_like(like).stride(), g
+
+    @pytest.mark.parametrize("fused", [True, False], ids=["fused_dq", "dq_kernel"])
+    @pytest.mark.parametrize("kind", ["none", "mean_v", "uniform"])
+    @pytest.mark.parametrize("name", list(GRAD_CASES))
+    def test_bwd_op_computes_the_fixups_backward(name, kind, fused, poisoned):
+        case, out, lse, dout = _fixup_case(name, kind)
+        dq, dk, dv, _ = triton_ops.bwd(dout, case.q, case.k, case.v, out, lse, case.bias, case.kv_lens,
+                                       case.dropout_seed, case.scale, case.causal, case.diag_offset,
+                                       case.window_left, case.window_right, case.softcap, case.dropout_p, False,
+                                       TILE, TILE, triton_ops.EMPTY_GRADS[kind], fused)
+        _check_fixup_grads(case, kind, dout, lse, (dq, dk, dv))
         with pytest.raises(ValueError, match="empty_grad"):
             triton_ops.bwd(dout, case.q, case.k, case.v, out, lse, case.bias, case.kv_lens, case.dropout_seed,
                            case.scale, case.causal, case.diag_offset, case.window_left, case.window_right,
                            case.softcap, case.dropout_p, False, TILE, TILE, 7)
+
+    @pytest.mark.parametrize("kind", ["none", "mean_v", "uniform"])
+    @pytest.mark.parametrize("name", ["bool_mask_gqa", "kv_lens_dropout_gqa"])
+    def test_gluon_backward_graph_computes_the_fixups_backward(name, kind, poisoned, monkeypatch):
+        """The lowered graph of a Gluon backward site: δ as graph ops, fa3_gluon.bwd (under the interpreter its
+        fallback, the pointer kernels told to zero the empty rows' dout), the fix-up's kernel
+        (fa3_triton.empty_rows_bwd) into the fp32 dQ sums and dK / dV, then dQ's cast: against the reference and
+        autograd through the fill, as the pointer op's own fold above."""
+        monkeypatch.setattr(triton_lowering, "gluon_backward", lambda args: True)
+        case, out, lse, dout = _fixup_case(name, kind)
+        fn = triton_lowering.TRITON_LOWERING.backward_fn(_args(case, backward=True), empty_grad=kind)
+        extra = [t for t in (case.bias, case.kv_lens, case.dropout_seed) if t is not None]
+        dq, dk, dv, _ = fn(dout, case.q, case.k, case.v, out, lse, *extra)
+        _check_fixup_grads(case, kind, dout, lse, (dq, dk, dv))
 
     @pytest.fixture
     def lowered_training(monkeypatch, cpu_lowering):

@@ -1,24 +1,26 @@
-"""`fa3_gluon::bwd`: the Gluon backward (gluon_bwd.py) as a custom op that Inductor's generated code calls.
+"""`fa3_gluon::bwd`: the Gluon backward kernel (gluon_bwd.py) as an op that Inductor's generated code calls.
 
 `wrap_triton` cannot launch Gluon kernels (triton_ops.py says why), so where the lowering would give a
 site's backward to the pointer kernels of `fa3_triton::bwd` and the Gluon kernel takes it (Hopper, strides
 TMA accepts, structural masks, key lengths, a boolean key-padding mask, dropout: `gluon_backward` in
-fa_compile/lowering/triton.py), it calls this op instead. Inductor keeps the op as an extern call: one
+fa_compile/lowering/triton.py), its graph calls this op instead. Inductor keeps the op as an extern call: one
 Python call per site and step, for a kernel that does one pass over the score tiles where the pointer pair
 does two (a padded BERT's B32 x 512, d64, dropout 0.1: 0.40 ms against 0.50 on the H200,
-benchmarks/results/gluon-bwd-dropout-h200-2026-12-04.txt). That call costs ~320-390 us of host time on the
-H200's host (benchmarks/gluon_op_host.py), about what its kernels take on the GPU at that shape; its launches
-go straight to the kernels (set_wrap_triton_enabled(False)): through wrap_triton's higher-order op the
-empty-row kernel's launch took ~240 us of host time against ~70 directly, and a padded BERT training step ran
-at 1.07x of SDPA's wall time with 0.92x of its GPU time; with direct launches, 0.955x (BENCHMARKS.md).
+benchmarks/results/gluon-bwd-dropout-h200-2026-12-04.txt).
 
-The body runs δ (the family's preprocess kernel), the Gluon kernel, dQ's cast, and, where the site folds
-the empty-row fix-up's backward (`empty_grad`, triton_ops.EMPTY_GRADS), that fix-up's last kernel. On an
-empty row P is 0, so its dout weighs nothing in the Gluon kernel's products as long as it is finite (the
-pointer kernels zero it outright; a non-finite dout there turns into NaN in dV here, where eager's fix-up
-puts it into the mean of V's gradient). Whatever the Gluon kernel cannot take at run time (strides TMA
-refuses, a failed build, which warns once: triton_family.backward_gluon, as the op's run-time dispatch) runs
-`fa3_triton::bwd`'s kernels with the given tiles.
+That call is host time on the step's critical path (a padded BERT's training step left the GPU waiting
+~0.3 ms before each Gluon launch under the profiler), so the op does only what Inductor cannot: it zeroes the
+fp32 dQ buffer, builds the TMA descriptors and launches the kernel. Everything around it is graph ops that
+Inductor launches itself: δ = rowsum(out · dout) before it, the cast of the fp32 dQ sums into dq's strides
+after it, and, where the site folds the empty-row fix-up's backward, that fix-up's kernel
+(`fa3_triton::empty_rows_bwd`, a triton_op). The op is defined through torch.library.Library: custom_op's own
+layers around the body cost ~15-60 us per call.
+
+On an empty row (lse -inf) P is 0, so its dout weighs nothing in the Gluon kernel's products as long as it is
+finite (the pointer kernels zero it outright, `zero_empty`; a non-finite dout there turns into NaN in dV here,
+where eager's fix-up puts it into the mean of V's gradient). Whatever the Gluon kernel cannot take at run time
+(strides TMA refuses, a failed build, which warns once: triton_family.backward_gluon) runs `fa3_triton::bwd`'s
+kernels with the given tiles and returns their dq as fp32.
 
 This module imports no Triton until the op is traced or runs: the lowering's cache key (graph_pass.uuid) imports
 it, so that the op exists before Inductor's cached code calls it in a fresh process."""
@@ -31,63 +33,80 @@ from torch import Tensor
 
 
 def _outputs(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv allocated as fa3_triton::bwd allocates them (its `_empty`, which tests poison)."""
+    """(dQ sums: fp32 [B, Hq, Nq, D] contiguous, dk, dv dense in k / v's dimension order, allocated as
+    fa3_triton::bwd allocates them: its `_empty`, which tests poison)."""
     from .triton_ops import _dense_strides, _empty
 
-    return tuple(_empty(t.shape, _dense_strides(t), t.dtype, t.device) for t in (q, k, v))
+    if all(type(x) is int for x in q.shape):
+        h, n, d = (max(x, 1) for x in q.shape[1:])  # contiguous strides, as torch gives a size-0 dim
+        stride = (h * n * d, n * d, d, 1)
+    else:
+        stride = tuple(torch._prims_common.make_contiguous_strides_for(q.shape))
+    dqs = _empty(q.shape, stride, torch.float32, q.device)
+    return (dqs, *(_empty(t.shape, _dense_strides(t), t.dtype, t.device) for t in (k, v)))
 
 
-@torch.library.custom_op("fa3_gluon::bwd", mutates_args=())
-def bwd(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bias: Optional[Tensor],
+_LIB = torch.library.Library("fa3_gluon", "DEF")
+_LIB.define(
+    "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor delta, Tensor? bias, "
+    "Tensor? kv_lens, Tensor? dropout_seed, float scale, bool causal, int diag_offset, int window_left, "
+    "int window_right, float dropout_p, bool zero_empty, int[] dkdv_config, int[] dq_config) "
+    "-> (Tensor, Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,))
+
+
+def _impl(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, delta: Tensor, bias: Optional[Tensor],
     kv_lens: Optional[Tensor], dropout_seed: Optional[Tensor], scale: float, causal: bool, diag_offset: int,
-    window_left: int, window_right: int, dropout_p: float, empty_grad: int, dkdv_config: list[int],
+    window_left: int, window_right: int, dropout_p: float, zero_empty: bool, dkdv_config: list[int],
     dq_config: list[int],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv), dense in q / k / v's dimension order; arguments as fa3_triton::bwd takes them (no softcap,
-    no dS; bias: None or a boolean key-padding mask, triton_family.is_key_mask). dkdv_config / dq_config:
-    the pointer kernels' tiles, for the fallback."""
+    """(dQ sums in fp32, [B, Hq, Nq, D] contiguous; dk; dv). Arguments as fa3_triton::bwd takes them (no softcap,
+    no dS; bias: None or a boolean key-padding mask, triton_family.is_key_mask), plus δ = rowsum(out · dout) in
+    fp32 [B, Hq, Nq] and `zero_empty` for a dout that is the empty-row fix-up's gradient (rows with lse -inf add
+    nothing). `out` is read by the fallback only. dkdv_config / dq_config: the pointer kernels' tiles, for it."""
     from torch._library.triton import set_wrap_triton_enabled
 
-    # The body sees real tensors only: `wrap_triton` launches (the empty-row kernel, the fallback's) go straight
-    # to the kernels instead of through the higher-order op's dispatch (~240 against ~70 us of host time).
+    # The body sees real tensors only: the fallback's `wrap_triton` launches go straight to the kernels instead of
+    # through the higher-order op's dispatch (~240 against ~70 us of host time per launch).
     with set_wrap_triton_enabled(False):
-        return _bwd(dout, q, k, v, out, lse, bias, kv_lens, dropout_seed, scale, causal, diag_offset, window_left,
-                    window_right, dropout_p, empty_grad, dkdv_config, dq_config)
+        return _bwd(dout, q, k, v, out, lse, delta, bias, kv_lens, dropout_seed, scale, causal, diag_offset,
+                    window_left, window_right, dropout_p, zero_empty, dkdv_config, dq_config)
 
 
-def _bwd(dout, q, k, v, out, lse, bias, kv_lens, dropout_seed, scale, causal, diag_offset, window_left,
-         window_right, dropout_p, empty_grad, dkdv_config, dq_config):
+def _bwd(dout, q, k, v, out, lse, delta, bias, kv_lens, dropout_seed, scale, causal, diag_offset, window_left,
+         window_right, dropout_p, zero_empty, dkdv_config, dq_config):
     from .. import dispatch
     from . import triton_family as tf
     from . import triton_ops
 
-    args = dispatch.AttentionArgs(q, k, v, scale, causal, diag_offset=diag_offset, window_left=window_left,
-                                  window_right=window_right, bias=bias, kv_lens=kv_lens, dropout_p=dropout_p,
-                                  dropout_seed=dropout_seed, needs_backward=True)
     cap = tf._capability(q.device)
     b, hq, nq = q.shape[:3]
     hkv, nk = k.shape[1], k.shape[2]
     if cap[0] == 9 and b * hq * nq > 0 and b * hkv * nk > 0:
-        qq, kk, vv, dd, oo = (tf._unit_last(t) for t in (q, k, v, dout, out))
-        lse32 = lse.to(torch.float32).contiguous()
-        dq, dk, dvv = _outputs(q, k, v)
-        delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+        args = dispatch.AttentionArgs(q, k, v, scale, causal, diag_offset=diag_offset, window_left=window_left,
+                                      window_right=window_right, bias=bias, kv_lens=kv_lens, dropout_p=dropout_p,
+                                      dropout_seed=dropout_seed, needs_backward=True)
+        qq, kk, vv, dd = (tf._unit_last(t) for t in (q, k, v, dout))
+        dqs, dk, dvv = _outputs(q, k, v)
         with tf._device_ctx(q):
-            tf.bwd_delta(oo, dd, delta, cap)
-            if tf.backward_gluon(args, qq, kk, vv, dd, lse32, delta, dq, dk, dvv, cap,
-                                 tf._bias4(bias, b, hq, nq, nk)[1]):
-                if empty_grad in (triton_ops.EMPTY_GRADS["mean_v"], triton_ops.EMPTY_GRADS["uniform"]):
-                    triton_ops._empty_rows_grads(dd, qq, kk, vv, lse32, dq, dk, dvv, scale,
-                                                 empty_grad == triton_ops.EMPTY_GRADS["uniform"])
-                return dq, dk, dvv
+            # bias: None or a key-padding mask, constant along query rows (_bias4's kind 4)
+            if tf.backward_gluon(args, qq, kk, vv, dd, lse.to(torch.float32).contiguous(),
+                                 delta.to(torch.float32).contiguous(), dqs, dk, dvv, cap,
+                                 0 if bias is None else 4, dq_sums=True):
+                return dqs, dk, dvv
+    empty_grad = triton_ops.EMPTY_GRADS["none"] if zero_empty else 0
     dq, dk, dvv, _ = triton_ops.bwd(dout, q, k, v, out, lse, bias, kv_lens, dropout_seed, scale, causal, diag_offset,
                                     window_left, window_right, 0.0, dropout_p, False, dkdv_config, dq_config,
                                     empty_grad, False)
-    return dq, dk, dvv
+    return dq.to(torch.float32, memory_format=torch.contiguous_format), dk, dvv
 
 
-@bwd.register_fake
-def _(dout, q, k, v, out, lse, bias, kv_lens, dropout_seed, scale, causal, diag_offset, window_left, window_right,
-      dropout_p, empty_grad, dkdv_config, dq_config):
+def _fake(dout, q, k, v, out, lse, delta, bias, kv_lens, dropout_seed, scale, causal, diag_offset, window_left,
+          window_right, dropout_p, zero_empty, dkdv_config, dq_config):
     return _outputs(q, k, v)
+
+
+_LIB.impl("bwd", _impl, "CompositeExplicitAutograd")
+torch.library.register_fake("fa3_gluon::bwd", _fake, lib=_LIB)
+bwd = torch.ops.fa3_gluon.bwd

@@ -291,17 +291,25 @@ class _Null:
         return False
 
 
+_TMA_STRIDES: dict[tuple, bool] = {}
+
+
+def _tma_strides_ok(stride: tuple, dtype: torch.dtype) -> bool:
+    """fp16 / bf16 with 16-byte multiples for the strides of the first three dims (memoised: run-time launches
+    ask this on every call)."""
+    ok = _TMA_STRIDES.get((stride, dtype))
+    if ok is None:
+        size = 2 if dtype in (torch.float16, torch.bfloat16) else 0
+        ok = _TMA_STRIDES[(stride, dtype)] = size > 0 and not any((s * size) % 16 for s in stride[:3])
+    return ok
+
+
 def _tma_ok(tensors, cap: tuple[int, int]) -> bool:
     """Host tensor descriptors need 16-byte aligned bases and strides (all but the unit last one)."""
     mode = os.environ.get("FA_COMPILE_TRITON_TMA", "auto")
     if mode == "0" or (cap[0] < 9 and not (mode == "1" and interpreting())):
         return False
-    for t in tensors:
-        if t.dtype not in (torch.float16, torch.bfloat16) or t.data_ptr() % 16:
-            return False
-        if any((t.stride(i) * t.element_size()) % 16 for i in range(3)):
-            return False
-    return True
+    return all(_tma_strides_ok(t.stride(), t.dtype) and t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _desc(t: Tensor, block: list[int]):
@@ -544,15 +552,19 @@ def gluon_key_mask(bias: Tensor) -> Optional[tuple[Tensor, int, int]]:
 
 
 def _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d: int, block_dv: int,
-                    cfg: BlockConfig) -> None:
+                    cfg: BlockConfig, dq_sums: bool = False) -> None:
     from .gluon_bwd import attn_bwd_gluon_kernel
 
     b, hq, nq, d = q.shape
     hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
     if cfg.block_n != 128 or cfg.num_warps != 8 or cfg.block_m not in (64, 128):
         raise ValueError(f"Gluon backward config {cfg}: block_n must be 128, num_warps 8, block_m 64 or 128")
-    # scale·dQ summed in fp32 over the key blocks (TMA reductions), then cast into dq's own strides.
-    dqa = torch.zeros((1, b * hq, nq, d), device=q.device, dtype=torch.float32)
+    # scale·dQ summed in fp32 over the key blocks (TMA reductions), then cast into dq's own strides; with
+    # `dq_sums`, dq is that fp32 buffer ([B, Hq, Nq, D] contiguous) and the caller casts it.
+    if dq_sums:
+        dqa = dq.view(1, b * hq, nq, d).zero_()
+    else:
+        dqa = torch.zeros((1, b * hq, nq, d), device=q.device, dtype=torch.float32)
     kvl = args.kv_lens
     dropout = float(args.dropout_p) > 0
     seed = args.dropout_seed.to(q.device).reshape(1) if dropout else lse
@@ -572,7 +584,8 @@ def _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d: int, 
         IS_CAUSAL=bool(args.causal), HAS_WL=int(args.window_left) >= 0, HAS_WR=int(args.window_right) >= 0,
         HAS_KVLEN=kvl is not None, DROPOUT=dropout, KEY_MASK=km is not None, num_warps=8,
     )
-    dq.copy_(dqa.view(b, hq, nq, d))
+    if not dq_sums:
+        dq.copy_(dqa.view(b, hq, nq, d))
     LAST_COMPILED["attn_bwd_gluon_kernel"] = (cfg, handle)
 
 
@@ -705,11 +718,12 @@ def _reduce_dbias(ds: Tensor, bias: Tensor) -> Tensor:
 
 
 def backward_gluon(args, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, dq: Tensor,
-                   dk: Tensor, dvv: Tensor, cap: tuple[int, int], bias_kind: int) -> bool:
+                   dk: Tensor, dvv: Tensor, cap: tuple[int, int], bias_kind: int, dq_sums: bool = False) -> bool:
     """dq, dk, dv by the Gluon kernel where it takes the inputs (gluon_backward_applies, strides TMA accepts) and
     builds: True when it wrote them. q, k, v, dout with unit last strides, lse fp32 contiguous, delta computed
-    (bwd_delta), on q's device. A failed build warns once per kind and returns False (FA_COMPILE_GLUON=1 raises),
-    having written nothing the caller's `tl` kernels do not rewrite."""
+    (bwd_delta), on q's device; with `dq_sums`, dq is an fp32 [B, Hq, Nq, D] contiguous buffer that receives dQ
+    uncast. A failed build warns once per kind and returns False (FA_COMPILE_GLUON=1 raises), having written
+    nothing the caller's `tl` kernels do not rewrite."""
     block_d, block_dv = _pow2(q.shape[-1]), _pow2(v.shape[-1])
     block = max(block_d, block_dv)
     gkey = ("bwd", block_d, block_dv, q.dtype, bool(args.causal), float(args.dropout_p) > 0, bias_kind)
@@ -718,8 +732,9 @@ def backward_gluon(args, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Ten
     try:
         cfg = CONFIG_OVERRIDE.get(("bwd_gluon", block)) or GLUON_BWD_CONFIGS[block]
         cfg = _tuned("bwd_gluon", block, cfg, q, bool(args.causal), bias_kind, cap,
-                     lambda c: _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d, block_dv, c))
-        _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d, block_dv, cfg)
+                     lambda c: _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d, block_dv, c,
+                                               dq_sums))
+        _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d, block_dv, cfg, dq_sums)
         return True
     except Exception as e:  # compile-time failure
         if os.environ.get("FA_COMPILE_GLUON") == "1":

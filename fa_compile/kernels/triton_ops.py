@@ -291,6 +291,19 @@ def _empty_rows_grads(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor
     )
 
 
+@torch.library.triton_op(f"{NAMESPACE}::empty_rows_bwd", mutates_args={"dq", "dk", "dv"})
+def empty_rows_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, dq: Tensor, dk: Tensor, dv: Tensor,
+                   scale: float, uniform: bool) -> None:
+    """Add the backward of emit's empty-row fix-up ("mean_v", or "uniform" with `uniform`) into dq, dk, dv in
+    place: what fa3_triton::bwd's last kernel does, as an op of its own for a lowered graph whose other kernels
+    are not fa3_triton's (the Gluon backward, lowering/triton.py). dq may be fp32 (the Gluon kernel's dQ sums)."""
+    b, hq, nq, _ = q.shape
+    if b * hq * nq == 0 or k.shape[2] == 0:
+        return
+    dout, q, k, v = tf._unit_last(dout), tf._unit_last(q), tf._unit_last(k), tf._unit_last(v)
+    _empty_rows_grads(dout, q, k, v, lse.to(torch.float32).contiguous(), dq, dk, dv, scale, bool(uniform))
+
+
 _DENSE_STRIDES: dict[tuple, tuple] = {}
 
 

@@ -284,6 +284,7 @@ class TritonLowering:
         bwd = _ops().bwd
         gluon = gluon_backward(args)
         grad_code = 0 if empty_grad is None else _ops().EMPTY_GRADS[empty_grad]
+        mean_v, uniform = _ops().EMPTY_GRADS["mean_v"], _ops().EMPTY_GRADS["uniform"]
         strides = out_strides or (None, None, None)
         s = _site_scalars(args)
         unpack = _optional_inputs(args)
@@ -295,9 +296,14 @@ class TritonLowering:
             if gluon:  # no softcap, and no bias but a boolean key-padding mask, here (gluon_backward)
                 from ..kernels import gluon_ops
 
+                # δ, the empty-row fix-up's kernel and dQ's cast are graph ops around the op (gluon_ops.py)
                 scale, causal, diag_offset, wl, wr, _softcap, dropout_p = s
-                dq, dk, dv = gluon_ops.bwd(dout, q, k, v, out, lse, bias, kv_lens, seed, scale, causal, diag_offset,
-                                           wl, wr, dropout_p, grad_code, dkdv_config, dq_config)
+                delta = (out.to(torch.float32) * dout.to(torch.float32)).sum(-1)
+                dq, dk, dv = gluon_ops.bwd(dout, q, k, v, out, lse, delta, bias, kv_lens, seed, scale, causal,
+                                           diag_offset, wl, wr, dropout_p, grad_code != 0, dkdv_config, dq_config)
+                if grad_code in (mean_v, uniform):
+                    _ops().empty_rows_bwd(dout, q, k, v, lse, dq, dk, dv, scale, grad_code == uniform)
+                dq = dq.to(q.dtype)
                 ds = None
             else:
                 dq, dk, dv, ds = bwd(dout, q, k, v, out, lse, bias, kv_lens, seed, *s, want_ds, dkdv_config,
