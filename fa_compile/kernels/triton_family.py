@@ -294,9 +294,16 @@ class _Null:
 _TMA_STRIDES: dict[tuple, bool] = {}
 
 
-def _tma_strides_ok(stride: tuple, dtype: torch.dtype) -> bool:
+def tma_enabled(cap: tuple[int, int]) -> bool:
+    """Whether the descriptor kernels may run at all: sm90+, or the interpreter with FA_COMPILE_TRITON_TMA=1;
+    never with FA_COMPILE_TRITON_TMA=0."""
+    mode = os.environ.get("FA_COMPILE_TRITON_TMA", "auto")
+    return mode != "0" and (cap[0] >= 9 or (mode == "1" and interpreting()))
+
+
+def tma_strides_ok(stride: tuple, dtype: torch.dtype) -> bool:
     """fp16 / bf16 with 16-byte multiples for the strides of the first three dims (memoised: run-time launches
-    ask this on every call)."""
+    ask this on every call; the lowering asks it of a site's strides)."""
     ok = _TMA_STRIDES.get((stride, dtype))
     if ok is None:
         size = 2 if dtype in (torch.float16, torch.bfloat16) else 0
@@ -306,10 +313,8 @@ def _tma_strides_ok(stride: tuple, dtype: torch.dtype) -> bool:
 
 def _tma_ok(tensors, cap: tuple[int, int]) -> bool:
     """Host tensor descriptors need 16-byte aligned bases and strides (all but the unit last one)."""
-    mode = os.environ.get("FA_COMPILE_TRITON_TMA", "auto")
-    if mode == "0" or (cap[0] < 9 and not (mode == "1" and interpreting())):
-        return False
-    return all(_tma_strides_ok(t.stride(), t.dtype) and t.data_ptr() % 16 == 0 for t in tensors)
+    return tma_enabled(cap) and all(tma_strides_ok(t.stride(), t.dtype) and t.data_ptr() % 16 == 0
+                                    for t in tensors)
 
 
 def _desc(t: Tensor, block: list[int]):

@@ -70,16 +70,8 @@ def _descriptor_path(tensors: list, cap: tuple[int, int]) -> bool:
     """Whether the family would run its TMA-descriptor / Gluon kernels (triton_family._tma_ok, with
     16-byte aligned data pointers, as allocations are: only strides are known at compile time)."""
     tf = _family()
-    mode = os.environ.get("FA_COMPILE_TRITON_TMA", "auto")
-    if mode == "0" or (cap[0] < 9 and not (mode == "1" and tf.interpreting())):
-        return False
-    for shape, stride, dtype in tensors:
-        if dtype not in (torch.float16, torch.bfloat16):
-            return False
-        size = torch.empty((), dtype=dtype).element_size()
-        if any((int(stride[i]) * size) % 16 for i in range(3)):
-            return False
-    return True
+    return tf.tma_enabled(cap) and all(tf.tma_strides_ok(tuple(int(s) for s in stride), dtype)
+                                       for _, stride, dtype in tensors)
 
 
 def _site_meta(args: dispatch.AttentionArgs) -> list:
