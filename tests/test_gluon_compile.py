@@ -48,8 +48,9 @@ def sm90():
 
 
 def _compile(d: int, cfg: tf.BlockConfig, causal: bool, masks: bool, bias: bool = False, row_bias=None,
-             batch_inner: bool = False, sinks: bool = False):
-    """row_bias: None, or the dtype of a key vector [B, Nk] (torch.uint8 for a bool mask)."""
+             batch_inner: bool = False, sinks: bool = False, sep_o: bool = False):
+    """row_bias: None, or the dtype of a key vector [B, Nk] (torch.uint8 for a bool mask). One program walks
+    the tiles (persistent: the loop the kernel always has, run more than once)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -70,11 +71,11 @@ def _compile(d: int, cfg: tf.BlockConfig, causal: bool, masks: bool, bias: bool 
     rb_kind = 0 if row_bias is None else (2 if row_bias == torch.uint8 else 1)
     return attn_fwd_gluon_ws_kernel.warmup(
         desc(64), desc(cfg.block_n), desc(cfg.block_n), desc(64), lse, lse, bias_desc, 0, 1, *rb_args, h, 1, n, n, 0.1,
-        0, 16, 0, 1,
+        0, 16, 0, 1, b * h * -(-n // cfg.block_m),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d, BLOCK_DV=d, STAGES=cfg.num_stages, IS_CAUSAL=causal,
         HAS_WL=masks, HAS_WR=masks, HAS_KVLEN=masks, REVERSE_M=causal, QREG=cfg.qreg, CONSUMER_REGS=240,
         PINGPONG=cfg.pingpong, HAS_BIAS=bias, ROW_BIAS=rb_kind, BATCH_INNER=batch_inner,
-        SINKS=torch.empty(h) if sinks else None, HAS_SINKS=sinks, num_warps=4, grid=(1,),
+        SINKS=torch.empty(h) if sinks else None, HAS_SINKS=sinks, SEP_O=sep_o, PERSISTENT=cfg.persistent, num_warps=4, grid=(1,),
     )
 
 
@@ -103,6 +104,17 @@ def test_default_configs_build_for_sm90(sm90, d, causal, masks, bias):
     _assert_fast_path(_compile(d, cfg, causal, masks, bias))
     if bias:  # the launch order of a bias shared by the batch: program ids only, the same fast path
         _assert_fast_path(_compile(d, cfg, causal, masks, bias, batch_inner=True))
+
+
+@pytest.mark.parametrize("d,stages,qreg,bias,row_bias", [
+    (64, 2, True, False, None), (128, 2, False, False, torch.uint8), (128, 2, True, False, None),
+    (64, 2, True, True, None),
+])
+def test_separate_output_tile_builds_for_sm90(sm90, d, stages, qreg, bias, row_bias):
+    # The persistent forward's own O tile (SEP_O): the same fast path, within the shared memory a block may use.
+    cfg = tf.BlockConfig(128, 128, 4, stages, qreg=qreg, persistent=True)
+    assert tf._gluon_separate_o(cfg, d, d, 2 if bias else 0)
+    _assert_fast_path(_compile(d, cfg, True, True, bias, row_bias=row_bias, sep_o=True))
 
 
 @pytest.mark.parametrize("d,causal,masks,bias", [(64, True, False, False), (128, True, True, False),
@@ -185,7 +197,8 @@ def test_host_launch_arguments(monkeypatch):
         assert (kind, cfg) == ("fwd_gluon" if bias_shape is None else "fwd_gluon_bias", want_cfg)
         tf._forward_gluon(c, c.q, c.k, c.v, out, lse, 128, 128, cfg, gb)
         (grid, a, kw), = calls
-        assert grid == (3 * 8,)  # ceil(300 / 128) query blocks x (batch, head), one axis: no 65535 cap
+        # ceil(300 / 128) query blocks x (batch, head) tiles, one axis: no 65535 cap
+        assert grid == ((8,) if want_cfg.persistent else (3 * 8,))
         qd, kd, vd, od, lse_arg, kvl, bias_desc, bmul, hmul, *rb_args = a[:13]
         assert qd.block_shape == [1, 1, 64, 128] and od.block_shape == [1, 1, 64, 128]
         assert kd.block_shape == vd.block_shape == [1, 1, want_cfg.block_n, 128]
@@ -195,6 +208,8 @@ def test_host_launch_arguments(monkeypatch):
         assert a[13:15] == (4, 2)  # Hq, group size
         # causal: 3 query blocks x 8 (batch, head) in groups of >= 2·SMs / 3 = 6 (sm_count is 8 off a GPU): one
         assert a[21] == 1
+        # 24 tiles walked by 8 programs (sm_count off a GPU); three stages leave no room for O beside Q
+        assert a[22] == 24 and kw["PERSISTENT"] is want_cfg.persistent and kw["SEP_O"] is False
         assert kw["HAS_BIAS"] == (bias_shape is not None) and kw["IS_CAUSAL"] and kw["HAS_KVLEN"]
         assert kw["BATCH_INNER"] is False  # no bias, or one per batch element: the usual order
         assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["STAGES"], kw["PINGPONG"]) == (
@@ -203,6 +218,33 @@ def test_host_launch_arguments(monkeypatch):
             assert bias_desc.base.data_ptr() == c.bias.data_ptr() and (bmul, hmul) == (1, 1)
             assert bias_desc.block_shape == [1, 1, 64, want_cfg.block_n]
         assert tf.LAST_COMPILED["attn_fwd_gluon_kernel"] == (want_cfg, "handle")
+
+
+@pytest.mark.parametrize("cfg,sep_o", [
+    (tf.BlockConfig(128, 128, 4, 2, qreg=True, persistent=True), True),  # d128: Q, O and two stages fit
+    (tf.BlockConfig(128, 128, 4, 3, pingpong=True, persistent=True), False),  # three stages leave no room for O
+    (tf.BlockConfig(128, 128, 4, 2, persistent=False), False),
+])
+def test_persistent_launch(cfg, sep_o, monkeypatch):
+    # A persistent forward launches one program per SM (8 off a GPU) over all 24 tiles, and stages O apart from Q
+    # only where shared memory holds both beside the K/V ring. A causal mask or a window (uneven work per tile)
+    # keeps one program per tile past 16 query blocks per (batch, head).
+    import fa_compile.kernels.gluon_fwd as gf
+
+    calls = _record_launches(monkeypatch, gf, "attn_fwd_gluon_ws_kernel")
+    for nq, kw in ((300, dict(kv_lens=[904, 5])), (300, dict(causal=True)), (2200, dict(window_left=64)),
+                   (2200, dict(causal=True)), (2200, {})):
+        calls.clear()
+        c = _case(nq=nq, **kw)
+        out = torch.empty(2, nq, 4, 128, dtype=torch.bfloat16).transpose(1, 2)
+        tf._forward_gluon(c, c.q, c.k, c.v, out, torch.empty(2, 4, nq), 128, 128, cfg, None)
+        (grid, a, launch), = calls
+        tiles = -(-nq // 128) * 8
+        walks = cfg.persistent and (nq == 300 or not kw)
+        assert grid == ((8,) if walks else (tiles,)) and a[22] == tiles
+        assert launch["PERSISTENT"] is walks and launch["SEP_O"] is (sep_o and walks)
+        assert tf.LAST_COMPILED["attn_fwd_gluon_kernel"][0].persistent is walks
+    assert tf._gluon_separate_o(cfg, 128, 64, 0)  # widths that differ always have their own O tile
 
 
 @pytest.mark.parametrize("bias_shape,batch,want", [
@@ -383,7 +425,7 @@ def test_row_bias_routing_and_launch_arguments(name, monkeypatch):
     (grid, a, kw), = calls
     cfg = tf.GLUON_ROWBIAS_CONFIGS[128]
     assert tf._gluon_config(None, 128, row_bias=True) == ("fwd_gluon_rowbias", cfg)
-    assert grid == (3 * 8,) and a[4] is lse and a[5] is c.kv_lens
+    assert grid == ((8,) if cfg.persistent else (3 * 8,)) and a[4] is lse and a[5] is c.kv_lens
     rb, *strides = a[9:13]
     assert kw["ROW_BIAS"] == want[0] and not kw["HAS_BIAS"] and kw["IS_CAUSAL"] and kw["HAS_KVLEN"]
     assert rb.dtype == want[1] and rb.data_ptr() == c.bias.data_ptr() and tuple(strides) == want[2]

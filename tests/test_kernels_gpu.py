@@ -73,17 +73,27 @@ def test_window_kv_lens_fp16(fwd_path):
     (256, (128, 32, 3, False), dict()),
     (192, (128, 64, 2, False), dict(dv=128)),
     (192, (128, 64, 2, False, True), dict(dv=128, causal=True)),
+    # Persistent (each of 5 programs walks several of the 48 tiles): O in a tile of its own or in Q's slot.
+    (128, (128, 128, 2, False, True, True), dict(causal=True, diag_offset=-37, kv_lens=[901, 130])),
+    (128, (128, 128, 3, False, True, True), dict(window_left=100, window_right=0, kv_lens=[901, 3])),
+    (64, (128, 128, 2, True, False, True), dict(kv_lens=[0, 640])),
+    (256, (128, 64, 2, False, False, True), dict(causal=True, diag_offset=201)),
+    (192, (128, 64, 2, False, True, True), dict(dv=128, kv_lens=[77, 901])),
 ], ids=["d128", "d128_pp_neg_offset", "d128_n64_lens", "d128_pp_window", "d128_qreg_window_lens", "d64_pp_lens",
-        "d64_causal", "d256_pp_br", "d256_n32", "mla", "mla_pp_causal"])
+        "d64_causal", "d256_pp_br", "d256_n32", "mla", "mla_pp_causal", "persistent_d128_own_o",
+        "persistent_d128_o_in_q", "persistent_d64_qreg_empty_seq", "persistent_d256", "persistent_mla"])
 def test_gluon_forward_configs(d, cfg, kw, monkeypatch):
     # Every tile shape the tuning compares, on ragged GQA shapes with masks that leave some rows empty.
     bm, bn, st, qreg, *pp = cfg
-    want = tf.BlockConfig(bm, bn, 4, st, qreg=qreg, pingpong=bool(pp and pp[0]))
+    persistent = len(pp) > 1 and pp[1]
+    want = tf.BlockConfig(bm, bn, 4, st, qreg=qreg, pingpong=bool(pp and pp[0]), persistent=persistent)
+    if persistent:
+        monkeypatch.setattr(tf, "sm_count", lambda device: 5)
     key = max(64, 1 << (max(d, kw.get("dv", d)) - 1).bit_length())
     monkeypatch.setitem(tf.CONFIG_OVERRIDE, ("fwd_gluon", key), want)
     tf.LAST_COMPILED.pop("attn_fwd_gluon_kernel", None)
     _check(b=2, hq=4, hkv=2, nq=700, nk=901, d=d, dtype=BF16, layout="bshd", **kw)
-    assert tf.LAST_COMPILED["attn_fwd_gluon_kernel"][0] == want
+    assert tf.LAST_COMPILED["attn_fwd_gluon_kernel"][0] == want  # 6 query blocks: persistent under a mask too
 
 
 @pytest.mark.parametrize("shape", [(1, 4, 257, 300), (257, 300), (2, 1, 1, 300)], ids=["heads", "2d", "keys"])

@@ -52,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
 from .gluon_fwd import LOG2E, _partition_barrier, _tma_load, zero_rows_from
-from .triton_common import dropout_keep, dropout_row_hash, grouped_program_ids, key_limit, q_block_range, structural_ok
+from .triton_common import dropout_keep, dropout_row_hash, grouped_tile_ids, key_limit, q_block_range, structural_ok
 
 
 # Helpers of the tl kernels, re-wrapped for Gluon: query-block bounds of a key block (blocks in
@@ -60,7 +60,7 @@ from .triton_common import dropout_keep, dropout_row_hash, grouped_program_ids, 
 _q_range = gluon.jit(q_block_range.fn)
 _key_limit = gluon.jit(key_limit.fn)
 _structural_ok = gluon.jit(structural_ok.fn)
-_grouped_ids = gluon.jit(grouped_program_ids.fn)
+_grouped_ids = gluon.jit(grouped_tile_ids.fn)
 _dropout_row_hash = gluon.jit(dropout_row_hash.fn)
 _dropout_keep = gluon.jit(dropout_keep.fn)
 
@@ -281,7 +281,7 @@ def attn_bwd_gluon_kernel(
     n_groups: the launch order's (batch x K/V head) groups (triton_family.launch_groups; causal: key block 0,
     which has the most query rows, first in each group)."""
     dtype: gl.constexpr = q_desc.dtype
-    pid_n, bhk = _grouped_ids((Nk + BLOCK_N - 1) // BLOCK_N, n_groups, False)
+    pid_n, bhk = _grouped_ids(gl.program_id(0), gl.num_programs(0), (Nk + BLOCK_N - 1) // BLOCK_N, n_groups, False)
     b = bhk // Hkv
     hk = bhk % Hkv
     n0 = pid_n * BLOCK_N

@@ -12,6 +12,12 @@ A program owns 128 query rows and runs three partitions (`gl.warp_specialize`):
   so the exp2 work of block j overlaps P·V of block j-1, and (PINGPONG) the two warpgroups take
   turns issuing, so one's softmax runs while the other's products hold the tensor cores.
 Registers are rebalanced with setmaxnreg: 240 per consumer thread, 24 for the producer.
+Persistent (PERSISTENT): one program per SM walks tiles p, p + P, ... in the launch order; every partition
+derives a tile's coordinates from its index (_tile), the K/V ring's slots and phases run on across tiles, and
+the producer loads the next tile's first K/V blocks and then its Q (once the consumers free Q's slot) while
+the consumers finish the previous tile. With SEP_O the output has a shared tile of its own, so its TMA store
+runs behind the next tile; without it O is staged in Q's slot and the next Q waits for that store. Without
+PERSISTENT each program runs one tile as straight-line code (no tile state is carried around a loop).
 
 Measured on H200 (benchmarks/results/kernels.md): a one-warpgroup version of the same loop was no
 faster than the `tl` kernel (529 vs 522 TFLOP/s at d128); the 128-row warp-specialized program is
@@ -33,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
-from .triton_common import grouped_program_ids, key_limit, kv_block_range
+from .triton_common import grouped_tile_ids, key_limit, kv_block_range
 
 LN2 = gl.constexpr(0.6931471805599453)
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -48,24 +54,43 @@ _partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 # Helpers of the tl kernels, re-wrapped for Gluon (they use scalar tl builtins only): key-block bounds
 # (blocks in [full_lo, full_hi) need no mask, blocks outside [lo, hi) are skipped), a batch's key count
-# (kv_lens) and the one-axis grid's (query block, batch x head) ids.
+# (kv_lens) and a tile's (query block, batch x head) ids in the launch order.
 _kv_range = gluon.jit(kv_block_range.fn)
 _key_limit = gluon.jit(key_limit.fn)
-_grouped_ids = gluon.jit(grouped_program_ids.fn)
+_grouped_ids = gluon.jit(grouped_tile_ids.fn)
 
 
 @gluon.jit
-def _batch_inner_ids(n_m, Hq, REVERSE: gl.constexpr):
-    """(query block, b·Hq + h) with the batch index fastest: the programs that read the same rows of a bias
-    shared across the batch run in the same wave, so those rows cross DRAM about once instead of once per
+def _batch_inner_ids(t, n_tiles, n_m, Hq, REVERSE: gl.constexpr):
+    """(query block, b·Hq + h) of tile t with the batch index fastest: the programs that read the same rows of a
+    bias shared across the batch run in the same wave, so those rows cross DRAM about once instead of once per
     batch element; the query blocks of one (b, h) still run together and share its K/V in L2."""
-    n_b = gl.num_programs(0) // (n_m * Hq)
-    pid = gl.program_id(0)
-    rest = pid // n_b
+    n_b = n_tiles // (n_m * Hq)
+    rest = t // n_b
     m = rest % n_m
     if REVERSE:
         m = n_m - 1 - m
-    return m, (pid % n_b) * Hq + rest // n_m
+    return m, (t % n_b) * Hq + rest // n_m
+
+
+@gluon.jit
+def _tile(t, n_tiles, Hq, G, Nq, Nk, KVLENS, n_groups, diag_offset, window_left, window_right,
+          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
+          HAS_WR: gl.constexpr, HAS_KVLEN: gl.constexpr, REVERSE_M: gl.constexpr, BATCH_INNER: gl.constexpr):
+    """Tile t's (b, h, kv head, b·Hq + h, first row, key limit, first key, key blocks): every partition
+    computes them itself, so none waits on another for them."""
+    n_m = (Nq + BLOCK_M - 1) // BLOCK_M
+    if BATCH_INNER:
+        pid_m, bh = _batch_inner_ids(t, n_tiles, n_m, Hq, REVERSE_M)
+    else:
+        pid_m, bh = _grouped_ids(t, n_tiles, n_m, n_groups, REVERSE_M)
+    b = bh // Hq
+    h = bh % Hq
+    m0 = pid_m * BLOCK_M
+    n_lim = _key_limit(KVLENS, b, Nk, HAS_KVLEN)
+    lo, _full_lo, _full_hi, hi = _kv_range(m0, Nq, n_lim, diag_offset, window_left, window_right,
+                                           IS_CAUSAL, HAS_WL, HAS_WR, BLOCK_M, BLOCK_N)
+    return b, h, h // G, bh, m0, n_lim, lo, (hi - lo) // BLOCK_N
 
 
 @gluon.jit
@@ -192,38 +217,91 @@ def _add_row_bias(s, scale, kb, ROW_BIAS: gl.constexpr):
 
 
 @gluon.jit
-def _ws_producer(q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, k_empty,
-                 v_empty, b_full, b_empty, b, h, hk, bb, bh_bias, m0, lo, n_blocks,
-                 WG_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr):
-    for i in gl.static_range(2):
-        mbarrier.expect(q_bar.index(i), q_desc.block_type.nbytes)
-        _tma_load(q_desc, [b, h, m0 + i * WG_M, 0], q_bar.index(i), q_smem.index(i))
-    for j in range(n_blocks):
-        slot = j % STAGES
-        free_phase = ((j // STAGES) & 1) ^ 1  # a fresh barrier counts as having completed phase 1
-        start_n = lo + j * BLOCK_N
-        mbarrier.wait(k_empty.index(slot), free_phase)
-        mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [b, hk, start_n, 0], k_full.index(slot), k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), free_phase)
-        mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [b, hk, start_n, 0], v_full.index(slot), v_smem.index(slot))
-        if HAS_BIAS:  # one [64, BLOCK_N] bias tile per consumer, both on one barrier
-            mbarrier.wait(b_empty.index(slot), free_phase)
-            mbarrier.expect(b_full.index(slot), 2 * bias_desc.block_type.nbytes)
-            for i in gl.static_range(2):
-                _tma_load(bias_desc, [bb, bh_bias, m0 + i * WG_M, start_n], b_full.index(slot),
-                          b_smem.index(slot * 2 + i))
+def _load_kv(k_desc, v_desc, bias_desc, k_smem, v_smem, b_smem, k_full, v_full, k_empty, v_empty, b_full, b_empty,
+             g, b, hk, bb, bh_bias, m0, start_n, WG_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """The K and V tiles (and the two bias tiles) of the program's g-th key block into ring slot g % STAGES."""
+    slot = g % STAGES
+    free_phase = ((g // STAGES) & 1) ^ 1  # a fresh barrier counts as having completed phase 1
+    mbarrier.wait(k_empty.index(slot), free_phase)
+    mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
+    _tma_load(k_desc, [b, hk, start_n, 0], k_full.index(slot), k_smem.index(slot))
+    mbarrier.wait(v_empty.index(slot), free_phase)
+    mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
+    _tma_load(v_desc, [b, hk, start_n, 0], v_full.index(slot), v_smem.index(slot))
+    if HAS_BIAS:  # one [64, BLOCK_N] bias tile per consumer, both on one barrier
+        mbarrier.wait(b_empty.index(slot), free_phase)
+        mbarrier.expect(b_full.index(slot), 2 * bias_desc.block_type.nbytes)
+        for i in gl.static_range(2):
+            _tma_load(bias_desc, [bb, bh_bias, m0 + i * WG_M, start_n], b_full.index(slot),
+                      b_smem.index(slot * 2 + i))
 
 
 @gluon.jit
-def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, k_empty, v_empty, b_full, b_empty,
-                 my_turn, their_turn, o_desc, LSE, b, h, bh, m0, Nq, n_lim, lo, n_blocks, qk_scale, diag_offset,
-                 window_left, window_right, row_bias, rb_stride_b, rb_stride_h, rb_stride_n,
-                 WG_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
-                 STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr,
-                 QREG: gl.constexpr, PINGPONG: gl.constexpr, FIRST: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 ROW_BIAS: gl.constexpr, SINKS, HAS_SINKS: gl.constexpr, HAS_KVLEN: gl.constexpr):
+def _produce_tile(t, it, tc, q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, b_smem, q_bar, q_empty,
+                  k_full, v_full, k_empty, v_empty, b_full, b_empty, bias_b_mul, bias_h_mul, KVLENS, n_tiles, Hq, G,
+                  Nq, Nk, n_groups, diag_offset, window_left, window_right,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr, HAS_KVLEN: gl.constexpr,
+                  REVERSE_M: gl.constexpr, BATCH_INNER: gl.constexpr):
+    """Tile t's loads, its key blocks from the ring's position `it`, its Q in phase tc & 1; returns (it, tc) next."""
+    WG_M: gl.constexpr = BLOCK_M // 2
+    b, h, hk, bh, m0, n_lim, lo, n_blocks = _tile(
+        t, n_tiles, Hq, G, Nq, Nk, KVLENS, n_groups, diag_offset, window_left, window_right, BLOCK_M, BLOCK_N,
+        IS_CAUSAL, HAS_WL, HAS_WR, HAS_KVLEN, REVERSE_M, BATCH_INNER)
+    bb = b * bias_b_mul
+    bh_bias = h * bias_h_mul
+    # The first key blocks go into the slots the previous tile frees, before this tile's Q waits for the
+    # consumers to finish with the previous one's: the next tile's loads overlap the previous tile's end.
+    n_pre = gl.minimum(n_blocks, STAGES)
+    for j in range(n_pre):
+        _load_kv(k_desc, v_desc, bias_desc, k_smem, v_smem, b_smem, k_full, v_full, k_empty, v_empty, b_full,
+                 b_empty, it + j, b, hk, bb, bh_bias, m0, lo + j * BLOCK_N, WG_M, STAGES, HAS_BIAS)
+    for i in gl.static_range(2):
+        mbarrier.wait(q_empty.index(i), (tc & 1) ^ 1)
+        mbarrier.expect(q_bar.index(i), q_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h, m0 + i * WG_M, 0], q_bar.index(i), q_smem.index(i))
+    for j in range(n_pre, n_blocks):
+        _load_kv(k_desc, v_desc, bias_desc, k_smem, v_smem, b_smem, k_full, v_full, k_empty, v_empty, b_full,
+                 b_empty, it + j, b, hk, bb, bh_bias, m0, lo + j * BLOCK_N, WG_M, STAGES, HAS_BIAS)
+    return it + n_blocks, tc + 1
+
+
+@gluon.jit
+def _ws_producer(q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, b_smem, q_bar, q_empty, k_full, v_full,
+                 k_empty, v_empty, b_full, b_empty, bias_b_mul, bias_h_mul, KVLENS, n_tiles, Hq, G, Nq, Nk, n_groups,
+                 diag_offset, window_left, window_right,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr, HAS_KVLEN: gl.constexpr,
+                 REVERSE_M: gl.constexpr, BATCH_INNER: gl.constexpr, PERSISTENT: gl.constexpr):
+    if PERSISTENT:
+        it = 0  # key blocks loaded so far by this program (the ring's position)
+        tc = 0  # tiles begun
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            it, tc = _produce_tile(
+                t, it, tc, q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, b_smem, q_bar, q_empty, k_full,
+                v_full, k_empty, v_empty, b_full, b_empty, bias_b_mul, bias_h_mul, KVLENS, n_tiles, Hq, G, Nq, Nk,
+                n_groups, diag_offset, window_left, window_right, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, IS_CAUSAL,
+                HAS_WL, HAS_WR, HAS_KVLEN, REVERSE_M, BATCH_INNER)
+    else:
+        _produce_tile(
+            gl.program_id(0), 0, 0, q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, b_smem, q_bar, q_empty,
+            k_full, v_full, k_empty, v_empty, b_full, b_empty, bias_b_mul, bias_h_mul, KVLENS, n_tiles, Hq, G, Nq, Nk,
+            n_groups, diag_offset, window_left, window_right, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, IS_CAUSAL, HAS_WL,
+            HAS_WR, HAS_KVLEN, REVERSE_M, BATCH_INNER)
+
+
+@gluon.jit
+def _consume_tile(t, it, tc, turn_phase, q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, q_empty, k_full, v_full,
+                  k_empty, v_empty, b_full, b_empty, my_turn, their_turn, o_desc, LSE, KVLENS, n_tiles, Hq, G, Nq, Nk,
+                  n_groups, qk_scale, diag_offset, window_left, window_right, row_bias, rb_stride_b, rb_stride_h,
+                  rb_stride_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                  BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
+                  HAS_WR: gl.constexpr, QREG: gl.constexpr, PINGPONG: gl.constexpr, FIRST: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, ROW_BIAS: gl.constexpr, SINKS, HAS_SINKS: gl.constexpr,
+                  HAS_KVLEN: gl.constexpr, REVERSE_M: gl.constexpr, BATCH_INNER: gl.constexpr, SEP_O: gl.constexpr):
+    """One consumer warpgroup's share of tile t: its 64 rows, from key block `it` of the program's ring and with
+    the tile's Q in phase tc & 1. Returns (it, tc, turn_phase) for the next tile."""
+    WG_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -234,34 +312,37 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
     rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     cols_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    # This warpgroup's own unmasked range; the program's range [lo, lo + n_blocks) is the union of both.
+    cols0 = gl.arange(0, BLOCK_N, layout=cols_layout)
+    s_zero = gl.zeros([WG_M, BLOCK_N], gl.float32, layout=s_layout)
+    q2 = q_smem.reshape([WG_M, BLOCK_D])
+    b, h, hk, bh, m0, n_lim, lo, n_blocks = _tile(
+        t, n_tiles, Hq, G, Nq, Nk, KVLENS, n_groups, diag_offset, window_left, window_right, BLOCK_M, BLOCK_N,
+        IS_CAUSAL, HAS_WL, HAS_WR, HAS_KVLEN, REVERSE_M, BATCH_INNER)
+    if not FIRST:
+        m0 = m0 + WG_M
+    # This warpgroup's own unmasked range; the tile's range [lo, lo + n_blocks) is the union of both.
     _lo, full_lo, full_hi, _hi = _kv_range(m0, Nq, n_lim, diag_offset, window_left, window_right,
                                            IS_CAUSAL, HAS_WL, HAS_WR, WG_M, BLOCK_N)
     rows = m0 + gl.arange(0, WG_M, layout=rows_layout)
-    cols0 = gl.arange(0, BLOCK_N, layout=cols_layout)
     m_i = gl.full([WG_M], float("-inf"), gl.float32, layout=rows_layout)
     l_i = gl.full([WG_M], 0.0, gl.float32, layout=rows_layout)
     acc = gl.zeros([WG_M, BLOCK_DV], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([WG_M, BLOCK_N], gl.float32, layout=s_layout)
 
-    mbarrier.wait(q_bar, 0)
-    q2 = q_smem.reshape([WG_M, BLOCK_D])
+    mbarrier.wait(q_bar, tc & 1)
     if QREG:
         q_op = q2.load(q_layout)
+        if SEP_O:  # Q lives in registers now: the producer may load the next tile's into its slot
+            mbarrier.arrive(q_empty)
     else:
         q_op = q2
     kb = None  # the key vector of the current block (ROW_BIAS), loaded between Q·Kᵀ's issue and its wait
     if ROW_BIAS != 0:
         rb_row = row_bias + b.to(gl.int64) * rb_stride_b + h.to(gl.int64) * rb_stride_h
 
-    # Ping-pong: the two warpgroups take turns issuing their wgmma (turn t of a warpgroup waits for the
-    # other's turn t - 1), so one's softmax runs while the other's products occupy the tensor cores.
-    # The first warpgroup's wait on a fresh barrier with parity 1 passes at once.
-    turn_phase = 0 if FIRST else 1
     if n_blocks > 0:
-        mbarrier.wait(k_full.index(0), 0)
-        k_t = k_smem.index(0).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
+        g0 = it
+        mbarrier.wait(k_full.index(g0 % STAGES), (g0 // STAGES) & 1)
+        k_t = k_smem.index(g0 % STAGES).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
         turn_phase = _take_turn(my_turn, turn_phase, PINGPONG)
         s_tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
         _pass_turn(their_turn, PINGPONG)
@@ -272,19 +353,21 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
             kb = _key_bias(rb_row, lo, cols0, n_lim, rb_stride_n)
         bt0 = None  # (named apart from the loop's `bt`, which would otherwise be carried across iterations)
         if HAS_BIAS:
-            bt0 = _load_bias(b_smem, b_full, b_empty, 0, 0, s_layout, WG_M, BLOCK_N, FIRST)
+            bt0 = _load_bias(b_smem, b_full, b_empty, g0 % STAGES, (g0 // STAGES) & 1, s_layout, WG_M, BLOCK_N,
+                             FIRST)
         s = warpgroup_mma_wait(0, deps=[s_tok])
-        mbarrier.arrive(k_empty.index(0))
+        mbarrier.arrive(k_empty.index(g0 % STAGES))
         s, scale = _finish_scores(s, qk_scale, bt0, kb, rows, lo, cols0, n_lim, full_lo, full_hi, diag_offset,
                                   window_left, window_right, IS_CAUSAL, HAS_WL, HAS_WR, HAS_BIAS, ROW_BIAS)
         p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, scale)
         for j in range(1, n_blocks):
-            slot = j % STAGES
-            prev = (j - 1) % STAGES
+            g = it + j
+            slot = g % STAGES
+            prev = (g - 1) % STAGES
             start_n = lo + j * BLOCK_N
-            mbarrier.wait(k_full.index(slot), (j // STAGES) & 1)
+            mbarrier.wait(k_full.index(slot), (g // STAGES) & 1)
             k_t = k_smem.index(slot).reshape([BLOCK_N, BLOCK_D]).permute((1, 0))
-            mbarrier.wait(v_full.index(prev), ((j - 1) // STAGES) & 1)
+            mbarrier.wait(v_full.index(prev), ((g - 1) // STAGES) & 1)
             v_j = v_smem.index(prev).reshape([BLOCK_N, BLOCK_DV])
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             turn_phase = _take_turn(my_turn, turn_phase, PINGPONG)
@@ -295,21 +378,25 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
                 kb = _key_bias(rb_row, start_n, cols0, n_lim, rb_stride_n)
             bt = None
             if HAS_BIAS:
-                bt = _load_bias(b_smem, b_full, b_empty, slot, (j // STAGES) & 1, s_layout, WG_M, BLOCK_N, FIRST)
+                bt = _load_bias(b_smem, b_full, b_empty, slot, (g // STAGES) & 1, s_layout, WG_M, BLOCK_N,
+                                FIRST)
             s = warpgroup_mma_wait(1, deps=[s_tok])
             mbarrier.arrive(k_empty.index(slot))
-            s, scale = _finish_scores(s, qk_scale, bt, kb, rows, start_n, cols0, n_lim, full_lo, full_hi, diag_offset,
-                                      window_left, window_right, IS_CAUSAL, HAS_WL, HAS_WR, HAS_BIAS, ROW_BIAS)
+            s, scale = _finish_scores(s, qk_scale, bt, kb, rows, start_n, cols0, n_lim, full_lo, full_hi,
+                                      diag_offset, window_left, window_right, IS_CAUSAL, HAS_WL, HAS_WR, HAS_BIAS,
+                                      ROW_BIAS)
             p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, scale)
             acc = warpgroup_mma_wait(0, deps=[o_tok])
             mbarrier.arrive(v_empty.index(prev))
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
         last = n_blocks - 1
-        mbarrier.wait(v_full.index(last % STAGES), (last // STAGES) & 1)
-        v_j = v_smem.index(last % STAGES).reshape([BLOCK_N, BLOCK_DV])
+        g_last = it + last
+        mbarrier.wait(v_full.index(g_last % STAGES), (g_last // STAGES) & 1)
+        v_j = v_smem.index(g_last % STAGES).reshape([BLOCK_N, BLOCK_DV])
         if HAS_KVLEN:
             # The key range ends at the length (kv_block_range), so only the last tile can straddle it. Both
-            # warpgroups zero the same rows of the shared tile (each before its own product; they write only zeros).
+            # warpgroups zero the same rows of the shared tile (each before its own product; they write only
+            # zeros).
             last_n = lo + last * BLOCK_N
             if last_n + BLOCK_N > n_lim:
                 zero_rows_from(v_j, n_lim - last_n, BLOCK_N, BLOCK_DV, 4)
@@ -320,6 +407,9 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
         o_tok = warpgroup_mma(p_op, v_j, acc, is_async=True)
         _pass_turn(their_turn, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
+        mbarrier.arrive(v_empty.index(g_last % STAGES))
+    if SEP_O and not QREG:  # every Q·Kᵀ of the tile has retired
+        mbarrier.arrive(q_empty)
 
     if HAS_SINKS:
         # The head's sink logit: one more score with no value, in the max and the denominator (m_i is in
@@ -336,9 +426,48 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
     out = acc * gl.expand_dims(gl.convert_layout(inv_l, orow_layout), 1)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)
     gl.store(LSE + bh.to(gl.int64) * Nq + rows, lse, mask=rows < Nq)
+    if SEP_O:
+        tma.store_wait(0)  # the previous tile's output has left o_smem (its store ran behind this tile)
     o_smem.reshape([WG_M, BLOCK_DV]).store(out.to(dtype))
     fence_async_shared()
     _tma_store(o_desc, [b, h, m0, 0], o_smem)
+    if not SEP_O:  # O shares Q's slot: the next Q may land only once the output has left it
+        tma.store_wait(0)
+        mbarrier.arrive(q_empty)
+    return it + n_blocks, tc + 1, turn_phase
+
+
+@gluon.jit
+def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, b_full,
+                 b_empty, my_turn, their_turn, o_desc, LSE, KVLENS, n_tiles, Hq, G, Nq, Nk, n_groups, qk_scale,
+                 diag_offset, window_left, window_right, row_bias, rb_stride_b, rb_stride_h, rb_stride_n,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
+                 STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr,
+                 QREG: gl.constexpr, PINGPONG: gl.constexpr, FIRST: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 ROW_BIAS: gl.constexpr, SINKS, HAS_SINKS: gl.constexpr, HAS_KVLEN: gl.constexpr,
+                 REVERSE_M: gl.constexpr, BATCH_INNER: gl.constexpr, SEP_O: gl.constexpr, PERSISTENT: gl.constexpr):
+    # Ping-pong: the two warpgroups take turns issuing their wgmma (turn t of a warpgroup waits for the
+    # other's turn t - 1), so one's softmax runs while the other's products occupy the tensor cores.
+    # The first warpgroup's wait on a fresh barrier with parity 1 passes at once. Both issue the same number of
+    # turns per tile, so the turns carry over from tile to tile.
+    turn_phase = 0 if FIRST else 1
+    if PERSISTENT:
+        it = 0  # key blocks consumed so far by this program (the ring's position)
+        tc = 0  # tiles begun
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            it, tc, turn_phase = _consume_tile(
+                t, it, tc, turn_phase, q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, q_empty, k_full, v_full,
+                k_empty, v_empty, b_full, b_empty, my_turn, their_turn, o_desc, LSE, KVLENS, n_tiles, Hq, G, Nq, Nk,
+                n_groups, qk_scale, diag_offset, window_left, window_right, row_bias, rb_stride_b, rb_stride_h,
+                rb_stride_n, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, IS_CAUSAL, HAS_WL, HAS_WR, QREG, PINGPONG,
+                FIRST, HAS_BIAS, ROW_BIAS, SINKS, HAS_SINKS, HAS_KVLEN, REVERSE_M, BATCH_INNER, SEP_O)
+    else:  # one tile, straight-line code: no tile state is carried around a loop
+        _consume_tile(
+            gl.program_id(0), 0, 0, turn_phase, q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, q_empty, k_full,
+            v_full, k_empty, v_empty, b_full, b_empty, my_turn, their_turn, o_desc, LSE, KVLENS, n_tiles, Hq, G, Nq,
+            Nk, n_groups, qk_scale, diag_offset, window_left, window_right, row_bias, rb_stride_b, rb_stride_h,
+            rb_stride_n, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, IS_CAUSAL, HAS_WL, HAS_WR, QREG, PINGPONG,
+            FIRST, HAS_BIAS, ROW_BIAS, SINKS, HAS_SINKS, HAS_KVLEN, REVERSE_M, BATCH_INNER, SEP_O)
     tma.store_wait(0)
 
 
@@ -346,40 +475,40 @@ def _ws_consumer(q_smem, o_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full, 
 def attn_fwd_gluon_ws_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE, KVLENS, bias_desc, bias_b_mul, bias_h_mul,
     row_bias, rb_stride_b, rb_stride_h, rb_stride_n,
-    Hq, G, Nq, Nk, qk_scale, diag_offset, window_left, window_right, n_groups,
+    Hq, G, Nq, Nk, qk_scale, diag_offset, window_left, window_right, n_groups, n_tiles,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_WR: gl.constexpr,
     HAS_KVLEN: gl.constexpr, REVERSE_M: gl.constexpr, QREG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PINGPONG: gl.constexpr = False, HAS_BIAS: gl.constexpr = False, ROW_BIAS: gl.constexpr = 0,
-    BATCH_INNER: gl.constexpr = False, SINKS=None, HAS_SINKS: gl.constexpr = False,
+    BATCH_INNER: gl.constexpr = False, SINKS=None, HAS_SINKS: gl.constexpr = False, SEP_O: gl.constexpr = False,
+    PERSISTENT: gl.constexpr = False,
 ):
-    """BLOCK_M = 128 query rows per program (two warpgroups of 64); launched with num_warps=4.
+    """BLOCK_M = 128 query rows per tile (two warpgroups of 64); launched with num_warps=4.
 
+    Program p runs tiles p, p + P, ... of n_tiles (P programs): P = n_tiles is one tile per program; fewer
+    programs are persistent, and then the producer loads the next tile's first K/V blocks and Q while the
+    consumers finish the previous tile and its output store runs behind the next tile (SEP_O).
+    SEP_O: the output's own shared tile, so Q's slot is freed as soon as Q is read (in registers with QREG, else
+    after the tile's last Q·Kᵀ); without it O is staged in Q's slot, freed once the output's store is done.
     ROW_BIAS: 0 none, 1 float, 2 bool (uint8) bias constant along query rows, at row_bias + b·rb_stride_b
     + h·rb_stride_h + key·rb_stride_n (strides of its broadcast [B, Hq, 1, Nk] view, 0 on broadcast dims);
     without it the four arguments are None (constexpr: the kernel's signature and code stay as they were).
-    BATCH_INNER: launch order with the batch fastest (_batch_inner_ids), for a bias tile shared by the batch.
-    n_groups: otherwise, the launch order's (batch x head) groups (triton_family.launch_groups).
+    BATCH_INNER: tile order with the batch fastest (_batch_inner_ids), for a bias tile shared by the batch.
+    n_groups: otherwise, the tile order's (batch x head) groups (triton_family.launch_groups).
     HAS_SINKS: SINKS [Hq] (any float dtype), each head's logit in the softmax denominator (ops.py)."""
     WG_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_desc.dtype
-    if BATCH_INNER:
-        pid_m, bh = _batch_inner_ids((Nq + BLOCK_M - 1) // BLOCK_M, Hq, REVERSE_M)
-    else:
-        pid_m, bh = _grouped_ids((Nq + BLOCK_M - 1) // BLOCK_M, n_groups, REVERSE_M)
-    b = bh // Hq
-    h = bh % Hq
-    hk = h // G
-    m0 = pid_m * BLOCK_M
 
     q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, WG_M, BLOCK_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_DV], v_desc.layout)
-    if BLOCK_D == BLOCK_DV:
-        o_smem = q_smem  # each warpgroup's Q tile is dead once its last Q·Kᵀ has retired
-    else:
+    if SEP_O:
         o_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, WG_M, BLOCK_DV], o_desc.layout)
+    else:
+        gl.static_assert(BLOCK_D == BLOCK_DV, "O staged in Q's slot needs BLOCK_D == BLOCK_DV")
+        o_smem = q_smem  # each warpgroup's Q tile is dead once its last Q·Kᵀ has retired
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -394,6 +523,7 @@ def attn_fwd_gluon_ws_kernel(
         b_smem = k_smem
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_full.index(i), count=1)
@@ -403,30 +533,28 @@ def attn_fwd_gluon_ws_kernel(
         mbarrier.init(b_full.index(i), count=1)
         mbarrier.init(b_empty.index(i), count=2)
 
-    n_lim = _key_limit(KVLENS, b, Nk, HAS_KVLEN)
-    lo, _full_lo, _full_hi, hi = _kv_range(m0, Nq, n_lim, diag_offset, window_left, window_right,
-                                           IS_CAUSAL, HAS_WL, HAS_WR, BLOCK_M, BLOCK_N)
-    n_blocks = (hi - lo) // BLOCK_N
-
     gl.warp_specialize([
-        (_ws_consumer, (q_smem.index(0), o_smem.index(0), k_smem, v_smem, b_smem, q_bar.index(0), k_full, v_full,
-                        k_empty, v_empty, b_full, b_empty, turn.index(0), turn.index(1), o_desc, LSE, b, h, bh, m0,
-                        Nq, n_lim, lo, n_blocks, qk_scale, diag_offset, window_left, window_right, row_bias,
-                        rb_stride_b, rb_stride_h, rb_stride_n, WG_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, IS_CAUSAL,
-                        HAS_WL, HAS_WR, QREG, PINGPONG, True, HAS_BIAS, ROW_BIAS, SINKS, HAS_SINKS, HAS_KVLEN)),
-        (_ws_consumer, (q_smem.index(1), o_smem.index(1), k_smem, v_smem, b_smem, q_bar.index(1), k_full, v_full,
-                        k_empty, v_empty, b_full, b_empty, turn.index(1), turn.index(0), o_desc, LSE, b, h, bh,
-                        m0 + WG_M, Nq, n_lim, lo, n_blocks, qk_scale, diag_offset, window_left, window_right,
-                        row_bias, rb_stride_b, rb_stride_h, rb_stride_n, WG_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
+        (_ws_consumer, (q_smem.index(0), o_smem.index(0), k_smem, v_smem, b_smem, q_bar.index(0), q_empty.index(0),
+                        k_full, v_full, k_empty, v_empty, b_full, b_empty, turn.index(0), turn.index(1), o_desc, LSE,
+                        KVLENS, n_tiles, Hq, G, Nq, Nk, n_groups, qk_scale, diag_offset, window_left, window_right,
+                        row_bias, rb_stride_b, rb_stride_h, rb_stride_n, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
+                        IS_CAUSAL, HAS_WL, HAS_WR, QREG, PINGPONG, True, HAS_BIAS, ROW_BIAS, SINKS, HAS_SINKS,
+                        HAS_KVLEN, REVERSE_M, BATCH_INNER, SEP_O, PERSISTENT)),
+        (_ws_consumer, (q_smem.index(1), o_smem.index(1), k_smem, v_smem, b_smem, q_bar.index(1), q_empty.index(1),
+                        k_full, v_full, k_empty, v_empty, b_full, b_empty, turn.index(1), turn.index(0), o_desc, LSE,
+                        KVLENS, n_tiles, Hq, G, Nq, Nk, n_groups, qk_scale, diag_offset, window_left, window_right,
+                        row_bias, rb_stride_b, rb_stride_h, rb_stride_n, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES,
                         IS_CAUSAL, HAS_WL, HAS_WR, QREG, PINGPONG, False, HAS_BIAS, ROW_BIAS, SINKS, HAS_SINKS,
-                        HAS_KVLEN)),
-        (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, b_smem, q_bar, k_full, v_full,
-                        k_empty, v_empty, b_full, b_empty, b, h, hk, b * bias_b_mul, h * bias_h_mul, m0, lo,
-                        n_blocks, WG_M, BLOCK_N, STAGES, HAS_BIAS)),
+                        HAS_KVLEN, REVERSE_M, BATCH_INNER, SEP_O, PERSISTENT)),
+        (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, b_smem, q_bar, q_empty, k_full,
+                        v_full, k_empty, v_empty, b_full, b_empty, bias_b_mul, bias_h_mul, KVLENS, n_tiles, Hq, G,
+                        Nq, Nk, n_groups, diag_offset, window_left, window_right, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS,
+                        IS_CAUSAL, HAS_WL, HAS_WR, HAS_KVLEN, REVERSE_M, BATCH_INNER, PERSISTENT)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
     for i in gl.static_range(2):
         mbarrier.invalidate(q_bar.index(i))
+        mbarrier.invalidate(q_empty.index(i))
         mbarrier.invalidate(turn.index(i))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_full.index(i))

@@ -45,16 +45,21 @@ def grouped_program_ids(n_inner, n_groups, REVERSE: tl.constexpr):
     ones fill in behind them, instead of each (batch, head)'s long program starting only when the (batch, head)
     before it is done; a small group keeps the rows read by programs running together few (L2).
     n_groups = n_outer is program_ids' order."""
-    pid = tl.program_id(0)
-    n_outer = tl.num_programs(0) // n_inner
+    return grouped_tile_ids(tl.program_id(0), tl.num_programs(0), n_inner, n_groups, REVERSE)
+
+
+@triton.jit
+def grouped_tile_ids(t, n_tiles, n_inner, n_groups, REVERSE: tl.constexpr):
+    """grouped_program_ids of tile t of n_tiles: the same order for a persistent program that walks tiles."""
+    n_outer = n_tiles // n_inner
     base = tl.maximum(n_outer // n_groups, 1)
     extra = n_outer - base * n_groups  # the first `extra` groups hold base + 1 outer ids
-    big = extra * (base + 1) * n_inner  # programs of those groups
-    in_big = pid < big
+    big = extra * (base + 1) * n_inner  # tiles of those groups
+    in_big = t < big
     size = tl.where(in_big, base + 1, base)
-    g = tl.where(in_big, pid // ((base + 1) * n_inner), (pid - big) // (base * n_inner))
+    g = tl.where(in_big, t // ((base + 1) * n_inner), (t - big) // (base * n_inner))
     first_outer = tl.where(in_big, g * (base + 1), extra * (base + 1) + g * base)
-    rest = tl.where(in_big, pid - g * (base + 1) * n_inner, pid - big - g * base * n_inner)
+    rest = tl.where(in_big, t - g * (base + 1) * n_inner, t - big - g * base * n_inner)
     inner = rest // size
     if REVERSE:
         inner = n_inner - 1 - inner

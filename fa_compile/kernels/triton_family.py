@@ -61,6 +61,8 @@ class BlockConfig:
     qreg: bool = False
     # Gluon warp-specialized forward only: the two consumer warpgroups take turns issuing their wgmma.
     pingpong: bool = False
+    # Gluon forward only: one program per SM walks the tiles (gluon_fwd.attn_fwd_gluon_ws_kernel).
+    persistent: bool = False
 
 
 # Tests and the benchmark may pin configurations: {(kind, head_dim_block[, causal]): BlockConfig}, kind one of
@@ -372,11 +374,20 @@ def gluon_available() -> bool:
 # 2026-11-30, best of two timings (benchmarks/results/kernels.md, run E): d128 128x128 s3 ping-pong 640
 # TFLOP/s vs 618 without ping-pong and 527 for the tl kernel; d64 128x128 s2 447 (ping-pong 445);
 # d256 128x64 s2 661 (ping-pong 655).
+# Persistent: one program per SM walks the tiles (the same bits as one tile per program). H200, bf16, 2026-12-04,
+# benchmarks/persistent_fwd.py, 16k tokens, time against one tile per program (two runs where two are given):
+#   no mask   d64 0.84x at N 1k, 0.91-0.93x at 2k, 0.98-1.00x at 16k; d128 0.98x, 0.93-0.95x, 0.99-1.01x;
+#             d256 1.08x at 1k (O shares Q's shared tile there, so the next tile's Q waits for the output's
+#             store), 0.98-0.99x at 2k and 16k: d256 stays one tile per program.
+#   causal    d64 0.80x at 1k, 0.90-0.92x at 2k, 1.04x at 16k; d128 0.82x, 0.95-0.97x, 1.39x at 16k (d256 1.44x).
+# So under a causal mask or a window (work that differs per tile) programs are persistent only up to
+# GLUON_PERSISTENT_UNEVEN_BLOCKS query blocks per (batch, head); past it one program per tile (_forward_gluon).
 GLUON_CONFIGS: dict[int, BlockConfig] = {
-    64: BlockConfig(128, 128, 4, 2, qreg=True),
-    128: BlockConfig(128, 128, 4, 3, pingpong=True),
+    64: BlockConfig(128, 128, 4, 2, qreg=True, persistent=True),
+    128: BlockConfig(128, 128, 4, 3, pingpong=True, persistent=True),
     256: BlockConfig(128, 64, 4, 2),
 }
+GLUON_PERSISTENT_UNEVEN_BLOCKS = 16  # N 2k; benchmarks/persistent_fwd.py --uneven raises it
 # With a float bias tile the ring holds two bias tiles per slot as well: two stages fit in shared memory.
 # H200, bf16, d128, N 4096, B 4, H 16, [1, H, N, N] bias, 2026-12-01, four timings per variant in three
 # runs: 128x128 s2 without ping-pong best 472-485 TFLOP/s (medians 449-464), with it 458-505 (450-456),
@@ -495,18 +506,42 @@ def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int, cfg: Bl
         raise ValueError(f"Gluon forward config {cfg}: block_m must be 128 (two warpgroups of 64) and num_warps 4")
     wg_m = 64
     n_mblk = triton_cdiv(nq, cfg.block_m)
-    handle = attn_fwd_gluon_ws_kernel[(n_mblk * b * hq,)](
+    n_tiles = n_mblk * b * hq
+    # Under a causal mask or a window the tiles' work differs: persistent only up to GLUON_PERSISTENT_UNEVEN_BLOCKS
+    # query blocks per (batch, head) (GLUON_CONFIGS). Where it is off the kernel compiles as if it had no tile loop.
+    if cfg.persistent and _uneven_work(args) and n_mblk > GLUON_PERSISTENT_UNEVEN_BLOCKS:
+        cfg = dataclasses.replace(cfg, persistent=False)
+    grid = min(n_tiles, sm_count(q.device)) if cfg.persistent else n_tiles
+    handle = attn_fwd_gluon_ws_kernel[(grid,)](
         desc(q, wg_m, block_d), desc(k, cfg.block_n, block_d), desc(v, cfg.block_n, block_dv),
         desc(out, wg_m, block_dv), lse, kvl if kvl is not None else lse, *bias_args, *rb_args,
         hq, hq // hkv, nq, nk, float(args.scale) * LOG2E, int(args.diag_offset), int(args.window_left),
-        int(args.window_right), launch_groups(n_mblk, b * hq, q.device, _uneven_work(args)),
+        int(args.window_right), launch_groups(n_mblk, b * hq, q.device, _uneven_work(args)), n_tiles,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, STAGES=cfg.num_stages,
         IS_CAUSAL=bool(args.causal), HAS_WL=int(args.window_left) >= 0, HAS_WR=int(args.window_right) >= 0,
         HAS_KVLEN=kvl is not None, REVERSE_M=bool(args.causal), QREG=cfg.qreg, CONSUMER_REGS=240,
         PINGPONG=cfg.pingpong, HAS_BIAS=gb is not None, ROW_BIAS=row_bias,
-        BATCH_INNER=_bias_batch_inner(gb, b), SINKS=sinks, HAS_SINKS=sinks is not None, num_warps=4,
+        BATCH_INNER=_bias_batch_inner(gb, b), SINKS=sinks, HAS_SINKS=sinks is not None,
+        SEP_O=_gluon_separate_o(cfg, block_d, block_dv, gb[0].element_size() if gb is not None else 0),
+        PERSISTENT=cfg.persistent, num_warps=4,
     )
     LAST_COMPILED["attn_fwd_gluon_kernel"] = (cfg, handle)
+
+
+# Shared memory a Hopper block may use (227 KB), less room for the barriers and the compiler's own scratch.
+_GLUON_SMEM = 232448 - 8192
+
+
+def _gluon_separate_o(cfg: BlockConfig, block_d: int, block_dv: int, bias_bytes: int) -> bool:
+    """Whether the Gluon forward stages its output in a shared tile of its own (SEP_O) rather than in Q's slot:
+    always where their widths differ; for a persistent program wherever it fits, so that the next tile's Q can
+    land while this tile's output is stored. Bytes: Q and O 2 x 64 rows, the K/V ring, the bias tiles."""
+    if block_d != block_dv:
+        return True
+    if not cfg.persistent:
+        return False
+    ring = cfg.num_stages * cfg.block_n * (block_d + block_dv) * 2 + 2 * cfg.num_stages * 64 * cfg.block_n * bias_bytes
+    return 2 * 64 * (block_d + block_dv) * 2 + ring <= _GLUON_SMEM
 
 
 # Gluon backward tiles on Hopper, {head-dim block: BlockConfig(query rows per step, keys per program = 128,
