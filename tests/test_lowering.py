@@ -4,6 +4,7 @@ failures, and the pass's place in Inductor (cache key, FA_COMPILE=1, settings re
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import expecttest
@@ -102,39 +103,70 @@ def test_lowered_to_cpu_flash_matches_eager(case):
     _compare(got, want, s["dtype"])
     decisions = [r.decision for r in records()[n_before:]]
     # (the lse's own gradient, zero here, may add a second backward call: every call is lowered)
-    # a float bias keeps the op's backward (aten's CPU flash backward is wrong on rows of finfo.min)
-    bwd = None if case == "float_bias_empty_rows" else "aten._scaled_dot_product_flash_attention_for_cpu_backward"
+    # a float bias's backward is the reference math as graph ops (aten's CPU flash backward is wrong on rows
+    # of finfo.min)
+    bwd = (("backward", "reference_math", "graph ops (the reference math backward, fused by Inductor)")
+           if case == "float_bias_empty_rows" else
+           ("backward", "reference", "aten._scaled_dot_product_flash_attention_for_cpu_backward"))
     assert {(d.direction, d.kernel, d.target) for d in decisions} == {
-        ("forward", "reference", "aten._scaled_dot_product_flash_attention_for_cpu"),
-        ("backward", "reference", bwd),
+        ("forward", "reference", "aten._scaled_dot_product_flash_attention_for_cpu"), bwd,
     }, [str(d) for d in decisions]
     assert torch.isneginf(got[1]).any() == torch.isneginf(want[1]).any()
 
 
-KEPT = {
+REFUSED = {
     "softcap": (dict(softcap=5.0), "has no softcap"),
     "window": (dict(window=(4, 0)), "has no sliding window"),
     "bottom_right": (dict(causal="bottom_right"), "aligned top-left"),
+    "value_head_dim": (dict(dv=4), "V head dim equal"),
+    "window_gqa_kv_lens": (dict(window=(3, 1), hkv=2, kv_lens=torch.tensor([8, 5])), "has no sliding window"),
 }
 
 
-@pytest.mark.parametrize("case", list(KEPT))
-def test_sites_the_cpu_kernel_cannot_take_keep_the_op(case):
-    kw, reason = KEPT[case]
-    q, k, v = _inputs(nq=8)
+@pytest.mark.parametrize("case", list(REFUSED))
+@pytest.mark.parametrize("math_on", [True, False], ids=["reference_math", "switched_off"])
+def test_sites_the_cpu_kernel_cannot_take_get_the_reference_math(case, math_on, monkeypatch):
+    # What aten's CPU flash kernel refuses becomes the reference math as graph ops, forward and backward, with
+    # eager's outputs, lse and gradients; with FA_COMPILE_REFERENCE_MATH=0 the op keeps the site.
+    if not math_on:
+        monkeypatch.setenv("FA_COMPILE_REFERENCE_MATH", "0")
+    kw, reason = REFUSED[case]
+    kw = dict(kw)
+    hkv, dv = kw.pop("hkv", 4), kw.pop("dv", 8)
+    q, k, v = _inputs(nq=8, hkv=hkv)
+    v = v[..., :dv]
 
     def fn(q, k, v):
         return fa_compile.attention(q, k, v, return_lse=True, **kw)
 
-    w = torch.randn(2, 4, 8, 8)
+    w = torch.randn(2, 4, 8, dv)
     torch._dynamo.reset()
     n_before = len(records())
     with capture_graphs() as graphs:
         got = _run(torch.compile(fn, backend="fa3"), q, k, v, w)
     _compare(got, _run(fn, q, k, v, w), torch.float32)
     decisions = [r.decision for r in records()[n_before:]]
-    assert len(decisions) >= 2 and not any(d.lowered for d in decisions)
-    assert all(reason in d.reason for d in decisions), [d.reason for d in decisions]
+    assert sorted({d.direction for d in decisions}) == ["backward", "forward"], [str(d) for d in decisions]
+    if math_on:
+        assert all(d.lowered and d.kernel == "reference_math" for d in decisions), [str(d) for d in decisions]
+        assert all(reason in d.instead_of for d in decisions), [str(d) for d in decisions]
+        assert not any("torch.ops.fa3.attention" in g for g in graphs)
+    else:
+        assert not any(d.lowered for d in decisions)
+        assert all(reason in d.reason and "FA_COMPILE_REFERENCE_MATH=0" not in d.reason for d in decisions)
+        assert all("torch.ops.fa3.attention" in g for g in graphs)
+
+
+def test_forced_reference_keeps_the_op_on_cpu():
+    # kernel="reference" asks for the op's own reference: neither aten's kernel nor the graph-op math replaces it.
+    q, k, v = _inputs(nq=8)
+    torch._dynamo.reset()
+    n_before = len(records())
+    with capture_graphs() as graphs:
+        torch.compile(lambda q, k, v: fa_compile.attention(q, k, v, window=(4, 0), kernel="reference"),
+                      backend="fa3")(q, k, v)
+    decisions = [r.decision for r in records()[n_before:]]
+    assert decisions and not any(d.lowered for d in decisions) and "forced" in decisions[0].reason
     assert all("torch.ops.fa3.attention" in g for g in graphs)
 
 
@@ -342,7 +374,8 @@ def test_settings_act_at_compile_time():
     with sdpa_kernel([SDPBackend.MATH]):
         out = torch.compile(_causal_attn, backend="fa3")(q, k, v)
     torch.testing.assert_close(out, _causal_attn(q, k, v), **TOL[torch.float32])
-    assert not records()[-1].decision.lowered and "sdpa_kernel" in records()[-1].decision.reason
+    d = records()[-1].decision  # not aten's flash kernel: the reference math as graph ops
+    assert d.kernel == "reference_math" and d.lowered and "sdpa_kernel" in d.instead_of, str(d)
     torch._dynamo.reset()
     out = torch.compile(_causal_attn, backend=fa_compile.backend(kernel="reference"))(q, k, v)
     torch.testing.assert_close(out, _causal_attn(q, k, v), **TOL[torch.float32])
@@ -358,6 +391,16 @@ def test_pass_uuid_keys_the_graph_cache_on_settings_and_chained_passes():
     finally:
         torch.use_deterministic_algorithms(False)
     assert LoweringPass(chained=lambda g: None).uuid() is None  # a user's pass without uuid(): no caching
+    for switch in ("FA_COMPILE_REFERENCE_MATH", "FA_COMPILE_DECODE_MATH"):  # read by the choice: part of the key
+        old = os.environ.get(switch)
+        os.environ[switch] = "0"
+        try:
+            assert LoweringPass().uuid() != a, switch
+        finally:
+            if old is None:
+                os.environ.pop(switch)
+            else:
+                os.environ[switch] = old
 
 
 def test_tune_is_per_backend_and_mode_is_never_dropped():

@@ -2,7 +2,7 @@
 the reference against eager softmax attention under a dense mask built element by element, the op's
 autograd (no gradient for the ids), fake tensors, argument errors that name the argument, dispatch's
 reasons (the peers refuse, the reference and our Triton family take them) and the compile-time lowering,
-which keeps such a site on the op."""
+which makes such a CPU site the reference math as graph ops."""
 from __future__ import annotations
 
 import itertools
@@ -217,13 +217,51 @@ def test_peers_refuse_with_a_reason_and_the_reference_takes_them():
     assert "q_pos" in " ".join(common.common_feature_reasons(fake_cuda, "x"))
 
 
-def test_the_compile_time_lowering_keeps_the_op():
+def test_the_compile_time_lowering_takes_them_as_the_reference_math(monkeypatch):
+    # aten's CPU flash kernel has no run-time positions or segment ids: the reference math as graph ops takes
+    # the site; with it switched off the op keeps it.
     from fa_compile.lowering import choice
 
     for kw in (dict(q_pos=torch.tensor([3])), dict(q_seg=torch.zeros(1, dtype=torch.int64),
                                                    k_seg=torch.zeros(40, dtype=torch.int64))):
         d = choice.decide(_args(**kw), None, "forward", measure=False)
+        assert d.lowered and d.kernel == "reference_math" and "q_pos / segment ids" in d.instead_of, str(d)
+        with monkeypatch.context() as m:
+            m.setenv("FA_COMPILE_REFERENCE_MATH", "0")
+            d = choice.decide(_args(**kw), None, "forward", measure=False)
         assert not d.lowered and "q_pos / segment ids" in d.reason
+
+
+@pytest.mark.parametrize("name", ["q_pos_per_batch", "segments_sorted", "positions_and_segments"])
+def test_compiled_sites_match_eager(name):
+    # Compiled on CPU, the site becomes the reference math as graph ops: outputs and gradients (fp32) as the
+    # dense-mask eager attention's (computed in fp64).
+    from fa_compile.lowering import records
+
+    q, k, v = _qkv(grad=True)
+    kw = CASES[name](9, 13, _gen(4))
+
+    def fn(q, k, v):
+        return fa_compile.attention(q, k, v, scale=0.5, **kw)
+
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    n = len(records())
+    # (the pass records its decisions on a real compile, not on a cache hit)
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        out = torch.compile(fn, backend="fa3")(q, k, v)
+    decisions = [r.decision for r in records()[n:]]
+    assert decisions and all(d.lowered and d.kernel == "reference_math" for d in decisions), [str(d) for d in decisions]
+    want = eager_attention(q, k, v, 0.5, dense_keep(2, 9, 13, **kw))
+    torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=2e-6)
+    dout = torch.randn(out.shape, generator=_gen(5))
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    exp = torch.autograd.grad(want, (q, k, v), dout.double())
+    for n_, a, b in zip(("dq", "dk", "dv"), got, exp):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5, msg=lambda m, n_=n_: f"{n_}: {m}")
 
 
 def test_zero_sizes_with_positions_and_segments():

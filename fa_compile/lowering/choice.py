@@ -40,6 +40,7 @@ class Decision:
     folded: str = ""  # an output fix-up the lowered kernel computes itself (lowering/empty_rows.py)
     keys: str = ""  # KEYS_CUT_TEXT where the kernel reads keys only up to a key-padding mask's limit (key_limit.py)
     backward_note: str = ""  # how a lowered backward computes its gradients, where its lowering says (backward_note)
+    instead_of: str = ""  # why the kernel's own lowering refused the site, where a fallback lowering took it
 
     @property
     def lowered(self) -> bool:
@@ -47,17 +48,23 @@ class Decision:
 
     def __str__(self) -> str:
         if self.lowered:
-            notes = "; ".join(n for n in (self.folded, self.keys, self.backward_note) if n)
+            notes = "; ".join(n for n in (self.folded, self.keys, self.backward_note, self.instead_of) if n)
             return f"{self.kernel} -> {self.target}" + (f" ({notes})" if notes else "")
         return f"{self.kernel} (fa3 op, run-time dispatch: {self.reason})"
 
 
 LOWERINGS: dict[tuple[str, str], Lowering] = {}
+# {(device type, kernel): the name in LOWERINGS of a lowering that takes the kernel's sites its own refuses}
+FALLBACKS: dict[tuple[str, str], str] = {}
 KEYS_CUT_TEXT = "keys read up to each sequence's last unmasked one"
 
 
-def register(device_type: str, kernel: str, lowering: Lowering) -> None:
+def register(device_type: str, kernel: str, lowering: Lowering, fallback_for: Optional[str] = None) -> None:
+    """`fallback_for`: `lowering` also takes the sites of that kernel its own lowering refuses (registered under
+    `kernel`, a name of its own, as graph_pass looks the decision's kernel up)."""
     LOWERINGS[(device_type, kernel)] = lowering
+    if fallback_for is not None:
+        FALLBACKS[(device_type, fallback_for)] = kernel
 
 
 def _symbolic(x) -> bool:
@@ -221,10 +228,14 @@ def decide(args: dispatch.AttentionArgs, forced: Optional[str], direction: str, 
                         "them; the op keeps its run-time dispatch", refused=refused)
     if (args.q_pos is not None or args.q_seg is not None) and not getattr(
             LOWERINGS.get((args.q.device.type, name)), "takes_structure", False):
-        # Only the decode kernel's lowering takes run-time positions (the SDPA ops, the CPU flash op and the
-        # lowered Triton ops have none): the op and its run-time dispatch keep the site.
-        return Decision(direction, name, reason=f"q_pos / segment ids: the lowering of kernel {name!r} does not take "
-                        "them; the op keeps its run-time dispatch", refused=refused)
+        # Only the decode kernel's lowering and the reference math take run-time positions (the SDPA ops, the CPU
+        # flash op and the lowered Triton ops have none): the op and its run-time dispatch keep the site, unless
+        # the kernel's fallback lowering takes it.
+        why = [f"q_pos / segment ids: the lowering of kernel {name!r} does not take them"]
+        fb = _fallback(args, name, forced, direction, why, refused)
+        if fb is not None:
+            return fb
+        return Decision(direction, name, reason=why[0] + "; the op keeps its run-time dispatch", refused=refused)
     dyn = dynamic_dims(args)
     if dyn and args.q.device.type != "cpu":
         # On CUDA the order reads sizes (FA3 from 2048 tokens, FA2 for decode, head-dim limits): a
@@ -239,10 +250,29 @@ def decide(args: dispatch.AttentionArgs, forced: Optional[str], direction: str, 
         return Decision(direction, name, reason=f"kernel {name!r} is forced: it runs as it is", refused=refused)
     why = lowering.reasons(args, direction)
     if why:
+        fb = _fallback(args, name, forced, direction, why, refused)
+        if fb is not None:
+            return fb
         return Decision(direction, name, reason="; ".join(why), refused=refused)
     site_target = getattr(lowering, "target_for", None)  # a lowering whose op depends on the site
     target = site_target(args, direction) if site_target is not None else lowering.target(direction)
     return Decision(direction, name, target=target, refused=refused)
+
+
+def _fallback(args: dispatch.AttentionArgs, name: str, forced: Optional[str], direction: str, why: list[str],
+              refused: list) -> Optional[Decision]:
+    """The decision of the lowering registered as kernel `name`'s fallback (FALLBACKS) where it takes a site that
+    `name`'s own lowering refuses for `why`; None where there is none, it refuses too, or `name` is forced."""
+    fallback = FALLBACKS.get((args.q.device.type, name))
+    low = LOWERINGS.get((args.q.device.type, fallback)) if fallback is not None else None
+    if low is None or dispatch.forced_kernel(forced) == name or low.reasons(args, direction):
+        return None
+    if (args.q_pos is not None or args.q_seg is not None) and not getattr(low, "takes_structure", False):
+        return None
+    if args.sinks is not None and not getattr(low, "takes_sinks", False):
+        return None
+    return Decision(direction, fallback, target=low.target(direction), refused=refused,
+                    instead_of="instead of the kernel's lowering: " + "; ".join(why))
 
 
 def describe(args: dispatch.AttentionArgs, forced: Optional[str] = None, empty_fix: Optional[str] = None,

@@ -28,10 +28,12 @@ lse once and computes it only when some row admits no key (`folds_empty_row_grad
 empty_rows_backward.py): a padded BERT training step had paid a pass over dO, dQ, dK and dV for it per
 layer on every batch.
 
-What it cannot express exactly keeps the op, as do a forced kernel="reference" and an enclosing
-sdpa_kernel() without SDPBackend.FLASH_ATTENTION (SDPA's CPU flash path honours it too): softcap, sliding windows, dropout (ours is a counter
-hash), a causal diagonal other than top-left, V head dim != QK head dim, a float bias in another
-dtype than q (rounding it would change the scores), a bias gradient, no keys.
+What it cannot express exactly goes to the reference math as graph ops (decomposed.py, CPU_REFERENCE_MATH,
+which Inductor fuses), as does an enclosing sdpa_kernel() without SDPBackend.FLASH_ATTENTION (SDPA's CPU
+flash path honours it too): softcap, sliding windows, dropout (ours is a counter hash), a causal diagonal other
+than top-left, V head dim != QK head dim, a float bias in another dtype than q (rounding it would change the
+scores), a bias gradient. A forced kernel="reference" keeps the op, and so do no keys or queries (the op's
+exact trivial path).
 """
 from __future__ import annotations
 

@@ -19,11 +19,12 @@ turns it off (the site then goes to its dispatch kernel, lowered or not).
 The same math also lowers, at any size and in both directions, a site whose dispatch choice is the
 reference itself (`ReferenceMath`, FA_COMPILE_REFERENCE_MATH=0 turns it off): a site no fused kernel
 computes exactly, such as one whose float bias can absorb whole rows, then runs as Inductor would run the
-model's eager code.
+model's eager code. On CPU it takes the reference choice's sites that aten's CPU flash kernel refuses.
 """
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 from .. import dispatch
 from ..kernels.reference import attention_backward_reference, attention_reference
@@ -35,7 +36,7 @@ DECODE_MAX_QUERIES = 16
 # every key) would not shorten but the split-KV decode kernel's reads stop at.
 DECODE_MAX_KEYS = 2048
 _STRUCTURE = ("sinks", "q_pos", "q_seg", "k_seg")
-DEVICES = ("cuda",)  # CPU sites have aten's CPU flash kernel or the reference op (tests add "cpu")
+DEVICES = ("cuda",)  # of the decode-step math and CUDA's ReferenceMath (tests add "cpu"); CPU has its own below
 
 
 def _present(args: dispatch.AttentionArgs, lowering) -> list[str]:
@@ -105,11 +106,20 @@ class ReferenceMath:
     step). bf16 inputs are multiplied in bf16 with fp32 accumulation, eager code's own precision; masks,
     softmax and lse stay fp32, so a row the bias absorbs stays exact. Dropout draws the op's counter-hash
     mask from the node's seed, the same in both directions. Sites with sinks keep the op (choice.decide
-    asks for takes_sinks, which the argument order here does not give)."""
+    asks for takes_sinks, which the argument order here does not give).
+
+    On CPU (`devices`) it takes what aten's CPU flash kernel, the lowering of CPU's reference choice
+    (cpu_flash.py), refuses: sliding windows, softcap, dropout, a causal diagonal other than top-left, a V head
+    dim of its own, fp64, a float bias in another dtype or with a gradient. Those sites ran the op's Python
+    reference at run time; as graph ops a small model's forward at such sites took about half the time (CPU,
+    2 cores: Gemma 3 and Cohere 2 with windows, DeepSeek V2 / V3 with their V head dim, BENCHMARKS.md)."""
 
     same_kernel = False
     takes_dropout_seed = True  # graph_pass: the seed after bias and kv_lens,
     takes_structure = True  # then q_pos, q_seg, k_seg
+
+    def __init__(self, devices: Optional[tuple] = None):
+        self.devices = devices  # None: DEVICES (tests add "cpu")
 
     def target(self, direction: str) -> str:
         return "graph ops (the reference math" + (" backward" if direction == "backward" else "") + ", fused by Inductor)"
@@ -118,8 +128,16 @@ class ReferenceMath:
         what = "the reference math"
         if os.environ.get("FA_COMPILE_REFERENCE_MATH", "1") == "0":
             return [f"{what} is off (FA_COMPILE_REFERENCE_MATH=0)"]
-        if args.q.device.type not in DEVICES:
-            return [f"{what} is lowered on CUDA only"]
+        devices = self.devices if self.devices is not None else DEVICES
+        if args.q.device.type not in devices:
+            return [f"{what} is lowered on {' and '.join(d.upper() for d in devices)} only"]
+        sizes = (("B", args.q.shape[0]), ("Hq", args.q.shape[1]), ("Nq", args.q.shape[2]), ("Nk", args.k.shape[2]))
+        empty = [n for n, size in sizes if not choice._symbolic(size) and int(size) == 0]
+        if empty:
+            return [f"{what}: {', '.join(empty)} = 0 (the op's exact trivial path runs instead)"]
+        hq, hkv = args.q.shape[1], args.k.shape[1]
+        if (choice._symbolic(hq) or choice._symbolic(hkv)) and hq is not hkv:
+            return [f"{what}: GQA with symbolic head counts"]
         return []
 
     def forward_fn(self, args: dispatch.AttentionArgs):
@@ -142,3 +160,5 @@ class ReferenceMath:
 
 REFERENCE_MATH = ReferenceMath()
 choice.register("cuda", "reference", REFERENCE_MATH)
+CPU_REFERENCE_MATH = ReferenceMath(devices=("cpu",))
+choice.register("cpu", "reference_math", CPU_REFERENCE_MATH, fallback_for="reference")

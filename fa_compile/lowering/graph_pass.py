@@ -257,7 +257,8 @@ def _settings_key() -> tuple:
     from . import triton
 
     return (dispatch._settings()[:-1], devs, torch.__version__, triton.settings_key(),
-            os.environ.get("FA_COMPILE_DECODE_MATH", "1"), os.environ.get("FA_COMPILE_DECODE_KERNEL", "1"))
+            os.environ.get("FA_COMPILE_DECODE_MATH", "1"), os.environ.get("FA_COMPILE_DECODE_KERNEL", "1"),
+            os.environ.get("FA_COMPILE_REFERENCE_MATH", "1"))
 
 
 def chained_uuid(chained: Any) -> tuple[bool, Any]:
