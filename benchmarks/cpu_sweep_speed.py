@@ -18,6 +18,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -57,16 +58,8 @@ def run(name: str, rounds: int, reps: int) -> dict:
         want = _first(eager(**inp))
         diff = {}
         for label, m in variants.items():  # the first call compiles, with the switch as the label says
-            old = os.environ.get("FA_COMPILE_REFERENCE_MATH")
-            if "off" in label:
-                os.environ["FA_COMPILE_REFERENCE_MATH"] = "0"
-            try:
+            with mock.patch.dict(os.environ, {"FA_COMPILE_REFERENCE_MATH": "0"} if "off" in label else {}):
                 diff[label] = float((_first(m(**inp)) - want).abs().max())
-            finally:
-                if old is None:
-                    os.environ.pop("FA_COMPILE_REFERENCE_MATH", None)
-                else:
-                    os.environ["FA_COMPILE_REFERENCE_MATH"] = old
             for _ in range(3):
                 m(**inp)
         times: dict[str, list[float]] = {k: [] for k in variants}

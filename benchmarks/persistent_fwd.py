@@ -1,9 +1,11 @@
 """The Gluon forward with one program per SM walking the tiles (persistent) against one program per tile, beside
 our pointer kernel and cuDNN in the same run (H200 / Hopper only).
 
-Every row first checks that each persistent variant (the table's tile, without a causal mask) writes the same bits
-as the one-tile-per-program kernel into NaN-poisoned outputs (the same tiles with the same math, only scheduled differently), and the error of the latter
+Every row first checks that each persistent variant writes the same bits as the one-tile-per-program kernel into
+NaN-poisoned outputs (the same tiles with the same math, only scheduled differently), and the error of the latter
 against fp32 SDPA; then times every variant in alternating rounds (`do_bench` medians; the median of the rounds).
+Under a causal mask the persistent variants run only where the table makes programs persistent (up to
+GLUON_PERSISTENT_UNEVEN_BLOCKS query blocks per (batch, head)); --uneven lifts that limit.
 Shapes: a padded encoder (B32 x 512, 16 heads, d64, half the batch with 256 keys: key lengths and a bool key mask,
 as the lowering hands a Hugging Face BERT's sites to the kernel) and the FA3 paper's grid (16k tokens, hidden
 2048) at N 1k, 2k and 16k, d64 / d128 / d256, causal and not.
@@ -19,6 +21,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -73,16 +76,8 @@ def _run_gluon(a: Args, row: dict, cfg: C, out=None, lse=None):
 
 
 def _run_pointer(a: Args):
-    old = {k: os.environ.get(k) for k in ("FA_COMPILE_GLUON", "FA_COMPILE_TRITON_TMA")}
-    os.environ.update(FA_COMPILE_GLUON="0", FA_COMPILE_TRITON_TMA="0")  # the kernel the lowering launches
-    try:
+    with mock.patch.dict(os.environ, FA_COMPILE_GLUON="0", FA_COMPILE_TRITON_TMA="0"):  # as the lowering launches
         return tf.attention_forward(a)
-    finally:
-        for k, val in old.items():
-            if val is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = val
 
 
 def _reference(a: Args, kw: dict) -> torch.Tensor:

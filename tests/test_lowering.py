@@ -4,7 +4,6 @@ failures, and the pass's place in Inductor (cache key, FA_COMPILE=1, settings re
 from __future__ import annotations
 
 import math
-import os
 import warnings
 
 import expecttest
@@ -382,7 +381,7 @@ def test_settings_act_at_compile_time():
     assert not records()[-1].decision.lowered and "forced" in records()[-1].decision.reason
 
 
-def test_pass_uuid_keys_the_graph_cache_on_settings_and_chained_passes():
+def test_pass_uuid_keys_the_graph_cache_on_settings_and_chained_passes(monkeypatch):
     a, b = LoweringPass().uuid(), LoweringPass().uuid()
     assert isinstance(a, str) and a == b
     torch.use_deterministic_algorithms(True)
@@ -392,15 +391,9 @@ def test_pass_uuid_keys_the_graph_cache_on_settings_and_chained_passes():
         torch.use_deterministic_algorithms(False)
     assert LoweringPass(chained=lambda g: None).uuid() is None  # a user's pass without uuid(): no caching
     for switch in ("FA_COMPILE_REFERENCE_MATH", "FA_COMPILE_DECODE_MATH"):  # read by the choice: part of the key
-        old = os.environ.get(switch)
-        os.environ[switch] = "0"
-        try:
+        with monkeypatch.context() as m:
+            m.setenv(switch, "0")
             assert LoweringPass().uuid() != a, switch
-        finally:
-            if old is None:
-                os.environ.pop(switch)
-            else:
-                os.environ[switch] = old
 
 
 def test_tune_is_per_backend_and_mode_is_never_dropped():

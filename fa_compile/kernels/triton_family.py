@@ -509,14 +509,15 @@ def _forward_gluon(args, q, k, v, out, lse, block_d: int, block_dv: int, cfg: Bl
     n_tiles = n_mblk * b * hq
     # Under a causal mask or a window the tiles' work differs: persistent only up to GLUON_PERSISTENT_UNEVEN_BLOCKS
     # query blocks per (batch, head) (GLUON_CONFIGS). Where it is off the kernel compiles as if it had no tile loop.
-    if cfg.persistent and _uneven_work(args) and n_mblk > GLUON_PERSISTENT_UNEVEN_BLOCKS:
+    uneven = _uneven_work(args)
+    if cfg.persistent and uneven and n_mblk > GLUON_PERSISTENT_UNEVEN_BLOCKS:
         cfg = dataclasses.replace(cfg, persistent=False)
     grid = min(n_tiles, sm_count(q.device)) if cfg.persistent else n_tiles
     handle = attn_fwd_gluon_ws_kernel[(grid,)](
         desc(q, wg_m, block_d), desc(k, cfg.block_n, block_d), desc(v, cfg.block_n, block_dv),
         desc(out, wg_m, block_dv), lse, kvl if kvl is not None else lse, *bias_args, *rb_args,
         hq, hq // hkv, nq, nk, float(args.scale) * LOG2E, int(args.diag_offset), int(args.window_left),
-        int(args.window_right), launch_groups(n_mblk, b * hq, q.device, _uneven_work(args)), n_tiles,
+        int(args.window_right), launch_groups(n_mblk, b * hq, q.device, uneven), n_tiles,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, STAGES=cfg.num_stages,
         IS_CAUSAL=bool(args.causal), HAS_WL=int(args.window_left) >= 0, HAS_WR=int(args.window_right) >= 0,
         HAS_KVLEN=kvl is not None, REVERSE_M=bool(args.causal), QREG=cfg.qreg, CONSUMER_REGS=240,

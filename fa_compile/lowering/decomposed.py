@@ -136,7 +136,7 @@ class ReferenceMath:
         if empty:
             return [f"{what}: {', '.join(empty)} = 0 (the op's exact trivial path runs instead)"]
         hq, hkv = args.q.shape[1], args.k.shape[1]
-        if (choice._symbolic(hq) or choice._symbolic(hkv)) and hq is not hkv:
+        if (choice._symbolic(hq) or choice._symbolic(hkv)) and hq is not hkv:  # (not one and the same symbol)
             return [f"{what}: GQA with symbolic head counts"]
         return []
 
