@@ -44,25 +44,29 @@ def fwd(
         return out, lse
     rows = g * nq
     block_d, block_dv = _pow2(d), _pow2(dv)
-    # Unused pointer arguments get q: a tensor passed twice would be realized once per argument by
-    # Inductor (kv_lens as SEQLENS, LEFTPAD and TABLE cost two extra launches per layer).
-    lens = kv_lens if kv_lens is not None else q
+    # Unused pointer arguments get one-element buffers, never an input: Inductor realizes a tensor it computes once
+    # per argument that receives it (kv_lens as SEQLENS, LEFTPAD and TABLE cost two extra launches per layer; q in
+    # every unused slot was written into eight buffers per layer of a Llama decode step). The read-only slots share one.
+    unused = _empty((1,), (1,), torch.float32, q.device)
+    lens = kv_lens if kv_lens is not None else unused
     if splits > 1:
         opart = _empty((b * hkv, splits, rows, dv), (splits * rows * dv, rows * dv, dv, 1), torch.float32, q.device)
         lpart = _empty((b * hkv, splits, rows), (splits * rows, rows, 1), torch.float32, q.device)
         spart = _empty((b * hkv, splits, rows), (splits * rows, rows, 1), torch.float32, q.device)
-    else:  # unused (SPLIT False); not `lse`: a functional HOP clones each argument, and aliases of one
-        opart = lpart = spart = q  # output would each write back their own copy
+    else:  # written only with SPLIT, but Triton's mutation analysis sees the stores: each its own buffer (a shared or
+        # an input one would be claimed written; not `lse`: a functional HOP clones each written argument, and
+        # aliases of one output would each write back their own copy)
+        opart, lpart, spart = (_empty((1,), (1,), torch.float32, q.device) for _ in range(3))
     bt, bias_kind, bstr = _bias_arg(bias, b, hq, nq, nk)
     kind = 0 if bt is None else (1 if bias_kind in (1, 3) else 2)
     if q_pos is not None:
         qp = q_pos.reshape(1, -1) if q_pos.dim() == 1 else q_pos
         qpos = dict(QPOS=qp, stride_pb=0 if qp.shape[0] == 1 else qp.stride(0), stride_pm=qp.stride(1), HAS_QPOS=True)
     else:
-        qpos = dict(QPOS=q, stride_pb=0, stride_pm=0, HAS_QPOS=False)
+        qpos = dict(QPOS=unused, stride_pb=0, stride_pm=0, HAS_QPOS=False)
     tune, ctune = launch_options(block_n, block_d, block_dv)
     _launcher(decode_partial_kernel)[(splits, b * hkv, 1)](
-        q, k, v, lens, q, q, out, lse, opart, lpart, spart,
+        q, k, v, lens, unused, unused, out, lse, opart, lpart, spart,
         q.stride(0), q.stride(2), q.stride(1), q.stride(3),  # the kernel reads q as [B, Nq, Hq, D]
         k.stride(0), k.stride(2), k.stride(1), k.stride(3),  # and the cache as [B, Nk, Hkv, D]
         v.stride(0), v.stride(2), v.stride(1), v.stride(3),
@@ -72,7 +76,7 @@ def fwd(
         PAGE=1, PAGED=False, PAGE_TILES=False, HAS_LEFTPAD=False, IS_CAUSAL=False, SPLIT=splits > 1,
         BLOCK_M=_pow2(rows), BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         **qpos, diag_offset=diag_offset, DIAG_CAUSAL=bool(causal),  # (a SymInt under dynamic shapes)
-        BIAS=bt if bt is not None else q, stride_bb=bstr[0], stride_bh=bstr[1], stride_bm=bstr[2],
+        BIAS=bt if bt is not None else unused, stride_bb=bstr[0], stride_bh=bstr[1], stride_bm=bstr[2],
         stride_bn=bstr[3], BIAS_KIND=kind, HAS_SEQLENS=kv_lens is not None, EMPTY_FILL=empty_fill, **tune,
     )
     if splits > 1:
