@@ -14,7 +14,14 @@ forward), printed as "bound".
     python benchmarks/generate_steps.py --model gpt2 --batch 4 --dynamic-cache   # generate()'s default cache
     python benchmarks/generate_steps.py --fa3-env FA_COMPILE_DECODE_KERNEL=0 ...   # one more fa3 variant
     python benchmarks/generate_steps.py --hf-compile ...   # transformers' own compile of the decode steps
+    python benchmarks/generate_steps.py --variants eager+fa3,sdpa+inductor,free-attention,free-attention-and-write
     python benchmarks/generate_steps.py --smoke     # tiny models on CPU, to check the script
+
+Two variants are bounds, not results (their tokens are meaningless): "free-attention" is the model with an attention
+that launches nothing (it returns the queries; transformers builds no mask for an attention it does not know) under
+Inductor, so its tokens/s is what any attention implementation could reach at most with the rest of the step
+unchanged; "free-attention-and-write" also skips the decode steps' cache writes, the bound for a kernel that would
+append the new keys and values itself (as FA3's `flash_attn_with_kvcache` does).
 
 --hf-compile leaves the compiling to `generate()` itself, as a user of a static cache gets it: transformers
 runs the prefill eagerly and compiles the decode step with its `CompileConfig` (Inductor, mode
@@ -41,7 +48,33 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import FULL, SMOKE, backend_for, build  # noqa: E402
 
+FREE = "free_attention"
+
 VARIANTS = (("eager+fa3", "eager", "fa3"), ("sdpa+inductor", "sdpa", "inductor"), ("eager+inductor", "eager", "inductor"))
+BOUNDS = (("free-attention", FREE, "inductor"), ("free-attention-and-write", FREE, "inductor"))
+
+
+def register_free_attention() -> None:
+    """Registers FREE with transformers: an attention that launches nothing ([B, N, H, D] as its attention
+    functions return: the queries, transposed), for which transformers builds no mask."""
+    from transformers import AttentionInterface
+
+    def free(module, query, key, value, attention_mask, **kw):
+        return query.transpose(1, 2), None
+
+    AttentionInterface.register(FREE, free)
+
+
+def skip_decode_writes(cache) -> None:
+    """Makes each layer of a StaticCache return its buffers without writing a single new token (the decode
+    steps); the prefill still fills the cache."""
+    for layer in cache.layers:
+        def update(key_states, value_states, *a, _orig=layer.update, _layer=layer, **kw):
+            if key_states.shape[-2] > 1 or not getattr(_layer, "is_initialized", True):
+                return _orig(key_states, value_states, *a, **kw)
+            return _layer.keys, _layer.values
+
+        layer.update = update
 
 
 class FirstTokenClock:
@@ -92,6 +125,15 @@ def _gpu_per_step(run: Callable, steps: int) -> tuple[float, float, list]:
     return busy / steps, launches / steps, sorted(table, reverse=True)
 
 
+def _paired(results: dict, label: str, key: str) -> Optional[float]:
+    """Median over rounds of (SDPA's time / this variant's time) in the same round; None without SDPA's variant."""
+    base = results.get("sdpa+inductor")
+    if base is None:
+        return None
+    ratios = sorted(b / t for b, t in zip(base[key], results[label][key]))
+    return round(ratios[len(ratios) // 2], 3)
+
+
 def main(argv: Optional[list] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama")
@@ -132,7 +174,13 @@ def main(argv: Optional[list] = None) -> int:
     runs: dict[str, Callable] = {}
     timers: dict[str, Optional[TimedForward]] = {}
     outs: dict[str, torch.Tensor] = {}
-    wanted = [(label, attn, backend, {}) for label, attn, backend in VARIANTS if label in args.variants.split(",")]
+    wanted = [(label, attn, backend, {}) for label, attn, backend in VARIANTS + BOUNDS
+              if label in args.variants.split(",")]
+    if any(attn == FREE for _, attn, _, _ in wanted):
+        register_free_attention()
+    if args.dynamic_cache and any(label == "free-attention-and-write" for label, *_ in wanted):
+        raise SystemExit("generate_steps.py: free-attention-and-write skips a StaticCache's writes; not with "
+                         "--dynamic-cache")
     for kv in args.fa3_env:
         name, _, value = kv.partition("=")
         wanted.append((f"eager+fa3[{kv}]", "eager", "fa3", {name: value}))
@@ -163,6 +211,8 @@ def main(argv: Optional[list] = None) -> int:
         cache = None
         if not args.dynamic_cache:
             cache = StaticCache(config=model.config, max_cache_len=args.max_cache_len or args.prompt + args.new)
+            if label == "free-attention-and-write":
+                skip_decode_writes(cache)
 
         def run(model=model, kw=kw, cache=cache, clock=clock) -> torch.Tensor:
             extra: dict = {}
@@ -222,6 +272,9 @@ def main(argv: Optional[list] = None) -> int:
                    tokens_per_s_runs=[round(args.batch * steps / w, 1) for w in r["wall"]],
                    decode_tokens_per_s=round(args.batch * (steps - 1) / dec, 1),
                    decode_tokens_per_s_runs=[round(args.batch * (steps - 1) / d, 1) for d in r["decode"]],
+                   # The host drifts between rounds, and a round times every variant back to back: the median of
+                   # each round's ratio to SDPA's is steadier than the ratio of the medians.
+                   paired_vs_sdpa=_paired(results, label, "wall"),
                    ms_per_step=round((wall - pre) / n * 1e3, 3),  # setup and the last sync fall in "outside"
                    forward_host_ms_per_step=round(fwd / n * 1e3, 3), prefill_host_ms=round(pre * 1e3, 2))
         if args.hf_compile:  # the prefill's forward is eager here: the steps are timed from the first token on
@@ -232,11 +285,12 @@ def main(argv: Optional[list] = None) -> int:
             row["gpu_us_per_step"], row["launches_per_step"] = round(busy, 1), round(launches, 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    same = {k: bool(torch.equal(v, next(iter(outs.values())))) for k, v in outs.items()}
+    bounds = {label for label, _, _ in BOUNDS}  # their tokens are meaningless
+    same = {k: bool(torch.equal(v, next(iter(outs.values())))) for k, v in outs.items() if k not in bounds}
     print(json.dumps({"greedy_tokens_equal_to_first_variant": same}), flush=True)
 
     base = next((r for r in rows if r["variant"] == "sdpa+inductor"), None)
-    head = ("| variant | tokens/s | vs sdpa | decode tokens/s | vs sdpa | ms / step | in forward (host) | outside forward | GPU busy / step | "
+    head = ("| variant | tokens/s | vs sdpa | vs sdpa, paired by round | decode tokens/s | vs sdpa | ms / step | in forward (host) | outside forward | GPU busy / step | "
             "launches / step | bound |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
@@ -246,7 +300,8 @@ def main(argv: Optional[list] = None) -> int:
         outside = 0.0 if math.isnan(r["outside_ms_per_step"]) else r["outside_ms_per_step"]  # nan: --hf-compile
         floor = max(outside, r.get("gpu_us_per_step", 0) / 1e3)
         bound = f"{base['ms_per_step'] / floor:.2f}x" if base and floor > 0 else "-"
-        lines.append(f"| {r['variant']} | {r['tokens_per_s']} | {vs} | {r['decode_tokens_per_s']} | {vs_dec} | "
+        paired = "-" if r["paired_vs_sdpa"] is None else f"{r['paired_vs_sdpa']:.2f}x"
+        lines.append(f"| {r['variant']} | {r['tokens_per_s']} | {vs} | {paired} | {r['decode_tokens_per_s']} | {vs_dec} | "
                      f"{r['ms_per_step']} | "
                      f"{r['forward_host_ms_per_step']} | {r['outside_ms_per_step']} | "
                      f"{r.get('gpu_us_per_step', '-')} us | {r.get('launches_per_step', '-')} | {bound} |")
