@@ -92,13 +92,13 @@ def main() -> None:
                 except Exception as e:  # a tile that does not build is reported, not fatal
                     print(f"  {t}: failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
                     continue
+                if not any("attn_fwd_kernel" in n for n in names):  # the lowering chose another kernel: no tile
+                    print(f"  {t}: the lowering ran {names}, not the pointer forward; stopping this shape", flush=True)
+                    break
                 if first is None:
                     first = out
                 diff = float((out - first).abs().nan_to_num(float("inf")).max())
                 ratio = round(us / peer, 3) if peer > 0 else None
-                if not any("attn_fwd_kernel" in n for n in names):  # the lowering chose another kernel: no tile
-                    print(f"  {t}: the lowering ran {names}, not the pointer forward; stopping this shape", flush=True)
-                    break
                 rows.append(dict(model=key, B=spec["B"], N=spec["N"], d=d, tile=list(t), us=round(us, 1),
                                  sdpa_us=round(peer, 1), vs_sdpa=ratio, max_abs_vs_first=diff))
                 print(f"  {t}: {us:7.1f} us  ({ratio}x SDPA's kernel; max |out - first tile's| {diff:.3g})",
