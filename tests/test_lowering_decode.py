@@ -1,7 +1,8 @@
 """The split-KV decode kernel as the `fa3_decode::fwd` triton_op (fa_compile/kernels/decode_ops.py) and its lowering
 (fa_compile/lowering/decode.py), on CPU under the Triton interpreter: the op against the reference on
 every element (outputs poisoned first), the same as the run-time candidate's launch, sites with q_pos or
-with kv_lens beside a bias lowered into kernel nodes (pinned), and the sites it refuses.
+with kv_lens beside a bias lowered into kernel nodes (pinned), the sites it refuses, and lengths that
+several layers share written once (`fa3_decode::materialize`).
 
 As tests/test_lowering_triton.py: unless this process already has TRITON_INTERPRET=1, the module runs
 itself in a fresh subprocess with it set. fp16 / fp32 only (the interpreter's bf16 dot is unreliable).
@@ -44,9 +45,10 @@ else:
 
     @pytest.fixture
     def poisoned(monkeypatch):
-        """Every output and workspace the op allocates starts as NaN."""
+        """Every output and workspace the op allocates starts as NaN (an integer one: its dtype's minimum)."""
         def nan_empty(shape, stride, dtype, device):
-            return torch.empty_strided(shape, stride, dtype=dtype, device=device).fill_(float("nan"))
+            poison = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
+            return torch.empty_strided(shape, stride, dtype=dtype, device=device).fill_(poison)
 
         monkeypatch.setattr(decode_ops, "_empty", nan_empty)
 
@@ -398,3 +400,61 @@ combine grid=[(48, 1, 1)] num_splits=2 BLOCK_N=64 EMPTY_FILL=0""")
             assert "off" in " ".join(low.step_reasons(dispatch.AttentionArgs(**base), "forward"))
         finally:
             del os.environ["FA_COMPILE_DECODE_KERNEL"]
+
+    # A kv_lens computed in the graph and read by several layers: Inductor copies an input it has not realized
+    # for each user Triton kernel (exact traced strides), so the lengths are written once by a kernel of
+    # their own and every layer reads that buffer.
+
+    @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+    def test_materialize_copies_strided_vectors(dtype, poisoned):
+        base = torch.arange(300, dtype=dtype) * 3 - 7
+        for x in (base, base[::3], base[5:6].expand(129), base[:0]):
+            got = decode_ops.materialize(x)
+            assert got.stride() == (1,) and got.dtype == dtype
+            assert torch.equal(got, x.contiguous())
+
+    def test_materialize_rejects_what_it_does_not_copy():
+        with pytest.raises(ValueError, match="x: expected a 1-d tensor"):
+            decode_ops.materialize(torch.zeros(2, 2, dtype=torch.int32))
+        with pytest.raises(ValueError, match="x: expected a 1-d tensor"):
+            decode_ops.materialize(torch.zeros(3))
+
+    @pytest.fixture
+    def materialize_on_cpu(monkeypatch):
+        from fa_compile.lowering import share
+
+        monkeypatch.setattr(share, "MATERIALIZE_DEVICES", ("cuda", "cpu"))
+
+    def _layers_sharing_lengths(layers: int):
+        case = make_case(b=2, hq=4, hkv=2, nq=1, nk=90, d=16, needs_backward=False)
+        pos = torch.tensor([40])  # cache_position of the step: every sequence sees keys 0..40
+
+        def step(q, k, v, pos):
+            o = q
+            for _ in range(layers):  # each layer derives the lengths with its own ops, as a model's layers do
+                lens = (pos + 1).clamp(0, 2 ** 31 - 1).to(torch.int32).expand(q.shape[0])
+                o, _ = torch.ops.fa3.attention(o, k, v, case.scale, False, 0, -1, -1, None, lens)
+            return o
+
+        inputs = [case.q, case.k, case.v, pos]
+        return make_fx(step, tracing_mode="fake")(*inputs), inputs, step
+
+    def test_lengths_shared_by_layers_are_written_once(cpu_steps, materialize_on_cpu, poisoned):
+        gm, inputs, step = _layers_sharing_lengths(3)
+        decisions = graph_pass.lower_graph(gm.graph)
+        gm.recompile()
+        assert [str(d) for d in decisions] == ["decode -> fa3_decode.fwd"] * 3
+        launches = [n for n in gm.graph.nodes if n.target is FUNCTIONAL]
+        copies = [n for n in launches if "stride_x" in n.kwargs["kwargs"]]
+        partials = [n for n in launches if "Q" in n.kwargs["kwargs"]]
+        assert len(copies) == 1 and len(partials) == 3
+        (written,) = [u for u in copies[0].users]  # the copy's output, read by every layer's kernel as it is
+        assert all(p.kwargs["kwargs"]["SEQLENS"] is written for p in partials)
+        got, want = gm(*inputs), step(*inputs)
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+    def test_lengths_of_one_layer_are_not_copied(cpu_steps, materialize_on_cpu):
+        gm, _, _ = _layers_sharing_lengths(1)
+        graph_pass.lower_graph(gm.graph)
+        assert not [n for n in gm.graph.nodes if n.target is FUNCTIONAL and "stride_x" in n.kwargs["kwargs"]]

@@ -6,6 +6,8 @@ lowering (fa_compile/lowering/decode.py): Inductor launches its two kernels from
 a causal diagonal, a float or bool bias), with the number of splits and the key tile fixed by the caller
 (chosen at compile time from static shapes, as the run-time launcher chooses them). Every kernel
 parameter is passed, defaults included: torch 2.11's wrap_triton binds a kernel's arguments by position.
+Beside it: `fa3_decode::key_limit` (a mask's key limit) and `fa3_decode::materialize` (a computed index vector
+written once into a buffer that several lowered kernels read).
 """
 from __future__ import annotations
 
@@ -119,4 +121,28 @@ def key_limit(bias: Tensor, absorb: float) -> Tensor:
     _launcher(key_limit_kernel)[(bm, 1, 1)](
         bias, out, bias.stride(0), bias.stride(1), nk, t_abs, t_good, IS_BOOL=is_bool, BLOCK=block, **opts,
     )
+    return out
+
+
+MATERIALIZE_BLOCK = 128
+MATERIALIZE_DTYPES = (torch.int32, torch.int64)
+
+
+@torch.library.triton_op(f"{NAMESPACE}::materialize", mutates_args=())
+def materialize(x: Tensor) -> Tensor:
+    """A dense copy of 1-d integer `x` in a buffer of its own, written by one kernel launch.
+
+    For a value computed in the graph and read by several lowered kernels (a decode step's kv_lens, one per
+    layer): Inductor gives a user Triton kernel the exact strides it was traced with, and an input it has not
+    realized yet is copied for that kernel (ExternKernel.require_exact_strides), so each layer's kernel got its
+    own launch recomputing the same lengths. This op's output is a buffer, which every reader takes as it is."""
+    from .decode_triton import copy_1d_kernel
+
+    if x.dim() != 1 or x.dtype not in MATERIALIZE_DTYPES:
+        raise ValueError(f"x: expected a 1-d tensor of {MATERIALIZE_DTYPES}, got {tuple(x.shape)} {x.dtype}")
+    n = x.shape[0]
+    out = _empty((n,), (1,), x.dtype, x.device)
+    if n == 0:
+        return out
+    _launcher(copy_1d_kernel)[(-(-n // MATERIALIZE_BLOCK), 1, 1)](x, out, x.stride(0), n, BLOCK=MATERIALIZE_BLOCK)
     return out

@@ -243,3 +243,11 @@ def key_limit_kernel(BIAS, OUT, stride_bb, stride_bn, nk, absorb, good, IS_BOOL:
     if not IS_BOOL:
         limit = tl.where(tl.max(seen, 0) > 0, limit, nk)
     tl.store(OUT + b, limit.to(tl.int32))
+
+
+@triton.jit
+def copy_1d_kernel(X, OUT, stride_x, n, BLOCK: tl.constexpr):
+    """OUT[i] = X[i * stride_x] for i < n: a 1-d tensor (a stride-0 expand included) as a dense buffer."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    tl.store(OUT + i, tl.load(X + i.to(tl.int64) * stride_x, mask=ok), mask=ok)

@@ -188,6 +188,7 @@ def lower_graph(graph: fx.Graph) -> list[choice.Decision]:
     limits: dict = {}  # key-padding mask -> its key limit, built for the sites whose kernel cuts keys there
     try:  # one kv_lens / key limit per step, not one per layer; each replacement leaves a valid graph
         share.share(graph)
+        share.materialize_lengths(graph)
     except Exception as e:  # never a failed compile: the copies are equal, computing each is only slower
         warnings.warn(f"fa_compile: sharing equal values failed ({type(e).__name__}: {str(e)[:200]}); "
                       "each site keeps its own", RuntimeWarning, stacklevel=2)

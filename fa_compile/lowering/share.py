@@ -10,6 +10,12 @@ first of each set of equal values.
 Two values are equal when they are the same op (pure: functional, not seeded random, not `empty`) of
 equal arguments, down to the graph's inputs and the nodes that are not such ops. Views and casts that
 change nothing (a full slice, a view to the same shape) are looked through.
+
+Sharing one node is not enough for Inductor: it hands a user Triton kernel each input with the exact strides
+it was traced with, and copies an input it has not realized yet for that kernel alone, fusing the copy into
+the value's own arithmetic. So a kv_lens computed from cache_position was still recomputed by one launch per
+layer (a Llama decode step on the H200: eight two-element kernels per step). `materialize_lengths` writes
+such a kv_lens once, with the `fa3_decode::materialize` kernel, into a buffer every site reads.
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ import torch.fx as fx
 
 from ..key_limit_op import KEY_LIMIT
 from ..patterns.shapes import known_eq
-from . import site_args
+from . import site_args, splice
 
 # The op arguments shared by name: index tensors and masks, never q / k / v / dout (model values: equal
 # ones are rare and computing the key of their cone would walk the whole model) nor the dropout seed.
@@ -126,3 +132,63 @@ def share(graph: fx.Graph) -> int:
             graph.erase_node(node)
             replaced += 1
     return replaced
+
+
+MATERIALIZE_DEVICES = ("cuda",)  # where sites become Triton launches (tests add "cpu" under the interpreter)
+
+
+def _arg(node: fx.Node, name: str) -> Any:
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == name:
+            return node.args[i] if i < len(node.args) else node.kwargs.get(name)
+    return None
+
+
+def _set_arg(node: fx.Node, name: str, value: fx.Node) -> None:
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == name:
+            if i < len(node.args):
+                node.args = node.args[:i] + (value,) + node.args[i + 1:]
+            else:
+                node.kwargs = {**node.kwargs, name: value}
+            return
+
+
+def _can_materialize(val: Any) -> bool:
+    import os
+
+    from ..kernels import decode_ops
+    from ..kernels.triton_family import device_reasons, triton_available
+
+    return (isinstance(val, torch.Tensor) and val.dim() == 1 and isinstance(val.shape[0], int)
+            and val.dtype in decode_ops.MATERIALIZE_DTYPES and val.device.type in MATERIALIZE_DEVICES
+            and triton_available() and os.environ.get("FA_COMPILE_TRITON_LOWER", "auto") != "0"
+            and not device_reasons(val.device))
+
+
+def materialize_lengths(graph: fx.Graph) -> int:
+    """Give each kv_lens computed in the graph and read by two or more sites one `fa3_decode::materialize` copy,
+    inserted before the first of them, which all of them read instead; returns how many were made. Only the
+    sites' uses move. Graph inputs are left alone (Inductor takes them as they are)."""
+    from torch._subclasses.functional_tensor import dispatch_functionalize
+
+    from ..kernels import decode_ops
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    made = 0
+    for node in _candidates(graph):
+        if node.target is KEY_LIMIT or not _can_materialize(node.meta.get("val")):
+            continue
+        sites = sorted((u for u in node.users if u.op == "call_function"
+                        and u.target in (site_args.FORWARD, site_args.BACKWARD) and _arg(u, "kv_lens") is node),
+                       key=order.__getitem__)
+        if len(sites) < 2:
+            continue  # one reader: Inductor's copy for it is fused into the value's own kernel anyway
+        try:
+            copy = splice.insert_value(graph, sites[0], dispatch_functionalize(decode_ops.materialize), [node])
+        except Exception:  # the sites keep computing their own (equal) copies: slower, never different
+            continue
+        for u in sites:
+            _set_arg(u, "kv_lens", copy)
+        made += 1
+    return made
