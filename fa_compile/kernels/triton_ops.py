@@ -134,12 +134,19 @@ def _scalars(scale: float, softcap: float, dropout_p: float) -> tuple:
             keep_threshold(dropout_p) if dropout_p > 0 else 0, 1.0 / (1.0 - dropout_p))
 
 
-def _no_positions(q: Tensor) -> dict:
+def _unused(device: torch.device) -> Tensor:
+    """The one-element buffer every unused read-only pointer argument of a launch receives. Never an input such
+    as q: Inductor hands a user Triton kernel each argument with its traced strides and copies a computed tensor
+    once per argument that receives it (the decode op's q was written into eight buffers per layer that way)."""
+    return _empty((1,), (1,), torch.float32, device)
+
+
+def _no_positions(unused: Tensor) -> dict:
     """The kernels' run-time position / segment parameters, unused (these ops take no q_pos or segment
     ids: such sites keep the fa3 op). Every parameter is passed, defaults too: torch 2.11's wrap_triton
     binds a kernel's arguments by position."""
-    return dict(QPOS=q, stride_pb=0, stride_pm=0, HAS_QPOS=False, QSEG=q, stride_qsb=0, stride_qsm=0, KSEG=q,
-                stride_ksb=0, stride_ksn=0, HAS_SEG=False)
+    return dict(QPOS=unused, stride_pb=0, stride_pm=0, HAS_QPOS=False, QSEG=unused, stride_qsb=0, stride_qsm=0,
+                KSEG=unused, stride_ksb=0, stride_ksn=0, HAS_SEG=False)
 
 
 @torch.library.triton_op(f"{NAMESPACE}::fwd", mutates_args=())
@@ -167,18 +174,20 @@ def fwd(
     bias4, bias_kind, bstr = _bias_arg(bias, b, hq, nq, nk)
     consts = _consts(bias_kind, causal, window_left, window_right, kv_lens, softcap, dropout_p, scale)
     qk_scale, cap, cap_scale, thr, drop_scale = _scalars(scale, softcap, dropout_p)
-    seed = dropout_seed.reshape(1) if consts["DROPOUT"] else q
+    unused = _unused(q.device)
+    seed = dropout_seed.reshape(1) if consts["DROPOUT"] else unused
     block_d, block_dv = tf._pow2(d), tf._pow2(dv)
     grid = (tf.triton_cdiv(nq, int(config[0])) * b * hq, 1, 1)
     _launcher(attn_fwd_kernel)[grid](
-        q, k, v, out, lse, bias4 if bias4 is not None else q, kv_lens if kv_lens is not None else q, seed,
+        q, k, v, out, lse, bias4 if bias4 is not None else unused, kv_lens if kv_lens is not None else unused, seed,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *bstr, hq, hq // hkv, nq, nk, d, dv,
         qk_scale, cap, cap_scale, diag_offset, window_left, window_right, thr, drop_scale,
         BLOCK_D=block_d, BLOCK_DV=block_dv, EVEN_D=(d == block_d and dv == block_dv), REVERSE_M=bool(causal),
         BIAS_FMA=bias_kind in (1, 3) and softcap == 0 and scale > 0, **consts, **_tile_kwargs(config),
-        SINKS=sinks.contiguous() if sinks is not None else q, HAS_SINKS=sinks is not None, **_no_positions(q),
+        SINKS=sinks.contiguous() if sinks is not None else unused, HAS_SINKS=sinks is not None,
+        **_no_positions(unused),
         EMPTY_FILL=int(empty_fill),
     )
     return out, lse
@@ -221,12 +230,15 @@ def bwd(
     consts = _consts(bias_kind, causal, window_left, window_right, kv_lens, softcap, dropout_p, scale)
     qk_scale, cap, cap_scale, thr, drop_scale = _scalars(scale, softcap, dropout_p)
     common = (qk_scale, cap, cap_scale, scale, diag_offset, window_left, window_right, thr, drop_scale)
-    seed = dropout_seed.reshape(1) if consts["DROPOUT"] else q
+    unused = _unused(q.device)
+    seed = dropout_seed.reshape(1) if consts["DROPOUT"] else unused
     block_d, block_dv = tf._pow2(d), tf._pow2(dv)
     delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
-    kvl = kv_lens if kv_lens is not None else q
-    bias_arg = bias4 if bias4 is not None else q
-    ds_arg = ds if write_ds else lse
+    kvl = kv_lens if kv_lens is not None else unused
+    bias_arg = bias4 if bias4 is not None else unused
+    # written only with WRITE_DS / FUSED_DQ, but the kernels' source stores to them: buffers of their own (an
+    # input there would be claimed written, and a functional launch copies what it writes)
+    ds_arg = ds if write_ds else _empty((1,), (1,), torch.float32, q.device)
     pre_m = 16 if tf.interpreting() else _PRE_BLOCK_M_GPU
     _launcher(attn_bwd_preprocess_kernel)[(tf.triton_cdiv(nq, pre_m) * b * hq, 1, 1)](
         out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
@@ -235,25 +247,26 @@ def bwd(
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
     # fp32 sums of the key tiles' dQ shares (the fused form; zeros it starts from), [B, Hq, Nq, D] contiguous
-    dqa = torch.zeros((b, hq, nq, d), device=q.device, dtype=torch.float32) if fused_dq else q
+    dqa = torch.zeros((b, hq, nq, d), device=q.device, dtype=torch.float32) if fused_dq else \
+        _empty((1,), (1,), torch.float32, q.device)
     _launcher(attn_bwd_dkdv_kernel)[(tf.triton_cdiv(nk, int(dkdv_config[1])) * b * hkv, 1, 1)](
-        q, k, v, dout, lse, delta, dk, dvv, bias_arg, kvl, seed, q, q, q, q, *strides,
+        q, k, v, dout, lse, delta, dk, dvv, bias_arg, kvl, seed, unused, unused, unused, unused, *strides,
         dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
         *bstr, hq, hkv, hq // hkv, nq, nk, d, dv, *common,
         BLOCK_D=block_d, BLOCK_DV=block_dv, USE_TMA=False, **consts, **_tile_kwargs(dkdv_config),
-        **_no_positions(q), ZERO_EMPTY=empty_grad != 0, DQA=dqa, FUSED_DQ=bool(fused_dq),
+        **_no_positions(unused), ZERO_EMPTY=empty_grad != 0, DQA=dqa, FUSED_DQ=bool(fused_dq),
     )
     if fused_dq:
         dq.copy_(dqa * scale)
     else:
-        _launch_dq(q, k, v, dout, lse, delta, dq, ds_arg, bias_arg, kvl, seed, strides, bstr, common, consts,
-                   dq_config, write_ds, causal, empty_grad)
+        _launch_dq(q, k, v, dout, lse, delta, dq, ds_arg, bias_arg, kvl, seed, unused, strides, bstr, common,
+                   consts, dq_config, write_ds, causal, empty_grad)
     if empty_grad in (EMPTY_GRADS["mean_v"], EMPTY_GRADS["uniform"]):
         _empty_rows_grads(dout, q, k, v, lse, dq, dk, dvv, scale, empty_grad == EMPTY_GRADS["uniform"])
     return dq, dk, dvv, ds
 
 
-def _launch_dq(q, k, v, dout, lse, delta, dq, ds_arg, bias_arg, kvl, seed, strides, bstr, common, consts,
+def _launch_dq(q, k, v, dout, lse, delta, dq, ds_arg, bias_arg, kvl, seed, unused, strides, bstr, common, consts,
                dq_config, write_ds: bool, causal: bool, empty_grad: int) -> None:
     from .triton_bwd import attn_bwd_dq_kernel
 
@@ -261,11 +274,11 @@ def _launch_dq(q, k, v, dout, lse, delta, dq, ds_arg, bias_arg, kvl, seed, strid
     hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
     block_d, block_dv = tf._pow2(d), tf._pow2(dv)
     _launcher(attn_bwd_dq_kernel)[(tf.triton_cdiv(nq, int(dq_config[0])) * b * hq, 1, 1)](
-        q, k, v, dout, lse, delta, dq, ds_arg, bias_arg, kvl, seed, q, q, q, q, *strides,
+        q, k, v, dout, lse, delta, dq, ds_arg, bias_arg, kvl, seed, unused, unused, unused, unused, *strides,
         dq.stride(0), dq.stride(1), dq.stride(2),
         *bstr, hq, hq // hkv, nq, nk, d, dv, *common,
         BLOCK_D=block_d, BLOCK_DV=block_dv, WRITE_DS=bool(write_ds), REVERSE_M=bool(causal), USE_TMA=False,
-        **consts, **_tile_kwargs(dq_config), **_no_positions(q), ZERO_EMPTY=empty_grad != 0,
+        **consts, **_tile_kwargs(dq_config), **_no_positions(unused), ZERO_EMPTY=empty_grad != 0,
     )
 
 
