@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .decode import _pow2, launch_options
 from .triton_family import interpreting
-from .triton_ops import EMPTY_FILLS, _bias_arg, _empty, _launcher  # EMPTY_FILLS: fwd's `empty_fill` values
+from .triton_ops import EMPTY_FILLS, _bias_arg, _empty, _launcher, _unused  # EMPTY_FILLS: fwd's `empty_fill` values
 
 NAMESPACE = "fa3_decode"
 
@@ -49,7 +49,7 @@ def fwd(
     # Unused pointer arguments get one-element buffers, never an input: Inductor realizes a tensor it computes once
     # per argument that receives it (kv_lens as SEQLENS, LEFTPAD and TABLE cost two extra launches per layer; q in
     # every unused slot was written into eight buffers per layer of a Llama decode step). The read-only slots share one.
-    unused = _empty((1,), (1,), torch.float32, q.device)
+    unused = _unused(q.device)
     lens = kv_lens if kv_lens is not None else unused
     if splits > 1:
         opart = _empty((b * hkv, splits, rows, dv), (splits * rows * dv, rows * dv, dv, 1), torch.float32, q.device)
@@ -58,7 +58,7 @@ def fwd(
     else:  # written only with SPLIT, but Triton's mutation analysis sees the stores: each its own buffer (a shared or
         # an input one would be claimed written; not `lse`: a functional HOP clones each written argument, and
         # aliases of one output would each write back their own copy)
-        opart, lpart, spart = (_empty((1,), (1,), torch.float32, q.device) for _ in range(3))
+        opart, lpart, spart = (_unused(q.device) for _ in range(3))
     bt, bias_kind, bstr = _bias_arg(bias, b, hq, nq, nk)
     kind = 0 if bt is None else (1 if bias_kind in (1, 3) else 2)
     if q_pos is not None:

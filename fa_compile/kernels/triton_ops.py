@@ -135,9 +135,10 @@ def _scalars(scale: float, softcap: float, dropout_p: float) -> tuple:
 
 
 def _unused(device: torch.device) -> Tensor:
-    """The one-element buffer every unused read-only pointer argument of a launch receives. Never an input such
-    as q: Inductor hands a user Triton kernel each argument with its traced strides and copies a computed tensor
-    once per argument that receives it (the decode op's q was written into eight buffers per layer that way)."""
+    """A new one-element buffer for pointer arguments a launch does not use (the read-only ones of a launch share
+    one). Never an input such as q: Inductor hands a user Triton kernel each argument with its traced strides and
+    copies a computed tensor once per argument that receives it (the decode op's q was written into eight buffers
+    per layer that way)."""
     return _empty((1,), (1,), torch.float32, device)
 
 
@@ -238,7 +239,7 @@ def bwd(
     bias_arg = bias4 if bias4 is not None else unused
     # written only with WRITE_DS / FUSED_DQ, but the kernels' source stores to them: buffers of their own (an
     # input there would be claimed written, and a functional launch copies what it writes)
-    ds_arg = ds if write_ds else _empty((1,), (1,), torch.float32, q.device)
+    ds_arg = ds if write_ds else _unused(q.device)
     pre_m = 16 if tf.interpreting() else _PRE_BLOCK_M_GPU
     _launcher(attn_bwd_preprocess_kernel)[(tf.triton_cdiv(nq, pre_m) * b * hq, 1, 1)](
         out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
@@ -247,8 +248,7 @@ def bwd(
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
     # fp32 sums of the key tiles' dQ shares (the fused form; zeros it starts from), [B, Hq, Nq, D] contiguous
-    dqa = torch.zeros((b, hq, nq, d), device=q.device, dtype=torch.float32) if fused_dq else \
-        _empty((1,), (1,), torch.float32, q.device)
+    dqa = torch.zeros((b, hq, nq, d), device=q.device, dtype=torch.float32) if fused_dq else _unused(q.device)
     _launcher(attn_bwd_dkdv_kernel)[(tf.triton_cdiv(nk, int(dkdv_config[1])) * b * hkv, 1, 1)](
         q, k, v, dout, lse, delta, dk, dvv, bias_arg, kvl, seed, unused, unused, unused, unused, *strides,
         dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),

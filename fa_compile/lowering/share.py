@@ -19,6 +19,7 @@ such a kv_lens once, with the `fa3_decode::materialize` kernel, into a buffer ev
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -137,26 +138,7 @@ def share(graph: fx.Graph) -> int:
 MATERIALIZE_DEVICES = ("cuda",)  # where sites become Triton launches (tests add "cpu" under the interpreter)
 
 
-def _arg(node: fx.Node, name: str) -> Any:
-    for i, arg in enumerate(node.target._schema.arguments):
-        if arg.name == name:
-            return node.args[i] if i < len(node.args) else node.kwargs.get(name)
-    return None
-
-
-def _set_arg(node: fx.Node, name: str, value: fx.Node) -> None:
-    for i, arg in enumerate(node.target._schema.arguments):
-        if arg.name == name:
-            if i < len(node.args):
-                node.args = node.args[:i] + (value,) + node.args[i + 1:]
-            else:
-                node.kwargs = {**node.kwargs, name: value}
-            return
-
-
 def _can_materialize(val: Any) -> bool:
-    import os
-
     from ..kernels import decode_ops
     from ..kernels.triton_family import device_reasons, triton_available
 
@@ -174,21 +156,22 @@ def materialize_lengths(graph: fx.Graph) -> int:
 
     from ..kernels import decode_ops
 
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order: dict = {}  # node -> position, built when a first value has two readers
     made = 0
     for node in _candidates(graph):
         if node.target is KEY_LIMIT or not _can_materialize(node.meta.get("val")):
             continue
-        sites = sorted((u for u in node.users if u.op == "call_function"
-                        and u.target in (site_args.FORWARD, site_args.BACKWARD) and _arg(u, "kv_lens") is node),
-                       key=order.__getitem__)
+        sites = [u for u in node.users if u.op == "call_function" and u.target in
+                 (site_args.FORWARD, site_args.BACKWARD) and site_args.bound(u)["kv_lens"] is node]
         if len(sites) < 2:
             continue  # one reader: Inductor's copy for it is fused into the value's own kernel anyway
+        order = order or {n: i for i, n in enumerate(graph.nodes)}
+        sites.sort(key=order.__getitem__)
         try:
             copy = splice.insert_value(graph, sites[0], dispatch_functionalize(decode_ops.materialize), [node])
         except Exception:  # the sites keep computing their own (equal) copies: slower, never different
             continue
         for u in sites:
-            _set_arg(u, "kv_lens", copy)
+            u.replace_input_with(node, copy)  # (another argument that is the same node holds the same values)
         made += 1
     return made
