@@ -36,18 +36,30 @@ class BackendConfig:
 
 
 def run_pass(gm: fx.GraphModule, kernel: Optional[str] = None, record: bool = True,
-             fp8: Optional[bool] = None) -> list:
+             fp8: Optional[bool] = None, constants: bool = True) -> list:
     """Rewrite `gm` in place (once) and return the site reports; with `record`, counts them and logs
     them when FA_COMPILE_LOG=1 (the backend records only once its inner compile kept the graph).
-    fp8: FP8 attention at the sites that can take it (fa_compile/fp8.py); None reads FA_COMPILE_FP8."""
+    fp8: FP8 attention at the sites that can take it (fa_compile/fp8.py); None reads FA_COMPILE_FP8.
+    constants: the mask analysis may read module buffers as constants, for a caller that wraps the
+    compiled graph with `constant_guard.guard_constants` (the reads are kept on gm.meta); False treats
+    them as data (patterns/constants.py)."""
+    from . import constant_guard
     from . import ops  # noqa: F401  (registers torch.ops.fa3 before the pass emits it)
     from . import paged  # noqa: F401  (registers torch.ops.fa3.paged_attention, emitted for paged caches)
-    from .patterns.pipeline import rewrite_attention
+    from .patterns import constants as pass_constants
+    from .patterns.pipeline import GraphRecord, rewrite_attention
     from .patterns.site import PassOptions
 
     if gm.meta.get(_DONE):
         return []
-    reports = rewrite_attention(gm, PassOptions(kernel=kernel, paged_check=paged_refusal))
+    options = PassOptions(kernel=kernel, paged_check=paged_refusal)
+    if constants:
+        before = GraphRecord(gm.graph)
+        with pass_constants.reading() as reads:
+            reports = rewrite_attention(gm, options)
+        constant_guard.record(gm, reads, before.original() if reads and any(r.rewritten for r in reports) else None)
+    else:
+        reports = rewrite_attention(gm, options)
     if config.fp8_requested() if fp8 is None else fp8:
         from .fp8 import convert_sites
 
@@ -225,7 +237,9 @@ def backend(
                 _warn_compile_fallback(e, "the rewritten higher-order-op bodies", "those bodies as traced")
                 compiled = _inner_compile(cfg, gm, example_inputs, mode, options)
         record_reports(reports)  # not reached for a graph the inner compile made Dynamo discard
-        return compiled
+        from .constant_guard import guard_constants
+
+        return guard_constants(compiled, gm, example_inputs)
 
     fa3_backend.fa_compile_config = cfg  # type: ignore[attr-defined]
     return fa3_backend
@@ -245,7 +259,7 @@ class PreGradRewritePass(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         gm = graph.owning_module
         if gm is not None and not config.killed():
-            run_pass(gm)
+            run_pass(gm, constants=False)  # nothing here sees the compiled graph to check them
         if self.chained is not None:
             self.chained(graph)
 

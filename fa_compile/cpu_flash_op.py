@@ -57,24 +57,43 @@ def _repeat_kv(t: Tensor, groups: int) -> Tensor:
     return t.unsqueeze(2).expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
 
 
-def _nan_rows(q: Tensor, k: Tensor, out: Tensor, lse: Tensor, groups: int) -> Tensor:
+def _nan_rows(q: Tensor, k: Tensor, mask: Optional[Tensor], causal: bool, groups: int) -> Tensor:
     """[B, Hq, Nq] bool: the rows the reference makes NaN that the kernel returned as out 0, lse 0.
 
     The kernel takes a row's max over finite scores only, so a row with none ends as if it were empty.
     A non-finite query element (NaN or +-inf) makes every score of its row NaN or infinite, and softmax
-    over such a row NaN (inf - inf, or a row of -inf); a row whose admitted scores are all non-finite
-    through its keys shows as the kernel's empty-row result (lse 0 and out 0) in a head whose keys hold
-    a non-finite value. The caller leaves structurally empty rows out (they stay the op's empty rows)."""
-    # x - x is NaN exactly where x is NaN or infinite (0 elsewhere), and y != y is isnan(y); k is reduced
-    # over D, then N, so each pass reads contiguous rows.
+    over such a row NaN (inf - inf, or a row of -inf). With a finite query, a score is non-finite exactly
+    when its key holds a non-finite element (q . k of finite vectors is taken not to overflow, as
+    everywhere in the op), so a row whose admitted keys all hold one has no finite score either: those
+    are the rows (mask and top-left `causal` decide what a row admits). The caller leaves structurally
+    empty rows out (they stay the op's empty rows)."""
+    from .lowering import conventions
+
+    # x - x is NaN exactly where x is NaN or infinite (0 elsewhere), and y != y is isnan(y); each pass
+    # reads contiguous rows.
     q0, k0 = q - q, k - k
     qbad = q0.ne(q0).any(-1)
-    kbad = k0.ne(k0).any(-1).any(-1)
+    kgood = k0.eq(k0).all(-1)  # [B, Hkv, Nk]: every element finite
     if groups > 1:
-        kbad = kbad.repeat_interleave(groups, dim=1)
-    kbad = kbad[..., None]  # [B, Hq, 1]
-    dead = kbad & (lse == 0) & (out == 0).all(-1)
+        kgood = kgood.repeat_interleave(groups, dim=1)
+    good = kgood.unsqueeze(2)  # [B, Hq, 1, Nk]
+    if mask is not None:
+        good = good & conventions.admitted(q, k, mask, causal)
+    elif causal:
+        nq, nk = q.shape[2], k.shape[2]
+        good = good & (torch.arange(nk, device=q.device).view(1, nk) <= torch.arange(nq, device=q.device).view(nq, 1))
+    dead = ~good.any(-1)  # [B, Hq, Nq] or [B, Hq, 1]
     return qbad | dead
+
+
+def last_dim_dense(t: Tensor) -> Tensor:
+    """t with a unit stride on its last dim: aten's CPU flash kernels read each row of D elements as
+    contiguous whatever the strides say (SDPA itself sends other strides to its math path), so a K
+    given transposed or a V expanded along D would be read wrongly. Decided at trace time where the
+    strides are symbolic (a copy unless stride 1 is proven)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return t if statically_known_true(t.stride(-1) == 1) or statically_known_true(t.shape[-1] <= 1) else t.contiguous()
 
 
 def _all_finite(t: Tensor) -> bool:
@@ -101,6 +120,8 @@ def corrected_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], k
         raise ValueError(f"empty_fill: expected one of {EMPTY_FILLS}, got {empty_fill!r}")
     from .lowering import conventions
 
+    q, k, v = last_dim_dense(q), last_dim_dense(k), last_dim_dense(v)
+
     mask = conventions.additive_mask(q, k, bias, kv_lens)
     # keys and values past kv_lens are never read (a cache's unused slots may hold NaN); an empty row's
     # mean-of-V fill below still averages the given v, as the fix-up it stands for does
@@ -117,7 +138,7 @@ def corrected_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], k
     if checked and empty is not None and not bool(empty.any()):
         empty = None
     if not finite:
-        nan = _nan_rows(q, kz, out, lse, groups)
+        nan = _nan_rows(q, kz, mask, causal, groups)
         if bad_rows is not None:
             nan = nan | bad_rows
         if empty is not None:  # structurally empty rows stay empty rows
@@ -148,6 +169,7 @@ def _cpu_flash_forward_fake(q, k, v, bias, kv_lens, scale, causal, groups, empty
 
     mask = conventions.additive_mask(q, k, bias, kv_lens)
     rep = 1 if native_gqa() else groups
+    q, k, v = last_dim_dense(q), last_dim_dense(k), last_dim_dense(v)
     out, lse = _FWD(q, _repeat_kv(k, rep), _repeat_kv(v, rep), 0.0, causal, attn_mask=mask, scale=scale)
     return out, lse.new_empty(lse.shape, dtype=torch.float32)
 
@@ -185,8 +207,9 @@ def cpu_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
         d_attn = dout.masked_fill(rows, 0)
         lse_b = lse.masked_fill(empty, 0.0)
     rep = 1 if groups == 1 or native_gqa() else groups
-    dq, dk, dv = _BWD(d_attn, q, _repeat_kv(k, rep), _repeat_kv(v, rep), out, lse_b, 0.0, causal,
-                      attn_mask=mask, scale=scale)
+    kd, vd = last_dim_dense(k), last_dim_dense(v)
+    dq, dk, dv = _BWD(last_dim_dense(d_attn), last_dim_dense(q), _repeat_kv(kd, rep), _repeat_kv(vd, rep),
+                      last_dim_dense(out), lse_b, 0.0, causal, attn_mask=mask, scale=scale)
     b, hkv, nk = k.shape[0], k.shape[1], k.shape[2]
     if rep > 1:  # dK, dV per query head: each kv head's is the sum over its group
         dk = dk.view(b, hkv, groups, nk, k.shape[3]).sum(dim=2)

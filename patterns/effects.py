@@ -61,6 +61,19 @@ def chain_write(nodes: list, own: set, keep_out: Optional[fx.Node] = None) -> Op
     return None
 
 
+def written_in_place(node: fx.Node, depth: int = 8) -> bool:
+    """Is the memory of `node`'s value written in place anywhere in the graph: through `node`, the tensor
+    it is a view of, or a view of either?"""
+    base = node
+    for _ in range(depth):
+        if base.op in ("call_function", "call_method") and kind(base) in _THROUGH and base.args \
+                and isinstance(base.args[0], fx.Node):
+            base = base.args[0]
+        else:
+            break
+    return mutated_downstream(base, depth)
+
+
 def mutated_downstream(node: fx.Node, depth: int = 8) -> bool:
     """Is `node`'s value (or a view of it) updated in place later (`o += x`, `o.mul_(c)`, `o[i] = y`)?"""
     frontier, seen = [node], set()

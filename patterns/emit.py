@@ -79,7 +79,7 @@ def call(graph: fx.Graph, target: Any, *args: Any, method: bool = False, **kwarg
 
 
 # The MaskSpec.empty_rows values emit_attention reproduces exactly (everything but "unknown").
-EMPTY_ROWS_KEPT = ("impossible", "zero", "nan", "mean_v", "mean_v_add")
+EMPTY_ROWS_KEPT = ("impossible", "zero", "nan", "mean_v", "mean_v_add", "mean_v_add_tied")
 # "fill" is kept too, but only by callers that pass MaskSpec.fill along: it is not in the tuple above,
 # so a caller that forwards empty_rows alone falls back to its exact bias instead.
 
@@ -107,6 +107,7 @@ def emit_attention(
     q_seg: Optional[fx.Node] = None,
     k_seg: Optional[fx.Node] = None,
     filled: Optional[fx.Node] = None,
+    clamp_tied: bool = False,
 ) -> tuple[fx.Node, fx.Node]:
     """Insert fa3.attention on q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D]; return (out node, op call node).
 
@@ -114,7 +115,8 @@ def emit_attention(
     itself returns as 0 with lse = -inf: "nan", "mean_v" and "mean_v_add" add an exact fix-up on those
     rows, "impossible" and "zero" add nothing; "unknown" is refused (the caller must not rewrite).
     "mean_v_add" also keeps eager's gradient of q and k on those rows (see `_uniform_row_grad`), through
-    the softcap too.
+    the softcap too; "mean_v_add_tied" half of it: the scores were clamped by max(s, finfo.min) after the
+    mask, and an absorbed score ties the clamp, where torch.maximum splits its gradient in two.
     "fill" (with `fill` = c, finite) keeps eager's value where every masked score was replaced by c,
     on every row; the masked keys are those the structure, kv_lens and a bool bias exclude. A mask
     constant along queries (key padding) becomes eager's own arithmetic (`_fill_masked_keys`); a band
@@ -136,6 +138,11 @@ def emit_attention(
     the op's gradient through those entries (`_remove_filled_grad`). Needs no structure arguments besides
     the bias, no dropout and no sinks (ValueError otherwise).
 
+    clamp_tied: eager clamped the scores by max(s, finfo.min) after adding the float `bias`. On a row whose
+    every score the bias absorbed (lse below -1e29) each score then ties the clamp, and torch.maximum passes
+    each of two equal operands half the gradient: half of the op's gradient to q and k is removed there
+    (`_remove_filled_grad` with every finite entry and weight 0.5). Same conditions as `filled`.
+
     Call inside `graph.inserting_before(...)` at a point where q, k, v, bias, kv_lens are defined.
     A scale held in a tensor node (learned temperature, 0-d tensor) is folded into q so the op's
     scale stays a Python float.
@@ -150,6 +157,15 @@ def emit_attention(
             graph, q, k, v, scale=scale, bias=bias, softcap=softcap, kernel=kernel, empty_rows=empty_rows, fill=fill)
         note_fixup(node, "filled scores' gradient removed (fa3.filled_scores_grad)")
         return _remove_filled_grad(graph, out, node, filled), node
+    if clamp_tied and needs_qk_grad(q, k) and bias is not None and example_value(bias).dtype != torch.bool:
+        if filled is not None or dropout_p > 0 or sinks is not None or causal or window_left >= 0 \
+                or window_right >= 0 or kv_lens is not None or any(x is not None for x in (q_pos, q_seg, k_seg)):
+            raise ValueError("clamp_tied: eager's halved gradient of tied scores is kept for a float bias alone "
+                             "(no structure arguments, fill, dropout or sinks)")
+        out, node = emit_attention(
+            graph, q, k, v, scale=scale, bias=bias, softcap=softcap, kernel=kernel, empty_rows=empty_rows, fill=fill)
+        note_fixup(node, "half the gradient of scores tied with the clamp max(s, finfo.min) (fa3.filled_scores_grad)")
+        return _remove_filled_grad(graph, out, node, call(graph, torch.isfinite, bias), weight=0.5), node
     if isinstance(scale, fx.Node):
         q = call(graph, torch.mul, q, scale)
         scale = 1.0
@@ -182,6 +198,18 @@ def emit_attention(
         if _key_shaped(causal, window_left, window_right, bias, kv_lens) and all(x is None for x in runtime.values()):
             k, bias = _fill_masked_keys(graph, q, k, bias, kv_lens, fill)
             kv_lens, empty_rows = None, "impossible"  # the op now computes eager's own softmax
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in map(example_value, (q, k, v, bias, sinks))):
+        # The op saves its inputs for the backward, and a copy would not help: AOTAutograd saves a mutated
+        # graph input rather than a copy of it and replays the write before the backward (torch 2.11 and
+        # 2.13: `c = m.clone(); y = q * c; m.mul_(2)` gives q the gradient of the new m).
+        from .effects import written_in_place
+
+        written = [name for name, x in (("q", q), ("k", k), ("v", v), ("bias", bias), ("kv_lens", kv_lens),
+                                        ("sinks", sinks), *runtime.items())
+                   if isinstance(x, fx.Node) and written_in_place(x)]
+        if written:
+            raise ValueError(f"{', '.join(written)}: written in place later in the graph, while the op would "
+                             "save it for the backward")
     extra: tuple = (sinks,) if sinks is not None else ()
     if any(x is not None for x in runtime.values()):
         extra = (sinks, q_pos, q_seg, k_seg)
@@ -213,9 +241,12 @@ def emit_attention(
         fill = call(graph, torch.mean, v, dim=2, keepdim=True)
         if hq != hkv:
             fill = call(graph, torch.repeat_interleave, fill, hq // hkv, dim=1)
-        if empty_rows == "mean_v_add" and needs_qk_grad(q, k):
+        if empty_rows in ("mean_v_add", "mean_v_add_tied") and needs_qk_grad(q, k):
             note_fixup(node, "exact gradient of fully masked rows (fa3.uniform_row_grad)")
-            fill = call(graph, torch.add, fill, _uniform_row_grad(graph, q, k, v, float(scale), float(softcap)))
+            grad = _uniform_row_grad(graph, q, k, v, float(scale), float(softcap))
+            if empty_rows == "mean_v_add_tied":  # value 0 either way; the product halves its gradient
+                grad = call(graph, torch.mul, grad, 0.5)
+            fill = call(graph, torch.add, fill, grad)
         fill = call(graph, "to", fill, example_value(out).dtype, method=True)
     return call(graph, torch.where, empty, fill, out), node
 
@@ -231,16 +262,18 @@ def note_fixup(node: fx.Node, what: str) -> None:
 FILLED_ROWS_LSE = -1e29
 
 
-def _remove_filled_grad(graph: fx.Graph, out: fx.Node, node: fx.Node, filled: fx.Node) -> fx.Node:
-    """out + 0 whose gradient removes, on the rows with lse < FILLED_ROWS_LSE, the op's gradient through
-    the `filled` entries of its bias (see emit_attention's `filled`). The correction reads the op's own
-    arguments (q after any folded scale, k, v, bias, softcap)."""
+def _remove_filled_grad(graph: fx.Graph, out: fx.Node, node: fx.Node, filled: fx.Node, weight: float = 1.0) -> fx.Node:
+    """out + 0 whose gradient removes, on the rows with lse < FILLED_ROWS_LSE, `weight` times the op's gradient
+    through the `filled` entries of its bias (see emit_attention's `filled` and `clamp_tied`). The correction
+    reads the op's own arguments (q after any folded scale, k, v, bias, softcap)."""
     q, k, v, scale, bias, softcap = node.args[0], node.args[1], node.args[2], node.args[3], node.args[8], node.args[10]
     lse = call(graph, operator.getitem, node, 1)
     rows = call(graph, torch.logical_and, call(graph, operator.lt, lse, FILLED_ROWS_LSE),
                 call(graph, torch.isfinite, lse))
     zero = call(graph, torch.ops.fa3.filled_scores_grad.default, q, k, v, bias, filled, float(scale), float(softcap))
     zero = call(graph, torch.where, call(graph, torch.unsqueeze, rows, -1), zero, 0.0)
+    if weight != 1.0:
+        zero = call(graph, torch.mul, zero, weight)
     if example_value(zero).dtype != example_value(out).dtype:
         zero = call(graph, "to", zero, example_value(out).dtype, method=True)
     return call(graph, torch.add, out, zero)

@@ -8,8 +8,10 @@ the pass does not fuse is handed on as Dynamo traced it.
 """
 from __future__ import annotations
 
+import copy
 from typing import Callable, Optional
 
+import torch
 import torch.fx as fx
 
 from .canonicalize import canonicalize, is_inplace
@@ -29,6 +31,21 @@ class GraphRecord:
     def __init__(self, graph: fx.Graph):
         self.graph = graph
         self.nodes = [(n, n.args, n.kwargs, n.meta.get("example_value")) for n in graph.nodes]
+
+    def original(self) -> fx.Graph:
+        """A new graph equal to the one the pass found (new nodes, same names and metadata)."""
+        old = self.graph
+        graph = fx.Graph(owning_module=old.owning_module, tracer_cls=old._tracer_cls)
+        graph._codegen = copy.deepcopy(old._codegen)
+        env: dict = {}
+        for n, args, kwargs, val in self.nodes:
+            m = graph.create_node(n.op, n.target, fx.node.map_arg(args, env.__getitem__),
+                                  fx.node.map_arg(kwargs, env.__getitem__), name=n.name, type_expr=n.type)
+            m.meta = dict(n.meta)
+            if val is not None:
+                m.meta["example_value"] = val
+            env[n] = m
+        return graph
 
     def restore(self) -> None:
         graph = self.graph
@@ -54,10 +71,13 @@ class GraphRecord:
                 graph.erase_node(n)
 
 
-def _finish(gm: fx.GraphModule, reports: list[SiteReport]) -> None:
+def _finish(gm: fx.GraphModule, reports: list[SiteReport], unread: set) -> None:
     if any(r.rewritten for r in reports):
-        # fx's default purity test treats call_method in-place ops (`y.add_(1)`, no users) as dead
-        gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or is_inplace(n))
+        # Only what the rewrites left unread goes. fx's default purity test treats call_method in-place ops
+        # (`y.add_(1)`, no users) as dead, and so are nodes the traced program kept unread for their effect
+        # (`unread`: torch.vmap's _vmap_increment_nesting / _vmap_decrement_nesting, whose removal
+        # unbalances the batch levels AOTAutograd replays).
+        gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or is_inplace(n) or n in unread)
         gm.graph.lint()
         gm.recompile()
 
@@ -71,13 +91,22 @@ STEPS: tuple[tuple[str, Callable[[fx.GraphModule, PassOptions], list[SiteReport]
 def rewrite_attention(gm: fx.GraphModule, options: Optional[PassOptions] = None) -> list[SiteReport]:
     """Rewrite every provable attention site of `gm` and of the higher-order-op bodies it calls
     (checkpoint, wrap, cond, ...: see subgraphs.py) to fa3.attention; report every site seen."""
-    return rewrite_nested(gm, options or PassOptions(), rewrite_graph)
+    # The example values the pass computes run ops with autograd on fake tensors; saved-tensor hooks of the
+    # caller's context (non-reentrant checkpointing counts saves, and a compile inside it happens at the
+    # first call) must not see those saves: the innermost hooks apply, so identity hooks hide the caller's.
+    with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        return rewrite_nested(gm, options or PassOptions(), rewrite_graph)
+
+
+def _same(t):
+    return t
 
 
 def rewrite_graph(gm: fx.GraphModule, options: PassOptions) -> list[SiteReport]:
     """The pass on the nodes of one graph (the bodies it calls through get_attr are not entered)."""
     record = GraphRecord(gm.graph)
     reports: list[SiteReport] = []
+    unread = {n for n in gm.graph.nodes if not n.users and n.op not in ("placeholder", "output")}
     step = "canonicalize"
     try:
         canonicalized = canonicalize(gm)
@@ -89,7 +118,7 @@ def rewrite_graph(gm: fx.GraphModule, options: PassOptions) -> list[SiteReport]:
         if canonicalized and not any(r.rewritten for r in reports):
             record.restore()
             gm.recompile()
-        _finish(gm, reports)
+        _finish(gm, reports, unread)
     except Exception as e:  # a failure no site's own guard caught: give the user back their graph
         record.restore()
         gm.recompile()

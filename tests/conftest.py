@@ -22,13 +22,15 @@ class Compiled:
         self.graphs: list = []
 
         def backend(gm, example_inputs):
+            from fa_compile.constant_guard import guard_constants
+
             self.reports.extend(run_pass(gm))
             self.graphs.append(gm)
             if inner == "eager":
-                return gm.forward
+                return guard_constants(gm.forward, gm, example_inputs)
             from torch._dynamo.backends.debugging import aot_eager
 
-            return aot_eager(gm, example_inputs)
+            return guard_constants(aot_eager(gm, example_inputs), gm, example_inputs)
 
         torch._dynamo.reset()
         self.fn = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph)

@@ -31,11 +31,13 @@ class Capture:
             reports = run_pass(gm)
         self.graphs.append(gm)
         self.reports.extend(reports)
+        from fa_compile.constant_guard import guard_constants
+
         if self.inner == "aot_eager":
             from torch._dynamo.backends.debugging import aot_eager
 
-            return aot_eager(gm, example_inputs)
-        return gm.forward
+            return guard_constants(aot_eager(gm, example_inputs), gm, example_inputs)
+        return guard_constants(gm.forward, gm, example_inputs)
 
     @property
     def n_attention(self) -> int:

@@ -113,6 +113,38 @@ def test_lowered_to_cpu_flash_matches_eager(case):
     assert torch.isneginf(got[1]).any() == torch.isneginf(want[1]).any()
 
 
+def _transposed_key(q, kt, v):
+    """K given as [B, H, D, N] (a cache kept transposed): the site reads it with a head-dim stride of N."""
+    return (q @ kt * 0.35).softmax(-1) @ v
+
+
+def _expanded_value(q, k, v):
+    """V built by expanding one channel over D inside the graph: a head-dim stride of 0."""
+    return (q @ k.transpose(-1, -2) * 0.35).softmax(-1) @ v[..., :1].expand(-1, -1, -1, v.shape[-1])
+
+
+@pytest.mark.parametrize("n", [8, 20], ids=["graph_ops", "one_op"])  # either side of GRAPH_OPS_MAX_QUERIES
+@pytest.mark.parametrize("fn", [_transposed_key, _expanded_value], ids=lambda f: f.__name__[1:])
+def test_inputs_without_a_unit_head_dim_stride_reach_the_cpu_kernel_dense(fn, n):
+    """aten's CPU flash kernels read each head-dim row as contiguous: other strides are made dense first."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, n, 8, generator=g) for _ in range(3))
+    if fn is _transposed_key:
+        k = k.transpose(-1, -2).contiguous()
+    w = torch.randn(2, 2, n, 8, generator=g)
+    got_args, want_args = ([t.clone().requires_grad_() for t in (q, k, v)] for _ in range(2))
+    torch._dynamo.reset()
+    n_before = len(records())
+    got = torch.compile(fn, backend="fa3", fullgraph=True)(*got_args)
+    want = fn(*want_args)
+    (got * w).sum().backward()
+    (want * w).sum().backward()
+    assert any(r.decision.kernel == "reference" for r in records()[n_before:])
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    for a, b in zip(got_args, want_args):
+        torch.testing.assert_close(a.grad, b.grad, **TOL[torch.float32])
+
+
 REFUSED = {
     "softcap": (dict(softcap=5.0), "has no softcap"),
     "window": (dict(window=(4, 0)), "has no sliding window"),
@@ -212,6 +244,23 @@ def test_non_finite_inputs_give_eagers_nan_rows_through_the_cpu_kernel(case, dty
         torch.testing.assert_close(got.float(), eager, **TOL[dtype], equal_nan=True)
 
 
+@pytest.mark.parametrize("n", [8, 20], ids=["graph_ops", "one_op"])  # either side of GRAPH_OPS_MAX_QUERIES
+def test_a_zero_row_beside_a_nan_key_it_excludes_stays_zero(n):
+    """A row whose result is exactly 0 with lse exactly 0 (an all-zero first token: q0 = k0 = v0 = 0, causal
+    row 0 sees key 0 alone) is not a row without finite scores, even in a head whose keys hold a NaN the
+    row excludes. Found by the adversarial fuzzer."""
+    q, k, v = _inputs(b=1, hq=1, hkv=1, nq=n, nk=n, d=8, dtype=torch.float32, seed=0)
+    q[:, :, 0], k[:, :, 0], v[:, :, 0] = 0, 0, 0
+    k[0, 0, n // 2, 3] = float("nan")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(_causal_attn, backend="fa3", fullgraph=True)(q, k, v)
+        want = _causal_attn(q, k, v)
+    assert want[0, 0, 0].eq(0).all() and want[0, 0, n // 2:].isnan().all() and not want[0, 0, :n // 2].isnan().any()
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got, want, **TOL[torch.float32], equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("mask", ["bool_bias", "kv_lens", "bool_bias_gqa", "bool_bias_causal"])
 def test_a_nan_key_the_mask_excludes_reaches_no_row_through_the_cpu_kernel(mask, dtype):
@@ -297,9 +346,8 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
     any_2 = torch.ops.aten.any.dim(bitwise_and, -1);  bitwise_and = None
     expand = torch.ops.aten.expand.default(any_2, [2, 4, 16]);  any_2 = None
     _scaled_dot_product_flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(arg0_1, where_1, arg2_1, attn_mask = where, scale = 0.35355339059327373);  where_1 = arg2_1 = None
-    getitem_2 = _scaled_dot_product_flash_attention_for_cpu[0]
-    getitem_3 = _scaled_dot_product_flash_attention_for_cpu[1];  _scaled_dot_product_flash_attention_for_cpu = None
-    eq_1 = torch.ops.aten.eq.Scalar(where, -inf);  where = None
+    getitem_2 = _scaled_dot_product_flash_attention_for_cpu[0];  _scaled_dot_product_flash_attention_for_cpu = None
+    eq_1 = torch.ops.aten.eq.Scalar(where, -inf)
     bitwise_not_2 = torch.ops.aten.bitwise_not.default(eq_1);  eq_1 = None
     any_3 = torch.ops.aten.any.dim(bitwise_not_2, -1);  bitwise_not_2 = None
     bitwise_not_3 = torch.ops.aten.bitwise_not.default(any_3);  any_3 = None
@@ -308,22 +356,21 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
     sub_1 = torch.ops.aten.sub.Tensor(arg1_1, arg1_1);  arg1_1 = None
     ne_1 = torch.ops.aten.ne.Tensor(sub, sub);  sub = None
     any_4 = torch.ops.aten.any.dim(ne_1, -1);  ne_1 = None
-    ne_2 = torch.ops.aten.ne.Tensor(sub_1, sub_1);  sub_1 = None
-    any_5 = torch.ops.aten.any.dim(ne_2, -1);  ne_2 = None
-    any_6 = torch.ops.aten.any.dim(any_5, -1);  any_5 = None
-    unsqueeze_1 = torch.ops.aten.unsqueeze.default(any_6, 2);  any_6 = None
-    eq_2 = torch.ops.aten.eq.Scalar(getitem_3, 0);  getitem_3 = None
-    bitwise_and_1 = torch.ops.aten.bitwise_and.Tensor(unsqueeze_1, eq_2);  unsqueeze_1 = eq_2 = None
-    eq_3 = torch.ops.aten.eq.Scalar(getitem_2, 0)
-    logical_not = torch.ops.aten.logical_not.default(eq_3);  eq_3 = None
-    any_7 = torch.ops.aten.any.dim(logical_not, -1);  logical_not = None
-    logical_not_1 = torch.ops.aten.logical_not.default(any_7);  any_7 = None
-    bitwise_and_2 = torch.ops.aten.bitwise_and.Tensor(bitwise_and_1, logical_not_1);  bitwise_and_1 = logical_not_1 = None
-    bitwise_or = torch.ops.aten.bitwise_or.Tensor(any_4, bitwise_and_2);  any_4 = bitwise_and_2 = None
+    eq_2 = torch.ops.aten.eq.Tensor(sub_1, sub_1);  sub_1 = None
+    logical_not = torch.ops.aten.logical_not.default(eq_2);  eq_2 = None
+    any_5 = torch.ops.aten.any.dim(logical_not, -1);  logical_not = None
+    logical_not_1 = torch.ops.aten.logical_not.default(any_5);  any_5 = None
+    unsqueeze_1 = torch.ops.aten.unsqueeze.default(logical_not_1, 2);  logical_not_1 = None
+    eq_3 = torch.ops.aten.eq.Scalar(where, -inf);  where = None
+    bitwise_not_4 = torch.ops.aten.bitwise_not.default(eq_3);  eq_3 = None
+    bitwise_and_1 = torch.ops.aten.bitwise_and.Tensor(unsqueeze_1, bitwise_not_4);  unsqueeze_1 = bitwise_not_4 = None
+    any_6 = torch.ops.aten.any.dim(bitwise_and_1, -1);  bitwise_and_1 = None
+    bitwise_not_5 = torch.ops.aten.bitwise_not.default(any_6);  any_6 = None
+    bitwise_or = torch.ops.aten.bitwise_or.Tensor(any_4, bitwise_not_5);  any_4 = bitwise_not_5 = None
     bitwise_or_1 = torch.ops.aten.bitwise_or.Tensor(bitwise_or, expand);  bitwise_or = expand = None
-    bitwise_not_4 = torch.ops.aten.bitwise_not.default(expand_1)
-    bitwise_and_3 = torch.ops.aten.bitwise_and.Tensor(bitwise_or_1, bitwise_not_4);  bitwise_or_1 = bitwise_not_4 = None
-    unsqueeze_2 = torch.ops.aten.unsqueeze.default(bitwise_and_3, -1);  bitwise_and_3 = None
+    bitwise_not_6 = torch.ops.aten.bitwise_not.default(expand_1)
+    bitwise_and_2 = torch.ops.aten.bitwise_and.Tensor(bitwise_or_1, bitwise_not_6);  bitwise_or_1 = bitwise_not_6 = None
+    unsqueeze_2 = torch.ops.aten.unsqueeze.default(bitwise_and_2, -1);  bitwise_and_2 = None
     scalar_tensor_2 = torch.ops.aten.scalar_tensor.default(nan, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
     where_2 = torch.ops.aten.where.self(unsqueeze_2, scalar_tensor_2, getitem_2);  unsqueeze_2 = scalar_tensor_2 = getitem_2 = None
     unsqueeze_3 = torch.ops.aten.unsqueeze.default(expand_1, -1);  expand_1 = None

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import fa_compile  # noqa: F401  (registers torch.ops.fa3)
 from fa_compile import ops  # noqa: F401
-from fa_compile.patterns import masks
+from fa_compile.patterns import constants, masks
 from fa_compile.patterns.emit import emit_attention, example_value
 from fa_compile.patterns.site import MaskSpec, MaskTerm
 
@@ -101,8 +101,9 @@ class Rewriter:
             v = pv.args[1]
             ev = example_value(base)
             b, h, nq, nk = ev.shape
-            spec = masks.analyze_mask(gm, terms, batch=b, q_heads=h, q_len=nq, k_len=nk, scores_dtype=ev.dtype,
-                                      insert_before=pv, sdpa=self.sdpa)
+            with constants.reading():  # module buffers may be read as constants (the backend guards them)
+                spec = masks.analyze_mask(gm, terms, batch=b, q_heads=h, q_len=nq, k_len=nk, scores_dtype=ev.dtype,
+                                          insert_before=pv, sdpa=self.sdpa)
             self.specs.append(spec)
             if isinstance(spec, str):
                 continue

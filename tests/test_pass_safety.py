@@ -179,8 +179,8 @@ def test_failure_escaping_a_step_restores_the_traced_graph(where, monkeypatch):
     else:
         real_finish = pipeline._finish
 
-        def finish_then_fail(gm, reports):
-            real_finish(gm, reports)
+        def finish_then_fail(gm, reports, *rest):
+            real_finish(gm, reports, *rest)
             boom()
 
         monkeypatch.setattr(pipeline, "_finish", finish_then_fail)
@@ -193,3 +193,60 @@ def test_failure_escaping_a_step_restores_the_traced_graph(where, monkeypatch):
 def test_failure_escaping_a_step_with_inductor(monkeypatch):
     monkeypatch.setattr(find_sites.rewrite, "Regions", lambda gm: (_ for _ in ()).throw(Injected("injected")))
     check(two_sites, qkv(), inner="inductor", rewritten=0)
+
+
+# ------------------------------------------------------------------- what the pass leaves in the graph
+
+
+def attention_beside_vmap(q, k, v, x, y):
+    o = torch.softmax(q @ k.transpose(-1, -2) * 0.125, dim=-1) @ v
+    a, b = torch.vmap(lambda s, t: (s * t, s + t))(x, y)  # `a` is never read
+    return o, b
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_unread_nodes_the_program_kept_survive_the_rewrite(inner):
+    """torch.vmap's _vmap_increment_nesting / _vmap_decrement_nesting have no users; the pass's final
+    dead-code sweep removes only what its rewrites left unread, or AOTAutograd's replay of the batch
+    levels fails (Jamba, Zamba)."""
+    q, k, v = qkv(requires_grad=False)
+    x, y = rand(3, 5, seed=7), rand(3, 5, seed=8)
+    reports: list = []
+    be = fa_compile.backend(inner)
+
+    def backend(gm, example_inputs):
+        reports.extend(run_pass(gm))
+        return be(gm, example_inputs)
+
+    torch._dynamo.reset()
+    got = torch.compile(attention_beside_vmap, backend=backend, fullgraph=True)(q, k, v, x, y)
+    want = attention_beside_vmap(q, k, v, x, y)
+    assert [r.rewritten for r in reports] == [True]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+
+
+# ------------------------------------------------------------------- the caller's context at compile time
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager", "inductor"])
+def test_first_call_inside_non_reentrant_checkpoint(inner):
+    """The compile happens at the first call, here inside torch.utils.checkpoint(use_reentrant=False),
+    whose saved-tensor hooks count every tensor autograd saves: the pass's own fake-tensor example values
+    must not add to that count (the recomputation would see fewer saves and the backward raise)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def attn(q, k, v):
+        return (q @ k.transpose(-1, -2) * 0.3).softmax(-1) @ v
+
+    got_args, want_args = qkv(), qkv()
+    torch._dynamo.reset()
+    compiled = torch.compile(attn, backend=fa_compile.backend(inner))
+    out = checkpoint(compiled, *got_args, use_reentrant=False)
+    want = attn(*want_args)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    g = rand(*want.shape, seed=9)
+    out.backward(g)
+    want.backward(g)
+    for a, b in zip(got_args, want_args):
+        torch.testing.assert_close(a.grad, b.grad, atol=2e-5, rtol=2e-5)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import TOL, Compiled
+from eager_diff import check as diff_check
 
 B, H, N, D = 2, 4, 8, 16
 
@@ -501,6 +502,37 @@ def test_clamp_to_finfo_min_after_mask_keeps_empty_rows_uniform():
     keep[0, 0, 3] = False  # one fully masked row
     c = check(f, q, k, v, keep)
     assert not torch.isnan(c.fn(q, k, v, keep)).any()
+
+
+def _additive_min_mask(keep, dtype):
+    """BART / XGLM's 4-d mask: 0 where a key is kept, finfo.min elsewhere."""
+    return torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+def clamp_after_additive_mask(q, k, v, keep):
+    """XGLM: scores + a 0 / finfo.min mask, then max(s, finfo.min). On a fully masked row every score
+    ties the clamp, and torch.maximum's backward gives each tied operand half the gradient."""
+    s = q @ k.transpose(-2, -1) * 0.25 + _additive_min_mask(keep, q.dtype)
+    s = torch.max(s, torch.full((), torch.finfo(s.dtype).min))
+    return torch.softmax(s, -1) @ v
+
+
+def clamp_after_mask_input(q, k, v, mask):
+    """The same with the float mask given as data: the op adds it itself."""
+    s = torch.max(q @ k.transpose(-2, -1) * 0.25 + mask, torch.full((), torch.finfo(q.dtype).min))
+    return torch.softmax(s, -1) @ v
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("mask_as_input", [False, True], ids=["mask_in_graph", "mask_input"])
+def test_clamp_ties_halve_the_gradient_of_fully_masked_rows(inner, mask_as_input):
+    q, k, v = (rand(B, H, N, D, seed=20 + i, requires_grad=True) for i in range(3))
+    keep = torch.ones(B, 1, N, N, dtype=torch.bool).tril()
+    keep[1, :, :, :3] = False  # left padding under causality: the first 3 queries of batch 1 see no key
+    last = _additive_min_mask(keep, torch.float32) if mask_as_input else keep
+    fn = clamp_after_mask_input if mask_as_input else clamp_after_additive_mask
+    res = diff_check(fn, [q, k, v, last], inner=inner)
+    assert len(res.rewritten) == 1, res.reasons
 
 
 def fill_then_scale(q, k, v):

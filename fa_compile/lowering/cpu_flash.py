@@ -43,7 +43,8 @@ import torch
 
 from .. import dispatch
 from ..candidates import common as c
-from ..cpu_flash_op import _BWD, _CPU_FLASH_BACKWARD, _CPU_FLASH_FORWARD, _repeat_kv, corrected_forward, native_gqa
+from ..cpu_flash_op import (_BWD, _CPU_FLASH_BACKWARD, _CPU_FLASH_FORWARD, _repeat_kv, corrected_forward,
+                            last_dim_dense, native_gqa)
 from ..kernels.reference import zero_past_kv_lens
 from . import choice, conventions
 
@@ -161,8 +162,9 @@ class CpuFlash:
             # An empty row's lse is -inf; its scores are all -inf, so any finite lse gives P = 0 there.
             lse_b = lse.masked_fill(torch.isneginf(lse), 0.0) if mask is not None else lse
             rep = 1 if native else groups
-            dq, dk, dv = _BWD(dout, q, _repeat_kv(k, rep), _repeat_kv(v, rep), out, lse_b, 0.0, causal,
-                              attn_mask=mask, scale=scale)
+            kd, vd = last_dim_dense(k), last_dim_dense(v)
+            dq, dk, dv = _BWD(last_dim_dense(dout), last_dim_dense(q), _repeat_kv(kd, rep), _repeat_kv(vd, rep),
+                              last_dim_dense(out), lse_b, 0.0, causal, attn_mask=mask, scale=scale)
             if rep > 1:  # dK, dV per query head: each kv head's is the sum over its group
                 b, hkv, nk, d = k.shape
                 dk = dk.view(b, hkv, groups, nk, d).sum(dim=2)

@@ -275,6 +275,23 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
         spec = _analyze_mask(gm, terms, bd, st, o_node)
         if scores.clamped and spec.empty_rows == "nan":
             spec.empty_rows = "mean_v"  # -inf became finfo.min: a fully masked row is uniform
+        clamp_tied = False
+        if scores.clamped and st.requires_grad:
+            # max(s, finfo.min) after the mask: a score the mask absorbed equals the clamp, and torch.maximum's
+            # backward gives each of two equal operands half the gradient. Only a row whose every score was
+            # absorbed has weights there: emit's uniform-row gradient is halved, and so is the op's own
+            # gradient on such rows of a float bias it adds itself.
+            if spec.empty_rows == "mean_v_add":
+                spec.empty_rows = "mean_v_add_tied"
+            bt = tensor_of(spec.bias) if spec.bias is not None else None
+            if bt is not None and bt.is_floating_point():
+                structured = spec.causal or spec.window_left >= 0 or spec.window_right >= 0 or any(
+                    x is not None for x in (spec.kv_lens, spec.q_pos, spec.q_seg, spec.k_seg, spec.filled))
+                if structured or probs.dropout_p or sink is not None or (bt.requires_grad and not _bias_cut(scores, flow)):
+                    raise Miss("scores clamped by max(s, finfo.min) over a float mask, with structure, dropout, "
+                               "sinks or a mask gradient: eager's halved gradient of the scores that tie the clamp "
+                               "cannot be kept there")
+                clamp_tied = True
         if spec.empty_rows == "unknown":
             raise Miss("cannot keep eager's value on fully masked rows for this mask")
         if sink is not None and spec.empty_rows == "fill":
@@ -364,7 +381,7 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
                 graph, qo, ko, vo, scale=scale, causal=spec.causal, diag_offset=spec.diag_offset,
                 window_left=spec.window_left, window_right=spec.window_right, bias=bias, kv_lens=kv_lens,
                 softcap=scores.softcap, dropout_p=probs.dropout_p, kernel=options.kernel, empty_rows=spec.empty_rows,
-                fill=spec.fill, sinks=sink_arg, filled=filled, **runtime,
+                fill=spec.fill, sinks=sink_arg, filled=filled, clamp_tied=clamp_tied, **runtime,
             )
             o.made.append(out)
             res = b.out_from_op(out, q_padded)

@@ -29,8 +29,9 @@ anything else). SiteReport kinds produced: "causal" (diag_offset 0), "causal-bot
       shapes are all static ints is evaluated with real tensors and its value classified (band, 0/c).
       Static-shape guards make that a proof for every call the graph admits. Never used when any
       shape in the subgraph is symbolic. Module buffers (not parameters) are read at compile time and
-      treated as constants: Dynamo does not guard their contents, so a model that writes into its
-      mask buffer after compiling must recompile (nanoGPT / GPT-2 never do).
+      treated as constants only where the caller checks them on every call (patterns/constants.py:
+      Dynamo does not guard their contents; fa_compile/constant_guard.py runs the traced graph once one
+      changed); elsewhere they are data like any input.
   (c) run-time structure, read from tensors the op takes as they are (when its schema has q_pos /
       q_seg / k_seg): key positions compared with an integer tensor P that varies along the query axis
       (`kv_arange <= cache_position[:, None]`, HF's `q_arange + cache offset`; `<`, `>=`, `>` mirrored)

@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from .. import constants
 from ..emit import example_value
 from .symbolic import _shape, _static, _static_value, _sym_true
 from .values import AbsVal, _Keep, _Konst, _Lin, _Opaque, _TRUE, _Two
@@ -99,8 +100,11 @@ def _scalar(v: Any) -> Optional[float]:
 # ----------------------------------------------------------------------------- concrete evaluation
 
 def _real_buffer(node: fx.Node) -> Optional[torch.Tensor]:
-    """The real tensor of a placeholder that Dynamo lifted from a module buffer (not a parameter)."""
+    """The real tensor of a placeholder that Dynamo lifted from a module buffer (not a parameter), where
+    the pass may read it as a constant (patterns/constants.py, which records the read)."""
     if node.op != "placeholder" or "_dynamo_static_input_type" not in node.meta.get("tensor_dict", {}):
+        return None
+    if not constants.allowed():
         return None
     fake = example_value(node)
     if not isinstance(fake, torch.Tensor) or fake.requires_grad or not _static(node):
@@ -111,10 +115,23 @@ def _real_buffer(node: fx.Node) -> Optional[torch.Tensor]:
         for real, tid in list(desc.lookup_tensor.items()):
             if memo.get(tid) is fake and not isinstance(real, torch._subclasses.FakeTensor):
                 # parameters (even frozen ones) are weights that training or the user may change
-                return None if isinstance(real, torch.nn.Parameter) or real.requires_grad else real
+                if isinstance(real, torch.nn.Parameter) or real.requires_grad:
+                    return None
+                index = [n for n in node.graph.nodes if n.op == "placeholder"].index(node)
+                return real if constants.note(_source_name(node), real, index) else None
     except Exception:
         return None
     return None
+
+
+def _source_name(node: fx.Node) -> str:
+    """Where Dynamo took a placeholder's value from (`L['self']._buffers['bias']`), else its name."""
+    try:
+        name = node.meta["grapharg"].source.name
+        name = name() if callable(name) else name  # a method before torch 2.13, a property since
+        return name if isinstance(name, str) and name else node.name
+    except (KeyError, AttributeError):
+        return node.name
 
 
 def _exact_positions(n: fx.Node) -> bool:
@@ -148,7 +165,8 @@ class _Evaluator:
                         val = getattr(val, part)
                 except AttributeError:
                     val = None
-                ok = isinstance(val, torch.Tensor) and not isinstance(val, torch.nn.Parameter) and not val.requires_grad
+                ok = isinstance(val, torch.Tensor) and not isinstance(val, torch.nn.Parameter) and not val.requires_grad \
+                    and constants.note(node.name, val, None)
             elif node.op in ("call_function", "call_method"):
                 name = _opname(node).lower()
                 ok = not _is_inplace(node) and not any(w in name for w in _RANDOM_WORDS)

@@ -1,0 +1,74 @@
+"""The check that keeps rewrites resting on tensors read at compile time sound (patterns/constants.py).
+
+`fa_compile.backend()` wraps a compiled graph whose rewrite read module buffers or module tensors as
+constants: each call first checks that every such tensor is still the object compiled against, over
+the same memory (`.data = other` moves it), with the version counter it had (an in-place write,
+`copy_` included, bumps it). A few attribute reads per tensor, no device work. When a check fails, the
+graph as Dynamo traced it runs instead, uncompiled and never rewritten, with one warning: the values
+it was compiled for are gone, and Dynamo would not recompile for them (it does not guard tensor
+contents). Writes that autograd's version counter does not see either (through `.data`, or a NumPy view
+of the memory) are not seen here: reading the contents on every call would cost a pass over each
+buffer (and a device sync on a GPU).
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any, Callable, Optional, Sequence
+
+import torch.fx as fx
+
+CONSTANT_READS = "fa_compile_constant_reads"  # gm.meta: node name -> patterns.constants.ConstantRead
+PRISTINE = "fa_compile_pristine_graph"  # gm.meta: the graph as traced, for the fallback
+
+
+def guard_constants(compiled: Callable, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    """`compiled`, checked before each call against the constants its rewrite read (nothing to check:
+    `compiled` itself)."""
+    reads = gm.meta.get(CONSTANT_READS)
+    pristine = gm.meta.get(PRISTINE)
+    if not reads or pristine is None:
+        return compiled
+    checks: list = []
+    for r in reads.values():
+        if r.index is not None and (r.index >= len(example_inputs) or example_inputs[r.index] is not r.tensor):
+            checks = None  # compiled against another object than the one read: never assume it
+            break
+        checks.append((r.index, weakref.ref(r.tensor), r.version, r.tensor.data_ptr()))
+    names = sorted(reads)
+    state: dict = {}
+
+    def fallback(args: tuple) -> Any:
+        if "gm" not in state:
+            state["gm"] = fx.GraphModule(gm, pristine)
+            warnings.warn(
+                f"fa_compile: {', '.join(names)}, read as constant{'s' if len(names) > 1 else ''} when the "
+                "attention was rewritten, changed since (an in-place write or another tensor); this graph now "
+                "runs as traced, uncompiled. torch._dynamo.reset() and a new compile take the new values.",
+                RuntimeWarning, stacklevel=3)
+        return state["gm"](*args)
+
+    if checks is None:
+        def run(*args):
+            return fallback(args)
+    else:
+        def run(*args):
+            if "gm" not in state:
+                for index, ref, version, ptr in checks:
+                    t = ref()
+                    if t is None or (index is not None and args[index] is not t) or t._version != version \
+                            or t.data_ptr() != ptr:
+                        break
+                else:
+                    return compiled(*args)
+            return fallback(args)
+
+    run.__dict__.update(getattr(compiled, "__dict__", {}))  # what Dynamo and AOTAutograd attach to it
+    return run
+
+
+def record(gm: fx.GraphModule, reads: dict, original: Optional[fx.Graph]) -> None:
+    """Keep what `guard_constants` needs on `gm` (reads made by a rewrite that changed the graph)."""
+    if reads and original is not None:
+        gm.meta[CONSTANT_READS] = dict(reads)
+        gm.meta[PRISTINE] = original
