@@ -276,14 +276,21 @@ _META_METHODS = ("new_ones", "new_zeros", "new_full", "new_empty", "size", "dim"
 _META_ATTRS = ("shape", "dtype", "device", "ndim", "is_cuda", "layout")
 
 
+_SHAPE_OF_OTHER = ("expand_as", "reshape_as", "view_as")
+
+
 def reads_only_metadata(user: fx.Node, node: fx.Node) -> bool:
     """Does `user` read only `node`'s shape / dtype / device, never its values? (`torch.ones_like(s)`,
-    `s.new_full(...)`, `s.size(-1)`, `x.to(s)`, `x.type_as(s)`): such a use is not a use of the values."""
+    `s.new_full(...)`, `s.size(-1)`, `x.to(s)`, `x.type_as(s)`, `m.expand_as(s)`): such a use is not a use of the
+    values."""
     if user.op not in ("call_function", "call_method"):
         return False
     first = user.args[0] if user.args else None
     if kind(user) == "cast" and first is not node:
         return True  # `x.type_as(s)` / `x.to(s)`: s gives the dtype only
+    if user.op == "call_method" and user.target in _SHAPE_OF_OTHER and len(user.args) == 2 and not user.kwargs \
+            and user.args[1] is node and first is not node:
+        return True  # `m.expand_as(s)` / `b.reshape_as(s)`: s gives the shape only
     elsewhere: list = []
     fx.node.map_arg((user.args[1:], user.kwargs), lambda a: elsewhere.append(a) if a is node else None)
     if first is not node or elsewhere:

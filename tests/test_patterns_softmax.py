@@ -808,3 +808,29 @@ fa3.attention(unsqueeze, unsqueeze_1, unsqueeze_2, 0.25, False, 0, -1, -1, None,
 getitem(attention_default, 0)
 squeeze(getitem, 1)
 view(squeeze, 2, 4, 8, 16)""")
+
+
+def mask_expanded_as_the_scores(q, k, v, keep):
+    """XLM: the [B, 1, 1, N] mask expanded to the scores' shape with expand_as, then masked_fill_."""
+    s = q @ k.transpose(-2, -1) * 0.25
+    s.masked_fill_(~keep.expand_as(s), torch.finfo(s.dtype).min)
+    return torch.softmax(s, -1) @ v
+
+
+def bias_reshaped_as_the_scores(q, k, v, bias):
+    """SAM: a bias of the scores' element count reshaped to their shape with reshape_as."""
+    s = q @ k.transpose(-2, -1) * 0.25
+    return torch.softmax(s + bias.reshape_as(s), -1) @ v
+
+
+@pytest.mark.parametrize("fn", [mask_expanded_as_the_scores, bias_reshaped_as_the_scores], ids=lambda f: f.__name__)
+def test_the_scores_read_for_their_shape_only(fn):
+    """`x.expand_as(s)` / `x.reshape_as(s)` read only the scores' shape: no second use of their values."""
+    q, k, v = (rand(B, H, N, D, seed=30 + i, requires_grad=True) for i in range(3))
+    if fn is mask_expanded_as_the_scores:
+        last = torch.ones(B, 1, 1, N, dtype=torch.bool)
+        last[1, ..., 5:] = False
+    else:
+        last = rand(B * H, N, N, seed=34)
+    res = diff_check(fn, [q, k, v, last])
+    assert len(res.rewritten) == 1, res.reasons
