@@ -26,11 +26,12 @@ _PURE_METHODS = {"size", "dim", "numel", "detach", "t", "flatten", "unflatten", 
                  "chunk", "split", "exp", "log", "neg", "abs", "sqrt", "rsqrt", "sigmoid", "sum", "mean", "amax",
                  "amin", "tril", "triu", "log_softmax", "eq", "ne", "lt", "le", "gt", "ge", "logical_not",
                  "logical_and", "logical_or", "bool", "int", "long", "float", "half", "bfloat16", "double",
-                 "to", "type_as", "view_as", "reshape_as", "expand_as", "new_ones", "new_zeros", "new_full"}
+                 "to", "type_as", "view_as", "reshape_as", "expand_as", "broadcast_to", "new_ones", "new_zeros",
+                 "new_full"}
 _PURE_FUNCTIONS = {torch.ones_like, torch.zeros_like, torch.full_like, torch.ones, torch.zeros, torch.full,
                    torch.arange, torch.tril, torch.triu, torch.exp, torch.log, torch.flatten, torch.squeeze,
                    torch.cat, torch.stack, torch.sum, torch.amax, torch.log_softmax, F.log_softmax,
-                   torch.chunk, torch.split, torch.narrow, torch.select,
+                   torch.chunk, torch.split, torch.narrow, torch.select, torch.broadcast_to,
                    operator.neg, operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge,
                    operator.and_, operator.or_, operator.xor, operator.invert, operator.not_, operator.pow}
 # not floordiv / mod / an integer div: an integer division by zero raises

@@ -75,8 +75,16 @@ class DropsTheView(nn.Module):
         return self.attn(q, k, v).out * 2.0
 
 
-@pytest.mark.parametrize("fn", [dead_clone, dead_view_chain, DropsTheView()], ids=lambda f: type(f).__name__
-                         if isinstance(f, nn.Module) else f.__name__)
+def dead_broadcast(q, k, v):
+    """WavLM: the attention weights (here the probabilities) feed only a broadcast_to nobody reads."""
+    p = torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1)
+    torch.broadcast_to(p, (2,) + tuple(p.shape))  # dead
+    p.broadcast_to((2,) + tuple(p.shape))  # dead
+    return p @ v
+
+
+@pytest.mark.parametrize("fn", [dead_clone, dead_view_chain, dead_broadcast, DropsTheView()],
+                         ids=lambda f: type(f).__name__ if isinstance(f, nn.Module) else f.__name__)
 def test_dead_use_of_the_scores_is_no_use(fn):
     check(fn, qkv(), rewritten=1)
 
