@@ -29,39 +29,33 @@ def guard_constants(compiled: Callable, gm: fx.GraphModule, example_inputs: Sequ
     pristine = gm.meta.get(PRISTINE)
     if not reads or pristine is None:
         return compiled
-    checks: list = []
-    for r in reads.values():
-        if r.index is not None and (r.index >= len(example_inputs) or example_inputs[r.index] is not r.tensor):
-            checks = None  # compiled against another object than the one read: never assume it
-            break
-        checks.append((r.index, weakref.ref(r.tensor), r.version, r.tensor.data_ptr()))
+    # (index among the inputs or None, the tensor, its version, its memory); None: compiled against another object
+    # than the one read, never assumed to be it
+    checks: Optional[list] = [(r.index, weakref.ref(r.tensor), r.version, r.tensor.data_ptr()) for r in reads.values()]
+    if any(r.index is not None and (r.index >= len(example_inputs) or example_inputs[r.index] is not r.tensor)
+           for r in reads.values()):
+        checks = None
     names = sorted(reads)
-    state: dict = {}
+    state: dict = {}  # "gm": the traced graph, once a check failed
 
-    def fallback(args: tuple) -> Any:
+    def unchanged(args: tuple) -> bool:
+        for index, ref, version, ptr in checks:
+            t = ref()
+            if t is None or (index is not None and args[index] is not t) or t._version != version or t.data_ptr() != ptr:
+                return False
+        return True
+
+    def run(*args):
+        if "gm" not in state and checks is not None and unchanged(args):
+            return compiled(*args)
         if "gm" not in state:
             state["gm"] = fx.GraphModule(gm, pristine)
             warnings.warn(
                 f"fa_compile: {', '.join(names)}, read as constant{'s' if len(names) > 1 else ''} when the "
                 "attention was rewritten, changed since (an in-place write or another tensor); this graph now "
                 "runs as traced, uncompiled. torch._dynamo.reset() and a new compile take the new values.",
-                RuntimeWarning, stacklevel=3)
+                RuntimeWarning, stacklevel=2)
         return state["gm"](*args)
-
-    if checks is None:
-        def run(*args):
-            return fallback(args)
-    else:
-        def run(*args):
-            if "gm" not in state:
-                for index, ref, version, ptr in checks:
-                    t = ref()
-                    if t is None or (index is not None and args[index] is not t) or t._version != version \
-                            or t.data_ptr() != ptr:
-                        break
-                else:
-                    return compiled(*args)
-            return fallback(args)
 
     run.__dict__.update(getattr(compiled, "__dict__", {}))  # what Dynamo and AOTAutograd attach to it
     return run

@@ -91,9 +91,12 @@ def last_dim_dense(t: Tensor) -> Tensor:
     contiguous whatever the strides say (SDPA itself sends other strides to its math path), so a K
     given transposed or a V expanded along D would be read wrongly. Decided at trace time where the
     strides are symbolic (a copy unless stride 1 is proven)."""
+    stride, d = t.stride(-1), t.shape[-1]
+    if isinstance(stride, int) and isinstance(d, int):  # real tensors (the op's calls): no symbolic test
+        return t if stride == 1 or d <= 1 else t.contiguous()
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    return t if statically_known_true(t.stride(-1) == 1) or statically_known_true(t.shape[-1] <= 1) else t.contiguous()
+    return t if statically_known_true(stride == 1) or statically_known_true(d <= 1) else t.contiguous()
 
 
 def _all_finite(t: Tensor) -> bool:

@@ -117,7 +117,11 @@ def _real_buffer(node: fx.Node) -> Optional[torch.Tensor]:
                 # parameters (even frozen ones) are weights that training or the user may change
                 if isinstance(real, torch.nn.Parameter) or real.requires_grad:
                     return None
-                index = [n for n in node.graph.nodes if n.op == "placeholder"].index(node)
+                index = 0  # among the placeholders, which come first in the graph
+                for n in node.graph.nodes:
+                    if n is node:
+                        break
+                    index += n.op == "placeholder"
                 return real if constants.note(_source_name(node), real, index) else None
     except Exception:
         return None
