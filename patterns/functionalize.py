@@ -6,14 +6,15 @@ the in-place op and, after it, by the softmax, which sees the written values. Wh
 `x` is provably not shared, `x.op_(*a)` is `x2 = x.op(*a)` with every later read of `x` (and every
 read of the in-place op's result) reading `x2` instead: that is what functionalization does, here
 only where it is proven exact:
-- `x` is a fresh tensor: the result of an op that always allocates its output (a contraction,
-  elementwise arithmetic, masked_fill / where, softmax, clone), never a graph input, a view or an op
-  that may return its input (`.contiguous()`, `.to()`); or a chain of such views of a fresh tensor
+- `x` is a fresh tensor: the result of an op that always allocates its output (a contraction, an
+  einsum of two or more operands, elementwise arithmetic, masked_fill / where, softmax, clone), never
+  a graph input, a view or an op that may return its input (`.contiguous()`, `.to()`); or a chain of such views of a fresh tensor
   in which each tensor is read by the next view only (`(q @ kᵀ).view(B, H, N, N)`);
 - no read of `x` before the update makes a view of it (a view would see the write); reads that
   compute fresh tensors or only read the shape are kept as they are (they ran before the write);
 - the functional op gives `x`'s shape, strides, dtype, device and requires_grad (`x_fp16.add_(y_fp32)`
-  stays fp16 where `add` would promote: left alone);
+  stays fp16 where `add` would promote: left alone); other strides only when every later reader computes
+  its values element by element (arithmetic, where, softmax), which strides do not change;
 - the update runs under the same grad mode / autocast / inference state as `x` was made in (an
   update under no_grad of a tensor that needs a gradient is not the functional op's gradient).
 Anything else is left in place, and the site finder then refuses the site it touches.
@@ -69,8 +70,12 @@ def is_fresh(node: Any) -> bool:
         return False
     if kind(node) == "identity":
         return node.target in ("clone", torch.clone, torch.Tensor.clone)
-    if kind(node) == "einsum":
-        return False  # a one-operand einsum may return a view
+    if kind(node) == "einsum":  # a one-operand einsum may return a view; a product of two or more never does
+        operands = node.args[1:]
+        if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+            operands = operands[0]
+        return not node.kwargs and isinstance(node.args[0], str) and \
+            sum(tensor_of(a) is not None for a in operands) >= 2
     return kind(node) in _FRESH_KINDS or contraction(node) is not None
 
 
@@ -98,11 +103,22 @@ def _keeps_alias_free(user: fx.Node, x: fx.Node) -> bool:
     return not isinstance(user.meta["example_value"], (torch.Tensor, tuple, list, dict))
 
 
-def _same_meta(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same shape and strides (provably, adding no guard), dtype, device and requires_grad."""
+def _same_meta(a: torch.Tensor, b: torch.Tensor, strides: bool = True) -> bool:
+    """Same shape and strides (provably, adding no guard; strides only when asked), dtype, device and
+    requires_grad."""
     if a.dim() != b.dim() or a.dtype != b.dtype or a.device != b.device or a.requires_grad != b.requires_grad:
         return False
-    return all(known_eq(x, y) for x, y in zip(list(a.shape) + list(a.stride()), list(b.shape) + list(b.stride())))
+    dims = list(zip(a.shape, b.shape)) + (list(zip(a.stride(), b.stride())) if strides else [])
+    return all(known_eq(x, y) for x, y in dims)
+
+
+# Readers whose values do not depend on their input's strides: they allocate their result and compute it
+# element by element (or row by row), so x2 with other strides than x gives them the same values.
+_STRIDE_BLIND_KINDS = ("mul", "div", "add", "sub", "masked_fill", "where", "tanh", "softmax")
+
+
+def _stride_blind(user: fx.Node) -> bool:
+    return not is_inplace(user) and "out" not in user.kwargs and kind(user) in _STRIDE_BLIND_KINDS
 
 
 def functionalize_inplace(gm: fx.GraphModule) -> bool:
@@ -128,7 +144,11 @@ def functionalize_inplace(gm: fx.GraphModule) -> bool:
         except Exception:
             f.meta.pop("example_value", None)
         old, new = tensor_of(x), tensor_of(f)
-        if new is None or old is None or not _same_meta(old, new):
+        later = [u for u in x.users if u is not f and u is not m and pos[u] > pos[m]] + list(m.users)
+        # `x` a strided view (Funnel's `positional_attn *= cls_mask` on a slice): x2 is laid out anew, which
+        # only readers that ignore strides may see
+        if new is None or old is None or not (_same_meta(old, new) or (
+                _same_meta(old, new, strides=False) and all(_stride_blind(u) for u in later))):
             graph.erase_node(f)
             continue
         pos[f] = pos[m] - 0.5

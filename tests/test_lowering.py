@@ -248,7 +248,7 @@ def test_non_finite_inputs_give_eagers_nan_rows_through_the_cpu_kernel(case, dty
 def test_a_zero_row_beside_a_nan_key_it_excludes_stays_zero(n):
     """A row whose result is exactly 0 with lse exactly 0 (an all-zero first token: q0 = k0 = v0 = 0, causal
     row 0 sees key 0 alone) is not a row without finite scores, even in a head whose keys hold a NaN the
-    row excludes. Found by the adversarial fuzzer."""
+    row excludes. Found by hand-written adversarial programs, not the fuzzer."""
     q, k, v = _inputs(b=1, hq=1, hkv=1, nq=n, nk=n, d=8, dtype=torch.float32, seed=0)
     q[:, :, 0], k[:, :, 0], v[:, :, 0] = 0, 0, 0
     k[0, 0, n // 2, 3] = float("nan")

@@ -209,6 +209,45 @@ def test_in_place_update_that_is_not_functional_is_refused(fn):
     assert "modified in place" in reasons(res)
 
 
+def einsum_bias_scaled_in_place(q, k, v, r, keep):
+    s = torch.einsum("bhid,bhjd->bhij", q, k) * 0.25
+    pos = torch.einsum("bhid,jd->bhij", q, r[1:])  # a query-dependent relative bias: a product, so fresh
+    pos *= keep  # in place, on the fresh bias term (Funnel's `positional_attn *= cls_mask`)
+    return torch.softmax(s + pos, -1) @ v
+
+
+def sliced_bias_scaled_in_place(q, k, v, r, keep):
+    s = q @ k.transpose(-2, -1) * 0.25
+    pos = torch.einsum("bhid,jd->bhij", q, r)[..., 1:]  # a strided view: the slice of a relative shift
+    pos *= keep
+    return torch.softmax(s + pos, -1) @ v
+
+
+def sliced_bias_then_viewed(q, k, v, r, keep):
+    s = q @ k.transpose(-2, -1) * 0.25
+    pos = torch.einsum("bhid,jd->bhij", q, r)[..., 1:]
+    pos *= keep
+    flat = pos.transpose(-1, -2)  # a view-taking reader after the update: x2's other strides would show here
+    return torch.softmax(s + flat.transpose(-1, -2), -1) @ v
+
+
+def _bias_args():
+    keep = torch.ones(N, N)
+    keep[0] = 0  # a class token's row: no relative bias
+    return qkv() + [rand(N + 1, D, seed=7), keep]  # N + 1 relative positions: the sliced form reads N of them
+
+
+@pytest.mark.parametrize("fn", [einsum_bias_scaled_in_place, sliced_bias_scaled_in_place], ids=lambda f: f.__name__)
+def test_in_place_update_of_a_fresh_bias_term_is_functional(fn):
+    res = check(fn, _bias_args(), rewritten=1)
+    assert res.rewritten[0].mask == "bias"
+
+
+def test_in_place_update_of_a_strided_bias_read_through_a_view_is_refused():
+    res = check(sliced_bias_then_viewed, _bias_args(), rewritten=0)
+    assert "modified in place" in reasons(res)
+
+
 # ---------------------------------------------------------------------------- masks from the scores' shape
 
 def ones_like_tril(q, k, v):
