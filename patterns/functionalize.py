@@ -8,8 +8,9 @@ read of the in-place op's result) reading `x2` instead: that is what functionali
 only where it is proven exact:
 - `x` is a fresh tensor: the result of an op that always allocates its output (a contraction, an
   einsum of two or more operands, elementwise arithmetic, masked_fill / where, softmax, clone), never
-  a graph input, a view or an op that may return its input (`.contiguous()`, `.to()`); or a chain of such views of a fresh tensor
-  in which each tensor is read by the next view only (`(q @ kᵀ).view(B, H, N, N)`);
+  a graph input, a view or an op that may return its input (`.contiguous()`, `.to()`); or a chain of
+  such views of a fresh tensor in which each tensor is read by the next view only
+  (`(q @ kᵀ).view(B, H, N, N)`);
 - no read of `x` before the update makes a view of it (a view would see the write); reads that
   compute fresh tensors or only read the shape are kept as they are (they ran before the write);
 - the functional op gives `x`'s shape, strides, dtype, device and requires_grad (`x_fp16.add_(y_fp32)`

@@ -248,6 +248,41 @@ def test_in_place_update_of_a_strided_bias_read_through_a_view_is_refused():
     assert "modified in place" in reasons(res)
 
 
+# ---------------------------------------------------------------------------- terms added to a reshaped view
+
+def decomposed_bias_on_a_5d_view(q, k, v, rh, rw):
+    s = (q * 0.35) @ k.transpose(-2, -1)  # [B, H, N, N], N = 2 × 3 positions
+    s = (s.view(B * H, 2, 3, 2, 3) + rh[:, :, :, :, None] + rw[:, :, :, None, :]).view(B, H, N, N)  # VitDet
+    return s.softmax(dim=-1) @ v
+
+
+def terms_around_a_5d_view(q, k, v, rh, rw):
+    s = (q * 0.35) @ k.transpose(-2, -1)
+    s = (rh[:, :, :, :, None] + s.view(B * H, 2, 3, 2, 3) - 0.5 - rw[:, :, :, None, :]).view(B, H, N, N)
+    return s.softmax(dim=-1) @ v
+
+
+def view_read_twice(q, k, v, rh, rw):
+    s = (q * 0.35) @ k.transpose(-2, -1)
+    t = s.view(B * H, 2, 3, 2, 3) + rh[:, :, :, :, None]
+    return (t.view(B, H, N, N).softmax(dim=-1) @ v) + t.sum()  # the 5-D sum has a second reader
+
+
+def _rel():
+    return [rand(B * H, 2, 3, 2, seed=11, requires_grad=True), rand(B * H, 2, 3, 3, seed=12, requires_grad=True)]
+
+
+@pytest.mark.parametrize("fn", [decomposed_bias_on_a_5d_view, terms_around_a_5d_view], ids=lambda f: f.__name__)
+def test_terms_added_to_a_reshaped_view_are_terms_of_the_scores(fn):
+    res = check(fn, qkv() + _rel(), rewritten=1)
+    assert res.rewritten[0].mask == "bias"
+
+
+def test_a_reshaped_view_read_elsewhere_is_left_alone():
+    res = check(view_read_twice, qkv() + _rel(), rewritten=0)
+    assert "Q·Kᵀ" in reasons(res)
+
+
 # ---------------------------------------------------------------------------- masks from the scores' shape
 
 def ones_like_tril(q, k, v):
@@ -516,6 +551,24 @@ expand(unsqueeze_3, 2, -1, -1, -1)
 fa3.attention(l_q_, expand, expand_1, 0.25, False, 0, -1, -1, None, None, 0.0, 0.0, None, None)
 getitem(attention_default, 0)
 contiguous(getitem)""")
+
+    def test_pinned_terms_of_a_reshaped_view(self):
+        rh, rw = (t.detach() for t in _rel())
+        self.assertExpectedInline(pinned(decomposed_bias_on_a_5d_view, *qkv(grad=False), rh, rw), """\
+getitem(l_rh_, (slice(None, None, None), slice(None, None, None), slice(None, None, None), slice(None, None, None), None))
+getitem(l_rw_, (slice(None, None, None), slice(None, None, None), slice(None, None, None), None, slice(None, None, None)))
+expand(getitem, 4, 2, 3, 2, 3)
+reshape(expand, 2, 2, 6, 6)
+expand(getitem_1, 4, 2, 3, 2, 3)
+reshape(expand_1, 2, 2, 6, 6)
+add(reshape, reshape_1)
+fa3.attention(l_q_, l_k_, l_v_, 0.35, False, 0, -1, -1, add_4, None, 0.0, 0.0, None, None)
+getitem(attention_default, 0)
+getitem(attention_default, 1)
+isneginf(getitem_3)
+unsqueeze(isneginf, -1)
+full_like(getitem_2, nan)
+where(unsqueeze, full_like, getitem_2)""")
 
     def test_pinned_exp_of_log_softmax(self):
         self.assertExpectedInline(pinned(LOG_SOFTMAX_FORMS["F.log_softmax.exp"], *qkv(grad=False)), """\
