@@ -248,6 +248,60 @@ def test_in_place_update_of_a_strided_bias_read_through_a_view_is_refused():
     assert "modified in place" in reasons(res)
 
 
+def _index_table():
+    """Data2VecVision's relative-position index, shrunk: slice writes on integer tensors made in the graph."""
+    c = torch.arange(N)
+    rel = (c[:, None, None] - c[None, :, None]).expand(N, N, 2).contiguous()
+    rel[:, :, 0] += N - 1  # operator.iadd on a view, then setitem
+    idx = torch.zeros(N, N, dtype=torch.long)
+    idx[1:, 1:] = rel[1:, 1:, 0]  # in [0, 2N - 2]
+    idx[0, :] = 2 * N - 1
+    return idx
+
+
+def index_table_built_after_the_scores(q, k, v, table):
+    s = q @ k.transpose(-1, -2) * 0.25
+    return torch.softmax(s + table[_index_table()].permute(2, 0, 1), dim=-1) @ v
+
+
+def bias_written_after_it_was_added(q, k, v):
+    s = q @ k.transpose(-1, -2) * 0.25
+    bias = torch.zeros(N, N)
+    bias[0, 1] = -1.0
+    s = s + bias
+    bias[2, 2] = -5.0  # eager added the bias before this write
+    return torch.softmax(s, -1) @ v
+
+
+def mask_written_after_the_fill(q, k, v):
+    s = q @ k.transpose(-1, -2) * 0.25
+    masked = torch.zeros(N, N, dtype=torch.bool)
+    masked[:, N - 2:] = True
+    s = s.masked_fill(masked, -math.inf)
+    masked[3, :] = True  # eager filled before this write
+    return torch.softmax(s, -1) @ v
+
+
+def scale_written_after_the_product(q, k, v):
+    s = q @ k.transpose(-1, -2)
+    scale = torch.full((H, 1, 1), 0.25)
+    s = s * scale
+    scale.fill_(2.0)  # eager scaled the scores before this write
+    return torch.softmax(s, -1) @ v
+
+
+def test_memory_written_while_the_site_runs_and_never_read_by_it():
+    res = check(index_table_built_after_the_scores, qkv() + [rand(2 * N, H, seed=3, requires_grad=True)], rewritten=1)
+    assert res.rewritten[0].mask == "bias"
+
+
+@pytest.mark.parametrize("fn", [bias_written_after_it_was_added, mask_written_after_the_fill,
+                                scale_written_after_the_product], ids=lambda f: f.__name__)
+def test_memory_the_site_reads_written_while_it_runs_is_refused(fn):
+    res = check(fn, qkv(grad=False), rewritten=0)  # (eager's own backward refuses the last two: saved, then written)
+    assert "modified in place" in reasons(res)
+
+
 # ---------------------------------------------------------------------------- terms added to a reshaped view
 
 def decomposed_bias_on_a_5d_view(q, k, v, rh, rw):

@@ -11,7 +11,9 @@ import torch.fx as fx
 
 from .. import emit, sinks
 from ..canonicalize import is_inplace, kind, softmax_args, tensor_of
-from ..effects import GradFlow, chain_write, grad_flow, mutated_downstream, out_target, path_to, read_path
+from ..effects import (
+    GradFlow, chain_write, grad_flow, mutated_downstream, out_target, path_to, private_storage, read_path,
+)
 from ..emit import example_value
 from ..gqa import unrepeat
 from ..layout import View, fold, identity
@@ -64,9 +66,12 @@ def _reads_values(node: fx.Node) -> bool:
         return True
 
 
-def _effects(ctx: "_Ctx", scores: Scores, probs: Probs, q: View, k: View, v: View, own: set) -> GradFlow:
-    """The site's writes and grad-mode regions (see effects.py): Miss when they cannot be kept,
-    else which of the op's inputs eager's gradient does not reach."""
+def _effects(ctx: "_Ctx", scores: Scores, probs: Probs, q: View, k: View, v: View,
+             own: set) -> tuple[GradFlow, set]:
+    """The site's writes and grad-mode regions (see effects.py): Miss when they cannot be kept, else
+    which of the op's inputs eager's gradient does not reach, and the nodes whose memory is written in
+    place while the site runs (memory allocated after its first read: the rewritten site may read none
+    of them, which the rewrite checks once its glue exists)."""
     qk, pv = scores.contraction, probs.pv
     o_node = pv.node
     regions = ctx.regions
@@ -82,8 +87,14 @@ def _effects(ctx: "_Ctx", scores: Scores, probs: Probs, q: View, k: View, v: Vie
     # by eager and by the op, which reads the same memory later still.
     readers = {n for n in read if _reads_values(n)} | {qk.node}
     first = min((n for n in readers if n in ctx.pos), key=ctx.pos.get, default=qk.node)
-    if ctx.mutation_between(first, o_node, own | read):
-        raise Miss("a tensor is modified in place between the scores and the P·V product")
+    written: set = set()
+    for m in ctx.mutations_between(first, o_node, own | read):
+        # memory made after the site's first read (an index table built between Q·Kᵀ and P·V, as
+        # Data2VecVision does) holds no value eager read before the write: harmless unless the op reads it
+        private = private_storage(m, ctx.pos, ctx.pos[first])
+        if private is None:
+            raise Miss("a tensor is modified in place between the scores and the P·V product")
+        written |= private
     chain = [qk.node] + list(reversed(scores.nodes)) + probs.nodes  # Q·Kᵀ .. P·V, in program order
     why = chain_write(q_path + k_path + v_path + chain, own, keep_out=o_node)
     if why:
@@ -103,7 +114,7 @@ def _effects(ctx: "_Ctx", scores: Scores, probs: Probs, q: View, k: View, v: Vie
     entries += [(f, _entry(f, chain)) for f, _, _ in scores.factors]
     try:
         return grad_flow(regions, chain, read_path(q_path, q.node), read_path(k_path, k.node),
-                         read_path(v_path, v.node), entries)
+                         read_path(v_path, v.node), entries), written
     except ValueError as e:
         raise Miss(str(e)) from None
 
@@ -158,18 +169,17 @@ class _Ctx:
     def __init__(self, gm: fx.GraphModule):
         self.regions = Regions(gm)
         self.pos: dict = {}
+        self.nodes: list = list(gm.graph.nodes)
         self.mutations: list[int] = []
-        for i, n in enumerate(gm.graph.nodes):
+        for i, n in enumerate(self.nodes):
             self.pos[n] = i
             if is_inplace(n):
                 self.mutations.append(i)
 
-    def mutation_between(self, a: fx.Node, b: fx.Node, own: set) -> bool:
-        if not self.mutations:
-            return False
+    def mutations_between(self, a: fx.Node, b: fx.Node, own: set) -> list:
+        """The in-place nodes strictly between a and b, other than `own`."""
         lo, hi = self.pos.get(a, 0), self.pos.get(b, 0)
-        own_pos = {self.pos.get(n) for n in own}
-        return any(lo < m < hi and m not in own_pos for m in self.mutations)
+        return [self.nodes[m] for m in self.mutations if lo < m < hi and self.nodes[m] not in own]
 
 
 def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> SiteReport:
@@ -240,7 +250,7 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
             raise Miss(f"q's batch dim {i} does not match the scores'")
     if not math.isfinite(scale):
         raise Miss(f"the scores' scale is not finite ({scale})")
-    flow = _effects(ctx, scores, probs, q, k, v, own)
+    flow, written = _effects(ctx, scores, probs, q, k, v, own)
 
     # dtypes: drop lossless upcasts when all three agree; otherwise compute in their common dtype
     base = [tensor_of(t.node).dtype for t in (q, k, v)]
@@ -409,6 +419,13 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
         rep.softcap = scores.softcap
         rep.dropout_p = probs.dropout_p
         rep.scale = scale if not scores.factors else f"{scale:g} * tensor factors"
+        if written:
+            n = o.start.next
+            while n is not o_node:
+                if any(a in written for a in n.all_input_nodes):
+                    raise Miss("the rewritten attention would read a tensor that is modified in place between "
+                               "the scores and the P·V product")
+                n = n.next
     except Miss:
         o.rollback()
         raise
