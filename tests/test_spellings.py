@@ -337,6 +337,56 @@ def test_a_reshaped_view_read_elsewhere_is_left_alone():
     assert "Q·Kᵀ" in reasons(res)
 
 
+# ---------------------------------------------------------------------------- 5-D scores with a 5-D mask
+
+def five_d_additive(q, k, v, mask):  # ProphetNet's n-gram stream, LongT5's blocks
+    s = torch.einsum("bnhtc,bnhsc->bnhts", q, k) * 0.25 + mask
+    return torch.einsum("bnhts,bnhsc->bnhtc", torch.softmax(s, dim=-1), v)
+
+
+def five_d_filled(q, k, v, mask):
+    s = torch.einsum("bnhtc,bnhsc->bnhts", q, k) * 0.25
+    s = s.masked_fill(mask, -math.inf)
+    return torch.einsum("bnhts,bnhsc->bnhtc", torch.softmax(s, dim=-1), v)
+
+
+def five_d_causal_and_bias(q, k, v, mask):
+    s = torch.einsum("bnhtc,bnhsc->bnhts", q, k) * 0.25 + mask
+    s = s.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), -math.inf)
+    return torch.einsum("bnhts,bnhsc->bnhtc", torch.softmax(s, dim=-1), v)
+
+
+def _five_d(mask_shape, kind):
+    q, k, v = (rand(B, 3, H, N, D, seed=i, requires_grad=True) for i in range(3))
+    if kind == "bool":
+        mask = rand(*mask_shape, seed=5) > 0.5
+        mask[..., 0] = False  # every row admits key 0 (a row that admits none is NaN and passes no gradient)
+    else:
+        mask = rand(*mask_shape, seed=5, requires_grad=True)
+    return [q, k, v, mask]
+
+
+@pytest.mark.parametrize("mask_shape", [(B, 3, H, N, N), (B, 3, 1, N, N), (1, 3, H, N, N), (B, 1, 1, 1, N)],
+                         ids=["full", "heads_broadcast", "batch_broadcast", "key_vector"])
+@pytest.mark.parametrize("fn,kind", [(five_d_additive, "float"), (five_d_filled, "bool"),
+                                     (five_d_causal_and_bias, "float")], ids=["additive", "filled", "causal_bias"])
+def test_five_d_scores_with_a_mask_of_their_rank(fn, kind, mask_shape):
+    res = check(fn, _five_d(mask_shape, kind), rewritten=1)
+    assert res.rewritten[0].mask != "none"
+
+
+def test_five_d_scores_with_a_mask_through_inductor():
+    res = check(five_d_causal_and_bias, _five_d((B, 3, 1, N, N), "float"), inner="inductor", rewritten=1)
+    assert "causal" in res.rewritten[0].mask
+
+
+def test_five_d_scores_keep_eager_nan_rows():
+    q, k, v, mask = _five_d((B, 3, H, N, N), "bool")
+    mask[1, :, :, 2, :] = True  # row 2 of the second batch admits no key: NaN there, as in eager
+    res = check(five_d_filled, [t.detach() for t in (q, k, v)] + [mask], rewritten=1, grad=False)
+    assert res.rewritten[0].mask != "none"
+
+
 # ---------------------------------------------------------------------------- masks from the scores' shape
 
 def ones_like_tril(q, k, v):

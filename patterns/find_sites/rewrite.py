@@ -40,6 +40,9 @@ def _analyze_mask(gm: fx.GraphModule, terms: list, bd: list, st: torch.Tensor, i
     res = analyze_mask(
         gm, list(reversed(terms)), batch=bd[0] if nb >= 1 else 1, q_heads=bd[-1] if nb >= 2 else 1,
         q_len=st.shape[-2], k_len=st.shape[-1], scores_dtype=st.dtype, insert_before=insert_before,
+        # a mask of the scores' own rank (5-D scores: ProphetNet's n-gram stream, LongT5's blocks) is
+        # flattened with their batch dims into the op's (build.bias_to_op)
+        bias_rank=max(4, nb + 2),
     )
     if isinstance(res, str):
         raise Miss(res)

@@ -28,20 +28,23 @@ def analyze_mask(
     scores_dtype: torch.dtype,
     insert_before: fx.Node,
     sdpa: bool = False,
+    bias_rank: int = 4,
 ) -> Union[MaskSpec, str]:
-    """The MaskSpec of a site whose scores receive `terms` in order, or the reason to refuse it."""
+    """The MaskSpec of a site whose scores receive `terms` in order, or the reason to refuse it. bias_rank:
+    the most dims a residual mask (spec.bias) may keep, that of scores the caller flattens to the op's."""
     if not terms:
         return MaskSpec()
     try:
         return _analyze(gm, terms, batch=batch, q_len=q_len, k_len=k_len, scores_dtype=scores_dtype,
-                        insert_before=insert_before, sdpa=sdpa)
+                        insert_before=insert_before, sdpa=sdpa, bias_rank=bias_rank)
     except Exception as e:  # an unforeseen graph form refuses the site; it never breaks compilation
         if _DEBUG:
             raise
         return f"mask analysis failed: {type(e).__name__}: {e}"
 
 
-def _analyze(gm, terms, *, batch, q_len, k_len, scores_dtype, insert_before, sdpa) -> Union[MaskSpec, str]:
+def _analyze(gm, terms, *, batch, q_len, k_len, scores_dtype, insert_before, sdpa,
+             bias_rank: int = 4) -> Union[MaskSpec, str]:
     sdpa = sdpa or any(t.op == "bool" for t in terms)  # a bool keep-mask is SDPA's: empty rows give 0
     an = _Analyzer(gm)
     infos = []
@@ -146,7 +149,7 @@ def _analyze(gm, terms, *, batch, q_len, k_len, scores_dtype, insert_before, sdp
             plan["filled"] = filled[0]
         em = _Emitter(gm, insert_before)
         try:
-            return _emit_spec(em, plan, batch, q_len, k_len)
+            return _emit_spec(em, plan, batch, q_len, k_len, bias_rank)
         except _Fail as e:
             em.rollback()
             reason = reason or f"mask structure proven but not expressible: {e}"

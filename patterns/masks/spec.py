@@ -113,7 +113,7 @@ def _emit_positions(em: "_Emitter", qp: _QPos) -> fx.Node:
     return p
 
 
-def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len) -> MaskSpec:
+def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len, bias_rank: int = 4) -> MaskSpec:
     lo, hi, lens = plan["lo"], plan["hi"], plan["lens"]
     kinds = []
     spec = MaskSpec(empty_rows=plan["empty"], fill=plan.get("fill"))
@@ -203,8 +203,8 @@ def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len) -> MaskSpec:
     elif float_bias is not None:
         spec.bias = float_bias
         kinds.append("bias")
-    if spec.bias is not None and len(_shape(spec.bias) or ()) > 4:
-        raise _Fail("residual mask has more than 4 dims")
+    if spec.bias is not None and len(_shape(spec.bias) or ()) > bias_rank:
+        raise _Fail(f"residual mask has more than {bias_rank} dims")
     if plan.get("filled") is not None:
         node, when_true = plan["filled"]
         if not em.before(node):
