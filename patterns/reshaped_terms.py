@@ -17,7 +17,9 @@ then an ordinary Q·Kᵀ plus terms for the site finder. The edit is made only w
   other term (a tensor or a number) that keeps that shape, and the last step is viewed back to x's shape;
 - each step is read by the next one only (no one else sees the intermediate views);
 - every shape is static (the expand and reshape need plain sizes), and the whole chain runs in the same
-  grad mode / autocast state as x.
+  grad mode / autocast state as x;
+- x is a product (scaled by numbers or not) and the result reaches a softmax through elementwise steps:
+  attention scores, where the site finder needs the edit, and nowhere else in a model.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import torch.fx as fx
 
 from .canonicalize import is_inplace, kind, tensor_of
 from .emit import set_example_value
+from .layout import contraction
 from .regions import Regions
 
 _STEPS = ("add", "sub")
@@ -76,6 +79,35 @@ def _chain(out: fx.Node) -> Optional[tuple[fx.Node, list]]:
     return x, list(reversed(steps))
 
 
+_SCORE_STEPS = ("add", "sub", "mul", "div", "masked_fill", "where", "cast", "tanh")
+
+
+def _scores_like(x: fx.Node, out: fx.Node, depth: int = 8) -> bool:
+    """x is a product (Q·Kᵀ, possibly scaled by numbers) and `out` reaches a softmax through single-reader
+    elementwise steps: the edit is made for attention scores only, not for every reshaped sum of a model (it
+    materializes the broadcast terms at the scores' size)."""
+    n = x
+    for _ in range(depth):
+        if contraction(n) is not None or kind(n) == "einsum":
+            break
+        if kind(n) not in ("mul", "div") or not n.args or not isinstance(n.args[0], fx.Node) or \
+                any(isinstance(a, fx.Node) for a in n.args[1:]):
+            return False
+        n = n.args[0]
+    else:
+        return False
+    n = out
+    for _ in range(depth):
+        if kind(n) == "softmax":
+            return True
+        if len(n.users) != 1:
+            return False
+        n = next(iter(n.users))
+        if kind(n) not in _SCORE_STEPS + ("softmax",):
+            return False
+    return kind(n) == "softmax"
+
+
 def fold_reshaped_terms(gm: fx.GraphModule) -> bool:
     """Apply the edit of the module docstring wherever it is exact; True when any was made."""
     graph = gm.graph
@@ -88,6 +120,8 @@ def fold_reshaped_terms(gm: fx.GraphModule) -> bool:
         if found is None:
             continue
         x, steps = found
+        if not _scores_like(x, out):
+            continue
         regions = regions or Regions(gm)
         if any(regions.of(n) != regions.of(x) for n, _ in steps) or regions.of(out) != regions.of(x):
             continue

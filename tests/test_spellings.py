@@ -332,6 +332,19 @@ def test_terms_added_to_a_reshaped_view_are_terms_of_the_scores(fn):
     assert res.rewritten[0].mask == "bias"
 
 
+def reshaped_sum_outside_the_scores(q, k, v, b):
+    o = torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1) @ v
+    return (o.reshape(B, H, N, 2, D // 2) + b).reshape(B, H, N, D)  # a per-half bias on the output
+
+
+def test_a_reshaped_sum_outside_the_scores_is_not_edited():
+    c = Compiled(reshaped_sum_outside_the_scores)
+    args = qkv(grad=False) + [rand(2, 1, seed=4)]
+    torch.testing.assert_close(c(*args), reshaped_sum_outside_the_scores(*args))
+    assert len(c.reports) == 1 and c.reports[0].rewritten
+    assert "expand" not in c.graphs[0].code  # the sum is left as written: its term is not materialized
+
+
 def test_a_reshaped_view_read_elsewhere_is_left_alone():
     res = check(view_read_twice, qkv() + _rel(), rewritten=0)
     assert "Q·Kᵀ" in reasons(res)
