@@ -94,7 +94,8 @@ def _effects(ctx: "_Ctx", scores: Scores, probs: Probs, q: View, k: View, v: Vie
     for m in ctx.mutations_between(first, o_node, own | read):
         # memory made after the site's first read (an index table built between Q·Kᵀ and P·V, as
         # Data2VecVision does) holds no value eager read before the write: harmless unless the op reads it
-        private = private_storage(m, ctx.pos, ctx.pos[first])
+        after = ctx.pos.get(first)
+        private = None if after is None else private_storage(m, ctx.pos, after)
         if private is None:
             raise Miss("a tensor is modified in place between the scores and the P·V product")
         written |= private
@@ -182,7 +183,8 @@ class _Ctx:
     def mutations_between(self, a: fx.Node, b: fx.Node, own: set) -> list:
         """The in-place nodes strictly between a and b, other than `own`."""
         lo, hi = self.pos.get(a, 0), self.pos.get(b, 0)
-        return [self.nodes[m] for m in self.mutations if lo < m < hi and self.nodes[m] not in own]
+        return [self.nodes[m] for m in self.mutations
+                if lo < m < hi and self.nodes[m] not in own and not getattr(self.nodes[m], "_erased", False)]
 
 
 def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> SiteReport:
