@@ -77,7 +77,8 @@ def is_fresh(node: Any) -> bool:
             operands = operands[0]
         return not node.kwargs and isinstance(node.args[0], str) and \
             sum(tensor_of(a) is not None for a in operands) >= 2
-    return kind(node) in _FRESH_KINDS or contraction(node) is not None
+    # a product (F.linear with a module's weight included, which `contraction` leaves out) always allocates
+    return kind(node) in _FRESH_KINDS + ("linear", "matmul", "baddbmm") or contraction(node) is not None
 
 
 _VIEW_KINDS = ("transpose", "permute", "reshape", "unsqueeze", "getitem", "identity", "cast")

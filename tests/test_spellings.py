@@ -231,6 +231,26 @@ def sliced_bias_then_viewed(q, k, v, r, keep):
     return torch.softmax(s + flat.transpose(-1, -2), -1) @ v
 
 
+class ProjectionScaledInPlace(nn.Module):
+    """DeBERTa's disentangled bias: relative positions projected by a module after Q·Kᵀ, then scaled in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, H * D)
+
+    def forward(self, q, k, v, r):
+        s = q @ k.transpose(-2, -1) * 0.25
+        pos = self.proj(r).view(N, H, D).permute(1, 0, 2)
+        pos /= 2.0  # in place, on a view of the projection
+        return torch.softmax(s + q @ pos.transpose(-1, -2), -1) @ v
+
+
+def test_in_place_scaling_of_a_projection_is_functional():
+    torch.manual_seed(0)
+    res = check(ProjectionScaledInPlace(), qkv() + [rand(N, D, seed=7, requires_grad=True)], rewritten=1)
+    assert res.rewritten[0].mask == "bias"
+
+
 def _bias_args():
     keep = torch.ones(N, N)
     keep[0] = 0  # a class token's row: no relative bias
