@@ -26,8 +26,8 @@ def canonicalize(gm: fx.GraphModule) -> bool:
     functionalize.py, reshaped_terms.py and dead_code.py): in-place updates of tensors nothing else
     aliases become their functional op, terms added to a reshaped view of a tensor that is viewed back
     become terms of that tensor, and nodes whose result nobody reads and whose computation changes
-    nothing else are removed. Every other spelling is read through `kind` and the accessors below. True when the graph
-    changed (the pass puts it back when no site is rewritten)."""
+    nothing else are removed. Every other spelling is read through `kind` and the accessors below. True
+    when the graph changed (the pass puts it back when no site is rewritten)."""
     from .dead_code import remove_dead_pure_nodes
     from .functionalize import functionalize_inplace
     from .reshaped_terms import fold_reshaped_terms

@@ -93,34 +93,19 @@ def mutated_downstream(node: fx.Node, depth: int = 8) -> bool:
     return False
 
 
-# Ops that allocate a new tensor from sizes alone (nothing else can alias their result when they run).
-_FACTORIES = frozenset(f for f in (torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.zeros_like,
-                                   torch.ones_like, torch.empty_like, torch.full_like, torch.eye, torch.linspace,
-                                   torch.tensor, torch.rand, torch.randn, torch.randint) if f is not None)
-_FACTORY_METHODS = ("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor")
-
-
-def _allocates(node: fx.Node) -> bool:
-    from .functionalize import is_fresh
-
-    if node.op == "call_function" and node.target in _FACTORIES:
-        return True
-    if node.op == "call_method" and node.target in _FACTORY_METHODS:
-        return True
-    return is_fresh(node)
-
-
 def private_storage(write: fx.Node, pos: dict, after: int, limit: int = 4096) -> Optional[set]:
     """The nodes whose values share the memory that the in-place node `write` updates, when that memory was
     allocated in the graph after position `after` (so no value read before then can be a view of it); None
     when that cannot be shown. The set is closed over views, in-place results and any op of unknown aliasing
     that reads a member as its first argument; an op that allocates its result (arithmetic, a contraction,
     a gather with a member as its index) starts new memory and is not in it."""
+    from .functionalize import is_fresh
+
     base = write.args[0] if write.args else None
     for _ in range(64):
         if not isinstance(base, fx.Node) or base.op not in ("call_function", "call_method"):
             return None
-        if _allocates(base):
+        if is_fresh(base):
             break
         if not (is_inplace(base) or kind(base) in _THROUGH) or not base.args:
             return None
@@ -129,8 +114,6 @@ def private_storage(write: fx.Node, pos: dict, after: int, limit: int = 4096) ->
         return None
     if pos.get(base, -1) <= after:
         return None
-    from .functionalize import is_fresh
-
     members, frontier = {base}, [base]
     while frontier:
         n = frontier.pop()

@@ -6,11 +6,11 @@ the in-place op and, after it, by the softmax, which sees the written values. Wh
 `x` is provably not shared, `x.op_(*a)` is `x2 = x.op(*a)` with every later read of `x` (and every
 read of the in-place op's result) reading `x2` instead: that is what functionalization does, here
 only where it is proven exact:
-- `x` is a fresh tensor: the result of an op that always allocates its output (a contraction, an
-  einsum of two or more operands, elementwise arithmetic, masked_fill / where, softmax, clone), never
-  a graph input, a view or an op that may return its input (`.contiguous()`, `.to()`); or a chain of
-  such views of a fresh tensor in which each tensor is read by the next view only
-  (`(q @ kᵀ).view(B, H, N, N)`);
+- `x` is a fresh tensor: the result of an op that always allocates its output (a factory such as
+  `torch.zeros`, a contraction, an einsum of two or more operands, elementwise arithmetic, masked_fill /
+  where, softmax, clone), never a graph input, a view or an op that may return its input
+  (`.contiguous()`, `.to()`); or a chain of such views of a fresh tensor in which each tensor is read by
+  the next view only (`(q @ kᵀ).view(B, H, N, N)`);
 - no read of `x` before the update makes a view of it (a view would see the write); reads that
   compute fresh tensors or only read the shape are kept as they are (they ran before the write);
 - the functional op gives `x`'s shape, strides, dtype, device and requires_grad (`x_fp16.add_(y_fp32)`
@@ -38,6 +38,11 @@ _METHOD_TWINS = {"masked_fill_": "masked_fill", "add_": "add", "sub_": "sub", "m
 _OPERATOR_TWINS = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
                    operator.itruediv: operator.truediv}
 _FRESH_KINDS = ("mul", "div", "add", "sub", "masked_fill", "where", "tanh", "softmax")
+# ops that allocate a new tensor from sizes (and a fill value) alone
+_FACTORIES = frozenset((torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.zeros_like,
+                        torch.ones_like, torch.empty_like, torch.full_like, torch.eye, torch.linspace, torch.tensor,
+                        torch.rand, torch.randn, torch.randint))
+_FACTORY_METHODS = ("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor")
 
 
 def _twin(node: fx.Node) -> Optional[tuple[str, Any]]:
@@ -69,6 +74,11 @@ def is_fresh(node: Any) -> bool:
         return False
     if tensor_of(node) is None or is_inplace(node) or "out" in node.kwargs:
         return False
+    try:
+        if node.target in (_FACTORIES if node.op == "call_function" else _FACTORY_METHODS):
+            return True
+    except TypeError:  # an unhashable target
+        pass
     if kind(node) == "identity":
         return node.target in ("clone", torch.clone, torch.Tensor.clone)
     if kind(node) == "einsum":  # a one-operand einsum may return a view; a product of two or more never does

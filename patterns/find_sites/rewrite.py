@@ -173,18 +173,17 @@ class _Ctx:
     def __init__(self, gm: fx.GraphModule):
         self.regions = Regions(gm)
         self.pos: dict = {}
-        self.nodes: list = list(gm.graph.nodes)
-        self.mutations: list[int] = []
-        for i, n in enumerate(self.nodes):
+        self.mutations: list[fx.Node] = []
+        for i, n in enumerate(gm.graph.nodes):
             self.pos[n] = i
             if is_inplace(n):
-                self.mutations.append(i)
+                self.mutations.append(n)
 
     def mutations_between(self, a: fx.Node, b: fx.Node, own: set) -> list:
         """The in-place nodes strictly between a and b, other than `own`."""
         lo, hi = self.pos.get(a, 0), self.pos.get(b, 0)
-        return [self.nodes[m] for m in self.mutations
-                if lo < m < hi and self.nodes[m] not in own and not getattr(self.nodes[m], "_erased", False)]
+        return [m for m in self.mutations
+                if lo < self.pos[m] < hi and m not in own and not getattr(m, "_erased", False)]
 
 
 def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> SiteReport:
