@@ -440,7 +440,7 @@ def test_mha_rewritten_graph_pinned():
     _, cap = run(lambda x, kpm: mha(x, x, x, key_padding_mask=kpm, need_weights=False)[0], x, kpm)
     expecttest.assert_expected_inline(graph_summary(cap.graphs[0]), """\
 zeros_like(%, dtype=float32)
-.masked_fill_(%, %, -inf)
+.masked_fill(%, %, -inf)
 .transpose(%, 1, 0)
 linear(%, %, %)
 narrow(%, -1, 0, 16)
