@@ -12,11 +12,13 @@ Models (random weights, fp32, base models without a language-model head):
   bert  4 layers, hidden 256, 4 heads, B8 x 128 tokens, the last 64 tokens of half the batch padded
   llama 4 layers, hidden 256, 4 / 2 heads (GQA), B4 x 256 tokens (causal, rotary)
   vit   4 layers, hidden 256, 4 heads, B8 images of 64 x 64 in 8 x 8 patches (65 tokens)
-  --generate: Llama as above with a language-model head, B2, prompt 64, 32 new tokens, static cache,
-  `model.forward` compiled with the variant's backend (the README's recipe)
+  --generate: Llama (or --gen-model gpt2) as above with a language-model head, B2, prompt 64, 32 new tokens
+  (--gen-batch, --gen-prompt, --gen-new), static cache, `model.forward` compiled with the variant's backend
+  (the README's recipe)
 
     python benchmarks/cpu_models.py [--rounds 5] [--reps 5] [--models gpt2,bert,llama,vit] [--threads 1]
-                                    [--generate] [--json out.json]
+                                    [--generate [--gen-model llama] [--gen-batch 2] [--gen-prompt 64]
+                                    [--gen-new 32]] [--json out.json]
 Prints median ms per variant and the ratio to sdpa+inductor (lower is better).
 """
 from __future__ import annotations
@@ -38,7 +40,7 @@ SPECS = {
     "vit": dict(B=8, N=65, cfg=dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
                                     image_size=64, patch_size=8)),
 }
-GENERATE = dict(B=2, prompt=64, new=32)
+GENERATE = dict(B=2, prompt=64, new=32, model="llama")
 VARIANTS = ("eager+fa3", "eager+fa3-nolower", "sdpa+inductor")
 
 
@@ -110,9 +112,10 @@ def generate_fn(variant: str) -> Callable:
 
     attn = "sdpa" if variant.startswith("sdpa") else "eager"
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(**SPECS["llama"]["cfg"], attn_implementation=attn, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0)
-    model = tf.LlamaForCausalLM(cfg).eval()
+    kind = GENERATE["model"]
+    config_cls, model_cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel)}[kind]
+    cfg = config_cls(**SPECS[kind]["cfg"], attn_implementation=attn, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = model_cls(cfg).eval()
     model.forward = torch.compile(model.forward, backend=backend(variant))
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 1024, (GENERATE["B"], GENERATE["prompt"]), generator=g)
@@ -136,7 +139,7 @@ def generate_main(variants: list, rounds: int) -> dict:
             fns[v]()
             times[v].append(GENERATE["B"] * GENERATE["new"] / (time.perf_counter() - t0))
     med = {v: statistics.median(ts) for v, ts in times.items()}
-    print(f"generate: Llama (as above), B{GENERATE['B']}, prompt {GENERATE['prompt']}, {GENERATE['new']} new, "
+    print(f"generate: {GENERATE['model']} (as above), B{GENERATE['B']}, prompt {GENERATE['prompt']}, {GENERATE['new']} new, "
           f"static cache, {rounds} rounds, median tokens/s (higher is better)")
     for v in variants:
         same = "same tokens as sdpa+inductor" if torch.equal(outs[v], ref) else "TOKENS DIFFER from sdpa+inductor"
@@ -164,13 +167,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="timing rounds (each times every variant in turn)")
     ap.add_argument("--reps", type=int, default=5, help="calls per timing")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--generate", action="store_true", help="also time generate() (Llama, static cache)")
+    ap.add_argument("--generate", action="store_true", help="also time generate() (static cache)")
+    ap.add_argument("--gen-model", default=GENERATE["model"], choices=("llama", "gpt2"), help="generate(): model")
+    ap.add_argument("--gen-batch", type=int, default=GENERATE["B"], help="generate(): batch")
+    ap.add_argument("--gen-prompt", type=int, default=GENERATE["prompt"], help="generate(): prompt tokens")
+    ap.add_argument("--gen-new", type=int, default=GENERATE["new"], help="generate(): new tokens")
     ap.add_argument("--threads", type=int, default=None,
                     help="intra-op threads (torch.set_num_threads); 1 on a loaded machine, where each OpenMP "
                          "barrier of a parallel kernel waits for a descheduled thread")
     args = ap.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    GENERATE.update(model=args.gen_model, B=args.gen_batch, prompt=args.gen_prompt, new=args.gen_new)
     variants = args.variants.split(",")
     from fa_compile.lowering import records
 

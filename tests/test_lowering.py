@@ -20,11 +20,14 @@ from test_backend import run_python
 
 
 @pytest.fixture(autouse=True)
-def _no_compile_caches():
-    """The pass runs (and records its decisions) only on a real compile, never on a cache hit."""
+def _no_compile_caches(monkeypatch):
+    """The pass runs (and records its decisions) only on a real compile, never on a cache hit. These tests are
+    about aten's CPU flash kernel: the decode-step math, which takes CPU sites of up to 16 queries in inference by
+    default (tests/test_lowering_decode_math.py), is off here, as FA_COMPILE_DECODE_MATH=0 turns it off."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
+    monkeypatch.setenv("FA_COMPILE_DECODE_MATH", "0")
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
         yield
 
@@ -429,6 +432,7 @@ def test_settings_act_at_compile_time():
 
 
 def test_pass_uuid_keys_the_graph_cache_on_settings_and_chained_passes(monkeypatch):
+    monkeypatch.setenv("FA_COMPILE_DECODE_MATH", "1")  # (the module's fixture turns it off)
     a, b = LoweringPass().uuid(), LoweringPass().uuid()
     assert isinstance(a, str) and a == b
     torch.use_deterministic_algorithms(True)

@@ -1,6 +1,6 @@
 """The decode-step lowering (fa_compile/lowering/decomposed.py): a site with few queries and a short
-cache becomes the op's reference math as graph ops, which Inductor fuses. Run here on CPU by adding
-"cpu" to its devices (on CUDA it is the default for such sites): outputs equal to eager, every mask
+cache becomes the op's reference math as graph ops, which Inductor fuses (on CPU and CUDA by default; on CPU at
+any cache length): outputs equal to eager, every mask
 argument carried, the sites it must not take keep their kernel. The same math as the lowering of the
 reference choice at any size and in both directions (ReferenceMath): absorbed rows exact, arguments in
 graph_pass's order, bf16 products."""
@@ -67,6 +67,39 @@ def test_decode_step_lowered_to_its_math_matches_eager(on_cpu):
     torch.testing.assert_close(got, _eager_decode(q, k, v, pad), **TOL[torch.float32])
 
 
+def _masked_fill_decode(q, k, v, pad):
+    # A decode step whose mask excludes keys by masked_fill: a key it excludes never reaches a row, NaN or not.
+    s = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~pad[:, None, None, :], float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+@pytest.mark.parametrize("nk", [37, 3000])
+def test_cpu_decode_sites_take_the_math_by_default_and_never_read_excluded_slots(nk):
+    # No fixture: the default on CPU, at any cache length. Excluded slots hold NaN keys: the math must not let them
+    # reach a row, as eager's masked_fill does not; aten's flash kernel would (NaN + -inf), which is why that path
+    # copied the keys. (A non-finite value in an excluded slot is NaN in eager too: p = 0 times inf.)
+    q, k, v = _decode_inputs(hkv=4, nk=nk)
+    pad = torch.ones(3, nk, dtype=torch.bool)
+    pad[0, 20:] = False
+    pad[1, :4] = False
+    pad[2, nk - 1:] = False
+    k[0, :, 25], k[1, :, 2], k[2, :, nk - 1] = float("nan"), float("nan"), float("nan")
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    n = len(records())
+    with capture_graphs() as graphs, inductor_config.patch(fx_graph_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False):  # (decisions are recorded on real compiles)
+        got = torch.compile(_masked_fill_decode, backend="fa3")(q, k, v, pad)
+    decisions = [r.decision for r in records()[n:]]
+    assert [d.kernel for d in decisions] == ["decode_math"] and decisions[0].lowered, [str(d) for d in decisions]
+    assert "flash_attention_for_cpu" not in graphs[0], graphs[0]
+    want = _masked_fill_decode(q, k, v, pad)
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("what", ["q_pos", "segments", "sinks", "kv_lens_causal"])
 def test_op_structure_reaches_the_math(on_cpu, what):
     # The op called directly with each structure argument, compiled: lowered, equal to the eager op.
@@ -97,13 +130,17 @@ def test_op_structure_reaches_the_math(on_cpu, what):
     torch.testing.assert_close(got[1], want[1], **TOL[torch.float32])  # -inf on empty rows in both
 
 
-def test_not_taken_for_long_caches_training_or_a_forced_kernel(on_cpu):
+def test_not_taken_for_long_caches_training_or_a_forced_kernel(on_cpu, monkeypatch):
     from fa_compile import dispatch
 
     with torch._subclasses.FakeTensorMode():
         q, k, v = torch.empty(2, 4, 1, 16), torch.empty(2, 4, 5000, 16), torch.empty(2, 4, 5000, 16)
         long = dispatch.AttentionArgs(q=q, k=k, v=v, scale=0.25)
-        assert "above" in " ".join(decomposed.DECODE_MATH.reasons(long, "forward"))
+        # CPU has no fused decode kernel to prefer past DECODE_MAX_KEYS: it takes long caches too
+        assert decomposed.DECODE_MATH.reasons(long, "forward") == []
+        with monkeypatch.context() as m:  # as CUDA does: the decode kernel's single pass wins there
+            m.setattr(decomposed, "KEY_LIMITED_DEVICES", ("cuda", "cpu"))
+            assert "above" in " ".join(decomposed.DECODE_MATH.reasons(long, "forward"))
         short = dispatch.AttentionArgs(q=q, k=k[:, :, :64], v=v[:, :, :64], scale=0.25)
         assert decomposed.DECODE_MATH.reasons(short, "forward") == []
         train = dispatch.AttentionArgs(q=q, k=k[:, :, :64], v=v[:, :, :64], scale=0.25, needs_backward=True)

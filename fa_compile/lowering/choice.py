@@ -92,7 +92,7 @@ def decode_step_gate(what: str, switch: str, devices: tuple, args: dispatch.Atte
     if os.environ.get(switch, "1") == "0":
         return [f"{what} is off ({switch}=0)"]
     if args.q.device.type not in devices:
-        return [f"{what} is lowered on CUDA only"]
+        return [f"{what} is lowered on {' and '.join(d.upper() for d in devices)} only"]
     if direction != "forward" or args.needs_backward:
         return [f"{what} is for inference (no gradient)"]
     return []

@@ -1,18 +1,29 @@
-"""CUDA, decode-sized sites the decode kernel does not take: the op's reference math as graph ops, which
-Inductor fuses with the model. (choice.decide asks the decode kernel's lowering first, lowering/decode.py:
-one launch costs less host time than this math's matmuls, casts and softmax; this form serves what that
-kernel cannot compute: softcap, windows, sinks, segment ids, or a length bound it cannot plan.)
+"""Decode-sized sites as the op's reference math in graph ops, which Inductor fuses with the model; and, at any
+size, the sites whose dispatch choice is the reference itself.
 
-A decode step (a few query tokens against a short cache) does microseconds of GPU work per call, so
-its cost is host time and launches: a fused kernel's call plus the output conventions around it cost
-more than the attention itself. The same model's eager attention code under plain Inductor was the
-fastest variant of GPT-2's `generate()` on the H200 (BENCHMARKS.md). This lowering writes the op's
-reference (fa_compile/kernels/reference.py: fp32 scores and softmax, every mask argument, sinks, run-time
-positions and segment ids, empty rows out 0 / lse -inf) into the graph: GQA by grouping the query
-heads (no repeated K/V), the scores in fp32, no dense mask beyond the [B, Hq, Nq, Nk] scores.
+CUDA: for what the decode kernel does not take (choice.decide asks the decode kernel's lowering first,
+lowering/decode.py: one launch costs less host time than this math's matmuls, casts and softmax; this form
+serves what that kernel cannot compute: softcap, windows, sinks, segment ids, or a length bound it cannot plan).
+A decode step (a few query tokens against a short cache) does microseconds of GPU work per call, so its cost is
+host time and launches: a fused kernel's call plus the output conventions around it cost more than the
+attention itself. The same model's eager attention code under plain Inductor was the fastest variant of
+GPT-2's `generate()` on the H200 (BENCHMARKS.md).
 
-Taken where: CUDA, forward only and no gradient (inference), no dropout, Nq <= 16 and Nk <= 2048 (the
-scores stay a small fp32 buffer), no forced kernel. Symbolic lengths are fine: the math is the same at every size, so one lowered graph
+CPU: every decode-sized inference site. The other CPU path, aten's flash kernel (cpu_flash.py), reads every
+slot of a static cache, so the slots past kv_lens (which may hold anything, NaN included) had to be zeroed in
+copies of K and V and the keys checked for NaN: passes over the whole cache per layer and step that SDPA's code
+does not make (a 4-layer GPT-2 decode step, B4, cache 512: 0.76x of SDPA code's speed that way). Inductor's CPU
+code fuses this math into one loop nest per site that reads K and V once, as it does the model's eager code.
+
+This lowering writes the op's reference (fa_compile/kernels/reference.py: fp32 scores and softmax, every mask
+argument, sinks, run-time positions and segment ids, empty rows out 0 / lse -inf) into the graph: GQA by
+grouping the query heads (no repeated K/V), the scores in fp32, no dense mask beyond the [B, Hq, Nq, Nk]
+scores (no larger than the scores the model's own eager code makes).
+
+Taken where: forward nodes (an inference site, or a training graph's forward: its lse is exact, and the backward
+has its own decision), no dropout, Nq <= 16, no forced kernel; on CUDA also
+Nk <= 2048 (the scores stay a small fp32 buffer; past it the decode kernel's single pass over the cache is
+worth its launch). Symbolic lengths are fine: the math is the same at every size, so one lowered graph
 serves a cache that grows (`dynamic=True`, Hugging Face's DynamicCache). FA_COMPILE_DECODE_MATH=0
 turns it off (the site then goes to its dispatch kernel, lowered or not).
 
@@ -36,7 +47,9 @@ DECODE_MAX_QUERIES = 16
 # every key) would not shorten but the split-KV decode kernel's reads stop at.
 DECODE_MAX_KEYS = 2048
 _STRUCTURE = ("sinks", "q_pos", "q_seg", "k_seg")
-DEVICES = ("cuda",)  # of the decode-step math and CUDA's ReferenceMath (tests add "cpu"); CPU has its own below
+DEVICES = ("cuda",)  # of CUDA's ReferenceMath (tests add "cpu"); CPU has its own below
+DECODE_MATH_DEVICES = ("cuda", "cpu")
+KEY_LIMITED_DEVICES = ("cuda",)  # where DECODE_MAX_KEYS applies: CPU has no fused decode kernel to prefer
 
 
 def _present(args: dispatch.AttentionArgs, lowering) -> list[str]:
@@ -73,7 +86,7 @@ class DecodeMath:
 
     def reasons(self, args: dispatch.AttentionArgs, direction: str) -> list[str]:
         what = "the decode-step math"
-        r = choice.decode_step_gate(what, "FA_COMPILE_DECODE_MATH", DEVICES, args, direction)
+        r = choice.decode_step_gate(what, "FA_COMPILE_DECODE_MATH", DECODE_MATH_DEVICES, args, direction)
         if r:
             return r
         if args.dropout_p > 0:
@@ -82,7 +95,7 @@ class DecodeMath:
         nk = choice.upper_bound(args.k.shape[2])
         if nq is None or nq > DECODE_MAX_QUERIES:
             r.append(f"{what}: Nq {args.q.shape[2]} above {DECODE_MAX_QUERIES} (or unbounded)")
-        if nk is None or nk > DECODE_MAX_KEYS:
+        if args.q.device.type in KEY_LIMITED_DEVICES and (nk is None or nk > DECODE_MAX_KEYS):
             r.append(f"{what}: Nk {args.k.shape[2]} above {DECODE_MAX_KEYS} (or unbounded)")
         return r
 
@@ -96,6 +109,7 @@ class DecodeMath:
 
 DECODE_MATH = DecodeMath()
 choice.register("cuda", "decode_math", DECODE_MATH)
+choice.register("cpu", "decode_math", DECODE_MATH)
 
 
 class ReferenceMath:
