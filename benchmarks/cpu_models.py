@@ -13,12 +13,12 @@ Models (random weights, fp32, base models without a language-model head):
   llama 4 layers, hidden 256, 4 / 2 heads (GQA), B4 x 256 tokens (causal, rotary)
   vit   4 layers, hidden 256, 4 heads, B8 images of 64 x 64 in 8 x 8 patches (65 tokens)
   --generate: Llama (or --gen-model gpt2) as above with a language-model head, B2, prompt 64, 32 new tokens
-  (--gen-batch, --gen-prompt, --gen-new), static cache, `model.forward` compiled with the variant's backend
+  (--gen-batch, --gen-prompt, --gen-new), static cache (--gen-cache: its capacity), `model.forward` compiled with the variant's backend
   (the README's recipe)
 
     python benchmarks/cpu_models.py [--rounds 5] [--reps 5] [--models gpt2,bert,llama,vit] [--threads 1]
                                     [--generate [--gen-model llama] [--gen-batch 2] [--gen-prompt 64]
-                                    [--gen-new 32]] [--json out.json]
+                                    [--gen-new 32] [--gen-cache N]] [--json out.json]
 Prints median ms per variant and the ratio to sdpa+inductor (lower is better).
 """
 from __future__ import annotations
@@ -120,10 +120,17 @@ def generate_fn(variant: str) -> Callable:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 1024, (GENERATE["B"], GENERATE["prompt"]), generator=g)
 
+    cache = None
+    if GENERATE.get("cache"):  # one StaticCache of that capacity, reset before each call (its buffers keep their addresses)
+        cache = tf.StaticCache(config=model.config, max_cache_len=GENERATE["cache"])
+
     def run():
+        kw = dict(cache_implementation="static") if cache is None else dict(past_key_values=cache)
+        if cache is not None:
+            cache.reset()
         with torch.no_grad():
             return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GENERATE["new"],
-                                  min_new_tokens=GENERATE["new"], do_sample=False, cache_implementation="static")
+                                  min_new_tokens=GENERATE["new"], do_sample=False, **kw)
 
     return run
 
@@ -140,7 +147,8 @@ def generate_main(variants: list, rounds: int) -> dict:
             times[v].append(GENERATE["B"] * GENERATE["new"] / (time.perf_counter() - t0))
     med = {v: statistics.median(ts) for v, ts in times.items()}
     print(f"generate: {GENERATE['model']} (as above), B{GENERATE['B']}, prompt {GENERATE['prompt']}, {GENERATE['new']} new, "
-          f"static cache, {rounds} rounds, median tokens/s (higher is better)")
+          f"static cache of {GENERATE.get('cache') or GENERATE['prompt'] + GENERATE['new']}, {rounds} rounds, "
+          "median tokens/s (higher is better)")
     for v in variants:
         same = "same tokens as sdpa+inductor" if torch.equal(outs[v], ref) else "TOKENS DIFFER from sdpa+inductor"
         ratio = f"  ratio to sdpa+inductor: {med[v] / med['sdpa+inductor']:.2f}x" if "sdpa+inductor" in med else ""
@@ -172,13 +180,15 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-batch", type=int, default=GENERATE["B"], help="generate(): batch")
     ap.add_argument("--gen-prompt", type=int, default=GENERATE["prompt"], help="generate(): prompt tokens")
     ap.add_argument("--gen-new", type=int, default=GENERATE["new"], help="generate(): new tokens")
+    ap.add_argument("--gen-cache", type=int, default=None, help="generate(): a StaticCache of this capacity (default: "
+                    "prompt + new, generate()'s own)")
     ap.add_argument("--threads", type=int, default=None,
                     help="intra-op threads (torch.set_num_threads); 1 on a loaded machine, where each OpenMP "
                          "barrier of a parallel kernel waits for a descheduled thread")
     args = ap.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    GENERATE.update(model=args.gen_model, B=args.gen_batch, prompt=args.gen_prompt, new=args.gen_new)
+    GENERATE.update(model=args.gen_model, B=args.gen_batch, prompt=args.gen_prompt, new=args.gen_new, cache=args.gen_cache)
     variants = args.variants.split(",")
     from fa_compile.lowering import records
 

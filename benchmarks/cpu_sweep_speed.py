@@ -1,12 +1,14 @@
 """Forward time on CPU of the model sweep's architectures (benchmarks/model_sweep.py: tiny Hugging Face configs,
 batch 2, 8 tokens, the padded inputs where the sweep has them), where host time is most of a call: the eager
-attention code under `backend="fa3"`, the same with the reference math's lowering switched off
-(FA_COMPILE_REFERENCE_MATH=0 at compile time: sites aten's CPU flash kernel refuses keep the op and its run-time
-Python reference), and the model's SDPA code under Inductor. Each model's variants are timed in alternating
+attention code under `backend="fa3"`, the same with one lowering switched off at compile time (`--switch`, by
+default FA_COMPILE_REFERENCE_MATH=0: sites aten's CPU flash kernel refuses keep the op and its run-time Python
+reference; FA_COMPILE_DECODE_MATH=0: decode-sized sites, these 8-token forwards included, go to aten's CPU flash
+kernel instead of the decode-step math), and the model's SDPA code under Inductor. Each model's variants are timed in alternating
 rounds (median of `--reps` calls per round; the median over rounds). Lower is better. The fa3 variants' largest
 difference from the eager model's output is printed (SDPA's code differs from it on the padded rows).
 
     python benchmarks/cpu_sweep_speed.py [--models gemma3_text,cohere2,...] [--rounds 5] [--reps 20]
+                                         [--switch FA_COMPILE_DECODE_MATH]
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def _first(o) -> torch.Tensor:
     return o[0] if isinstance(o, tuple) else o.last_hidden_state
 
 
-def run(name: str, rounds: int, reps: int) -> dict:
+def run(name: str, rounds: int, reps: int, switch: str = "FA_COMPILE_REFERENCE_MATH") -> dict:
     case = ms.MODELS[name]()
     torch._dynamo.reset()  # three compiled copies of one model's code per model: never near the recompile limit
     torch.manual_seed(0)
@@ -51,14 +53,15 @@ def run(name: str, rounds: int, reps: int) -> dict:
     inp = (case.padded or case.inputs)()
     # Each variant has a backend of its own: Dynamo reuses a compiled frame across copies of one model (their
     # parameters are inputs) but not across backends, so the second fa3 variant compiles afresh.
+    off = f"fa3, {switch}=0"
     variants = {"fa3": torch.compile(copy.deepcopy(eager), backend="fa3"),
-                "fa3, reference math off": torch.compile(copy.deepcopy(eager), backend=fa_compile.backend()),
+                off: torch.compile(copy.deepcopy(eager), backend=fa_compile.backend()),
                 "SDPA + Inductor": torch.compile(sdpa)}
     with torch.no_grad():
         want = _first(eager(**inp))
         diff = {}
         for label, m in variants.items():  # the first call compiles, with the switch as the label says
-            with mock.patch.dict(os.environ, {"FA_COMPILE_REFERENCE_MATH": "0"} if "off" in label else {}):
+            with mock.patch.dict(os.environ, {switch: "0"} if label == off else {}):
                 diff[label] = float((_first(m(**inp)) - want).abs().max())
             for _ in range(3):
                 m(**inp)
@@ -74,12 +77,14 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(ms.MODELS))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--switch", default="FA_COMPILE_REFERENCE_MATH", choices=("FA_COMPILE_REFERENCE_MATH",
+                                                                              "FA_COMPILE_DECODE_MATH"))
     opt = ap.parse_args()
     warnings.filterwarnings("ignore")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; ms per forward (median), ratio to SDPA")
     for name in opt.models.split(","):
         try:
-            r = run(name, opt.rounds, opt.reps)
+            r = run(name, opt.rounds, opt.reps, opt.switch)
         except Exception as e:  # a model whose SDPA code does not exist in this transformers release
             print(f"{name:<18} skipped: {type(e).__name__}: {str(e)[:100]}", flush=True)
             continue
