@@ -52,7 +52,8 @@ from . import choice, conventions
 # Decode-shaped sites (the decode kernel's 1..16 queries) keep the corrections as graph ops: over a few query
 # rows Inductor's fused checks cost less host time than the one op's dispatches (~60 us a call), which a
 # CPU generate() step of four layers felt (Llama, B2, 64 + 32 tokens: 0.94x of SDPA's tokens/s with graph
-# ops, 0.80x through the op). Longer sites take the op, whose checks are one sum over q and over k.
+# ops, 0.80x through the op). Longer sites take the op, whose checks are one sum over q and over k. (Such sites now
+# reach this lowering only with the decode-step math switched off, FA_COMPILE_DECODE_MATH=0: lowering/decomposed.py.)
 GRAPH_OPS_MAX_QUERIES = 16
 
 
