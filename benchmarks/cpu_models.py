@@ -13,8 +13,8 @@ Models (random weights, fp32, base models without a language-model head):
   llama 4 layers, hidden 256, 4 / 2 heads (GQA), B4 x 256 tokens (causal, rotary)
   vit   4 layers, hidden 256, 4 heads, B8 images of 64 x 64 in 8 x 8 patches (65 tokens)
   --generate: Llama (or --gen-model gpt2) as above with a language-model head, B2, prompt 64, 32 new tokens
-  (--gen-batch, --gen-prompt, --gen-new), static cache (--gen-cache: its capacity), `model.forward` compiled with the variant's backend
-  (the README's recipe)
+  (--gen-batch, --gen-prompt, --gen-new), static cache (--gen-cache: its capacity), `model.forward` compiled
+  with the variant's backend (the README's recipe)
 
     python benchmarks/cpu_models.py [--rounds 5] [--reps 5] [--models gpt2,bert,llama,vit] [--threads 1]
                                     [--generate [--gen-model llama] [--gen-batch 2] [--gen-prompt 64]
@@ -113,7 +113,8 @@ def generate_fn(variant: str) -> Callable:
     attn = "sdpa" if variant.startswith("sdpa") else "eager"
     torch.manual_seed(0)
     kind = GENERATE["model"]
-    config_cls, model_cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel)}[kind]
+    config_cls, model_cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+                             "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel)}[kind]
     cfg = config_cls(**SPECS[kind]["cfg"], attn_implementation=attn, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model = model_cls(cfg).eval()
     model.forward = torch.compile(model.forward, backend=backend(variant))
@@ -121,7 +122,7 @@ def generate_fn(variant: str) -> Callable:
     ids = torch.randint(3, 1024, (GENERATE["B"], GENERATE["prompt"]), generator=g)
 
     cache = None
-    if GENERATE.get("cache"):  # one StaticCache of that capacity, reset before each call (its buffers keep their addresses)
+    if GENERATE.get("cache"):  # one StaticCache of that capacity, reset before each call (its buffers stay put)
         cache = tf.StaticCache(config=model.config, max_cache_len=GENERATE["cache"])
 
     def run():
@@ -146,7 +147,8 @@ def generate_main(variants: list, rounds: int) -> dict:
             fns[v]()
             times[v].append(GENERATE["B"] * GENERATE["new"] / (time.perf_counter() - t0))
     med = {v: statistics.median(ts) for v, ts in times.items()}
-    print(f"generate: {GENERATE['model']} (as above), B{GENERATE['B']}, prompt {GENERATE['prompt']}, {GENERATE['new']} new, "
+    print(f"generate: {GENERATE['model']} (as above), B{GENERATE['B']}, prompt {GENERATE['prompt']}, "
+          f"{GENERATE['new']} new, "
           f"static cache of {GENERATE.get('cache') or GENERATE['prompt'] + GENERATE['new']}, {rounds} rounds, "
           "median tokens/s (higher is better)")
     for v in variants:
@@ -188,7 +190,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    GENERATE.update(model=args.gen_model, B=args.gen_batch, prompt=args.gen_prompt, new=args.gen_new, cache=args.gen_cache)
+    GENERATE.update(model=args.gen_model, B=args.gen_batch, prompt=args.gen_prompt, new=args.gen_new,
+                    cache=args.gen_cache)
     variants = args.variants.split(",")
     from fa_compile.lowering import records
 

@@ -3,8 +3,8 @@ batch 2, 8 tokens, the padded inputs where the sweep has them), where host time 
 attention code under `backend="fa3"`, the same with one lowering switched off at compile time (`--switch`, by
 default FA_COMPILE_REFERENCE_MATH=0: sites aten's CPU flash kernel refuses keep the op and its run-time Python
 reference; FA_COMPILE_DECODE_MATH=0: decode-sized sites, these 8-token forwards included, go to aten's CPU flash
-kernel instead of the decode-step math), and the model's SDPA code under Inductor. Each model's variants are timed in alternating
-rounds (median of `--reps` calls per round; the median over rounds). Lower is better. The fa3 variants' largest
+kernel instead of the decode-step math), and the model's SDPA code under Inductor. Each model's variants are
+timed in alternating rounds (median of `--reps` calls per round; the median over rounds). Lower is better. The fa3 variants' largest
 difference from the eager model's output is printed (SDPA's code differs from it on the padded rows).
 
     python benchmarks/cpu_sweep_speed.py [--models gemma3_text,cohere2,...] [--rounds 5] [--reps 20]

@@ -9,7 +9,7 @@ host time and launches: a fused kernel's call plus the output conventions around
 attention itself. The same model's eager attention code under plain Inductor was the fastest variant of
 GPT-2's `generate()` on the H200 (BENCHMARKS.md).
 
-CPU: every decode-sized inference site. The other CPU path, aten's flash kernel (cpu_flash.py), reads every
+CPU: every decode-sized site. The other CPU path, aten's flash kernel (cpu_flash.py), reads every
 slot of a static cache, so the slots past kv_lens (which may hold anything, NaN included) had to be zeroed in
 copies of K and V and the keys checked for NaN: passes over the whole cache per layer and step that SDPA's code
 does not make (a 4-layer GPT-2 decode step, B4, cache 512: 0.76x of SDPA code's speed that way). Inductor's CPU
