@@ -37,7 +37,8 @@ from .shapes import known_eq
 _METHOD_TWINS = {"masked_fill_": "masked_fill", "add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div"}
 _OPERATOR_TWINS = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
                    operator.itruediv: operator.truediv}
-_FRESH_KINDS = ("mul", "div", "add", "sub", "masked_fill", "where", "tanh", "softmax")
+# elementwise ops, and products (F.linear with a module's weight included, which `contraction` leaves out)
+_FRESH_KINDS = ("mul", "div", "add", "sub", "masked_fill", "where", "tanh", "softmax", "linear", "matmul", "baddbmm")
 # ops that allocate a new tensor from sizes (and a fill value) alone
 _FACTORIES = frozenset((torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.zeros_like,
                         torch.ones_like, torch.empty_like, torch.full_like, torch.eye, torch.linspace, torch.tensor,
@@ -87,8 +88,7 @@ def is_fresh(node: Any) -> bool:
             operands = operands[0]
         return not node.kwargs and isinstance(node.args[0], str) and \
             sum(tensor_of(a) is not None for a in operands) >= 2
-    # a product (F.linear with a module's weight included, which `contraction` leaves out) always allocates
-    return kind(node) in _FRESH_KINDS + ("linear", "matmul", "baddbmm") or contraction(node) is not None
+    return kind(node) in _FRESH_KINDS or contraction(node) is not None
 
 
 _VIEW_KINDS = ("transpose", "permute", "reshape", "unsqueeze", "getitem", "identity", "cast")
