@@ -7,6 +7,9 @@ a shared machine touches all alike):
   eager+fa3           attn_implementation="eager" under torch.compile(backend="fa3")
   eager+fa3-nolower   the same with fa_compile.backend(lower=False): the fa3 op and its run-time dispatch
   sdpa+inductor       attn_implementation="sdpa" under torch.compile(backend="inductor")
+  eager+inductor      attn_implementation="eager" under plain Inductor (not run unless --variants names it)
+  eager+fa3-off       eager+fa3 compiled with one lowering switched off (--switch, e.g. FA_COMPILE_DECODE_MATH;
+                      not run unless --variants names it)
 Models (random weights, fp32, base models without a language-model head):
   gpt2  4 layers, hidden 256, 4 heads, B4 x 256 tokens (causal)
   bert  4 layers, hidden 256, 4 heads, B8 x 128 tokens, the last 64 tokens of half the batch padded
@@ -42,6 +45,8 @@ SPECS = {
 }
 GENERATE = dict(B=2, prompt=64, new=32, model="llama")
 VARIANTS = ("eager+fa3", "eager+fa3-nolower", "sdpa+inductor")
+OPTIONAL_VARIANTS = ("eager+inductor", "eager+fa3-off")
+SWITCH = {"name": "FA_COMPILE_DECODE_MATH"}  # the lowering eager+fa3-off compiles without (--switch)
 
 
 def build(kind: str, attn: str):
@@ -75,7 +80,7 @@ def inputs(kind: str) -> dict:
 def backend(variant: str):
     import fa_compile
 
-    if variant == "eager+fa3":
+    if variant in ("eager+fa3", "eager+fa3-off"):
         return fa_compile.backend()
     if variant == "eager+fa3-nolower":
         return fa_compile.backend(lower=False)
@@ -136,9 +141,20 @@ def generate_fn(variant: str) -> Callable:
     return run
 
 
+def _switched(variant: str):
+    """eager+fa3-off compiles (its first calls) with SWITCH's lowering off; the pass's cache key reads it."""
+    import os
+    from unittest import mock
+
+    return mock.patch.dict(os.environ, {SWITCH["name"]: "0"} if variant == "eager+fa3-off" else {})
+
+
 def generate_main(variants: list, rounds: int) -> dict:
     fns = {v: generate_fn(v) for v in variants}
-    outs = {v: (fn(), fn())[1] for v, fn in fns.items()}  # compile, warm up
+    outs = {}
+    for v, fn in fns.items():
+        with _switched(v):
+            outs[v] = (fn(), fn())[1]  # compile, warm up
     ref = outs.get("sdpa+inductor", next(iter(outs.values())))
     times: dict = {v: [] for v in variants}
     for _ in range(rounds):
@@ -173,7 +189,10 @@ def _frames_compiled() -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="gpt2,bert")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"of {', '.join(VARIANTS + OPTIONAL_VARIANTS)}")
+    ap.add_argument("--switch", default=SWITCH["name"], choices=("FA_COMPILE_DECODE_MATH", "FA_COMPILE_REFERENCE_MATH"),
+                    help="the lowering eager+fa3-off is compiled without")
     ap.add_argument("--rounds", type=int, default=5, help="timing rounds (each times every variant in turn)")
     ap.add_argument("--reps", type=int, default=5, help="calls per timing")
     ap.add_argument("--json", default=None)
@@ -193,6 +212,10 @@ def main(argv=None) -> int:
     GENERATE.update(model=args.gen_model, B=args.gen_batch, prompt=args.gen_prompt, new=args.gen_new,
                     cache=args.gen_cache)
     variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS + OPTIONAL_VARIANTS))
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS + OPTIONAL_VARIANTS)}")
+    SWITCH["name"] = args.switch
     from fa_compile.lowering import records
 
     results = {}
@@ -204,7 +227,8 @@ def main(argv=None) -> int:
         fns = {}
         for v in variants:
             fwd, train = step_fns(kind, v)
-            fwd(), fwd(), train(), train()  # compile and warm up
+            with _switched(v):
+                fwd(), fwd(), train(), train()  # compile and warm up
             fns[v] = (fwd, train)
         for fwd, train in fns.values():  # every variant's entry is found again after the others compiled
             fwd(), train()

@@ -60,6 +60,9 @@ class AttentionArgs:
     q_pos: Optional[Tensor] = None  # int [Nq] / [B, Nq]: query i admits keys j <= q_pos[b, i] (ops.py)
     q_seg: Optional[Tensor] = None  # int [Nq] / [B, Nq] with k_seg [Nk] / [B, Nk]: keys of the same id only
     k_seg: Optional[Tensor] = None
+    # A forward whose out and lse a backward reads (a training graph's forward): kernels are chosen as for any
+    # forward; lowerings that pay off only at inference read it (lowering/decomposed.py's small scores).
+    saved_for_backward: bool = False
 
     def mask_kwargs(self) -> dict:
         """The semantic arguments shared by the reference forward and backward."""
@@ -371,7 +374,7 @@ def _for_direction(args: AttentionArgs, direction: str) -> AttentionArgs:
     """A forward kernel is judged as a forward: the backward that may follow is chosen on its own
     (forward-only kernels are simply absent from the backward list)."""
     if direction == "forward" and args.needs_backward:
-        return dataclasses.replace(args, needs_backward=False, bias_requires_grad=False)
+        return dataclasses.replace(args, needs_backward=False, bias_requires_grad=False, saved_for_backward=True)
     return args
 
 

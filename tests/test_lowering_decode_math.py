@@ -100,6 +100,50 @@ def test_cpu_decode_sites_take_the_math_by_default_and_never_read_excluded_slots
     torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
+def _padded_encoder(q, k, v, pad):
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    return torch.softmax(s.masked_fill(~pad[:, None, None, :], float("-inf")), dim=-1) @ v
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_cpu_small_encoder_sites_take_the_math_at_inference_only(train):
+    # No fixture: the CPU default. A padded encoder site of 64 x 64 scores (under SMALL_SCORES) takes the math at
+    # inference; in training its forward and backward stay aten's kernel. At inference one sequence has no key at all
+    # (NaN rows, as eager's; in training such rows' gradients follow the op's own rule, tested elsewhere).
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(3, 2, 64, 16, generator=g, requires_grad=train) for _ in range(3))
+    pad = torch.ones(3, 64, dtype=torch.bool)
+    pad[0, 41:] = False
+    pad[2, 5 if train else 0:] = False
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    n = len(records())
+    with capture_graphs() as graphs, inductor_config.patch(fx_graph_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False):
+        got = torch.compile(_padded_encoder, backend="fa3")(q, k, v, pad)
+        if train:
+            got.sum().backward()
+    decisions = [(r.decision.direction, r.decision.kernel) for r in records()[n:]]
+    if train:
+        assert decisions == [("forward", "reference"), ("backward", "reference")], decisions
+        assert "cpu_flash_forward" in graphs[0], graphs[0]
+    else:
+        assert decisions == [("forward", "decode_math")], decisions
+        assert "cpu_flash" not in graphs[0] and "flash_attention_for_cpu" not in graphs[0], graphs[0]
+    want = _padded_encoder(q, k, v, pad)
+    assert got.isnan().any() != train  # inference: sequence 2's rows are NaN in both
+    torch.testing.assert_close(got, want, **TOL[torch.float32], equal_nan=True)
+    if train:
+        grads = [t.grad for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        want.sum().backward()
+        for a, t in zip(grads, (q, k, v)):
+            torch.testing.assert_close(a, t.grad, **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("what", ["q_pos", "segments", "sinks", "kv_lens_causal"])
 def test_op_structure_reaches_the_math(on_cpu, what):
     # The op called directly with each structure argument, compiled: lowered, equal to the eager op.
@@ -141,6 +185,17 @@ def test_not_taken_for_long_caches_training_or_a_forced_kernel(on_cpu, monkeypat
         with monkeypatch.context() as m:  # as CUDA does: the decode kernel's single pass wins there
             m.setattr(decomposed, "KEY_LIMITED_DEVICES", ("cuda", "cpu"))
             assert "above" in " ".join(decomposed.DECODE_MATH.reasons(long, "forward"))
+        # on CPU also a short prefill whose scores per head are small (Nq x Nk <= 128 x 128), not a longer one
+        q128, q129 = torch.empty(2, 4, 128, 16), torch.empty(2, 4, 129, 16)
+        small = dispatch.AttentionArgs(q=q128, k=k[:, :, :128], v=v[:, :, :128], scale=0.25)
+        assert decomposed.DECODE_MATH.reasons(small, "forward") == []
+        larger = dispatch.AttentionArgs(q=q129, k=k[:, :, :128], v=v[:, :, :128], scale=0.25)
+        assert "scores 129 x 128 above" in " ".join(decomposed.DECODE_MATH.reasons(larger, "forward"))
+        # a training graph's forward (its lse saved for the backward) keeps aten's kernel at such sizes
+        saved = dispatch.AttentionArgs(q=q128, k=k[:, :, :128], v=v[:, :, :128], scale=0.25, saved_for_backward=True)
+        assert "training graph" in " ".join(decomposed.DECODE_MATH.reasons(saved, "forward"))
+        saved_decode = dispatch.AttentionArgs(q=q, k=k[:, :, :64], v=v[:, :, :64], scale=0.25, saved_for_backward=True)
+        assert decomposed.DECODE_MATH.reasons(saved_decode, "forward") == []  # decode-sized: as before
         short = dispatch.AttentionArgs(q=q, k=k[:, :, :64], v=v[:, :, :64], scale=0.25)
         assert decomposed.DECODE_MATH.reasons(short, "forward") == []
         train = dispatch.AttentionArgs(q=q, k=k[:, :, :64], v=v[:, :, :64], scale=0.25, needs_backward=True)
@@ -151,6 +206,8 @@ def test_not_taken_for_long_caches_training_or_a_forced_kernel(on_cpu, monkeypat
 @pytest.fixture
 def reference_math_on_cpu(monkeypatch):
     # ReferenceMath is CUDA's lowering of the reference choice; here it takes CPU's in place of aten's CPU flash.
+    # (The decode-step math, which CPU gives small sites first, is switched off: these sites are for ReferenceMath.)
+    monkeypatch.setenv("FA_COMPILE_DECODE_MATH", "0")
     with _lowered_on_cpu(monkeypatch, "reference", decomposed.REFERENCE_MATH):
         yield
 

@@ -140,7 +140,7 @@ def test_peers_without_sinks_refuse_them():
 def test_lowering_keeps_the_op_with_sinks():
     from fa_compile.lowering import choice
 
-    q = torch.empty(1, 2, 32, 8)  # past the decode-step math's 16 queries: aten's CPU flash kernel takes no sinks
+    q = torch.empty(1, 2, 160, 8)  # past the decode-step math's sizes: aten's CPU flash kernel takes no sinks
     d = choice.decide(dispatch.AttentionArgs(q, q, q, 0.3, sinks=torch.zeros(2)), None, "forward", measure=False)
     assert not d.lowered and "sinks" in d.reason
     q = torch.empty(1, 2, 3, 8)  # a decode-sized inference site: the math takes the sinks

@@ -9,11 +9,14 @@ host time and launches: a fused kernel's call plus the output conventions around
 attention itself. The same model's eager attention code under plain Inductor was the fastest variant of
 GPT-2's `generate()` on the H200 (BENCHMARKS.md).
 
-CPU: every decode-sized site. The other CPU path, aten's flash kernel (cpu_flash.py), reads every
-slot of a static cache, so the slots past kv_lens (which may hold anything, NaN included) had to be zeroed in
-copies of K and V and the keys checked for NaN: passes over the whole cache per layer and step that SDPA's code
-does not make (a 4-layer GPT-2 decode step, B4, cache 512: 0.76x of SDPA code's speed that way). Inductor's CPU
-code fuses this math into one loop nest per site that reads K and V once, as it does the model's eager code.
+CPU: every decode-sized site, and inference sites whose scores per head are small (`SMALL_SCORES`). The other
+CPU path, aten's flash kernel (cpu_flash.py), reads every slot of a static cache, so the slots past kv_lens
+(which may hold anything, NaN included) had to be zeroed in copies of K and V and the keys checked for NaN:
+passes over the whole cache per layer and step that SDPA's code does not make (a 4-layer GPT-2 decode step, B4,
+cache 512: 0.76x of SDPA code's speed that way). Inductor's CPU code fuses this math into one loop nest per site
+that reads K and V once, as it does the model's eager code; at a short encoder or vision site it also saves
+the flash op's fixed cost per call. A training graph's forward keeps aten's kernel there: its backward reads
+the lse, and with the math forward the step measured slower.
 
 This lowering writes the op's reference (fa_compile/kernels/reference.py: fp32 scores and softmax, every mask
 argument, sinks, run-time positions and segment ids, empty rows out 0 / lse -inf) into the graph: GQA by
@@ -21,7 +24,8 @@ grouping the query heads (no repeated K/V), the scores in fp32, no dense mask be
 scores (no larger than the scores the model's own eager code makes).
 
 Taken where: forward nodes (an inference site, or a training graph's forward: its lse is exact, and the backward
-has its own decision), no dropout, Nq <= 16, no forced kernel; on CUDA also
+has its own decision), no dropout, Nq <= 16 (on CPU also an inference site with Nq x Nk <= 128 x 128), no
+forced kernel; on CUDA also
 Nk <= 2048 (the scores stay a small fp32 buffer; past it the decode kernel's single pass over the cache is
 worth its launch). Symbolic lengths are fine: the math is the same at every size, so one lowered graph
 serves a cache that grows (`dynamic=True`, Hugging Face's DynamicCache). FA_COMPILE_DECODE_MATH=0
@@ -50,6 +54,11 @@ _STRUCTURE = ("sinks", "q_pos", "q_seg", "k_seg")
 DEVICES = ("cuda",)  # of CUDA's ReferenceMath (tests add "cpu"); CPU has its own below
 DECODE_MATH_DEVICES = ("cuda", "cpu")
 KEY_LIMITED_DEVICES = ("cuda",)  # where DECODE_MAX_KEYS applies: CPU has no fused decode kernel to prefer
+# CPU also gives the math inference sites whose scores per head are this small (ViT's 65 and BERT's 128 tokens):
+# there aten's flash kernel's fixed cost per call outweighs what its tiles save (BENCHMARKS.md, "Short encoder
+# and vision sites on CPU"). Beyond, the kernel's tiles beat a fp32 scores buffer.
+SMALL_SCORES_DEVICES = ("cpu",)
+SMALL_SCORES = 128 * 128
 
 
 def _present(args: dispatch.AttentionArgs, lowering) -> list[str]:
@@ -94,7 +103,15 @@ class DecodeMath:
         nq = choice.upper_bound(args.q.shape[2])
         nk = choice.upper_bound(args.k.shape[2])
         if nq is None or nq > DECODE_MAX_QUERIES:
-            r.append(f"{what}: Nq {args.q.shape[2]} above {DECODE_MAX_QUERIES} (or unbounded)")
+            small = (args.q.device.type in SMALL_SCORES_DEVICES and nk is not None and nq is not None
+                     and nq * nk <= SMALL_SCORES)
+            if not small:
+                r.append(f"{what}: Nq {args.q.shape[2]} above {DECODE_MAX_QUERIES} (or unbounded)"
+                         + (f", scores {args.q.shape[2]} x {args.k.shape[2]} above {SMALL_SCORES}"
+                            if args.q.device.type in SMALL_SCORES_DEVICES else ""))
+            elif args.saved_for_backward:
+                r.append(f"{what}: Nq {args.q.shape[2]} above {DECODE_MAX_QUERIES} in a training graph (small "
+                         "scores take the math at inference only)")
         if args.q.device.type in KEY_LIMITED_DEVICES and (nk is None or nk > DECODE_MAX_KEYS):
             r.append(f"{what}: Nk {args.k.shape[2]} above {DECODE_MAX_KEYS} (or unbounded)")
         return r

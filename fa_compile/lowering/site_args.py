@@ -1,6 +1,7 @@
 """The arguments of an fa3 node as dispatch sees them, read from the nodes' FakeTensors."""
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional
 
 import torch
@@ -49,7 +50,27 @@ def attention_args(node: fx.Node) -> Optional[dispatch.AttentionArgs]:
     if node.target is BACKWARD:
         kw["needs_backward"] = True
         kw["bias_requires_grad"] = bool(b["bias_requires_grad"]) and b["bias"] is not None
+    else:
+        kw["saved_for_backward"] = returns_lse(node)
     return dispatch.AttentionArgs(**kw)
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.alias.default,
+          torch.ops.aten.permute.default, torch.ops.aten.transpose.int)
+
+
+def returns_lse(node: fx.Node) -> bool:
+    """Whether the graph returns the forward node's lse (directly or as a view): a training graph's forward,
+    which saves it for the backward. An inference graph never does (no user code reads the op's lse)."""
+    lse = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1]
+    while lse:
+        n = lse.pop()
+        for u in n.users:
+            if u.op == "output":
+                return True
+            if u.target in _VIEWS:
+                lse.append(u)
+    return False
 
 
 def forced(node: fx.Node) -> Optional[str]:
