@@ -6,16 +6,45 @@ from typing import Optional
 import torch
 from torch import Tensor
 from torch._prims_common import compute_elementwise_output_strides, make_contiguous_strides_for
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 NEG_INF = float("-inf")
 
 
+def _equal_strides(shape, a, b) -> bool:
+    # (untraced: a size expression read from another node's value has no proxy in the trace of a replacement)
+    with disable_proxy_modes_tracing():
+        return all(statically_known_true(size <= 1) or statically_known_true(x == y) for size, x, y in zip(shape, a, b))
+
+
+def _hint(s) -> int:
+    return int(s.node.hint) if isinstance(s, torch.SymInt) and s.node.hint is not None else int(s)
+
+
+def _traced_strides(t: Tensor, stride: tuple) -> tuple:
+    """`stride` as expressions of t's own (traced) sizes, when it is dense in some dimension order and the
+    shape environment proves them equal; else `stride` as given. Under symbolic sizes a stride such as
+    4*s0*s1 read from another node's value is not a value make_fx can trace (it only knows the traced
+    inputs' sizes), while the same product of t's sizes is."""
+    if not any(isinstance(s, torch.SymInt) for s in stride):
+        return stride
+    try:
+        order = sorted(range(len(stride)), key=lambda i: _hint(stride[i]))  # innermost first
+    except Exception:  # a size without a hint
+        return stride
+    rebuilt, acc = [None] * len(stride), 1
+    for i in order:
+        rebuilt[i] = acc
+        acc = acc * t.shape[i]
+    return tuple(rebuilt) if _equal_strides(t.shape, rebuilt, stride) else stride
+
+
 def with_strides(t: Tensor, stride: tuple) -> Tensor:
     """`t` stored with `stride` (a copy only where it is not already: decided at trace time)."""
-    same = all(statically_known_true(size <= 1) or statically_known_true(a == b)
-               for size, a, b in zip(t.shape, t.stride(), stride))
-    return t if same else torch.ops.prims.copy_strided.default(t, list(stride))
+    if _equal_strides(t.shape, t.stride(), stride):
+        return t
+    return torch.ops.prims.copy_strided.default(t, list(_traced_strides(t, stride)))
 
 
 def bshd_strides(b, h, n, d) -> tuple:

@@ -88,6 +88,7 @@ def _copy_traced(graph: fx.Graph, node: fx.Node, fn: Callable, inputs: Sequence[
     # Traced with Inductor's decompositions: the post-grad graph holds only ops Inductor lowers.
     with _fake_mode(vals):
         sub = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="real")(*vals)
+    _binary_sym_ops(sub.graph)
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     results = next(n for n in sub.graph.nodes if n.op == "output").args[0]
     if outs is not None and len(results) != len(outs):
@@ -101,6 +102,23 @@ def _copy_traced(graph: fx.Graph, node: fx.Node, fn: Callable, inputs: Sequence[
     with graph.inserting_before(node):
         new = graph.graph_copy(sub.graph, dict(zip(placeholders, inputs)))
     return list(new)
+
+
+_NARY = (operator.mul, operator.add)
+
+
+def _binary_sym_ops(graph: fx.Graph) -> None:
+    """make_fx writes a size expression such as 4*Max(1, s0)*Max(1, s1) (a stride under symbolic sizes) as one
+    `operator.mul` node of three arguments, which Inductor's fake-tensor update then calls and fails on: such
+    nodes become chains of two-argument calls."""
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target not in _NARY or len(n.args) <= 2 or n.kwargs:
+            continue
+        with graph.inserting_before(n):
+            acc = n.args[0]
+            for a in n.args[1:-1]:
+                acc = graph.call_function(n.target, (acc, a))
+        n.args = (acc, n.args[-1])
 
 
 def droppable_clones(node: fx.Node, val: torch.Tensor) -> Optional[list[tuple[fx.Node, fx.Node, torch.Tensor]]]:
