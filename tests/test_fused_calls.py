@@ -415,6 +415,52 @@ def test_mha_fully_masked_rows_keep_eager_values():
         assert_same(out, ref, **tolerances(torch.float32))
 
 
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_mha_key_padding_mask_reaches_the_op_as_a_data_mask(need_weights):
+    """nn.MultiheadAttention turns its bool key_padding_mask into a 0 / -inf float (F._canonical_mask) before the
+    functional, which views it [B, 1, 1, S]: that float is proven 0-or-(-inf) and reaches the op as a keep-mask
+    (bool-mask), not a float bias. Outputs and gradients as eager's, one sequence with no key at all."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).train()  # dropout 0: exact
+    x = rnd(3, 6, 16, seed=1, requires_grad=True)
+    kpm = torch.zeros(3, 6, dtype=torch.bool)
+    kpm[0, 4:] = True
+    kpm[2] = need_weights  # need_weights=True: NaN rows (eager's); SDPA's path: 0 rows (gradients differ there)
+    fn = lambda x, kpm: mha(x, x, x, key_padding_mask=kpm, need_weights=need_weights)[0]
+    out, cap = run(fn, x, kpm, inner="aot_eager")
+    rep = only_report(cap)
+    assert rep.rewritten and rep.mask == "bool-mask", (rep.mask, rep.reason)
+    ref = fn(x, kpm)
+    assert_same(out, ref, **tolerances(torch.float32))
+    if not need_weights:
+        w = rnd(*out.shape, seed=11)
+        params = list(mha.parameters())
+        grads = torch.autograd.grad((out * w).sum(), [x] + params)
+        ref_grads = torch.autograd.grad((ref * w).sum(), [x] + params)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("fill", [float("-inf"), "finfo_min", -1e4])
+def test_float_key_mask_viewed_after_it_is_built(fill):
+    """A 0-or-c float key mask built from a bool and only then viewed [B, 1, 1, Nk]: a keep-mask where c absorbs
+    every score (-inf, finfo.min); a finite c stays the float bias (eager's arithmetic, README)."""
+    q, k, v = (rnd(2, 2, 5, 8, seed=s) for s in (1, 2, 3))
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[1, 3:] = True
+    c = torch.finfo(torch.float32).min if fill == "finfo_min" else fill
+
+    def fn(q, k, v, pad):
+        m = torch.zeros_like(pad, dtype=torch.float32).masked_fill_(pad, c)
+        s = q @ k.transpose(-1, -2) * 0.3 + m.unsqueeze(1).unsqueeze(1)
+        return s.softmax(-1) @ v
+
+    out, cap = run(fn, q, k, v, pad)
+    rep = only_report(cap)
+    assert rep.rewritten and rep.mask == ("bias" if fill == -1e4 else "bool-mask"), (rep.mask, rep.reason)
+    assert_same(out, fn(q, k, v, pad), **tolerances(torch.float32))
+
+
 def test_mha_training_dropout_statistics():
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(32, 4, batch_first=True, dropout=0.3).train()
@@ -454,6 +500,7 @@ narrow(%, -1, 32, 16)
 .permute(%, 1, 2, 0, 3)
 .unflatten(%, -1, (4, 4))
 .permute(%, 1, 2, 0, 3)
+eq(%, 0)
 fa3.attention(%, %, %, 0.5, False, 0, -1, -1, %, None, 0, 0, None, None)
 getitem(%, 0)
 .permute(%, 2, 0, 1, 3)

@@ -98,6 +98,20 @@ _CMP = {"lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne", 
 _FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
 
 
+def _rebased(n: fx.Node, x: AbsVal) -> Optional[AbsVal]:
+    """x (a keep-mask, or a 0-or-c float mask, of data factors only) as a factor held by `n` itself, a shape op's
+    result whose values are x's: a keep-mask is kept where n is nonzero (True); a 0-or-c mask (c != 0) masks
+    where n is nonzero. None for anything with structure (bands, lengths, positions, segments) or extra terms."""
+    k = x.keep if isinstance(x, _Two) else x
+    if not isinstance(k, _Keep) or k.structural or k.rel or k.inverted or not k.data:
+        return None
+    if isinstance(x, _Keep):
+        return _Keep(data=((n, False),), numeric=k.numeric)
+    if x.extra or x.on != 0.0 or x.c == 0.0 or x.c != x.c:
+        return None
+    return replace(x, keep=_Keep(data=((n, True),)))
+
+
 class _Analyzer:
     def __init__(self, gm: fx.GraphModule):
         self.gm = gm
@@ -731,8 +745,12 @@ class _Analyzer:
                 k = x.keep if isinstance(x, _Two) else x
                 if isinstance(x, _Two) and x.extra and not (identity and not slices):
                     return _Opaque(n)
-                if (k.data or (k.qpos is not None and k.qpos.rows)) and not (identity and not slices):
-                    return _Opaque(n)  # node-held factors broadcast to this tensor only unchanged
+                if k.data and not (identity and not slices):
+                    # node-held factors broadcast to this tensor only unchanged; a mask of data factors alone
+                    # is this node's own values: [B, Nk] padding viewed as [B, 1, 1, Nk] stays a data mask
+                    return _rebased(n, x) or _Opaque(n)
+                if k.qpos is not None and k.qpos.rows and not (identity and not slices):
+                    return _Opaque(n)
                 seg = k.seg
                 if seg is not None:
                     axes = {d for ids in seg for d in (ids.axis, ids.bdim) if d is not None}

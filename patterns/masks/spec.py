@@ -166,7 +166,10 @@ def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len, bias_rank: int =
     for node, neg in dict.fromkeys(plan["data"]):
         if not em.before(node):
             raise _Fail(f"mask {node.name} is computed after the site")
-        f = em.call(torch.logical_not, node) if neg else node
+        if _dtype(node) != torch.bool:  # a 0/1 or 0-or-c float factor (analyzer._rebased): nonzero is True
+            f = em.call(torch.eq if neg else torch.ne, node, 0)
+        else:
+            f = em.call(torch.logical_not, node) if neg else node
         bool_bias = f if bool_bias is None else em.call(torch.logical_and, bool_bias, f)
     float_bias = None
     for node in plan["extras"]:
