@@ -5,8 +5,8 @@ Dynamo hands over torch IR in many spellings of the same operation (`torch.matmu
 ...). Rewriting every node into one canonical spelling would cost a pass over the whole graph on every
 recompile and risk touching code that is not attention, so spellings are left as they are: `kind(node)`
 names the canonical operation a node performs and the accessors below read its arguments whatever the
-spelling. Adding a spelling is one table entry here. Only two edits are made to the graph, both of
-which change what the graph means to the analysis, not what it computes (`canonicalize`).
+spelling. Adding a spelling is one table entry here. The few edits made to the graph (`canonicalize`) each
+change what the graph means to the analysis, not what it computes.
 """
 from __future__ import annotations
 
@@ -23,17 +23,20 @@ from .emit import example_value
 
 def canonicalize(gm: fx.GraphModule) -> bool:
     """The graph edits made before analysis, each proven to keep every value and gradient (see
-    functionalize.py, reshaped_terms.py and dead_code.py): in-place updates of tensors nothing else
+    functionalize.py, reshaped_terms.py, split_rows.py and dead_code.py): in-place updates of tensors nothing else
     aliases become their functional op, terms added to a reshaped view of a tensor that is viewed back
-    become terms of that tensor, and nodes whose result nobody reads and whose computation changes
+    become terms of that tensor, a batched product whose rows are split by a view (or whose split rows are
+    merged for one) becomes the 4-D product, and nodes whose result nobody reads and whose computation changes
     nothing else are removed. Every other spelling is read through `kind` and the accessors below. True
     when the graph changed (the pass puts it back when no site is rewritten)."""
     from .dead_code import remove_dead_pure_nodes
     from .functionalize import functionalize_inplace
     from .reshaped_terms import fold_reshaped_terms
+    from .split_rows import fold_split_rows
 
     changed = functionalize_inplace(gm)
     changed = fold_reshaped_terms(gm) or changed
+    changed = fold_split_rows(gm) or changed
     return remove_dead_pure_nodes(gm) or changed
 
 

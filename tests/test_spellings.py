@@ -370,6 +370,106 @@ def test_a_reshaped_view_read_elsewhere_is_left_alone():
     assert "Q·Kᵀ" in reasons(res)
 
 
+# ------------------------------------------------- query rows folded for a batched product, split back
+
+class FoldedRowsMQA(nn.Module):
+    """Multi-query attention as GPTBigCode-era code wrote it for bmm: the heads folded into the query rows
+    ([B, N·H, D]) against one key tensor stored transposed ([B, D, Nk]), the scores viewed to [B, N, H, Nk]
+    for a bool mask, and the probabilities folded back for the product with V."""
+
+    def __init__(self, heads=3, dim=8, beta=1):
+        super().__init__()
+        self.heads, self.dim, self.beta = heads, dim, beta
+        self.c_attn = nn.Linear(heads * dim, heads * dim + 2 * dim)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x, keep):  # keep: [B, N, 1, Nk] bool, True = attend
+        b, n, _ = x.shape
+        h, d = self.heads, self.dim
+        q, kv = self.c_attn(x).split((h * d, 2 * d), dim=2)
+        k, v = kv.split((d, d), dim=-1)
+        k = k.transpose(1, 2)  # [B, D, Nk]
+        w = torch.empty(b, n * h, n, dtype=x.dtype, device=x.device)
+        w = torch.zeros_like(w) if self.beta else w  # beta=1 adds zeros; beta=0 ignores the empty input
+        w = torch.baddbmm(w, q.reshape(b, n * h, d), k, beta=self.beta, alpha=d ** -0.5).view(b, n, h, n)
+        w = torch.where(keep, w, torch.full([], torch.finfo(w.dtype).min, dtype=w.dtype))
+        w = self.drop(torch.softmax(w, dim=-1))
+        return torch.bmm(w.view(b, n * h, n), v).view(b, n, h * d)
+
+
+def folded_heads_rows(q, k, v):  # q [B, H, N, D], k and v [B, N, D]: rows (H, N), bmm then a scale
+    s = torch.bmm(q.reshape(B, H * N, D), k.transpose(1, 2)) * D ** -0.5
+    s = s.view(B, H, N, N).masked_fill(causal_bool(), -math.inf)
+    return torch.bmm(s.softmax(-1).view(B, H * N, N), v).view(B, H, N, D)
+
+
+def folded_rows_broadcast_pv(q, k, v):  # split scores, P·V already a broadcast product
+    s = torch.bmm(q.reshape(B, H * N, D), k.transpose(1, 2)).view(B, H, N, N) / math.sqrt(D)
+    return s.masked_fill(causal_bool(), -math.inf).softmax(-1) @ v.unsqueeze(1)
+
+
+def _mqa_args():
+    x = rand(2, 5, 24, seed=3, requires_grad=True)
+    keep = torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 5, 5).clone()
+    keep[1, :, :2] = False  # padding on the left of the second sequence...
+    keep[1, :2, 0] = True  # ...whose first rows still admit a key
+    return [x, keep[:, :, None, :]]
+
+
+@pytest.mark.parametrize("beta", [1, 0], ids=["zeros_added", "empty_ignored"])
+def test_heads_folded_into_the_query_rows_are_split_back(beta):
+    res = check(FoldedRowsMQA(beta=beta), _mqa_args(), rewritten=1)
+    assert res.rewritten[0].mask == "bool-mask"
+
+
+@pytest.mark.parametrize("fn", [folded_heads_rows, folded_rows_broadcast_pv], ids=lambda f: f.__name__)
+def test_split_rows_of_a_bmm_read_as_a_4d_product(fn):
+    q = rand(B, H, N, D, seed=0, requires_grad=True)
+    k, v = (rand(B, N, D, seed=i, requires_grad=True) for i in (1, 2))
+    res = check(fn, [q, k, v], rewritten=1)
+    assert "causal" in res.rewritten[0].mask
+
+
+def test_heads_folded_into_the_query_rows_through_inductor():
+    check(FoldedRowsMQA(), _mqa_args(), inner="inductor", rewritten=1)
+
+
+def test_heads_folded_into_the_query_rows_dynamic():
+    m = FoldedRowsMQA()
+    c = Compiled(m, inner="aot_eager", dynamic=True)
+    for n in (5, 7, 4):
+        x = rand(2, n, 24, seed=n)
+        keep = torch.ones(n, n, dtype=torch.bool).tril().expand(2, n, n)[:, :, None, :]
+        torch.testing.assert_close(c(x, keep), m(x, keep))
+    assert len(c.rewritten) == 1  # one rewritten compile serves every length
+
+
+def split_rows_not_softmaxed(q, k, v):  # the same split feeds a sum, not a softmax: not attention
+    s = torch.bmm(q.reshape(B, H * N, D), k.transpose(1, 2)).view(B, H, N, N)
+    return s.amax(-1, keepdim=True) * q
+
+
+def split_rows_read_twice(q, k, v):  # the folded scores are also read elsewhere
+    s3 = torch.bmm(q.reshape(B, H * N, D), k.transpose(1, 2)) * 0.25
+    o = torch.bmm(s3.view(B, H, N, N).softmax(-1).view(B, H * N, N), v)
+    return o.view(B, H, N, D) + s3.sum()
+
+
+def added_input_not_zero(q, k, v):  # baddbmm adds a real bias before the view: not a plain product
+    s = torch.baddbmm(torch.ones(B, H * N, N), q.reshape(B, H * N, D), k.transpose(1, 2), alpha=0.25)
+    return torch.bmm(s.view(B, H, N, N).softmax(-1).view(B, H * N, N), v)
+
+
+@pytest.mark.parametrize("fn", [split_rows_not_softmaxed, split_rows_read_twice, added_input_not_zero],
+                         ids=lambda f: f.__name__)
+def test_split_rows_left_alone_where_not_exact_or_not_attention(fn):
+    q = rand(B, H, N, D, seed=0)
+    k, v = (rand(B, N, D, seed=i) for i in (1, 2))
+    c = Compiled(fn)
+    torch.testing.assert_close(c(q, k, v), fn(q, k, v), atol=0, rtol=0)  # the graph as traced: the same bits
+    assert "matmul" not in c.graphs[0].code, c.graphs[0].code
+
+
 # ---------------------------------------------------------------------------- 5-D scores with a 5-D mask
 
 def five_d_additive(q, k, v, mask):  # ProphetNet's n-gram stream, LongT5's blocks
@@ -706,6 +806,35 @@ isneginf(getitem_3)
 unsqueeze(isneginf, -1)
 full_like(getitem_2, nan)
 where(unsqueeze, full_like, getitem_2)""")
+
+    def test_pinned_heads_folded_into_the_query_rows(self):
+        m = FoldedRowsMQA()
+        x, keep = _mqa_args()
+        self.assertExpectedInline(pinned(m, x.detach(), keep), """\
+linear(l_x_, l_self_modules_c_attn_parameters_weight_, l_self_modules_c_attn_parameters_bias_)
+split(linear, (24, 16))
+getitem(split, 0)
+getitem(split, 1)
+split(kv, (8, 8))
+getitem(split_1, 0)
+getitem(split_1, 1)
+transpose(k, 1, 2)
+reshape(q, 2, 15, 8)
+reshape(reshape, 2, 5, 3, 8)
+unsqueeze(k_1, 1)
+unsqueeze(v, 1)
+permute(unsqueeze, (0, 1, 3, 2))
+fa3.attention(reshape_1, permute, unsqueeze_1, 0.3535533905932738, False, 0, -1, -1, l_keep_, None, 0.0, 0.0, None, None)
+getitem(attention_default, 0)
+getitem(attention_default, 1)
+isneginf(getitem_5)
+unsqueeze(isneginf, -1)
+mean(unsqueeze_1)
+repeat_interleave(mean, 5)
+to(repeat_interleave, torch.float32)
+where(unsqueeze_2, to, getitem_4)
+reshape(where_1, 2, 15, 8)
+view(reshape_2, 2, 5, 24)""")
 
     def test_pinned_exp_of_log_softmax(self):
         self.assertExpectedInline(pinned(LOG_SOFTMAX_FORMS["F.log_softmax.exp"], *qkv(grad=False)), """\

@@ -1,0 +1,232 @@
+"""Query rows folded into one axis for a batched product, then split back: read as a 4-D product.
+
+Multi-query attention written for `bmm` (GPTBigCode / StarCoder-era code) folds the heads into the query rows,
+so that one `[B, D, Nk]` key tensor serves every head, and views the scores back to four dims for the mask:
+
+    s = torch.baddbmm(zeros, q.reshape(B, N·H, D), kᵀ, beta=1, alpha=scale).view(B, N, H, Nk)
+    p = torch.where(mask, s, min).softmax(-1)
+    o = torch.bmm(p.view(B, N·H, Nk), v)                      # v [B, Nk, Dv]
+
+Row r of a batched product depends on row r of its left operand only, so splitting the rows of the result
+is splitting the rows of that operand, and the right operand broadcasts over the new axis:
+
+    bmm(x, y).view(B, a, b, Nk)       ==  matmul(x.reshape(B, a, b, D), y.unsqueeze(1))
+    bmm(p.view(B, a·b, Nk), v)        ==  matmul(p, v.unsqueeze(1)).reshape(B, a·b, Dv)
+
+Each element is the same dot product of the same D (or Nk) terms; only the GEMM's blocking may differ, so a
+result differs by rounding at most. The 4-D form is the broadcast-matmul spelling the site finder reads (the
+key tensor shared by all heads is a broadcast K). The edit is made only where it is exact and useful:
+- the product is 3-D by 3-D (`bmm`, `matmul`, or `baddbmm` whose added input is ignored (`beta=0`) or made by
+  `zeros` / `zeros_like` / `new_zeros`, so that adding it changes no score), and the view splits its rows
+  only (batch and key sizes provably kept, the row count the product of the two new sizes);
+- between product and view only scalings by numbers, each read by the next step alone;
+- the split scores reach a softmax through single-reader elementwise steps, and the merged probabilities come
+  from a softmax through dropout, casts or copies: attention, and nowhere else in a model;
+- every node of the edit runs in the same grad mode / autocast state.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from .canonicalize import arg, is_finite_number, is_inplace, kind, tensor_of
+from .emit import set_example_value
+from .regions import Regions
+from .shapes import known_eq
+
+_SCORE_STEPS = ("add", "sub", "mul", "div", "masked_fill", "where", "cast", "tanh")
+_PROB_STEPS = ("dropout", "cast", "identity")
+_ZEROS = {torch.zeros, torch.zeros_like}
+
+
+def _sizes(view: fx.Node) -> Optional[list]:
+    """The size arguments of `x.view(*sizes)`, `x.view(sizes)` or `torch.reshape(x, sizes)`."""
+    rest = list(view.args[1:]) or [view.kwargs.get("shape", view.kwargs.get("size"))]
+    if len(rest) == 1 and isinstance(rest[0], (tuple, list)):
+        rest = list(rest[0])
+    if any(r is None for r in rest):
+        return None
+    return rest
+
+
+def _is_zeros(node: Any) -> bool:
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+        return False
+    return node.target in _ZEROS or node.target == "new_zeros"
+
+
+def _product(node: fx.Node) -> Optional[tuple[fx.Node, fx.Node, float]]:
+    """(x, y, alpha) for a 3-D by 3-D batched product whose value is alpha · (x @ y) exactly, or None."""
+    k = kind(node)
+    if k == "matmul" and len(node.args) == 2 and not node.kwargs:
+        x, y, alpha = node.args[0], node.args[1], 1.0
+    elif k == "baddbmm":
+        x, y = arg(node, 1, "batch1"), arg(node, 2, "batch2")
+        beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+        if not (is_finite_number(beta) and is_finite_number(alpha)) or isinstance(beta, bool) or isinstance(alpha, bool):
+            return None
+        if beta != 0 and not _is_zeros(node.args[0]):
+            return None
+        added = tensor_of(node.args[0])
+        if added is None or added.dtype != tensor_of(node).dtype:  # (a wider zeros would promote the result)
+            return None
+        alpha = float(alpha)
+    else:
+        return None
+    tx, ty, tout = tensor_of(x), tensor_of(y), tensor_of(node)
+    if tx is None or ty is None or tout is None or tx.dim() != 3 or ty.dim() != 3 or tout.dim() != 3:
+        return None
+    if not (tx.dtype.is_floating_point and ty.dtype == tx.dtype and tout.dtype == tx.dtype):
+        return None
+    return x, y, alpha
+
+
+def _reaches(node: fx.Node, kinds: tuple, forward: bool, depth: int = 8) -> bool:
+    """node leads to (forward) or comes from (backward) a softmax through single-reader steps of `kinds`."""
+    n = node
+    for _ in range(depth):
+        if forward:
+            if len(n.users) != 1:
+                return False
+            n = next(iter(n.users))
+        else:
+            if not n.args or not isinstance(n.args[0], fx.Node):
+                return False
+            n = n.args[0]
+        if kind(n) == "softmax":
+            return True
+        if kind(n) not in kinds or is_inplace(n):
+            return False
+    return False
+
+
+def _splits_rows(whole: torch.Tensor, split: torch.Tensor) -> bool:
+    """split is whole [B, a·b, C] viewed [B, a, b, C]."""
+    return (whole.dim() == 3 and split.dim() == 4 and known_eq(whole.shape[0], split.shape[0])
+            and known_eq(whole.shape[1], split.shape[1] * split.shape[2]) and known_eq(whole.shape[2], split.shape[3]))
+
+
+def _commit(graph: fx.Graph, made: list, old: fx.Node) -> bool:
+    """Give the new nodes example values and put the last in place of `old` when it computes a tensor of the
+    same shape, dtype and grad requirement; otherwise remove them."""
+    try:
+        for n in made:
+            set_example_value(n)
+        new, was = tensor_of(made[-1]), tensor_of(old)
+        ok = (new is not None and was is not None and new.dim() == was.dim()
+              and all(known_eq(p, q) for p, q in zip(new.shape, was.shape))
+              and new.dtype == was.dtype and new.requires_grad == was.requires_grad)
+    except Exception:
+        ok = False
+    if not ok:
+        for n in reversed(made):
+            graph.erase_node(n)
+        return False
+    old.replace_all_uses_with(made[-1])
+    return True
+
+
+def _split_scores(gm: fx.GraphModule, view: fx.Node, regions: Regions) -> bool:
+    graph = gm.graph
+    t_view, sizes = tensor_of(view), _sizes(view)
+    if t_view is None or t_view.dim() != 4 or sizes is None or len(sizes) != 4:
+        return False
+    steps: list = []
+    cur = view.args[0]
+    for _ in range(4):  # numbers that scale the product before the view
+        if not isinstance(cur, fx.Node) or len(cur.users) != 1 or is_inplace(cur):
+            return False
+        if kind(cur) in ("mul", "div") and len(cur.args) == 2 and not cur.kwargs and cur.args[0] is not cur.args[1]:
+            numbers = [a for a in cur.args if is_finite_number(a) and not isinstance(a, bool)]
+            chain = [a for a in cur.args if isinstance(a, fx.Node)]
+            if len(numbers) != 1 or len(chain) != 1 or (kind(cur) == "div" and cur.args[0] is not chain[0]):
+                return False
+            steps.append(cur)
+            cur = chain[0]
+            continue
+        break
+    found = _product(cur) if isinstance(cur, fx.Node) else None
+    if found is None:
+        return False
+    x, y, alpha = found
+    product = cur
+    tx, ty, tp = tensor_of(x), tensor_of(y), tensor_of(product)
+    if not _splits_rows(tp, t_view) or type(tx.shape[2]) is not int:
+        return False
+    if not _reaches(view, _SCORE_STEPS, forward=True):
+        return False
+    if len({regions.of(n) for n in [product, view, *steps]}) != 1:
+        return False
+    made: list = []
+    with graph.inserting_before(view):
+        x4 = graph.call_method("reshape", (x, *sizes[:3], tx.shape[2]))
+        y4 = graph.call_method("unsqueeze", (y, 1))
+        cur = graph.call_function(torch.matmul, (x4, y4))
+        made += [x4, y4, cur]
+        if alpha != 1.0:
+            cur = graph.call_function(torch.mul, (cur, alpha))
+            made.append(cur)
+        for step in reversed(steps):  # the same scalings, in the same order, on the 4-D product
+            args = [cur if isinstance(a, fx.Node) else a for a in step.args]
+            cur = graph.create_node(step.op, step.target, tuple(args), {})
+            made.append(cur)
+    if not _commit(graph, made, view):
+        return False
+    graph.erase_node(view)
+    for n in steps:
+        graph.erase_node(n)
+    if not product.users:
+        graph.erase_node(product)
+    return True
+
+
+def _merge_probs(gm: fx.GraphModule, pv: fx.Node, regions: Regions) -> bool:
+    graph = gm.graph
+    found = _product(pv) if kind(pv) == "matmul" else None
+    if found is None:
+        return False
+    merged, v, _ = found
+    if kind(merged) != "reshape" or is_inplace(merged) or not isinstance(merged.args[0], fx.Node):
+        return False
+    p4, sizes = merged.args[0], _sizes(merged)
+    tp4, tm, tv = tensor_of(p4), tensor_of(merged), tensor_of(v)
+    if tp4 is None or sizes is None or len(sizes) != 3 or not _splits_rows(tm, tp4) or type(tv.shape[2]) is not int:
+        return False
+    if not (known_eq(tv.shape[0], tm.shape[0]) and known_eq(tv.shape[1], tm.shape[2])):
+        return False
+    if not (kind(p4) == "softmax" or _reaches(p4, _PROB_STEPS, forward=False)):
+        return False
+    if len({regions.of(n) for n in (p4, merged, pv)}) != 1:
+        return False
+    with graph.inserting_before(pv):
+        v4 = graph.call_method("unsqueeze", (v, 1))
+        o4 = graph.call_function(torch.matmul, (p4, v4))
+        o3 = graph.call_method("reshape", (o4, sizes[0], sizes[1], tv.shape[2]))
+    if not _commit(graph, [v4, o4, o3], pv):
+        return False
+    graph.erase_node(pv)
+    if not merged.users:
+        graph.erase_node(merged)
+    return True
+
+
+def fold_split_rows(gm: fx.GraphModule) -> bool:
+    """Apply both edits of the module docstring wherever they are exact; True when any was made."""
+    regions: Optional[Regions] = None
+    changed = False
+    for node in list(gm.graph.nodes):
+        if getattr(node, "_erased", False):  # removed by an earlier edit
+            continue
+        k = kind(node)
+        if k == "reshape" and not is_inplace(node):
+            t = tensor_of(node)
+            if t is None or t.dim() != 4:
+                continue
+            regions = regions or Regions(gm)
+            changed = _split_scores(gm, node, regions) or changed
+        elif k == "matmul":
+            regions = regions or Regions(gm)
+            changed = _merge_probs(gm, node, regions) or changed
+    return changed
