@@ -136,6 +136,31 @@ def test_multihead_attention_training_dynamic_true_refuses_symbolic_dropout():
     assert "dropout_p is a symbolic float" in cap.reports[0].reason
 
 
+class DropoutModuleAttention(nn.Module):
+    """Hand-written attention with nn.Dropout on the probabilities: under dynamic=True its float p is a graph
+    input (`p.item()`), not a constant."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.drop = nn.Dropout(p)
+
+    def forward(self, q, k, v):
+        return self.drop((q @ k.transpose(-2, -1) * 0.35).softmax(-1)) @ v
+
+
+def test_dropout_module_in_eval_under_dynamic_true_is_the_identity():
+    cap = serve(DropoutModuleAttention(0.1).eval(), qkv, mode="dynamic", seq_dims=(2, 2, 2))
+    assert_one_compile_with_rewrite(cap)
+
+
+def test_dropout_module_in_training_under_dynamic_true_is_refused():
+    m = DropoutModuleAttention(0.0).train()  # p=0 so eager's result is deterministic
+    cap = serve(m, qkv, mode="dynamic", seq_dims=(2, 2, 2))
+    assert cap.compiles == 1
+    assert [r.rewritten for r in cap.reports] == [False]
+    assert "run-time p" in cap.reports[0].reason
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_transformer_encoder_layer_fast_path(mode):
     torch.manual_seed(0)

@@ -75,8 +75,15 @@ def walk_probs(sm: fx.Node, options: PassOptions, gm: Optional[fx.GraphModule] =
             cur = u
         elif k == "dropout" and u.args[0] is cur:
             _, p, training = dropout_args(u)
-            if not isinstance(training, bool) or not is_finite_number(p):
-                raise Miss("dropout with a non-constant p or training flag")
+            if training is False:  # the identity whatever p is (a module's p is a run-time value under dynamic=True)
+                cur = u
+                nodes.append(cur)
+                continue
+            if not isinstance(training, bool):
+                raise Miss("dropout with a non-constant training flag")
+            if not is_finite_number(p):
+                raise Miss("dropout in training with a run-time p (dynamic=True makes a module's float attribute a "
+                           "graph input); the op's p is a constant")
             if not 0 <= p <= 1:
                 raise Miss(f"dropout with p={p} outside [0, 1] (eager raises)")
             if training and p > 0:
