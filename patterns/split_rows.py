@@ -23,9 +23,14 @@ key tensor shared by all heads is a broadcast K). The edit is made only where it
 - the split scores reach a softmax through single-reader elementwise steps, and the merged probabilities come
   from a softmax through dropout, casts or copies: attention, and nowhere else in a model;
 - every node of the edit runs in the same grad mode / autocast state.
+
+The edits are tentative (`undo_unused`): a 4-D product that no rewrite took is put back as the 3-D product it was.
+`matmul` broadcasts the shared operand by copying it along the new axis, which for the multi-query form is a copy of
+K (or V) per query token; only the fused op reads it without that copy.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -35,6 +40,14 @@ from .canonicalize import arg, is_finite_number, is_inplace, kind, tensor_of
 from .emit import set_example_value
 from .regions import Regions
 from .shapes import known_eq
+
+@dataclass
+class Edit:
+    """One edit: the nodes it made (the last one stands for the replaced node) and how to rebuild the 3-D form."""
+
+    made: list
+    scores: bool  # the scores' split (else the probabilities' merge)
+
 
 _SCORE_STEPS = ("add", "sub", "mul", "div", "masked_fill", "where", "cast", "tanh")
 _PROB_STEPS = ("dropout", "cast", "identity")
@@ -128,37 +141,37 @@ def _commit(graph: fx.Graph, made: list, old: fx.Node) -> bool:
     return True
 
 
-def _split_scores(gm: fx.GraphModule, view: fx.Node, regions: Regions) -> bool:
+def _split_scores(gm: fx.GraphModule, view: fx.Node, regions: Regions) -> Optional[Edit]:
     graph = gm.graph
     t_view, sizes = tensor_of(view), _sizes(view)
     if t_view is None or t_view.dim() != 4 or sizes is None or len(sizes) != 4:
-        return False
+        return None
     steps: list = []
     cur = view.args[0]
     for _ in range(4):  # numbers that scale the product before the view
         if not isinstance(cur, fx.Node) or len(cur.users) != 1 or is_inplace(cur):
-            return False
+            return None
         if kind(cur) in ("mul", "div") and len(cur.args) == 2 and not cur.kwargs and cur.args[0] is not cur.args[1]:
             numbers = [a for a in cur.args if is_finite_number(a) and not isinstance(a, bool)]
             chain = [a for a in cur.args if isinstance(a, fx.Node)]
             if len(numbers) != 1 or len(chain) != 1 or (kind(cur) == "div" and cur.args[0] is not chain[0]):
-                return False
+                return None
             steps.append(cur)
             cur = chain[0]
             continue
         break
     found = _product(cur) if isinstance(cur, fx.Node) else None
     if found is None:
-        return False
+        return None
     x, y, alpha = found
     product = cur
     tx, ty, tp = tensor_of(x), tensor_of(y), tensor_of(product)
     if not _splits_rows(tp, t_view) or type(tx.shape[2]) is not int:
-        return False
+        return None
     if not _reaches(view, _SCORE_STEPS, forward=True):
-        return False
+        return None
     if len({regions.of(n) for n in [product, view, *steps]}) != 1:
-        return False
+        return None
     made: list = []
     with graph.inserting_before(view):
         x4 = graph.call_method("reshape", (x, *sizes[:3], tx.shape[2]))
@@ -173,60 +186,125 @@ def _split_scores(gm: fx.GraphModule, view: fx.Node, regions: Regions) -> bool:
             cur = graph.create_node(step.op, step.target, tuple(args), {})
             made.append(cur)
     if not _commit(graph, made, view):
-        return False
+        return None
     graph.erase_node(view)
     for n in steps:
         graph.erase_node(n)
     if not product.users:
         graph.erase_node(product)
-    return True
+    return Edit(made, scores=True)
 
 
-def _merge_probs(gm: fx.GraphModule, pv: fx.Node, regions: Regions) -> bool:
+def _merge_probs(gm: fx.GraphModule, pv: fx.Node, regions: Regions) -> Optional[Edit]:
     graph = gm.graph
     found = _product(pv) if kind(pv) == "matmul" else None
     if found is None:
-        return False
+        return None
     merged, v, _ = found
     if kind(merged) != "reshape" or is_inplace(merged) or not isinstance(merged.args[0], fx.Node):
-        return False
+        return None
     p4, sizes = merged.args[0], _sizes(merged)
     tp4, tm, tv = tensor_of(p4), tensor_of(merged), tensor_of(v)
     if tp4 is None or sizes is None or len(sizes) != 3 or not _splits_rows(tm, tp4) or type(tv.shape[2]) is not int:
-        return False
+        return None
     if not (known_eq(tv.shape[0], tm.shape[0]) and known_eq(tv.shape[1], tm.shape[2])):
-        return False
+        return None
     if not (kind(p4) == "softmax" or _reaches(p4, _PROB_STEPS, forward=False)):
-        return False
+        return None
     if len({regions.of(n) for n in (p4, merged, pv)}) != 1:
-        return False
+        return None
     with graph.inserting_before(pv):
         v4 = graph.call_method("unsqueeze", (v, 1))
         o4 = graph.call_function(torch.matmul, (p4, v4))
         o3 = graph.call_method("reshape", (o4, sizes[0], sizes[1], tv.shape[2]))
     if not _commit(graph, [v4, o4, o3], pv):
-        return False
+        return None
     graph.erase_node(pv)
     if not merged.users:
         graph.erase_node(merged)
-    return True
+    return Edit([v4, o4, o3], scores=False)
 
 
-def fold_split_rows(gm: fx.GraphModule) -> bool:
-    """Apply both edits of the module docstring wherever they are exact; True when any was made."""
+def fold_split_rows(gm: fx.GraphModule) -> list[Edit]:
+    """Apply both edits of the module docstring wherever they are exact; the edits made."""
     regions: Optional[Regions] = None
-    changed = False
+    edits: list[Edit] = []
     for node in list(gm.graph.nodes):
         if getattr(node, "_erased", False):  # removed by an earlier edit
             continue
         k = kind(node)
+        edit = None
         if k == "reshape" and not is_inplace(node):
             t = tensor_of(node)
             if t is None or t.dim() != 4:
                 continue
             regions = regions or Regions(gm)
-            changed = _split_scores(gm, node, regions) or changed
+            edit = _split_scores(gm, node, regions)
         elif k == "matmul":
             regions = regions or Regions(gm)
-            changed = _merge_probs(gm, node, regions) or changed
-    return changed
+            edit = _merge_probs(gm, node, regions)
+        if edit is not None:
+            edits.append(edit)
+    return edits
+
+
+def _size(graph: fx.Graph, t: fx.Node, dim: int) -> Any:
+    n = tensor_of(t).shape[dim]
+    if type(n) is int:
+        return n
+    node = graph.call_method("size", (t, dim))
+    set_example_value(node)
+    return node
+
+
+def _live(node: fx.Node) -> bool:
+    """Some chain of readers of node reaches the graph's output or an op with an effect (a rewrite leaves the
+    nodes it replaced unread, for the dead-code pass)."""
+    seen, todo = set(), list(node.users)
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "output" or n.is_impure() or is_inplace(n):
+            return True
+        todo.extend(n.users)
+    return False
+
+
+def undo_unused(gm: fx.GraphModule, edits: list[Edit]) -> bool:
+    """Put back the 3-D product of every edit whose 4-D form is still read (no rewrite took it); True when any was."""
+    graph = gm.graph
+    undone = False
+    for edit in reversed(edits):
+        last = edit.made[-1]
+        product = edit.made[2] if edit.scores else edit.made[1]  # the 4-D matmul: a rewrite replaces it
+        if getattr(product, "_erased", False) or not _live(product):
+            continue
+        if edit.scores:  # made: reshape(x), unsqueeze(y), matmul, [mul alpha], steps...
+            x4, y4 = edit.made[0], edit.made[1]
+            x, y = x4.args[0], y4.args[0]
+            with graph.inserting_before(last):
+                new = [graph.call_function(torch.bmm, (x, y))]
+                for step in edit.made[3:]:
+                    args = [new[-1] if isinstance(a, fx.Node) and a in edit.made else a for a in step.args]
+                    new.append(graph.create_node(step.op, step.target, tuple(args), dict(step.kwargs)))
+                for n in new:
+                    set_example_value(n)
+                sizes = (*x4.args[1:4], _size(graph, y, 2))
+                view = graph.call_method("view", (new[-1], *sizes))
+            new.append(view)
+        else:  # made: unsqueeze(v), matmul(p4, v4), reshape(o4, s0, s1, Dv)
+            v4, o4, o3 = edit.made
+            p4, v = o4.args[0], v4.args[0]
+            with graph.inserting_before(last):
+                merged = graph.call_method("reshape", (p4, o3.args[1], o3.args[2], _size(graph, p4, 3)))
+                set_example_value(merged)
+                new = [merged, graph.call_function(torch.bmm, (merged, v))]
+        set_example_value(new[-1])
+        last.replace_all_uses_with(new[-1])
+        for n in reversed(edit.made):
+            if not n.users:
+                graph.erase_node(n)
+        undone = True
+    return undone

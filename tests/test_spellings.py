@@ -444,6 +444,27 @@ def test_heads_folded_into_the_query_rows_dynamic():
     assert len(c.rewritten) == 1  # one rewritten compile serves every length
 
 
+def folded_rows_beside_a_site(q, k, v):
+    """Two sites: a plain one (rewritten) and a folded multi-query one whose probabilities are also returned
+    (refused): the folded one is handed on as the 3-D products it was written with."""
+    plain = torch.softmax(q @ q.transpose(-2, -1) * 0.25, -1) @ q
+    s = torch.bmm(q.reshape(B, H * N, D), k.transpose(1, 2)) * 0.25
+    p = s.view(B, H, N, N).softmax(-1)
+    return plain, torch.bmm(p.view(B, H * N, N), v).view(B, H, N, D), p
+
+
+def test_split_rows_of_a_refused_site_are_put_back():
+    q = rand(B, H, N, D, seed=0)
+    k, v = (rand(B, N, D, seed=i) for i in (1, 2))
+    c = Compiled(folded_rows_beside_a_site)
+    got, want = c(q, k, v), folded_rows_beside_a_site(q, k, v)
+    assert [r.rewritten for r in c.reports] == [True, False], [r.reason for r in c.reports]
+    for g, w in zip(got[1:], want[1:]):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)  # the same ops as traced: the same bits
+    code = c.graphs[0].code
+    assert "matmul" not in code and code.count("torch.bmm") == 2, code
+
+
 def split_rows_not_softmaxed(q, k, v):  # the same split feeds a sum, not a softmax: not attention
     s = torch.bmm(q.reshape(B, H * N, D), k.transpose(1, 2)).view(B, H, N, N)
     return s.amax(-1, keepdim=True) * q
