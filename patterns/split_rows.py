@@ -24,7 +24,7 @@ key tensor shared by all heads is a broadcast K). The edit is made only where it
   from a softmax through dropout, casts or copies: attention, and nowhere else in a model;
 - every node of the edit runs in the same grad mode / autocast state.
 
-The edits are tentative (`undo_unused`): a 4-D product that no rewrite took is put back as the 3-D product it was.
+The edits are tentative (`undo_unused`): a 4-D product that no rewrite took is put back as a 3-D product.
 `matmul` broadcasts the shared operand by copying it along the new axis, which for the multi-query form is a copy of
 K (or V) per query token; only the fused op reads it without that copy.
 """
@@ -225,6 +225,15 @@ def _merge_probs(gm: fx.GraphModule, pv: fx.Node, regions: Regions) -> Optional[
     return Edit([v4, o4, o3], scores=False)
 
 
+def _attempt(edit_fn, gm: fx.GraphModule, node: fx.Node, regions: Regions) -> Optional[Edit]:
+    """An edit, or None where a spelling this code did not foresee raises before the graph changed (the
+    edits touch the graph only once `_commit` has checked the new nodes)."""
+    try:
+        return edit_fn(gm, node, regions)
+    except Exception:
+        return None
+
+
 def fold_split_rows(gm: fx.GraphModule) -> list[Edit]:
     """Apply both edits of the module docstring wherever they are exact; the edits made."""
     regions: Optional[Regions] = None
@@ -239,10 +248,10 @@ def fold_split_rows(gm: fx.GraphModule) -> list[Edit]:
             if t is None or t.dim() != 4:
                 continue
             regions = regions or Regions(gm)
-            edit = _split_scores(gm, node, regions)
+            edit = _attempt(_split_scores, gm, node, regions)
         elif k == "matmul":
             regions = regions or Regions(gm)
-            edit = _merge_probs(gm, node, regions)
+            edit = _attempt(_merge_probs, gm, node, regions)
         if edit is not None:
             edits.append(edit)
     return edits
@@ -285,7 +294,7 @@ def undo_unused(gm: fx.GraphModule, edits: list[Edit]) -> bool:
             x4, y4 = edit.made[0], edit.made[1]
             x, y = x4.args[0], y4.args[0]
             with graph.inserting_before(last):
-                new = [graph.call_function(torch.bmm, (x, y))]
+                new = [graph.call_function(torch.matmul, (x, y))]  # (matmul: the batch may broadcast)
                 for step in edit.made[3:]:
                     args = [new[-1] if isinstance(a, fx.Node) and a in edit.made else a for a in step.args]
                     new.append(graph.create_node(step.op, step.target, tuple(args), dict(step.kwargs)))
@@ -300,7 +309,7 @@ def undo_unused(gm: fx.GraphModule, edits: list[Edit]) -> bool:
             with graph.inserting_before(last):
                 merged = graph.call_method("reshape", (p4, o3.args[1], o3.args[2], _size(graph, p4, 3)))
                 set_example_value(merged)
-                new = [merged, graph.call_function(torch.bmm, (merged, v))]
+                new = [merged, graph.call_function(torch.matmul, (merged, v))]
         set_example_value(new[-1])
         last.replace_all_uses_with(new[-1])
         for n in reversed(edit.made):
