@@ -182,7 +182,7 @@ def emit_attention(
             raise ValueError("empty_rows: 'fill' with sinks (the filled keys share the row with the sink)")
         empty_rows = "impossible"  # the op's 0 on a fully masked row is eager's: the sink takes the row
     if kv_lens is not None and _one_for_all(kv_lens, q):  # one length for every batch row (decode)
-        kv_lens = call(graph, "expand", kv_lens, _size(graph, q, 0), method=True)
+        kv_lens = call(graph, "expand", kv_lens, size_arg(graph, q, 0), method=True)
     runtime = dict(q_pos=q_pos, q_seg=q_seg, k_seg=k_seg)
     from . import key_limit  # decode over a long cache: cut the keys past the bias's last admissible one
 
@@ -298,7 +298,8 @@ def _uniform_row_grad(graph: fx.Graph, q: fx.Node, k: fx.Node, v: fx.Node, scale
     return call(graph, torch.ops.fa3.uniform_row_grad.default, q, k, v, float(scale))
 
 
-def _size(graph: fx.Graph, t: fx.Node, dim: int) -> Any:
+def size_arg(graph: fx.Graph, t: fx.Node, dim: int) -> Any:
+    """t's size along dim as a graph argument: the int, or a `size` call for a symbolic size."""
     s = example_value(t).shape[dim]
     return s if isinstance(s, int) else call(graph, "size", t, dim, method=True)
 
@@ -306,7 +307,7 @@ def _size(graph: fx.Graph, t: fx.Node, dim: int) -> Any:
 def _arange(graph: fx.Graph, t: fx.Node, dim: int) -> fx.Node:
     """arange(t.shape[dim]) on t's device; no tensor input to take the fake mode from: t's (see _fake_mode)."""
     tv = example_value(t)
-    n = graph.call_function(torch.arange, (_size(graph, t, dim),), dict(device=tv.device))
+    n = graph.call_function(torch.arange, (size_arg(graph, t, dim),), dict(device=tv.device))
     mode = _fake_mode([tv])
     if mode is not None:
         with mode:
@@ -409,7 +410,7 @@ def _band_masked_sums(graph: fx.Graph, q: fx.Node, v: fx.Node, *, causal: bool, 
     from a prefix sum of V in fp64, so that total - (prefix[hi] - prefix[lo]) loses nothing to cancellation."""
     vv = example_value(v)
     acc = torch.promote_types(vv.dtype, torch.float32)
-    nk = _size(graph, v, 2)
+    nk = size_arg(graph, v, 2)
     i = _arange(graph, q, 2)
     base = i if isinstance(diag_offset, int) and diag_offset == 0 else call(graph, operator.add, i, diag_offset)
     lo: Any = call(graph, torch.zeros_like, i)
@@ -437,7 +438,7 @@ def _band_masked_sums(graph: fx.Graph, q: fx.Node, v: fx.Node, *, causal: bool, 
     zero = call(graph, torch.zeros_like, call(graph, torch.narrow, prefix, 2, 0, 1))
     prefix = call(graph, torch.cat, [zero, prefix], 2)  # prefix[j] = sum of v[:j] (F.pad specializes sizes)
     total = call(graph, torch.sum, v64, 2, keepdim=True)
-    sizes = (_size(graph, v, 0), _size(graph, v, 1), _size(graph, q, 2), _size(graph, v, 3))
+    sizes = (size_arg(graph, v, 0), size_arg(graph, v, 1), size_arg(graph, q, 2), size_arg(graph, v, 3))
 
     def at(idx: fx.Node) -> fx.Node:  # prefix[..., idx, :] (take_along_dim's broadcast specializes sizes)
         return call(graph, torch.gather, prefix, 2, call(graph, "expand", idx, *sizes, method=True))

@@ -50,7 +50,7 @@ from typing import Optional, Union
 import torch
 import torch.fx as fx
 
-from .emit import _arange, _keep_mask, _size, call, example_value
+from .emit import _arange, _keep_mask, call, example_value, size_arg
 from .masks.combine import ABSORB_LIMIT
 
 MAX_QUERIES = 16  # decode and speculative steps: the split-KV decode kernel's 1..16 query tokens
@@ -139,7 +139,7 @@ def _finish(graph: fx.Graph, q: fx.Node, limit: fx.Node, kv_lens: Optional[fx.No
     b = example_value(q).shape[0]
     n = example_value(limit).shape[0]
     if isinstance(n, int) and n == 1 and not (isinstance(b, int) and b == 1):
-        limit = call(graph, "expand", limit, _size(graph, q, 0), method=True)
+        limit = call(graph, "expand", limit, size_arg(graph, q, 0), method=True)
     if example_value(limit).dtype != torch.int32:
         limit = call(graph, "to", limit, torch.int32, method=True)
     return limit

@@ -50,7 +50,7 @@ import torch
 import torch.fx as fx
 
 from .canonicalize import is_inplace, kind, tensor_of
-from .emit import call, example_value
+from .emit import call, example_value, size_arg
 from .shapes import known_eq, known_one, prod
 from .site import PassOptions, SiteReport
 
@@ -527,7 +527,7 @@ def _one_token_lengths(graph: fx.Graph, a: dict, g: Gather) -> fx.Node:
         end = call(graph, torch.minimum, end, e)
     b = tensor_of(g.table).shape[0]
     if not known_eq(tensor_of(end).shape[0], b):
-        end = call(graph, "expand", end, _size(graph, g.table, 0), method=True)
+        end = call(graph, "expand", end, size_arg(graph, g.table, 0), method=True)
     return _clamped(graph, g, end)
 
 
@@ -541,11 +541,6 @@ def _clamped(graph: fx.Graph, g: Gather, lens: fx.Node) -> fx.Node:
     return call(graph, torch.clamp, lens, 0, _length_node(graph, g, g.length))
 
 
-def _size(graph: fx.Graph, node: fx.Node, dim: int) -> Any:
-    s = tensor_of(node).shape[dim]
-    return s if isinstance(s, int) else call(graph, "size", node, dim, method=True)
-
-
 def _length_node(graph: fx.Graph, g: Gather, n: Any) -> Any:
     """n (the gathered length L, or a length derived from it) as an int or a graph node."""
     if isinstance(n, int):
@@ -553,8 +548,8 @@ def _length_node(graph: fx.Graph, g: Gather, n: Any) -> Any:
     if n is g.length or known_eq(n, g.length):
         if g.stop is not None and known_eq(example_value(g.stop), g.length):
             return g.stop
-        page = _size(graph, g.pool, 1 if g.layout == "bshd" else 2)
-        cap = call(graph, operator.mul, _size(graph, g.table, 1), page)
+        page = size_arg(graph, g.pool, 1 if g.layout == "bshd" else 2)
+        cap = call(graph, operator.mul, size_arg(graph, g.table, 1), page)
         if known_eq(example_value(cap), g.length):
             return cap
     raise NotPaged(f"the gathered length {n} is symbolic and not provably the table's capacity or the slice's end")
@@ -564,7 +559,7 @@ def _full_lengths(graph: fx.Graph, g: Gather, n: Any) -> fx.Node:
     """int32 [B] filled with n, on the table's device."""
     tt = tensor_of(g.table)
     n = _length_node(graph, g, n)
-    return call(graph, "new_full", g.table, (_size(graph, g.table, 0),), n, dtype=torch.int32, method=True)
+    return call(graph, "new_full", g.table, (size_arg(graph, g.table, 0),), n, dtype=torch.int32, method=True)
 
 
 def _before(graph: fx.Graph, a: fx.Node, b: fx.Node) -> bool:
@@ -585,7 +580,7 @@ def _table_arg(graph: fx.Graph, g: Gather, att: fx.Node, wrapped: dict) -> fx.No
     if earlier is not None and _before(graph, earlier, att) and \
             _written_between(graph, earlier, att, [g.table]) is None:
         return earlier
-    blocks = _size(graph, g.pool, 0)
+    blocks = size_arg(graph, g.pool, 0)
     neg = call(graph, operator.lt, g.table, 0)
     node = call(graph, torch.where, neg, call(graph, operator.add, g.table, blocks), g.table)
     wrapped[g.table] = node

@@ -1,4 +1,4 @@
-"""The graph pass: canonicalize -> (split rows) -> find sites -> rewrite, on a Dynamo GraphModule, in place.
+"""The graph pass: canonicalize -> tentative edits -> find sites -> rewrite, on a Dynamo GraphModule, in place.
 
 A refusal never fails the compile: every site is rewritten in a transaction of its own (a failure
 inside it rolls its edits back and becomes that site's Miss), and should anything escape a step,
@@ -19,8 +19,10 @@ from .fused_calls import rewrite_fused_calls
 from .find_sites import rewrite_softmax_sites
 from .paged import rewrite_paged_caches
 from .site import PassOptions, SiteReport
-from .split_rows import fold_split_rows, undo_unused
+from .split_rows import fold_split_rows
 from .subgraphs import rewrite_nested
+from .tentative import undo_unused
+from .transposed_pv import fold_transposed_pv
 
 
 class GraphRecord:
@@ -111,15 +113,15 @@ def rewrite_graph(gm: fx.GraphModule, options: PassOptions) -> list[SiteReport]:
     step = "canonicalize"
     try:
         canonicalized = canonicalize(gm)
-        step = "split rows"
-        split = fold_split_rows(gm)  # tentative: undone below where no rewrite took the 4-D product
-        canonicalized = canonicalized or bool(split)
+        step = "tentative edits"
+        tentative = fold_split_rows(gm) + fold_transposed_pv(gm)  # undone below where no rewrite took them
+        canonicalized = canonicalized or bool(tentative)
         for step, run in STEPS:
             reports += run(gm, options)
         step = "paged caches"
         rewrite_paged_caches(gm, reports, options)  # the rewritten sites whose K/V are gathered pages
         step = "finish"
-        undo_unused(gm, split)
+        undo_unused(gm, tentative)
         if canonicalized and not any(r.rewritten for r in reports):
             record.restore()
             gm.recompile()

@@ -24,33 +24,24 @@ key tensor shared by all heads is a broadcast K). The edit is made only where it
   from a softmax through dropout, casts or copies: attention, and nowhere else in a model;
 - every node of the edit runs in the same grad mode / autocast state.
 
-The edits are tentative (`undo_unused`): a 4-D product that no rewrite took is put back as a 3-D product.
+The edits are tentative (tentative.py): a 4-D product that no rewrite took is put back as a 3-D product.
 `matmul` broadcasts the shared operand by copying it along the new axis, which for the multi-query form is a copy of
 K (or V) per query token; only the fused op reads it without that copy.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.fx as fx
 
 from .canonicalize import arg, is_finite_number, is_inplace, kind, tensor_of
-from .emit import set_example_value
+from .emit import set_example_value, size_arg
 from .regions import Regions
 from .shapes import known_eq
-
-@dataclass
-class Edit:
-    """One edit: the nodes it made (the last one stands for the replaced node) and how to rebuild the 3-D form."""
-
-    made: list
-    scores: bool  # the scores' split (else the probabilities' merge)
-
+from .tentative import PROB_STEPS, Edit, attempt, commit, reaches_softmax
 
 _SCORE_STEPS = ("add", "sub", "mul", "div", "masked_fill", "where", "cast", "tanh")
-_PROB_STEPS = ("dropout", "cast", "identity")
 _ZEROS = {torch.zeros, torch.zeros_like}
 
 
@@ -96,49 +87,10 @@ def _product(node: fx.Node) -> Optional[tuple[fx.Node, fx.Node, float]]:
     return x, y, alpha
 
 
-def _reaches(node: fx.Node, kinds: tuple, forward: bool, depth: int = 8) -> bool:
-    """node leads to (forward) or comes from (backward) a softmax through single-reader steps of `kinds`."""
-    n = node
-    for _ in range(depth):
-        if forward:
-            if len(n.users) != 1:
-                return False
-            n = next(iter(n.users))
-        else:
-            if not n.args or not isinstance(n.args[0], fx.Node):
-                return False
-            n = n.args[0]
-        if kind(n) == "softmax":
-            return True
-        if kind(n) not in kinds or is_inplace(n):
-            return False
-    return False
-
-
 def _splits_rows(whole: torch.Tensor, split: torch.Tensor) -> bool:
     """split is whole [B, a·b, C] viewed [B, a, b, C]."""
     return (whole.dim() == 3 and split.dim() == 4 and known_eq(whole.shape[0], split.shape[0])
             and known_eq(whole.shape[1], split.shape[1] * split.shape[2]) and known_eq(whole.shape[2], split.shape[3]))
-
-
-def _commit(graph: fx.Graph, made: list, old: fx.Node) -> bool:
-    """Give the new nodes example values and put the last in place of `old` when it computes a tensor of the
-    same shape, dtype and grad requirement; otherwise remove them."""
-    try:
-        for n in made:
-            set_example_value(n)
-        new, was = tensor_of(made[-1]), tensor_of(old)
-        ok = (new is not None and was is not None and new.dim() == was.dim()
-              and all(known_eq(p, q) for p, q in zip(new.shape, was.shape))
-              and new.dtype == was.dtype and new.requires_grad == was.requires_grad)
-    except Exception:
-        ok = False
-    if not ok:
-        for n in reversed(made):
-            graph.erase_node(n)
-        return False
-    old.replace_all_uses_with(made[-1])
-    return True
 
 
 def _split_scores(gm: fx.GraphModule, view: fx.Node, regions: Regions) -> Optional[Edit]:
@@ -168,7 +120,7 @@ def _split_scores(gm: fx.GraphModule, view: fx.Node, regions: Regions) -> Option
     tx, ty, tp = tensor_of(x), tensor_of(y), tensor_of(product)
     if not _splits_rows(tp, t_view) or type(tx.shape[2]) is not int:
         return None
-    if not _reaches(view, _SCORE_STEPS, forward=True):
+    if not reaches_softmax(view, _SCORE_STEPS, forward=True):
         return None
     if len({regions.of(n) for n in [product, view, *steps]}) != 1:
         return None
@@ -185,14 +137,26 @@ def _split_scores(gm: fx.GraphModule, view: fx.Node, regions: Regions) -> Option
             args = [cur if isinstance(a, fx.Node) else a for a in step.args]
             cur = graph.create_node(step.op, step.target, tuple(args), {})
             made.append(cur)
-    if not _commit(graph, made, view):
+    if not commit(graph, made, view):
         return None
     graph.erase_node(view)
     for n in steps:
         graph.erase_node(n)
     if not product.users:
         graph.erase_node(product)
-    return Edit(made, scores=True)
+    x4, y4, product4, scalings = made[0], made[1], made[2], made[3:]
+
+    def rebuild(graph: fx.Graph) -> list:  # matmul(x, y) [* alpha] [scalings], viewed to the split sizes
+        new = [graph.call_function(torch.matmul, (x, y))]  # (matmul: the batch may broadcast)
+        for step in scalings:
+            args = [new[-1] if isinstance(a, fx.Node) and a in made else a for a in step.args]
+            new.append(graph.create_node(step.op, step.target, tuple(args), dict(step.kwargs)))
+        for n in new:
+            set_example_value(n)
+        new.append(graph.call_method("view", (new[-1], *x4.args[1:4], size_arg(graph, y, 2))))
+        return new
+
+    return Edit(made, product4, rebuild)
 
 
 def _merge_probs(gm: fx.GraphModule, pv: fx.Node, regions: Regions) -> Optional[Edit]:
@@ -209,7 +173,7 @@ def _merge_probs(gm: fx.GraphModule, pv: fx.Node, regions: Regions) -> Optional[
         return None
     if not (known_eq(tv.shape[0], tm.shape[0]) and known_eq(tv.shape[1], tm.shape[2])):
         return None
-    if not (kind(p4) == "softmax" or _reaches(p4, _PROB_STEPS, forward=False)):
+    if not (kind(p4) == "softmax" or reaches_softmax(p4, PROB_STEPS, forward=False)):
         return None
     if len({regions.of(n) for n in (p4, merged, pv)}) != 1:
         return None
@@ -217,21 +181,18 @@ def _merge_probs(gm: fx.GraphModule, pv: fx.Node, regions: Regions) -> Optional[
         v4 = graph.call_method("unsqueeze", (v, 1))
         o4 = graph.call_function(torch.matmul, (p4, v4))
         o3 = graph.call_method("reshape", (o4, sizes[0], sizes[1], tv.shape[2]))
-    if not _commit(graph, [v4, o4, o3], pv):
+    if not commit(graph, [v4, o4, o3], pv):
         return None
     graph.erase_node(pv)
     if not merged.users:
         graph.erase_node(merged)
-    return Edit([v4, o4, o3], scores=False)
 
+    def rebuild(graph: fx.Graph) -> list:  # matmul(p4.reshape(s0, s1, Nk), v)
+        m = graph.call_method("reshape", (p4, o3.args[1], o3.args[2], size_arg(graph, p4, 3)))
+        set_example_value(m)
+        return [m, graph.call_function(torch.matmul, (m, v))]
 
-def _attempt(edit_fn, gm: fx.GraphModule, node: fx.Node, regions: Regions) -> Optional[Edit]:
-    """An edit, or None where a spelling this code did not foresee raises before the graph changed (the
-    edits touch the graph only once `_commit` has checked the new nodes)."""
-    try:
-        return edit_fn(gm, node, regions)
-    except Exception:
-        return None
+    return Edit([v4, o4, o3], o4, rebuild)
 
 
 def fold_split_rows(gm: fx.GraphModule) -> list[Edit]:
@@ -248,72 +209,10 @@ def fold_split_rows(gm: fx.GraphModule) -> list[Edit]:
             if t is None or t.dim() != 4:
                 continue
             regions = regions or Regions(gm)
-            edit = _attempt(_split_scores, gm, node, regions)
+            edit = attempt(_split_scores, gm, node, regions)
         elif k == "matmul":
             regions = regions or Regions(gm)
-            edit = _attempt(_merge_probs, gm, node, regions)
+            edit = attempt(_merge_probs, gm, node, regions)
         if edit is not None:
             edits.append(edit)
     return edits
-
-
-def _size(graph: fx.Graph, t: fx.Node, dim: int) -> Any:
-    n = tensor_of(t).shape[dim]
-    if type(n) is int:
-        return n
-    node = graph.call_method("size", (t, dim))
-    set_example_value(node)
-    return node
-
-
-def _live(node: fx.Node) -> bool:
-    """Some chain of readers of node reaches the graph's output or an op with an effect (a rewrite leaves the
-    nodes it replaced unread, for the dead-code pass)."""
-    seen, todo = set(), list(node.users)
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "output" or n.is_impure() or is_inplace(n):
-            return True
-        todo.extend(n.users)
-    return False
-
-
-def undo_unused(gm: fx.GraphModule, edits: list[Edit]) -> bool:
-    """Put back the 3-D product of every edit whose 4-D form is still read (no rewrite took it); True when any was."""
-    graph = gm.graph
-    undone = False
-    for edit in reversed(edits):
-        last = edit.made[-1]
-        product = edit.made[2] if edit.scores else edit.made[1]  # the 4-D matmul: a rewrite replaces it
-        if getattr(product, "_erased", False) or not _live(product):
-            continue
-        if edit.scores:  # made: reshape(x), unsqueeze(y), matmul, [mul alpha], steps...
-            x4, y4 = edit.made[0], edit.made[1]
-            x, y = x4.args[0], y4.args[0]
-            with graph.inserting_before(last):
-                new = [graph.call_function(torch.matmul, (x, y))]  # (matmul: the batch may broadcast)
-                for step in edit.made[3:]:
-                    args = [new[-1] if isinstance(a, fx.Node) and a in edit.made else a for a in step.args]
-                    new.append(graph.create_node(step.op, step.target, tuple(args), dict(step.kwargs)))
-                for n in new:
-                    set_example_value(n)
-                sizes = (*x4.args[1:4], _size(graph, y, 2))
-                view = graph.call_method("view", (new[-1], *sizes))
-            new.append(view)
-        else:  # made: unsqueeze(v), matmul(p4, v4), reshape(o4, s0, s1, Dv)
-            v4, o4, o3 = edit.made
-            p4, v = o4.args[0], v4.args[0]
-            with graph.inserting_before(last):
-                merged = graph.call_method("reshape", (p4, o3.args[1], o3.args[2], _size(graph, p4, 3)))
-                set_example_value(merged)
-                new = [merged, graph.call_function(torch.matmul, (merged, v))]
-        set_example_value(new[-1])
-        last.replace_all_uses_with(new[-1])
-        for n in reversed(edit.made):
-            if not n.users:
-                graph.erase_node(n)
-        undone = True
-    return undone

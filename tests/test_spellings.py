@@ -491,6 +491,69 @@ def test_split_rows_left_alone_where_not_exact_or_not_attention(fn):
     assert "matmul" not in c.graphs[0].code, c.graphs[0].code
 
 
+# ------------------------------------------------------------- P·V with the operands swapped: v_t @ pᵀ
+
+class ChannelsFirstAttention(nn.Module):
+    """Keys and values kept channels first ([B, H, D, N], as 1-D convolutional models hold them): scores q @ k,
+    and the probabilities applied from the right, v @ pᵀ -> [B, H, D, Nq]."""
+
+    def __init__(self, c=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Conv1d(c, 3 * c, 1)
+
+    def forward(self, x, keep):  # x [B, C, N], keep [B, N] bool
+        b, c, n = x.shape
+        q, k, v = self.qkv(x).chunk(3, 1)
+        q = q.view(b, self.heads, c // self.heads, n).transpose(2, 3)
+        k, v = (t.view(b, self.heads, c // self.heads, n) for t in (k, v))
+        s = torch.matmul(q, k) / math.sqrt(c // self.heads)
+        s = s + (1.0 - keep[:, None, None, :].float()) * -10000.0
+        p = F.dropout(F.softmax(s, dim=-1), 0.0, self.training)
+        return torch.matmul(v, p.transpose(-1, -2)).reshape(b, c, n)
+
+
+def _channels_first_args():
+    keep = torch.ones(2, 6, dtype=torch.bool)
+    keep[1, 4:] = False
+    return [rand(2, 16, 6, seed=7, requires_grad=True), keep]
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_probabilities_applied_from_the_right_read_as_p_v(inner):
+    res = check(ChannelsFirstAttention(), _channels_first_args(), inner=inner, rewritten=1)
+    assert res.rewritten[0].mask != "none"
+
+
+def vt_p_transposed_on_other_axes(q, k, v):  # p.transpose(0, 1) swaps batch and heads: not P·V
+    p = torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1)  # [B, H, N, N], B == H
+    return torch.matmul(v.transpose(-1, -2), p.transpose(0, 1))
+
+
+def test_a_transpose_of_other_axes_is_left_alone():
+    q, k, v = qkv(grad=False)
+    c = Compiled(vt_p_transposed_on_other_axes)
+    torch.testing.assert_close(c(q, k, v), vt_p_transposed_on_other_axes(q, k, v), atol=0, rtol=0)
+    assert not c.rewritten and c.graphs[0].code.count(".transpose(") == 3, c.graphs[0].code  # as traced
+
+
+def vt_p_beside_a_site(q, k, v):
+    """Two sites: a plain one (rewritten) and v @ pᵀ whose probabilities are also returned (refused)."""
+    plain = torch.softmax(q @ q.transpose(-2, -1) * 0.25, -1) @ q
+    p = torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1)
+    return plain, torch.matmul(v.transpose(-1, -2), p.transpose(-1, -2)), p
+
+
+def test_swapped_p_v_of_a_refused_site_is_put_back():
+    q, k, v = qkv(grad=False)
+    c = Compiled(vt_p_beside_a_site)
+    got, want = c(q, k, v), vt_p_beside_a_site(q, k, v)
+    assert [r.rewritten for r in c.reports] == [True, False], [r.reason for r in c.reports]
+    for g, w in zip(got[1:], want[1:]):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)  # the product as written: the same bits
+    assert "matmul(transpose" in c.graphs[0].code.replace("torch.", "").replace(" ", ""), c.graphs[0].code
+
+
 # ---------------------------------------------------------------------------- 5-D scores with a 5-D mask
 
 def five_d_additive(q, k, v, mask):  # ProphetNet's n-gram stream, LongT5's blocks

@@ -1,0 +1,110 @@
+"""Graph edits made for the site finder's sake and undone where no rewrite used them.
+
+Some spellings read as attention only after an edit that is exact but not free when nothing fuses it (a
+broadcast `matmul` copies its shared operand). Such an edit records the nodes it made, the product among them
+that a rewrite replaces, and how to rebuild the form it replaced; after the rewrites, `undo_unused` rebuilds
+that form wherever the product is still read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch.fx as fx
+
+from .canonicalize import is_inplace, kind, tensor_of
+from .emit import set_example_value
+from .regions import Regions
+from .shapes import known_eq
+
+PROB_STEPS = ("dropout", "cast", "identity")  # what may stand between a softmax and the probabilities' product
+
+
+@dataclass
+class Edit:
+    made: list  # the nodes the edit inserted, in order; the last stands for the node it replaced
+    product: fx.Node  # the product a rewrite takes (then unread, or erased)
+    rebuild: Callable[[fx.Graph], list]  # inserts the replaced form at the graph's insertion point; its nodes
+
+
+def live(node: fx.Node) -> bool:
+    """Some chain of readers of node reaches the graph's output or an op with an effect (a rewrite leaves the
+    nodes it replaced unread, for the dead-code pass)."""
+    seen, todo = set(), list(node.users)
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "output" or n.is_impure() or is_inplace(n):
+            return True
+        todo.extend(n.users)
+    return False
+
+
+def undo_unused(gm: fx.GraphModule, edits: list[Edit]) -> bool:
+    """Put back the replaced form of every edit whose product no rewrite took; True when any was."""
+    graph = gm.graph
+    undone = False
+    for edit in reversed(edits):
+        last = edit.made[-1]
+        if getattr(edit.product, "_erased", False) or not live(edit.product):
+            continue
+        with graph.inserting_before(last):
+            new = edit.rebuild(graph)
+        for n in new:
+            set_example_value(n)
+        last.replace_all_uses_with(new[-1])
+        for n in reversed(edit.made):
+            if not n.users:
+                graph.erase_node(n)
+        undone = True
+    return undone
+
+
+def reaches_softmax(node: fx.Node, kinds: tuple, forward: bool, depth: int = 8) -> bool:
+    """node leads to (forward) or comes from (backward) a softmax through single-reader steps of `kinds`."""
+    n = node
+    for _ in range(depth):
+        if forward:
+            if len(n.users) != 1:
+                return False
+            n = next(iter(n.users))
+        else:
+            if not n.args or not isinstance(n.args[0], fx.Node):
+                return False
+            n = n.args[0]
+        if kind(n) == "softmax":
+            return True
+        if kind(n) not in kinds or is_inplace(n):
+            return False
+    return False
+
+
+def commit(graph: fx.Graph, made: list, old: fx.Node) -> bool:
+    """Give the new nodes example values and put the last in place of `old` when it computes a tensor of the
+    same shape, dtype and grad requirement; otherwise remove them."""
+    try:
+        for n in made:
+            set_example_value(n)
+        new, was = tensor_of(made[-1]), tensor_of(old)
+        ok = (new is not None and was is not None and new.dim() == was.dim()
+              and all(known_eq(p, q) for p, q in zip(new.shape, was.shape))
+              and new.dtype == was.dtype and new.requires_grad == was.requires_grad)
+    except Exception:
+        ok = False
+    if not ok:
+        for n in reversed(made):
+            graph.erase_node(n)
+        return False
+    old.replace_all_uses_with(made[-1])
+    return True
+
+
+def attempt(edit_fn: Callable, gm: fx.GraphModule, node: fx.Node, regions: Regions) -> Optional[Edit]:
+    """An edit, or None where a spelling this code did not foresee raises before the graph changed (the
+    edits touch the graph only once `commit` has checked the new nodes)."""
+    try:
+        return edit_fn(gm, node, regions)
+    except Exception:
+        return None

@@ -1,0 +1,86 @@
+"""P·V written with the operands swapped: `v_t @ pᵀ` for V kept as `[..., Dv, Nk]`, read as `(p @ v_tᵀ)ᵀ`.
+
+Code that stores keys and values transposed (channels first, `[B, H, D, N]`, as convolutional or 1-D-sequence
+models do) may apply the probabilities from the right:
+
+    y = torch.matmul(v, p.transpose(-1, -2))                   # [B, H, Dv, Nq]
+
+Element (d, i) of that product is the sum over keys j of v[d, j] · p[i, j], which is element (i, d) of
+`p @ vᵀ`: the same dot product of the same terms, so the edit
+
+    y = torch.matmul(p, v.transpose(-1, -2)).transpose(-1, -2)
+
+changes at most the rounding (the GEMM's summation order). The probabilities are then the left operand of a P·V
+product, as the site finder reads them. The edit is made only where p comes from a softmax (through dropout,
+casts or copies), the transpose swaps the last two axes and is read by the product alone, and all of it runs in
+one grad mode / autocast state. It is tentative (tentative.py): put back where no rewrite takes it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from .canonicalize import arg, is_inplace, kind, tensor_of
+from .emit import set_example_value
+from .regions import Regions
+from .tentative import PROB_STEPS, Edit, attempt, commit, reaches_softmax
+
+
+def _swaps_last_two(node: fx.Node) -> bool:
+    t_in, t_out = tensor_of(node.args[0]) if node.args else None, tensor_of(node)
+    if kind(node) != "transpose" or is_inplace(node) or t_in is None or t_out is None or t_in.dim() < 2:
+        return False
+    d0, d1 = arg(node, 1, "dim0"), arg(node, 2, "dim1")
+    if not (isinstance(d0, int) and isinstance(d1, int)):
+        return False
+    nd = t_in.dim()
+    return {d0 % nd, d1 % nd} == {nd - 2, nd - 1}
+
+
+def _swapped(gm: fx.GraphModule, node: fx.Node, regions: Regions) -> Optional[Edit]:
+    if len(node.args) != 2 or node.kwargs:
+        return None
+    v, pt = node.args
+    if not (isinstance(v, fx.Node) and isinstance(pt, fx.Node)) or len(pt.users) != 1 or not _swaps_last_two(pt):
+        return None
+    p = pt.args[0]
+    tv, tp, tout = tensor_of(v), tensor_of(p), tensor_of(node)
+    if tv is None or tp is None or tout is None or tv.dim() < 2 or tp.dim() < 2 or tv.dim() > tp.dim():
+        return None
+    if not (kind(p) == "softmax" or reaches_softmax(p, PROB_STEPS, forward=False)):
+        return None
+    if len({regions.of(n) for n in (p, pt, node)}) != 1:
+        return None
+    graph = gm.graph
+    with graph.inserting_before(node):
+        vt = graph.call_method("transpose", (v, -2, -1))
+        product = graph.call_function(torch.matmul, (p, vt))
+        out = graph.call_method("transpose", (product, -2, -1))
+    made = [vt, product, out]
+    if not commit(graph, made, node):
+        return None
+    graph.erase_node(node)
+    graph.erase_node(pt)
+
+    def rebuild(graph: fx.Graph) -> list:  # matmul(v, p.transpose(-2, -1))
+        t = graph.call_method("transpose", (p, -2, -1))
+        set_example_value(t)
+        return [t, graph.call_function(torch.matmul, (v, t))]
+
+    return Edit(made, product, rebuild)
+
+
+def fold_transposed_pv(gm: fx.GraphModule) -> list[Edit]:
+    """Apply the edit of the module docstring wherever it is exact; the edits made."""
+    regions: Optional[Regions] = None
+    edits: list[Edit] = []
+    for node in list(gm.graph.nodes):
+        if getattr(node, "_erased", False) or kind(node) != "matmul":
+            continue
+        regions = regions or Regions(gm)
+        edit = attempt(_swapped, gm, node, regions)
+        if edit is not None:
+            edits.append(edit)
+    return edits
