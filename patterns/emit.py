@@ -108,6 +108,7 @@ def emit_attention(
     k_seg: Optional[fx.Node] = None,
     filled: Optional[fx.Node] = None,
     clamp_tied: bool = False,
+    swap_axes: bool = True,
 ) -> tuple[fx.Node, fx.Node]:
     """Insert fa3.attention on q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D]; return (out node, op call node).
 
@@ -143,18 +144,37 @@ def emit_attention(
     each of two equal operands half the gradient: half of the op's gradient to q and k is removed there
     (`_remove_filled_grad` with every finite entry and weight 0.5). Same conditions as `filled`.
 
+    swap_axes: with one K/V head and more heads than queries (past 16), and no structure that tells the axes
+    apart, the op runs with heads and queries swapped (`_swaps_heads_and_queries`); False keeps the frame (the
+    fix-ups that read the op's lse in the caller's frame pass it).
+
     Call inside `graph.inserting_before(...)` at a point where q, k, v, bias, kv_lens are defined.
     A scale held in a tensor node (learned temperature, 0-d tensor) is folded into q so the op's
     scale stays a Python float.
     """
+    if swap_axes and _swaps_heads_and_queries(q, k, bias, causal, window_left, window_right, sinks, q_pos, q_seg,
+                                              k_seg, filled, clamp_tied):
+        # One K/V head for all: out[b, h, i] depends on (h, i) only through q[b, h, i] and the bias, so the two axes
+        # may trade places. Many heads of few queries each (tokens folded into the head axis, as the multi-query
+        # bmm spelling gives) become few heads of many queries: the kernels' query tiles fill.
+        if bias is not None:
+            while example_value(bias).dim() < 4:
+                bias = call(graph, torch.unsqueeze, bias, 0)
+            bias = call(graph, torch.transpose, bias, 1, 2)
+        out, node = emit_attention(
+            graph, call(graph, torch.transpose, q, 1, 2), k, v, scale=scale, diag_offset=diag_offset, bias=bias,
+            kv_lens=kv_lens, softcap=softcap, dropout_p=dropout_p, kernel=kernel, empty_rows=empty_rows, fill=fill,
+            swap_axes=False)
+        note_fixup(node, "heads and queries swapped (one K/V head, more heads than queries)")
+        return call(graph, torch.transpose, out, 1, 2), node
     if filled is not None and needs_qk_grad(q, k):
         if bias is None or example_value(bias).dtype == torch.bool or dropout_p > 0 or sinks is not None or causal \
                 or window_left >= 0 or window_right >= 0 or kv_lens is not None \
                 or any(x is not None for x in (q_pos, q_seg, k_seg)):
             raise ValueError("filled: eager's cut gradient of filled scores is kept for a float bias alone "
                              "(no structure arguments, dropout or sinks)")
-        out, node = emit_attention(
-            graph, q, k, v, scale=scale, bias=bias, softcap=softcap, kernel=kernel, empty_rows=empty_rows, fill=fill)
+        out, node = emit_attention(graph, q, k, v, scale=scale, bias=bias, softcap=softcap, kernel=kernel,
+                                   empty_rows=empty_rows, fill=fill, swap_axes=False)
         note_fixup(node, "filled scores' gradient removed (fa3.filled_scores_grad)")
         return _remove_filled_grad(graph, out, node, filled), node
     if clamp_tied and needs_qk_grad(q, k) and bias is not None and example_value(bias).dtype != torch.bool:
@@ -162,8 +182,8 @@ def emit_attention(
                 or window_right >= 0 or kv_lens is not None or any(x is not None for x in (q_pos, q_seg, k_seg)):
             raise ValueError("clamp_tied: eager's halved gradient of tied scores is kept for a float bias alone "
                              "(no structure arguments, fill, dropout or sinks)")
-        out, node = emit_attention(
-            graph, q, k, v, scale=scale, bias=bias, softcap=softcap, kernel=kernel, empty_rows=empty_rows, fill=fill)
+        out, node = emit_attention(graph, q, k, v, scale=scale, bias=bias, softcap=softcap, kernel=kernel,
+                                   empty_rows=empty_rows, fill=fill, swap_axes=False)
         note_fixup(node, "half the gradient of scores tied with the clamp max(s, finfo.min) (fa3.filled_scores_grad)")
         return _remove_filled_grad(graph, out, node, call(graph, torch.isfinite, bias), weight=0.5), node
     if isinstance(scale, fx.Node):
@@ -249,6 +269,25 @@ def emit_attention(
             fill = call(graph, torch.add, fill, grad)
         fill = call(graph, "to", fill, example_value(out).dtype, method=True)
     return call(graph, torch.where, empty, fill, out), node
+
+
+SWAP_MIN_QUERIES = 16  # decode-shaped sites (up to 16 queries) keep their axes: the decode kernel packs the heads
+
+
+def _swaps_heads_and_queries(q: fx.Node, k: fx.Node, bias: Optional[fx.Node], causal: bool, window_left: int,
+                             window_right: int, *rest: Any) -> bool:
+    """One K/V head, static head and query counts with more heads than queries (past a decode step's), and
+    nothing that tells the query axis apart from the head axis: no causal diagonal or window, no run-time
+    positions or segments, no per-head sinks, no filled / clamped-score fix-ups (`rest`)."""
+    tq, tk = example_value(q), example_value(k)
+    if not (isinstance(tq, torch.Tensor) and isinstance(tk, torch.Tensor)) or tq.dim() != 4 or tk.dim() != 4:
+        return False
+    hq, nq, hkv = tq.shape[1], tq.shape[2], tk.shape[1]
+    if not all(type(n) is int for n in (hq, nq, hkv)) or hkv != 1 or not hq > nq > SWAP_MIN_QUERIES:
+        return False
+    if causal or window_left >= 0 or window_right >= 0 or any(x is not None and x is not False for x in rest):
+        return False
+    return bias is None or example_value(bias).dim() <= 4
 
 
 FIXUPS = "fa_compile_fixups"  # node.meta key: what emit added around the op call, for explain()

@@ -465,6 +465,21 @@ def test_split_rows_of_a_refused_site_are_put_back():
     assert "unsqueeze" not in code and code.count("torch.matmul(") == 2, code  # 3-D products: K and V not broadcast
 
 
+def test_folded_tokens_as_heads_swap_to_queries():
+    """N = 20 tokens folded ahead of H = 18 heads: the split scores are [B, N, H, Nk], so the op would see 20 heads
+    of 18 queries each over one K/V head. With one K/V head the two axes may trade places, and the op runs 18
+    heads of 20 queries (the mask transposed with them)."""
+    m = FoldedRowsMQA(heads=18, dim=8)
+    x = rand(2, 20, 144, seed=3, requires_grad=True)
+    keep = torch.ones(20, 20, dtype=torch.bool).tril().expand(2, 20, 20).clone()
+    keep[1, :, :3] = False
+    keep[1, :3, 0] = True
+    res = check(m, [x, keep[:, :, None, :]], rewritten=1)
+    call = res.rewritten[0].call
+    assert tuple(call.args[0].meta["example_value"].shape) == (2, 18, 20, 8)  # heads 18, queries 20
+    assert tuple(call.args[8].meta["example_value"].shape) == (2, 1, 20, 20)  # the mask, transposed with them
+
+
 def split_rows_not_softmaxed(q, k, v):  # the same split feeds a sum, not a softmax: not attention
     s = torch.bmm(q.reshape(B, H * N, D), k.transpose(1, 2)).view(B, H, N, N)
     return s.amax(-1, keepdim=True) * q
