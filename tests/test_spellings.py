@@ -569,6 +569,45 @@ def test_swapped_p_v_of_a_refused_site_is_put_back():
     assert "matmul(transpose" in c.graphs[0].code.replace("torch.", "").replace(" ", ""), c.graphs[0].code
 
 
+# ------------------------------------------------------- key-major scores: k @ qᵀ, softmax over dim -2
+
+def key_major(q, k, v):
+    sT = torch.matmul(k, q.transpose(-1, -2)) / math.sqrt(D)  # [B, H, Nk, Nq]
+    sT = sT.masked_fill(causal_bool().transpose(0, 1), -math.inf)  # key j > query i masked
+    pT = torch.softmax(sT.float(), dim=-2).to(q.dtype)
+    return torch.matmul(pT.transpose(-1, -2), v)
+
+
+def key_major_bmm_padding(q, k, v, keep):  # 3-D, a key-padding column vector, P·V as v_t @ pT
+    b = q.shape[0]
+    q3, k3, v3 = (t.reshape(b * H, N, D) for t in (q, k, v))
+    sT = torch.bmm(k3, q3.transpose(1, 2)) * D ** -0.5 + (~keep).repeat_interleave(H, 0)[:, :, None] * -1e9
+    pT = sT.softmax(dim=1)
+    return torch.bmm(v3.transpose(1, 2), pT).transpose(1, 2).reshape(b, H, N, D)
+
+
+def test_key_major_scores_read_query_major():
+    res = check(key_major, qkv(), rewritten=1)
+    assert res.rewritten[0].mask == "causal"
+
+
+def test_key_major_scores_with_a_padding_column_and_v_applied_from_the_left():
+    keep = torch.ones(B, N, dtype=torch.bool)
+    keep[1, 4:] = False
+    res = check(key_major_bmm_padding, qkv() + [keep], rewritten=1)
+    assert res.rewritten[0].mask != "none"
+
+
+def key_major_read_twice(q, k, v):  # the key-major scores are also returned: the site stays as written
+    sT = torch.matmul(k, q.transpose(-1, -2)) * 0.25
+    return torch.matmul(torch.softmax(sT, dim=-2).transpose(-1, -2), v), sT
+
+
+def test_key_major_scores_read_elsewhere_are_left_alone():
+    res = check(key_major_read_twice, qkv(), rewritten=0)
+    assert "softmax is over dim 2" in reasons(res)
+
+
 # ---------------------------------------------------------------------------- 5-D scores with a 5-D mask
 
 def five_d_additive(q, k, v, mask):  # ProphetNet's n-gram stream, LongT5's blocks

@@ -1,0 +1,170 @@
+"""Key-major scores: `sT = k @ qᵀ` normalised over the key axis with `softmax(dim=-2)`, read query-major.
+
+Code that lays the scores out keys by queries (`[..., Nk, Nq]`) normalises each column:
+
+    sT = torch.matmul(k, q.transpose(-1, -2)) * scale           # [B, H, Nk, Nq]
+    pT = torch.softmax(sT.masked_fill(maskT, -inf), dim=-2)
+    y = torch.matmul(pT.transpose(-1, -2), v)
+
+Everything here is elementwise but the two products and the softmax, and each commutes with swapping the last
+two axes: (A · B)ᵀ = Bᵀ · Aᵀ holds element by element (the same dot products; only the GEMM's summation order may
+differ), an elementwise op of transposed operands is the transpose of the op, and softmax over dim -2 of x is
+the transpose of softmax over dim -1 of xᵀ. So the graph becomes
+
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale             # = sTᵀ, [B, H, Nq, Nk]
+    p = torch.softmax(s.masked_fill(maskT.transpose(-1, -2), -inf), dim=-1)
+    y = torch.matmul(p, v)                                        # pTᵀ · v with pTᵀ = p: the transposes cancel
+
+with every tensor operand of the elementwise steps transposed alike (a 1-D operand, which broadcasts along the
+last axis, becomes a column). The edit is made where the softmax is a plain one over dim -2 of a tensor of two or
+more dims, every step back to a two-operand product is elementwise and read by the next one alone, and all of it
+runs in one grad mode / autocast state. It costs nothing when no site is rewritten (views and a softmax over
+contiguous rows), so it stays (the pass puts the whole graph back when it rewrites nothing).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .canonicalize import exp_sum_of, is_inplace, kind, log_softmax_of, softmax_args, tensor_of
+from .emit import set_example_value
+from .regions import Regions
+from .tentative import commit
+
+_STEPS = ("add", "sub", "mul", "div", "masked_fill", "where", "cast", "tanh")
+_PLAIN_SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax, "softmax")
+
+
+def _swaps_last_two(node: Any) -> bool:
+    if not isinstance(node, fx.Node) or kind(node) != "transpose" or is_inplace(node) or len(node.args) != 3:
+        return False
+    t = tensor_of(node.args[0])
+    d0, d1 = node.args[1], node.args[2]
+    if t is None or t.dim() < 2 or not (isinstance(d0, int) and isinstance(d1, int)):
+        return False
+    return {d0 % t.dim(), d1 % t.dim()} == {t.dim() - 2, t.dim() - 1}
+
+
+def _fold(gm: fx.GraphModule, sm: fx.Node, regions: Regions) -> bool:
+    graph = gm.graph
+    if sm.target not in _PLAIN_SOFTMAX or exp_sum_of(sm) is not None or log_softmax_of(sm) is not None:
+        return False
+    x, dim, dtype = softmax_args(sm)
+    t = tensor_of(x)
+    if t is None or t.dim() < 2 or dim != t.dim() - 2 or not isinstance(x, fx.Node):
+        return False
+    steps: list = []
+    cur = x
+    for _ in range(12):
+        if len(cur.users) != 1 or is_inplace(cur):
+            return False
+        if kind(cur) == "matmul" and len(cur.args) == 2 and not cur.kwargs:
+            break
+        if kind(cur) not in _STEPS or not cur.args or cur.kwargs.get("out") is not None:
+            return False
+        chain = [a for a in cur.args if isinstance(a, fx.Node) and tensor_of(a) is not None
+                 and tensor_of(a).dim() == t.dim() and tensor_of(a).shape == t.shape and _leads_to_product(a)]
+        if len(chain) != 1:
+            return False
+        steps.append(cur)
+        cur = chain[0]
+    else:
+        return False
+    product = cur
+    a, b = product.args
+    ta, tb = tensor_of(a), tensor_of(b)
+    if ta is None or tb is None or ta.dim() < 2 or tb.dim() < 2 or tensor_of(product).shape != t.shape:
+        return False
+    if len({regions.of(n) for n in [product, sm, *steps]}) != 1:
+        return False
+
+    made: list = []
+
+    def new(op: str, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        n = graph.create_node(op, target, args, kwargs)
+        made.append(n)
+        return n
+
+    def transposed(arg: Any) -> Any:
+        ta = tensor_of(arg) if isinstance(arg, fx.Node) else None
+        if ta is None or ta.dim() == 0:
+            return arg
+        if ta.dim() == 1:
+            return new("call_method", "unsqueeze", arg, -1)
+        return new("call_method", "transpose", arg, -2, -1)
+
+    with graph.inserting_before(sm):
+        cur = new("call_function", torch.matmul, transposed(b), transposed(a))
+        chain_nodes = {product}
+        for step in reversed(steps):
+            args = [cur if (isinstance(a_, fx.Node) and a_ in chain_nodes) else transposed(a_) for a_ in step.args]
+            kwargs = {key: transposed(val) for key, val in step.kwargs.items()}
+            cur = new(step.op, step.target, *args, **kwargs)
+            chain_nodes.add(step)
+        soft = new("call_function", F.softmax, cur, -1, **({"dtype": dtype} if dtype is not None else {}))
+        out = new("call_method", "transpose", soft, -2, -1)
+    if not commit(graph, made, sm):
+        return False
+    graph.erase_node(sm)
+    for n in steps:
+        graph.erase_node(n)
+    graph.erase_node(product)
+    _cancel_transposes(graph, out, soft)
+    return True
+
+
+def _cancel_transposes(graph: fx.Graph, out: fx.Node, soft: fx.Node) -> None:
+    """pTᵀ: where `out` (softᵀ) reaches a transpose of its last two axes through casts or copies alone, that
+    transpose reads the same steps taken on soft."""
+    for user in list(out.users):
+        steps, cur = [], user
+        while kind(cur) in ("cast", "identity") and len(cur.users) == 1 and not cur.kwargs \
+                and not is_inplace(cur) and cur.args[0] is (steps[-1] if steps else out):
+            steps.append(cur)
+            cur = next(iter(cur.users))
+        if not (_swaps_last_two(cur) and cur.args[0] is (steps[-1] if steps else out)):
+            continue
+        with graph.inserting_before(cur):
+            new = soft
+            for step in steps:
+                new = graph.create_node(step.op, step.target, (new, *step.args[1:]), dict(step.kwargs))
+                set_example_value(new)
+        cur.replace_all_uses_with(new)
+        for n in [cur, *reversed(steps)]:
+            graph.erase_node(n)
+    if not out.users:
+        graph.erase_node(out)
+
+
+def _leads_to_product(node: fx.Node, depth: int = 12) -> bool:
+    """node is the product or reaches it through the first tensor operand of elementwise steps."""
+    n = node
+    for _ in range(depth):
+        if kind(n) == "matmul":
+            return True
+        if kind(n) not in _STEPS:
+            return False
+        nxt = [a for a in n.args if isinstance(a, fx.Node) and tensor_of(a) is not None
+               and tensor_of(a).shape == tensor_of(n).shape]
+        if not nxt:
+            return False
+        n = nxt[0]
+    return False
+
+
+def fold_key_major_scores(gm: fx.GraphModule) -> bool:
+    """Apply the edit of the module docstring wherever it is exact; True when any was made."""
+    regions: Optional[Regions] = None
+    changed = False
+    for node in list(gm.graph.nodes):
+        if getattr(node, "_erased", False) or kind(node) != "softmax":
+            continue
+        regions = regions or Regions(gm)
+        try:
+            changed = _fold(gm, node, regions) or changed
+        except Exception:  # a spelling this code did not foresee, before the graph changed: left as written
+            continue
+    return changed
