@@ -523,6 +523,9 @@ def _finite_fill(graph: fx.Graph, q: fx.Node, v: fx.Node, out: fx.Node, lse: fx.
                           bias=bias if bias is not None and example_value(bias).dtype == torch.bool else None,
                           kv_lens=kv_lens, q_pos=q_pos, q_seg=q_seg, k_seg=k_seg)
         masked = call(graph, "to", call(graph, torch.logical_not, keep), acc, method=True)
+        mv = example_value(masked)
+        if mv.shape[-1] == 1 and vv.shape[2] != 1:  # a mask constant along the keys (whole query rows): per key
+            masked = call(graph, "expand", masked, *([-1] * (mv.dim() - 1)), size_arg(graph, v, 2), method=True)
         n = call(graph, torch.sum, masked, -1, keepdim=True)  # [Bm, Hm, Qm, 1]
         vf = call(graph, "to", v, acc, method=True)
         hm = example_value(masked).shape[1]

@@ -16,10 +16,13 @@ the transpose of softmax over dim -1 of xᵀ. So the graph becomes
     y = torch.matmul(p, v)                                        # pTᵀ · v with pTᵀ = p: the transposes cancel
 
 with every tensor operand of the elementwise steps transposed alike (a 1-D operand, which broadcasts along the
-last axis, becomes a column). The edit is made where the softmax is a plain one over dim -2 of a tensor of two or
-more dims, every step back to a two-operand product is elementwise and read by the next one alone, and all of it
-runs in one grad mode / autocast state. It costs nothing when no site is rewritten (views and a softmax over
-contiguous rows), so it stays (the pass puts the whole graph back when it rewrites nothing).
+last axis, becomes a column), each new node placed where its original was (so it reads its operands when eager
+did). The edit is made where the softmax is a plain one over dim -2 of a tensor of two or more dims, every step
+back to a two-operand product is elementwise and read by the next one alone, the probabilities reach a P·V
+product (`pTᵀ @ v`, or `v_t @ pT`, which transposed_pv.py reads) through casts or copies, and all of it runs in
+one grad mode / autocast state; any other reader of the probabilities gets them in the softmax's own layout. It
+costs nothing when no site is rewritten (views and a softmax over contiguous rows), so it stays (the pass puts
+the whole graph back when it rewrites nothing).
 """
 from __future__ import annotations
 
@@ -80,6 +83,8 @@ def _fold(gm: fx.GraphModule, sm: fx.Node, regions: Regions) -> bool:
         return False
     if len({regions.of(n) for n in [product, sm, *steps]}) != 1:
         return False
+    if not any(_feeds_p_v(u, sm) for u in sm.users):
+        return False  # not attention: a softmax over dim -2 of a product elsewhere in a model stays as written
 
     made: list = []
 
@@ -96,14 +101,18 @@ def _fold(gm: fx.GraphModule, sm: fx.Node, regions: Regions) -> bool:
             return new("call_method", "unsqueeze", arg, -1)
         return new("call_method", "transpose", arg, -2, -1)
 
-    with graph.inserting_before(sm):
+    # Each new node reads its operands where its original did: a write into q, k or a mask between the product and
+    # the softmax is seen by the new graph exactly when eager saw it.
+    with graph.inserting_before(product):
         cur = new("call_function", torch.matmul, transposed(b), transposed(a))
-        chain_nodes = {product}
-        for step in reversed(steps):
+    chain_nodes = {product}
+    for step in reversed(steps):
+        with graph.inserting_before(step):
             args = [cur if (isinstance(a_, fx.Node) and a_ in chain_nodes) else transposed(a_) for a_ in step.args]
             kwargs = {key: transposed(val) for key, val in step.kwargs.items()}
             cur = new(step.op, step.target, *args, **kwargs)
-            chain_nodes.add(step)
+        chain_nodes.add(step)
+    with graph.inserting_before(sm):
         soft = new("call_function", F.softmax, cur, -1, **({"dtype": dtype} if dtype is not None else {}))
         out = new("call_method", "transpose", soft, -2, -1)
     if not commit(graph, made, sm):
@@ -113,7 +122,30 @@ def _fold(gm: fx.GraphModule, sm: fx.Node, regions: Regions) -> bool:
         graph.erase_node(n)
     graph.erase_node(product)
     _cancel_transposes(graph, out, soft)
+    # A reader other than a P·V product gets the layout the softmax had (a later .view may need it).
+    others = [u for u in out.users if not (kind(u) == "matmul" and len(u.args) == 2 and u.args[1] is out)]
+    if others:
+        with graph.inserting_after(out):
+            dense = graph.call_method("contiguous", (out,))
+        set_example_value(dense)
+        for u in others:
+            u.replace_input_with(out, dense)
     return True
+
+
+def _feeds_p_v(user: fx.Node, sm: fx.Node) -> bool:
+    """user of the key-major probabilities pT leads, through casts or copies, to `pTᵀ @ v` or to `v_t @ pT`."""
+    prev, cur = sm, user
+    for _ in range(4):
+        if kind(cur) == "matmul" and len(cur.args) == 2 and cur.args[1] is prev:
+            return True  # v_t @ pT
+        if _swaps_last_two(cur) and cur.args[0] is prev and len(cur.users) == 1:
+            nxt = next(iter(cur.users))
+            return kind(nxt) == "matmul" and len(nxt.args) == 2 and nxt.args[0] is cur
+        if kind(cur) not in ("cast", "identity") or len(cur.users) != 1 or cur.args[0] is not prev:
+            return False
+        prev, cur = cur, next(iter(cur.users))
+    return False
 
 
 def _cancel_transposes(graph: fx.Graph, out: fx.Node, soft: fx.Node) -> None:

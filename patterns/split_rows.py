@@ -71,8 +71,8 @@ def _product(node: fx.Node) -> Optional[tuple[fx.Node, fx.Node, float]]:
         beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
         if not (is_finite_number(beta) and is_finite_number(alpha)) or isinstance(beta, bool) or isinstance(alpha, bool):
             return None
-        if beta != 0 and not _is_zeros(node.args[0]):
-            return None
+        if beta != 0 and not (_is_zeros(node.args[0]) and len(node.args[0].users) == 1):
+            return None  # (a zeros tensor read elsewhere may be written before the product: not provably zeros)
         added = tensor_of(node.args[0])
         if added is None or added.dtype != tensor_of(node).dtype:  # (a wider zeros would promote the result)
             return None
@@ -85,6 +85,15 @@ def _product(node: fx.Node) -> Optional[tuple[fx.Node, fx.Node, float]]:
     if not (tx.dtype.is_floating_point and ty.dtype == tx.dtype and tout.dtype == tx.dtype):
         return None
     return x, y, alpha
+
+
+def _nodes_before(graph: fx.Graph, node: fx.Node) -> set:
+    out = set()
+    for n in graph.nodes:
+        if n is node:
+            return out
+        out.add(n)
+    return out
 
 
 def _splits_rows(whole: torch.Tensor, split: torch.Tensor) -> bool:
@@ -124,8 +133,13 @@ def _split_scores(gm: fx.GraphModule, view: fx.Node, regions: Regions) -> Option
         return None
     if len({regions.of(n) for n in [product, view, *steps]}) != 1:
         return None
+    # The 4-D product reads x and y where the product did (a write into them before the view must not be seen),
+    # so every size it takes from the view must exist by then.
+    before = _nodes_before(graph, product)
+    if any(isinstance(a, fx.Node) and a not in before for a in sizes[:3]):
+        return None
     made: list = []
-    with graph.inserting_before(view):
+    with graph.inserting_before(product):
         x4 = graph.call_method("reshape", (x, *sizes[:3], tx.shape[2]))
         y4 = graph.call_method("unsqueeze", (y, 1))
         cur = graph.call_function(torch.matmul, (x4, y4))
@@ -142,8 +156,7 @@ def _split_scores(gm: fx.GraphModule, view: fx.Node, regions: Regions) -> Option
     graph.erase_node(view)
     for n in steps:
         graph.erase_node(n)
-    if not product.users:
-        graph.erase_node(product)
+    graph.erase_node(product)
     x4, y4, product4, scalings = made[0], made[1], made[2], made[3:]
 
     def rebuild(graph: fx.Graph) -> list:  # matmul(x, y) [* alpha] [scalings], viewed to the split sizes
@@ -156,7 +169,7 @@ def _split_scores(gm: fx.GraphModule, view: fx.Node, regions: Regions) -> Option
         new.append(graph.call_method("view", (new[-1], *x4.args[1:4], size_arg(graph, y, 2))))
         return new
 
-    return Edit(made, product4, rebuild)
+    return Edit(made, product4, rebuild, inputs=[x, y])
 
 
 def _merge_probs(gm: fx.GraphModule, pv: fx.Node, regions: Regions) -> Optional[Edit]:
@@ -192,7 +205,7 @@ def _merge_probs(gm: fx.GraphModule, pv: fx.Node, regions: Regions) -> Optional[
         set_example_value(m)
         return [m, graph.call_function(torch.matmul, (m, v))]
 
-    return Edit([v4, o4, o3], o4, rebuild)
+    return Edit([v4, o4, o3], o4, rebuild, inputs=[p4, v])
 
 
 def fold_split_rows(gm: fx.GraphModule) -> list[Edit]:

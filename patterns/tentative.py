@@ -7,7 +7,7 @@ that form wherever the product is still read.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch.fx as fx
@@ -25,6 +25,7 @@ class Edit:
     made: list  # the nodes the edit inserted, in order; the last stands for the node it replaced
     product: fx.Node  # the product a rewrite takes (then unread, or erased)
     rebuild: Callable[[fx.Graph], list]  # inserts the replaced form at the graph's insertion point; its nodes
+    inputs: list = field(default_factory=list)  # the nodes `rebuild` reads
 
 
 def live(node: fx.Node) -> bool:
@@ -50,6 +51,8 @@ def undo_unused(gm: fx.GraphModule, edits: list[Edit]) -> bool:
         last = edit.made[-1]
         if getattr(edit.product, "_erased", False) or not live(edit.product):
             continue
+        if any(getattr(n, "_erased", False) for n in edit.inputs):  # (another rewrite replaced them: keep the edit,
+            continue  # which computes the same values)
         with graph.inserting_before(last):
             new = edit.rebuild(graph)
         for n in new:
@@ -63,21 +66,25 @@ def undo_unused(gm: fx.GraphModule, edits: list[Edit]) -> bool:
 
 
 def reaches_softmax(node: fx.Node, kinds: tuple, forward: bool, depth: int = 8) -> bool:
-    """node leads to (forward) or comes from (backward) a softmax through single-reader steps of `kinds`."""
+    """Forward: node's readers lead, one reader each, through steps of `kinds` to a softmax. Backward: node is a
+    softmax, or a step of `kinds` whose first input is one, or comes from one so."""
     n = node
-    for _ in range(depth):
-        if forward:
+    if forward:
+        for _ in range(depth):
             if len(n.users) != 1:
                 return False
             n = next(iter(n.users))
-        else:
-            if not n.args or not isinstance(n.args[0], fx.Node):
+            if kind(n) == "softmax":
+                return True
+            if kind(n) not in kinds or is_inplace(n):
                 return False
-            n = n.args[0]
+        return False
+    for _ in range(depth):
         if kind(n) == "softmax":
             return True
-        if kind(n) not in kinds or is_inplace(n):
+        if kind(n) not in kinds or is_inplace(n) or not n.args or not isinstance(n.args[0], fx.Node):
             return False
+        n = n.args[0]
     return False
 
 

@@ -8,9 +8,10 @@ models do) may apply the probabilities from the right:
 Element (d, i) of that product is the sum over keys j of v[d, j] · p[i, j], which is element (i, d) of
 `p @ vᵀ`: the same dot product of the same terms, so the edit
 
-    y = torch.matmul(p, v.transpose(-1, -2)).transpose(-1, -2)
+    y = torch.matmul(p, v.transpose(-1, -2)).transpose(-1, -2).contiguous()
 
-changes at most the rounding (the GEMM's summation order). The probabilities are then the left operand of a P·V
+(contiguous: the layout the written product had, which a later `.view` may need) changes at most the rounding
+(the GEMM's summation order). The probabilities are then the left operand of a P·V
 product, as the site finder reads them. The edit is made only where p comes from a softmax (through dropout,
 casts or copies), the transpose swaps the last two axes and is read by the product alone, and all of it runs in
 one grad mode / autocast state. It is tentative (tentative.py): put back where no rewrite takes it.
@@ -57,8 +58,9 @@ def _swapped(gm: fx.GraphModule, node: fx.Node, regions: Regions) -> Optional[Ed
     with graph.inserting_before(node):
         vt = graph.call_method("transpose", (v, -2, -1))
         product = graph.call_function(torch.matmul, (p, vt))
-        out = graph.call_method("transpose", (product, -2, -1))
-    made = [vt, product, out]
+        t = graph.call_method("transpose", (product, -2, -1))
+        out = graph.call_method("contiguous", (t,))  # the layout the written product had (a later .view needs it)
+    made = [vt, product, t, out]
     if not commit(graph, made, node):
         return None
     graph.erase_node(node)
@@ -69,7 +71,7 @@ def _swapped(gm: fx.GraphModule, node: fx.Node, regions: Regions) -> Optional[Ed
         set_example_value(t)
         return [t, graph.call_function(torch.matmul, (v, t))]
 
-    return Edit(made, product, rebuild)
+    return Edit(made, product, rebuild, inputs=[v, p])
 
 
 def fold_transposed_pv(gm: fx.GraphModule) -> list[Edit]:

@@ -608,6 +608,90 @@ def test_key_major_scores_read_elsewhere_are_left_alone():
     assert "softmax is over dim 2" in reasons(res)
 
 
+# ---------------------------------------------- the edits above against writes, layouts and chained sites
+
+def split_rows_q_written_after_the_scores(q, k, v):
+    b, h, n, d = q.shape
+    s3 = torch.bmm(q.reshape(b, h * n, d), k.transpose(1, 2))
+    q.mul_(2.0)  # eager's scores read q before this write
+    s = s3.view(b, h, n, n) * 0.35
+    return torch.bmm(s.softmax(-1).view(b, h * n, n), v).view(b, h, n, d)
+
+
+def split_rows_zeros_written_before_the_product(q, k, v):
+    b, h, n, d = q.shape
+    bias = torch.zeros(b, h * n, n)
+    bias[:, :, 4:] = float("-inf")  # the added input is no longer zeros
+    s = torch.baddbmm(bias, q.reshape(b, h * n, d), k.transpose(1, 2), alpha=d ** -0.5).view(b, h, n, n)
+    return torch.bmm(s.softmax(-1).view(b, h * n, n), v).view(b, h, n, d)
+
+
+def key_major_bias_written_after_it_was_added(q, k, v, bias):
+    sT = torch.matmul(k, q.transpose(-1, -2)) * 0.35 + bias
+    bias.zero_()
+    return torch.matmul(torch.softmax(sT, dim=-2).transpose(-1, -2), v)
+
+
+def key_major_q_written_after_the_scores(q, k, v, bias):
+    sT = torch.matmul(k, q.transpose(-1, -2)) * 0.35
+    q.mul_(2.0)
+    return torch.matmul(torch.softmax(sT + bias, dim=-2).transpose(-1, -2), v)
+
+
+@pytest.mark.parametrize("fn", [split_rows_q_written_after_the_scores, split_rows_zeros_written_before_the_product],
+                         ids=lambda f: f.__name__)
+def test_split_rows_read_their_operands_when_eager_did(fn):
+    q = rand(B, H, N, D, seed=0)
+    k, v = (rand(B, N, D, seed=i) for i in (1, 2))
+    check(fn, [q, k, v], grad=False)  # rewritten or not: eager's values, q's write included
+
+
+@pytest.mark.parametrize("fn", [key_major_bias_written_after_it_was_added, key_major_q_written_after_the_scores],
+                         ids=lambda f: f.__name__)
+def test_key_major_steps_read_their_operands_when_eager_did(fn):
+    check(fn, qkv(grad=False) + [rand(N, N, seed=9)], grad=False)
+
+
+def swapped_p_v_viewed(q, k, v):  # k, v channels first: the written product is contiguous, so .view is valid
+    p = torch.softmax(torch.matmul(q, k) / math.sqrt(D), -1)
+    return torch.matmul(v, p.transpose(-1, -2)).view(B, H * D, N)
+
+
+def key_major_softmax_not_attention(q, k, v):  # beside a rewritten site: its probabilities are viewed
+    o = torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1) @ v
+    w = torch.softmax(torch.matmul(k, q.transpose(-1, -2)), dim=-2)
+    return o, (w * 2).view(-1)
+
+
+def test_edited_products_keep_the_written_layout():
+    q, k, v = rand(B, H, N, D, seed=0), rand(B, H, D, N, seed=1), rand(B, H, D, N, seed=2)
+    check(swapped_p_v_viewed, [q, k, v], rewritten=1, grad=False)
+    res = check(key_major_softmax_not_attention, qkv(grad=False), grad=False)
+    assert [r.rewritten for r in res.reports] == [True, False], [r.reason for r in res.reports]
+
+
+def channels_first_chain(q, k, v):  # one site's output is the channels-first K of the next
+    p = torch.softmax(torch.matmul(q, k) * 0.3, -1)
+    y = torch.matmul(v, p.transpose(-1, -2))
+    p2 = torch.softmax(torch.matmul(q, y) * 0.3, -1)
+    return torch.matmul(v, p2.transpose(-1, -2)).reshape(q.shape[0], -1)
+
+
+def test_a_site_output_is_not_taken_for_probabilities():
+    q, k, v = rand(B, H, N, D, seed=0), rand(B, H, D, N, seed=1), rand(B, H, D, N, seed=2)
+    check(channels_first_chain, [q, k, v], rewritten=2, grad=False)
+
+
+def whole_rows_finite_fill(q, k, v, m):  # a mask constant along the keys, filled with a finite value
+    return torch.softmax((q @ k.transpose(-1, -2) * 0.35).masked_fill(m[:, None], -1e9), -1) @ v
+
+
+def test_whole_query_rows_under_a_finite_fill():
+    m = torch.zeros(N, dtype=torch.bool)
+    m[3] = True
+    check(whole_rows_finite_fill, qkv() + [m], rewritten=1)
+
+
 # ---------------------------------------------------------------------------- 5-D scores with a 5-D mask
 
 def five_d_additive(q, k, v, mask):  # ProphetNet's n-gram stream, LongT5's blocks
