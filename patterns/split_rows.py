@@ -188,6 +188,8 @@ def _merge_probs(gm: fx.GraphModule, pv: fx.Node, regions: Regions) -> Optional[
         return None
     if not (kind(p4) == "softmax" or reaches_softmax(p4, PROB_STEPS, forward=False)):
         return None
+    if any(is_inplace(u) for u in p4.users):  # the product now reads p4 at its own place, not at the view's
+        return None
     if len({regions.of(n) for n in (p4, merged, pv)}) != 1:
         return None
     with graph.inserting_before(pv):
