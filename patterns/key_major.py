@@ -19,8 +19,8 @@ with every tensor operand of the elementwise steps transposed alike (a 1-D opera
 last axis, becomes a column), each new node placed where its original was (so it reads its operands when eager
 did). The edit is made where the softmax is a plain one over dim -2 of a tensor of two or more dims, every step
 back to a two-operand product is elementwise and read by the next one alone, the probabilities reach a P·V
-product (`pTᵀ @ v`, or `v_t @ pT`, which transposed_pv.py reads) through casts or copies, and all of it runs in
-one grad mode / autocast state; any other reader of the probabilities gets them in the softmax's own layout. It
+product (`pTᵀ @ v`, or `v_t @ pT`, which transposed_pv.py reads) through casts or copies and nothing else reads
+them, and all of it runs in one grad mode / autocast state. It
 costs nothing when no site is rewritten (views and a softmax over contiguous rows), so it stays (the pass puts
 the whole graph back when it rewrites nothing).
 """
@@ -83,8 +83,8 @@ def _fold(gm: fx.GraphModule, sm: fx.Node, regions: Regions) -> bool:
         return False
     if len({regions.of(n) for n in [product, sm, *steps]}) != 1:
         return False
-    if not any(_feeds_p_v(u, sm) for u in sm.users):
-        return False  # not attention: a softmax over dim -2 of a product elsewhere in a model stays as written
+    if not sm.users or not all(_feeds_p_v(u, sm) for u in sm.users):
+        return False  # not attention, or the probabilities are read (or written) elsewhere: left as written
 
     made: list = []
 
@@ -122,14 +122,6 @@ def _fold(gm: fx.GraphModule, sm: fx.Node, regions: Regions) -> bool:
         graph.erase_node(n)
     graph.erase_node(product)
     _cancel_transposes(graph, out, soft)
-    # A reader other than a P·V product gets the layout the softmax had (a later .view may need it).
-    others = [u for u in out.users if not (kind(u) == "matmul" and len(u.args) == 2 and u.args[1] is out)]
-    if others:
-        with graph.inserting_after(out):
-            dense = graph.call_method("contiguous", (out,))
-        set_example_value(dense)
-        for u in others:
-            u.replace_input_with(out, dense)
     return True
 
 
@@ -140,8 +132,14 @@ def _feeds_p_v(user: fx.Node, sm: fx.Node) -> bool:
         if kind(cur) == "matmul" and len(cur.args) == 2 and cur.args[1] is prev:
             return True  # v_t @ pT
         if _swaps_last_two(cur) and cur.args[0] is prev and len(cur.users) == 1:
-            nxt = next(iter(cur.users))
-            return kind(nxt) == "matmul" and len(nxt.args) == 2 and nxt.args[0] is cur
+            prev, nxt = cur, next(iter(cur.users))
+            for _ in range(3):  # pTᵀ, then casts or copies (`.contiguous()`), then the product
+                if kind(nxt) == "matmul" and len(nxt.args) == 2:
+                    return nxt.args[0] is prev
+                if kind(nxt) not in ("cast", "identity") or len(nxt.users) != 1 or nxt.args[0] is not prev:
+                    return False
+                prev, nxt = nxt, next(iter(nxt.users))
+            return False
         if kind(cur) not in ("cast", "identity") or len(cur.users) != 1 or cur.args[0] is not prev:
             return False
         prev, cur = cur, next(iter(cur.users))
@@ -159,7 +157,7 @@ def _cancel_transposes(graph: fx.Graph, out: fx.Node, soft: fx.Node) -> None:
             cur = next(iter(cur.users))
         if not (_swaps_last_two(cur) and cur.args[0] is (steps[-1] if steps else out)):
             continue
-        with graph.inserting_before(cur):
+        with graph.inserting_before(cur), torch.set_grad_enabled(bool(tensor_of(cur).requires_grad)):
             new = soft
             for step in steps:
                 new = graph.create_node(step.op, step.target, (new, *step.args[1:]), dict(step.kwargs))

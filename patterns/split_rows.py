@@ -56,8 +56,8 @@ def _sizes(view: fx.Node) -> Optional[list]:
 
 
 def _is_zeros(node: Any) -> bool:
-    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
-        return False
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method") or "out" in node.kwargs:
+        return False  # (zeros(..., out=buf) is buf, which other nodes may write)
     return node.target in _ZEROS or node.target == "new_zeros"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import torch
 import torch.fx as fx
 
 from .canonicalize import is_inplace, kind, tensor_of
@@ -53,10 +54,11 @@ def undo_unused(gm: fx.GraphModule, edits: list[Edit]) -> bool:
             continue
         if any(getattr(n, "_erased", False) for n in edit.inputs):  # (another rewrite replaced them: keep the edit,
             continue  # which computes the same values)
-        with graph.inserting_before(last):
+        grad = bool(tensor_of(last) is not None and tensor_of(last).requires_grad)
+        with graph.inserting_before(last), torch.set_grad_enabled(grad):
             new = edit.rebuild(graph)
-        for n in new:
-            set_example_value(n)
+            for n in new:
+                set_example_value(n)
         last.replace_all_uses_with(new[-1])
         for n in reversed(edit.made):
             if not n.users:
@@ -91,10 +93,13 @@ def reaches_softmax(node: fx.Node, kinds: tuple, forward: bool, depth: int = 8) 
 def commit(graph: fx.Graph, made: list, old: fx.Node) -> bool:
     """Give the new nodes example values and put the last in place of `old` when it computes a tensor of the
     same shape, dtype and grad requirement; otherwise remove them."""
+    was = tensor_of(old)
     try:
-        for n in made:
-            set_example_value(n)
-        new, was = tensor_of(made[-1]), tensor_of(old)
+        # under the grad mode `old` ran in (a no_grad region's result needs no grad whatever its inputs need)
+        with torch.set_grad_enabled(bool(was is not None and was.requires_grad)):
+            for n in made:
+                set_example_value(n)
+        new = tensor_of(made[-1])
         ok = (new is not None and was is not None and new.dim() == was.dim()
               and all(known_eq(p, q) for p, q in zip(new.shape, was.shape))
               and new.dtype == was.dtype and new.requires_grad == was.requires_grad)

@@ -682,6 +682,54 @@ def test_a_site_output_is_not_taken_for_probabilities():
     check(channels_first_chain, [q, k, v], rewritten=2, grad=False)
 
 
+def key_major_probabilities_written(q, k, v):  # beside a rewritten site: the write must reach the product
+    o = torch.softmax(q @ k.transpose(-1, -2) * 0.3, -1) @ v
+    pT = torch.softmax(torch.matmul(k, q.transpose(-1, -2)) * 0.35, dim=-2)
+    pT[:, :, 0] = 0.0  # key 0 gets no weight
+    return o, torch.matmul(pT.transpose(-1, -2), v)
+
+
+def split_rows_zeros_out_alias(q, k, v, buf):  # zeros(out=buf) is buf, written through buf before the product
+    b, h, n, d = q.shape
+    bias = torch.zeros(b, h * n, n, out=buf)
+    buf[:, :, 4:] = float("-inf")
+    s = torch.baddbmm(bias, q.reshape(b, h * n, d), k.transpose(1, 2), alpha=d ** -0.5).view(b, h, n, n)
+    return torch.bmm(s.softmax(-1).view(b, h * n, n), v).view(b, h, n, d)
+
+
+def key_major_dense_transpose(q, k, v):
+    pT = torch.softmax(torch.matmul(k, q.transpose(-1, -2)) * 0.35, dim=-2)
+    return pT.transpose(-1, -2).contiguous() @ v
+
+
+def test_writes_into_edited_tensors_are_kept():
+    check(key_major_probabilities_written, qkv(grad=False), grad=False)
+    q = rand(B, H, N, D, seed=0)
+    k, v = (rand(B, N, D, seed=i) for i in (1, 2))
+    check(split_rows_zeros_out_alias, [q, k, v, torch.empty(B, H * N, N)], grad=False)
+
+
+def test_key_major_probabilities_copied_before_p_v():
+    check(key_major_dense_transpose, qkv(), rewritten=1)
+
+
+def no_grad_key_major(q, k, v):
+    with torch.no_grad():
+        return key_major(q, k, v)
+
+
+def no_grad_channels_first(q, k, v):
+    with torch.no_grad():
+        return swapped_p_v_viewed(q, k, v)
+
+
+def test_edits_inside_no_grad_regions():
+    res = check(no_grad_key_major, qkv(), rewritten=1)  # inputs need grad; the region computes none
+    assert res.rewritten[0].mask == "causal"
+    q, k, v = rand(B, H, N, D, seed=0, requires_grad=True), rand(B, H, D, N, seed=1), rand(B, H, D, N, seed=2)
+    check(no_grad_channels_first, [q, k, v], rewritten=1)
+
+
 def whole_rows_finite_fill(q, k, v, m):  # a mask constant along the keys, filled with a finite value
     return torch.softmax((q @ k.transpose(-1, -2) * 0.35).masked_fill(m[:, None], -1e9), -1) @ v
 
