@@ -35,20 +35,10 @@ import torch.nn.functional as F
 from .canonicalize import exp_sum_of, is_inplace, kind, log_softmax_of, softmax_args, tensor_of
 from .emit import set_example_value
 from .regions import Regions
-from .tentative import commit
+from .tentative import commit, swaps_last_two
 
 _STEPS = ("add", "sub", "mul", "div", "masked_fill", "where", "cast", "tanh")
 _PLAIN_SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax, "softmax")
-
-
-def _swaps_last_two(node: Any) -> bool:
-    if not isinstance(node, fx.Node) or kind(node) != "transpose" or is_inplace(node) or len(node.args) != 3:
-        return False
-    t = tensor_of(node.args[0])
-    d0, d1 = node.args[1], node.args[2]
-    if t is None or t.dim() < 2 or not (isinstance(d0, int) and isinstance(d1, int)):
-        return False
-    return {d0 % t.dim(), d1 % t.dim()} == {t.dim() - 2, t.dim() - 1}
 
 
 def _fold(gm: fx.GraphModule, sm: fx.Node, regions: Regions) -> bool:
@@ -131,7 +121,7 @@ def _feeds_p_v(user: fx.Node, sm: fx.Node) -> bool:
     for _ in range(4):
         if kind(cur) == "matmul" and len(cur.args) == 2 and cur.args[1] is prev:
             return True  # v_t @ pT
-        if _swaps_last_two(cur) and cur.args[0] is prev and len(cur.users) == 1:
+        if swaps_last_two(cur) and cur.args[0] is prev and len(cur.users) == 1:
             prev, nxt = cur, next(iter(cur.users))
             for _ in range(3):  # pTᵀ, then casts or copies (`.contiguous()`), then the product
                 if kind(nxt) == "matmul" and len(nxt.args) == 2:
@@ -155,7 +145,7 @@ def _cancel_transposes(graph: fx.Graph, out: fx.Node, soft: fx.Node) -> None:
                 and not is_inplace(cur) and cur.args[0] is (steps[-1] if steps else out):
             steps.append(cur)
             cur = next(iter(cur.users))
-        if not (_swaps_last_two(cur) and cur.args[0] is (steps[-1] if steps else out)):
+        if not (swaps_last_two(cur) and cur.args[0] is (steps[-1] if steps else out)):
             continue
         with graph.inserting_before(cur), torch.set_grad_enabled(bool(tensor_of(cur).requires_grad)):
             new = soft

@@ -8,12 +8,12 @@ that form wherever the product is still read.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
 
-from .canonicalize import is_inplace, kind, tensor_of
+from .canonicalize import arg, is_inplace, kind, tensor_of
 from .emit import set_example_value
 from .regions import Regions
 from .shapes import known_eq
@@ -120,3 +120,14 @@ def attempt(edit_fn: Callable, gm: fx.GraphModule, node: fx.Node, regions: Regio
         return edit_fn(gm, node, regions)
     except Exception:
         return None
+
+
+def swaps_last_two(node: Any) -> bool:
+    """node is a (functional) transpose of its input's last two axes."""
+    if not isinstance(node, fx.Node) or kind(node) != "transpose" or is_inplace(node) or not node.args:
+        return False
+    t = tensor_of(node.args[0])
+    d0, d1 = arg(node, 1, "dim0"), arg(node, 2, "dim1")
+    if t is None or t.dim() < 2 or not (isinstance(d0, int) and isinstance(d1, int)):
+        return False
+    return {d0 % t.dim(), d1 % t.dim()} == {t.dim() - 2, t.dim() - 1}

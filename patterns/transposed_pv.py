@@ -23,28 +23,17 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .canonicalize import arg, is_inplace, kind, tensor_of
+from .canonicalize import kind, tensor_of
 from .emit import set_example_value
 from .regions import Regions
-from .tentative import PROB_STEPS, Edit, attempt, commit, reaches_softmax
-
-
-def _swaps_last_two(node: fx.Node) -> bool:
-    t_in, t_out = tensor_of(node.args[0]) if node.args else None, tensor_of(node)
-    if kind(node) != "transpose" or is_inplace(node) or t_in is None or t_out is None or t_in.dim() < 2:
-        return False
-    d0, d1 = arg(node, 1, "dim0"), arg(node, 2, "dim1")
-    if not (isinstance(d0, int) and isinstance(d1, int)):
-        return False
-    nd = t_in.dim()
-    return {d0 % nd, d1 % nd} == {nd - 2, nd - 1}
+from .tentative import PROB_STEPS, Edit, attempt, commit, reaches_softmax, swaps_last_two
 
 
 def _swapped(gm: fx.GraphModule, node: fx.Node, regions: Regions) -> Optional[Edit]:
     if len(node.args) != 2 or node.kwargs:
         return None
     v, pt = node.args
-    if not (isinstance(v, fx.Node) and isinstance(pt, fx.Node)) or len(pt.users) != 1 or not _swaps_last_two(pt):
+    if not (isinstance(v, fx.Node) and isinstance(pt, fx.Node)) or len(pt.users) != 1 or not swaps_last_two(pt):
         return None
     p = pt.args[0]
     tv, tp, tout = tensor_of(v), tensor_of(p), tensor_of(node)
