@@ -105,12 +105,8 @@ def _fold(gm: fx.GraphModule, sm: fx.Node, regions: Regions) -> bool:
     with graph.inserting_before(sm):
         soft = new("call_function", F.softmax, cur, -1, **({"dtype": dtype} if dtype is not None else {}))
         out = new("call_method", "transpose", soft, -2, -1)
-    if not commit(graph, made, sm):
+    if not commit(graph, made, sm, dead=(*steps, product)):
         return False
-    graph.erase_node(sm)
-    for n in steps:
-        graph.erase_node(n)
-    graph.erase_node(product)
     _cancel_transposes(graph, out, soft)
     return True
 

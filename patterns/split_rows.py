@@ -151,12 +151,8 @@ def _split_scores(gm: fx.GraphModule, view: fx.Node, regions: Regions) -> Option
             args = [cur if isinstance(a, fx.Node) else a for a in step.args]
             cur = graph.create_node(step.op, step.target, tuple(args), {})
             made.append(cur)
-    if not commit(graph, made, view):
+    if not commit(graph, made, view, dead=(*steps, product)):
         return None
-    graph.erase_node(view)
-    for n in steps:
-        graph.erase_node(n)
-    graph.erase_node(product)
     x4, y4, product4, scalings = made[0], made[1], made[2], made[3:]
 
     def rebuild(graph: fx.Graph) -> list:  # matmul(x, y) [* alpha] [scalings], viewed to the split sizes
@@ -198,7 +194,6 @@ def _merge_probs(gm: fx.GraphModule, pv: fx.Node, regions: Regions) -> Optional[
         o3 = graph.call_method("reshape", (o4, sizes[0], sizes[1], tv.shape[2]))
     if not commit(graph, [v4, o4, o3], pv):
         return None
-    graph.erase_node(pv)
     if not merged.users:
         graph.erase_node(merged)
 

@@ -90,9 +90,10 @@ def reaches_softmax(node: fx.Node, kinds: tuple, forward: bool, depth: int = 8) 
     return False
 
 
-def commit(graph: fx.Graph, made: list, old: fx.Node) -> bool:
+def commit(graph: fx.Graph, made: list, old: fx.Node, dead: tuple = ()) -> bool:
     """Give the new nodes example values and put the last in place of `old` when it computes a tensor of the
-    same shape, dtype and grad requirement; otherwise remove them."""
+    same shape, dtype and grad requirement, then erase `old` and the nodes `dead` (in order: each unread once the
+    ones before it are gone); otherwise remove the new nodes."""
     was = tensor_of(old)
     try:
         # under the grad mode `old` ran in (a no_grad region's result needs no grad whatever its inputs need)
@@ -110,6 +111,8 @@ def commit(graph: fx.Graph, made: list, old: fx.Node) -> bool:
             graph.erase_node(n)
         return False
     old.replace_all_uses_with(made[-1])
+    for n in (old, *dead):
+        graph.erase_node(n)
     return True
 
 

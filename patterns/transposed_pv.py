@@ -50,10 +50,8 @@ def _swapped(gm: fx.GraphModule, node: fx.Node, regions: Regions) -> Optional[Ed
         t = graph.call_method("transpose", (product, -2, -1))
         out = graph.call_method("contiguous", (t,))  # the layout the written product had (a later .view needs it)
     made = [vt, product, t, out]
-    if not commit(graph, made, node):
+    if not commit(graph, made, node, dead=(pt,)):
         return None
-    graph.erase_node(node)
-    graph.erase_node(pt)
 
     def rebuild(graph: fx.Graph) -> list:  # matmul(v, p.transpose(-2, -1))
         t = graph.call_method("transpose", (p, -2, -1))
