@@ -210,6 +210,35 @@ _OPERATOR_INPLACE = (operator.setitem, operator.iadd, operator.isub, operator.im
                      operator.iand, operator.ior, operator.ixor, operator.ifloordiv, operator.imod, operator.ipow)
 
 
+# Steps an attention's scores take between Q·Kᵀ and the softmax, and its probabilities between the softmax and P·V,
+# as the graph edits before the site finder follow them (the finder itself reads each step's role).
+SCORE_STEPS = ("add", "sub", "mul", "div", "masked_fill", "where", "cast", "tanh")
+PROB_STEPS = ("dropout", "cast", "identity")
+
+
+def reaches_softmax(node: fx.Node, kinds: tuple, forward: bool, depth: int = 8) -> bool:
+    """Forward: node's readers lead, one reader each, through steps of `kinds` to a softmax. Backward: node is a
+    softmax, or a step of `kinds` whose first input is one, or comes from one so."""
+    n = node
+    if forward:
+        for _ in range(depth):
+            if len(n.users) != 1:
+                return False
+            n = next(iter(n.users))
+            if kind(n) == "softmax":
+                return True
+            if kind(n) not in kinds or is_inplace(n):
+                return False
+        return False
+    for _ in range(depth):
+        if kind(n) == "softmax":
+            return True
+        if kind(n) not in kinds or is_inplace(n) or not n.args or not isinstance(n.args[0], fx.Node):
+            return False
+        n = n.args[0]
+    return False
+
+
 def is_inplace(node: fx.Node) -> bool:
     """An op that writes into its first argument (`x.add_(1)`, `operator.setitem`, `torch.Tensor.mul_`)."""
     if node.op not in ("call_method", "call_function"):

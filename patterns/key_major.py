@@ -26,22 +26,20 @@ the whole graph back when it rewrites nothing).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .canonicalize import exp_sum_of, is_inplace, kind, log_softmax_of, softmax_args, tensor_of
+from .canonicalize import SCORE_STEPS, exp_sum_of, is_inplace, kind, log_softmax_of, softmax_args, tensor_of
 from .emit import set_example_value
-from .regions import Regions
-from .tentative import commit, swaps_last_two
+from .tentative import LazyRegions, commit, swaps_last_two
 
-_STEPS = ("add", "sub", "mul", "div", "masked_fill", "where", "cast", "tanh")
 _PLAIN_SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax, "softmax")
 
 
-def _fold(gm: fx.GraphModule, sm: fx.Node, regions: Regions) -> bool:
+def _fold(gm: fx.GraphModule, sm: fx.Node, regions: LazyRegions) -> bool:
     graph = gm.graph
     if sm.target not in _PLAIN_SOFTMAX or exp_sum_of(sm) is not None or log_softmax_of(sm) is not None:
         return False
@@ -56,7 +54,7 @@ def _fold(gm: fx.GraphModule, sm: fx.Node, regions: Regions) -> bool:
             return False
         if kind(cur) == "matmul" and len(cur.args) == 2 and not cur.kwargs:
             break
-        if kind(cur) not in _STEPS or not cur.args or cur.kwargs.get("out") is not None:
+        if kind(cur) not in SCORE_STEPS or not cur.args or cur.kwargs.get("out") is not None:
             return False
         chain = [a for a in cur.args if isinstance(a, fx.Node) and tensor_of(a) is not None
                  and tensor_of(a).dim() == t.dim() and tensor_of(a).shape == t.shape and _leads_to_product(a)]
@@ -161,7 +159,7 @@ def _leads_to_product(node: fx.Node, depth: int = 12) -> bool:
     for _ in range(depth):
         if kind(n) == "matmul":
             return True
-        if kind(n) not in _STEPS:
+        if kind(n) not in SCORE_STEPS:
             return False
         nxt = [a for a in n.args if isinstance(a, fx.Node) and tensor_of(a) is not None
                and tensor_of(a).shape == tensor_of(n).shape]
@@ -173,12 +171,11 @@ def _leads_to_product(node: fx.Node, depth: int = 12) -> bool:
 
 def fold_key_major_scores(gm: fx.GraphModule) -> bool:
     """Apply the edit of the module docstring wherever it is exact; True when any was made."""
-    regions: Optional[Regions] = None
+    regions = LazyRegions(gm)
     changed = False
     for node in list(gm.graph.nodes):
         if getattr(node, "_erased", False) or kind(node) != "softmax":
             continue
-        regions = regions or Regions(gm)
         try:
             changed = _fold(gm, node, regions) or changed
         except Exception:  # a spelling this code did not foresee, before the graph changed: left as written

@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from .canonicalize import is_inplace, kind, tensor_of
+from .canonicalize import SCORE_STEPS, is_inplace, kind, reaches_softmax, tensor_of
 from .emit import set_example_value
 from .layout import contraction
 from .regions import Regions
@@ -79,9 +79,6 @@ def _chain(out: fx.Node) -> Optional[tuple[fx.Node, list]]:
     return x, list(reversed(steps))
 
 
-_SCORE_STEPS = ("add", "sub", "mul", "div", "masked_fill", "where", "cast", "tanh")
-
-
 def _scores_like(x: fx.Node, out: fx.Node, depth: int = 8) -> bool:
     """x is a product (Q·Kᵀ, possibly scaled by numbers) and `out` reaches a softmax through single-reader
     elementwise steps: the edit is made for attention scores only, not for every reshaped sum of a model (it
@@ -96,16 +93,7 @@ def _scores_like(x: fx.Node, out: fx.Node, depth: int = 8) -> bool:
         n = n.args[0]
     else:
         return False
-    n = out
-    for _ in range(depth):
-        if kind(n) == "softmax":
-            return True
-        if len(n.users) != 1:
-            return False
-        n = next(iter(n.users))
-        if kind(n) not in _SCORE_STEPS + ("softmax",):
-            return False
-    return kind(n) == "softmax"
+    return reaches_softmax(out, SCORE_STEPS, forward=True, depth=depth)
 
 
 def fold_reshaped_terms(gm: fx.GraphModule) -> bool:

@@ -35,13 +35,11 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from .canonicalize import arg, is_finite_number, is_inplace, kind, tensor_of
+from .canonicalize import PROB_STEPS, SCORE_STEPS, arg, is_finite_number, is_inplace, kind, reaches_softmax, tensor_of
 from .emit import set_example_value, size_arg
-from .regions import Regions
 from .shapes import known_eq
-from .tentative import PROB_STEPS, Edit, attempt, commit, reaches_softmax
+from .tentative import Edit, LazyRegions, attempt, commit
 
-_SCORE_STEPS = ("add", "sub", "mul", "div", "masked_fill", "where", "cast", "tanh")
 _ZEROS = {torch.zeros, torch.zeros_like}
 
 
@@ -102,7 +100,7 @@ def _splits_rows(whole: torch.Tensor, split: torch.Tensor) -> bool:
             and known_eq(whole.shape[1], split.shape[1] * split.shape[2]) and known_eq(whole.shape[2], split.shape[3]))
 
 
-def _split_scores(gm: fx.GraphModule, view: fx.Node, regions: Regions) -> Optional[Edit]:
+def _split_scores(gm: fx.GraphModule, view: fx.Node, regions: LazyRegions) -> Optional[Edit]:
     graph = gm.graph
     t_view, sizes = tensor_of(view), _sizes(view)
     if t_view is None or t_view.dim() != 4 or sizes is None or len(sizes) != 4:
@@ -129,7 +127,7 @@ def _split_scores(gm: fx.GraphModule, view: fx.Node, regions: Regions) -> Option
     tx, ty, tp = tensor_of(x), tensor_of(y), tensor_of(product)
     if not _splits_rows(tp, t_view) or type(tx.shape[2]) is not int:
         return None
-    if not reaches_softmax(view, _SCORE_STEPS, forward=True):
+    if not reaches_softmax(view, SCORE_STEPS, forward=True):
         return None
     if len({regions.of(n) for n in [product, view, *steps]}) != 1:
         return None
@@ -168,7 +166,7 @@ def _split_scores(gm: fx.GraphModule, view: fx.Node, regions: Regions) -> Option
     return Edit(made, product4, rebuild, inputs=[x, y])
 
 
-def _merge_probs(gm: fx.GraphModule, pv: fx.Node, regions: Regions) -> Optional[Edit]:
+def _merge_probs(gm: fx.GraphModule, pv: fx.Node, regions: LazyRegions) -> Optional[Edit]:
     graph = gm.graph
     found = _product(pv) if kind(pv) == "matmul" else None
     if found is None:
@@ -207,7 +205,7 @@ def _merge_probs(gm: fx.GraphModule, pv: fx.Node, regions: Regions) -> Optional[
 
 def fold_split_rows(gm: fx.GraphModule) -> list[Edit]:
     """Apply both edits of the module docstring wherever they are exact; the edits made."""
-    regions: Optional[Regions] = None
+    regions = LazyRegions(gm)
     edits: list[Edit] = []
     for node in list(gm.graph.nodes):
         if getattr(node, "_erased", False):  # removed by an earlier edit
@@ -218,10 +216,8 @@ def fold_split_rows(gm: fx.GraphModule) -> list[Edit]:
             t = tensor_of(node)
             if t is None or t.dim() != 4:
                 continue
-            regions = regions or Regions(gm)
             edit = attempt(_split_scores, gm, node, regions)
         elif k == "matmul":
-            regions = regions or Regions(gm)
             edit = attempt(_merge_probs, gm, node, regions)
         if edit is not None:
             edits.append(edit)

@@ -18,9 +18,6 @@ from .emit import set_example_value
 from .regions import Regions
 from .shapes import known_eq
 
-PROB_STEPS = ("dropout", "cast", "identity")  # what may stand between a softmax and the probabilities' product
-
-
 @dataclass
 class Edit:
     made: list  # the nodes the edit inserted, in order; the last stands for the node it replaced
@@ -67,29 +64,6 @@ def undo_unused(gm: fx.GraphModule, edits: list[Edit]) -> bool:
     return undone
 
 
-def reaches_softmax(node: fx.Node, kinds: tuple, forward: bool, depth: int = 8) -> bool:
-    """Forward: node's readers lead, one reader each, through steps of `kinds` to a softmax. Backward: node is a
-    softmax, or a step of `kinds` whose first input is one, or comes from one so."""
-    n = node
-    if forward:
-        for _ in range(depth):
-            if len(n.users) != 1:
-                return False
-            n = next(iter(n.users))
-            if kind(n) == "softmax":
-                return True
-            if kind(n) not in kinds or is_inplace(n):
-                return False
-        return False
-    for _ in range(depth):
-        if kind(n) == "softmax":
-            return True
-        if kind(n) not in kinds or is_inplace(n) or not n.args or not isinstance(n.args[0], fx.Node):
-            return False
-        n = n.args[0]
-    return False
-
-
 def commit(graph: fx.Graph, made: list, old: fx.Node, dead: tuple = ()) -> bool:
     """Give the new nodes example values and put the last in place of `old` when it computes a tensor of the
     same shape, dtype and grad requirement, then erase `old` and the nodes `dead` (in order: each unread once the
@@ -116,7 +90,20 @@ def commit(graph: fx.Graph, made: list, old: fx.Node, dead: tuple = ()) -> bool:
     return True
 
 
-def attempt(edit_fn: Callable, gm: fx.GraphModule, node: fx.Node, regions: Regions) -> Optional[Edit]:
+class LazyRegions:
+    """`Regions(gm)`, built on the first question: most graphs offer no candidate for these edits, and the walk
+    over every node would run on every compile."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm, self._regions = gm, None
+
+    def of(self, node: fx.Node):
+        if self._regions is None:
+            self._regions = Regions(self.gm)
+        return self._regions.of(node)
+
+
+def attempt(edit_fn: Callable, gm: fx.GraphModule, node: fx.Node, regions: LazyRegions) -> Optional[Edit]:
     """An edit, or None where a spelling this code did not foresee raises before the graph changed (the
     edits touch the graph only once `commit` has checked the new nodes)."""
     try:

@@ -23,13 +23,12 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .canonicalize import kind, tensor_of
+from .canonicalize import PROB_STEPS, kind, reaches_softmax, tensor_of
 from .emit import set_example_value
-from .regions import Regions
-from .tentative import PROB_STEPS, Edit, attempt, commit, reaches_softmax, swaps_last_two
+from .tentative import Edit, LazyRegions, attempt, commit, swaps_last_two
 
 
-def _swapped(gm: fx.GraphModule, node: fx.Node, regions: Regions) -> Optional[Edit]:
+def _swapped(gm: fx.GraphModule, node: fx.Node, regions: LazyRegions) -> Optional[Edit]:
     if len(node.args) != 2 or node.kwargs:
         return None
     v, pt = node.args
@@ -63,12 +62,11 @@ def _swapped(gm: fx.GraphModule, node: fx.Node, regions: Regions) -> Optional[Ed
 
 def fold_transposed_pv(gm: fx.GraphModule) -> list[Edit]:
     """Apply the edit of the module docstring wherever it is exact; the edits made."""
-    regions: Optional[Regions] = None
+    regions = LazyRegions(gm)
     edits: list[Edit] = []
     for node in list(gm.graph.nodes):
         if getattr(node, "_erased", False) or kind(node) != "matmul":
             continue
-        regions = regions or Regions(gm)
         edit = attempt(_swapped, gm, node, regions)
         if edit is not None:
             edits.append(edit)
