@@ -152,8 +152,11 @@ def emit_attention(
     A scale held in a tensor node (learned temperature, 0-d tensor) is folded into q so the op's
     scale stays a Python float.
     """
-    if swap_axes and _swaps_heads_and_queries(q, k, bias, causal, window_left, window_right, sinks, q_pos, q_seg,
-                                              k_seg, filled, clamp_tied):
+    # structure that tells the query axis from the head axis: a diagonal or window, run-time positions or segments,
+    # per-head sinks, and the filled / clamped-score fix-ups (which read the op's lse in the caller's frame)
+    axes_told_apart = (causal or window_left >= 0 or window_right >= 0 or clamp_tied
+                       or any(x is not None for x in (sinks, q_pos, q_seg, k_seg, filled)))
+    if swap_axes and not axes_told_apart and _swaps_heads_and_queries(q, k, bias):
         # One K/V head for all: out[b, h, i] depends on (h, i) only through q[b, h, i] and the bias, so the two axes
         # may trade places. Many heads of few queries each (tokens folded into the head axis, as the multi-query
         # bmm spelling gives) become few heads of many queries: the kernels' query tiles fill.
@@ -274,18 +277,14 @@ def emit_attention(
 SWAP_MIN_QUERIES = 16  # decode-shaped sites (up to 16 queries) keep their axes: the decode kernel packs the heads
 
 
-def _swaps_heads_and_queries(q: fx.Node, k: fx.Node, bias: Optional[fx.Node], causal: bool, window_left: int,
-                             window_right: int, *rest: Any) -> bool:
-    """One K/V head, static head and query counts with more heads than queries (past a decode step's), and
-    nothing that tells the query axis apart from the head axis: no causal diagonal or window, no run-time
-    positions or segments, no per-head sinks, no filled / clamped-score fix-ups (`rest`)."""
+def _swaps_heads_and_queries(q: fx.Node, k: fx.Node, bias: Optional[fx.Node]) -> bool:
+    """One K/V head, static head and query counts with more heads than queries (past a decode step's), and a
+    bias (if any) of at most 4 dims; the caller has checked that no structure tells the two axes apart."""
     tq, tk = example_value(q), example_value(k)
     if not (isinstance(tq, torch.Tensor) and isinstance(tk, torch.Tensor)) or tq.dim() != 4 or tk.dim() != 4:
         return False
     hq, nq, hkv = tq.shape[1], tq.shape[2], tk.shape[1]
     if not all(type(n) is int for n in (hq, nq, hkv)) or hkv != 1 or not hq > nq > SWAP_MIN_QUERIES:
-        return False
-    if causal or window_left >= 0 or window_right >= 0 or any(x is not None and x is not False for x in rest):
         return False
     return bias is None or example_value(bias).dim() <= 4
 
