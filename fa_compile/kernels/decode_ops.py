@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .decode import _pow2, launch_options
 from .triton_family import interpreting
-from .triton_ops import EMPTY_FILLS, _bias_arg, _empty, _launcher, _unused  # EMPTY_FILLS: fwd's `empty_fill` values
+from .triton_ops import EMPTY_FILLS, _bias_arg, _empty, _launcher  # EMPTY_FILLS: fwd's `empty_fill` values
 
 NAMESPACE = "fa3_decode"
 
@@ -46,29 +46,26 @@ def fwd(
         return out, lse
     rows = g * nq
     block_d, block_dv = _pow2(d), _pow2(dv)
-    # Unused pointer arguments get one-element buffers, never an input: Inductor realizes a tensor it computes once
-    # per argument that receives it (kv_lens as SEQLENS, LEFTPAD and TABLE cost two extra launches per layer; q in
-    # every unused slot was written into eight buffers per layer of a Llama decode step). The read-only slots share one.
-    unused = _unused(q.device)
-    lens = kv_lens if kv_lens is not None else unused
+    # Unused pointer arguments are None: Triton and wrap_triton take None as a constant, so the launch passes no
+    # pointer and the generated code allocates nothing for it. Never an input in their place: Inductor realizes a
+    # tensor it computes once per argument that receives it (kv_lens as SEQLENS, LEFTPAD and TABLE cost two extra
+    # launches per layer; q in every unused slot was written into eight buffers per layer of a Llama decode step).
     if splits > 1:
         opart = _empty((b * hkv, splits, rows, dv), (splits * rows * dv, rows * dv, dv, 1), torch.float32, q.device)
         lpart = _empty((b * hkv, splits, rows), (splits * rows, rows, 1), torch.float32, q.device)
         spart = _empty((b * hkv, splits, rows), (splits * rows, rows, 1), torch.float32, q.device)
-    else:  # written only with SPLIT, but Triton's mutation analysis sees the stores: each its own buffer (a shared or
-        # an input one would be claimed written; not `lse`: a functional HOP clones each written argument, and
-        # aliases of one output would each write back their own copy)
-        opart, lpart, spart = (_unused(q.device) for _ in range(3))
+    else:  # stored to only with SPLIT, a constant: the kernel compiled without it has no store to them
+        opart = lpart = spart = None
     bt, bias_kind, bstr = _bias_arg(bias, b, hq, nq, nk)
     kind = 0 if bt is None else (1 if bias_kind in (1, 3) else 2)
     if q_pos is not None:
         qp = q_pos.reshape(1, -1) if q_pos.dim() == 1 else q_pos
         qpos = dict(QPOS=qp, stride_pb=0 if qp.shape[0] == 1 else qp.stride(0), stride_pm=qp.stride(1), HAS_QPOS=True)
     else:
-        qpos = dict(QPOS=unused, stride_pb=0, stride_pm=0, HAS_QPOS=False)
+        qpos = dict(QPOS=None, stride_pb=0, stride_pm=0, HAS_QPOS=False)
     tune, ctune = launch_options(block_n, block_d, block_dv)
     _launcher(decode_partial_kernel)[(splits, b * hkv, 1)](
-        q, k, v, lens, unused, unused, out, lse, opart, lpart, spart,
+        q, k, v, kv_lens, None, None, out, lse, opart, lpart, spart,
         q.stride(0), q.stride(2), q.stride(1), q.stride(3),  # the kernel reads q as [B, Nq, Hq, D]
         k.stride(0), k.stride(2), k.stride(1), k.stride(3),  # and the cache as [B, Nk, Hkv, D]
         v.stride(0), v.stride(2), v.stride(1), v.stride(3),
@@ -78,14 +75,14 @@ def fwd(
         PAGE=1, PAGED=False, PAGE_TILES=False, HAS_LEFTPAD=False, IS_CAUSAL=False, SPLIT=splits > 1,
         BLOCK_M=_pow2(rows), BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         **qpos, diag_offset=diag_offset, DIAG_CAUSAL=bool(causal),  # (a SymInt under dynamic shapes)
-        BIAS=bt if bt is not None else unused, stride_bb=bstr[0], stride_bh=bstr[1], stride_bm=bstr[2],
+        BIAS=bt, stride_bb=bstr[0], stride_bh=bstr[1], stride_bm=bstr[2],
         stride_bn=bstr[3], BIAS_KIND=kind, HAS_SEQLENS=kv_lens is not None, EMPTY_FILL=empty_fill, **tune,
     )
     if splits > 1:
         _launcher(decode_combine_kernel)[(b * hkv * rows, 1, 1)](
             opart, lpart, spart, out, lse, out.stride(0), out.stride(2), out.stride(1), hkv, g, nq, dv, splits,
             BLOCK_S=_pow2(splits, 2), BLOCK_DV=block_dv,
-            V=v, stride_vb=v.stride(0), stride_vtok=v.stride(2), stride_vh=v.stride(1), stride_vd=v.stride(3),
+            V=v if empty_fill == EMPTY_FILLS["mean_v"] else None, stride_vb=v.stride(0), stride_vtok=v.stride(2), stride_vh=v.stride(1), stride_vd=v.stride(3),
             capacity=nk, EMPTY_FILL=empty_fill, BLOCK_N=block_n, **ctune,
         )
     return out, lse
