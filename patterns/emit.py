@@ -274,17 +274,22 @@ def emit_attention(
     return call(graph, torch.where, empty, fill, out), node
 
 
-SWAP_MIN_QUERIES = 16  # decode-shaped sites (up to 16 queries) keep their axes: the decode kernel packs the heads
+SWAP_MIN_QUERIES = 16  # decode-shaped sites (up to 16 queries) keep their axes where the decode kernel packs the heads
+DECODE_PACKED_ROWS = 128  # heads x queries the decode kernel packs per K/V head (kernels.decode.MAX_ROWS; a test ties them)
 
 
 def _swaps_heads_and_queries(q: fx.Node, k: fx.Node, bias: Optional[fx.Node]) -> bool:
-    """One K/V head, static head and query counts with more heads than queries (past a decode step's), and a
-    bias (if any) of at most 4 dims; the caller has checked that no structure tells the two axes apart."""
+    """One K/V head, static head and query counts with more heads than queries, and a bias (if any) of at most 4
+    dims; the caller has checked that no structure tells the two axes apart. A decode-shaped site (up to 16
+    queries) keeps its axes while the decode kernel packs all its rows into one tile (heads x queries up to
+    DECODE_PACKED_ROWS); past that no kernel reads the one K/V head once for every head, so the axes trade places."""
     tq, tk = example_value(q), example_value(k)
     if not (isinstance(tq, torch.Tensor) and isinstance(tk, torch.Tensor)) or tq.dim() != 4 or tk.dim() != 4:
         return False
     hq, nq, hkv = tq.shape[1], tq.shape[2], tk.shape[1]
-    if not all(type(n) is int for n in (hq, nq, hkv)) or hkv != 1 or not hq > nq > SWAP_MIN_QUERIES:
+    if not all(type(n) is int for n in (hq, nq, hkv)) or hkv != 1 or not hq > nq:
+        return False
+    if nq <= SWAP_MIN_QUERIES and hq * nq <= DECODE_PACKED_ROWS:
         return False
     return bias is None or example_value(bias).dim() <= 4
 

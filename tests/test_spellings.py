@@ -480,6 +480,28 @@ def test_folded_tokens_as_heads_swap_to_queries():
     assert tuple(call.args[8].meta["example_value"].shape) == (2, 1, 20, 20)  # the mask, transposed with them
 
 
+@pytest.mark.parametrize("tokens,heads,swapped", [(20, 8, True), (12, 8, False)])
+def test_folded_few_heads_swap_past_the_decode_tile(tokens, heads, swapped):
+    """Few heads (8, the op's queries) folded behind the tokens (its heads): 20 x 8 = 160 rows exceed what the
+    decode kernel packs over one K/V head, so the axes trade places (8 heads of 20 queries); 12 x 8 = 96 rows
+    fit that tile and the decode-shaped site keeps its axes."""
+    m = FoldedRowsMQA(heads=heads, dim=8)
+    x = rand(2, tokens, heads * 8, seed=5, requires_grad=True)
+    keep = torch.ones(tokens, tokens, dtype=torch.bool).tril().expand(2, tokens, tokens).clone()
+    keep[0, :, :2] = False
+    keep[0, :2, 0] = True
+    res = check(m, [x, keep[:, :, None, :]], rewritten=1)
+    q = res.rewritten[0].call.args[0].meta["example_value"]
+    assert tuple(q.shape) == ((2, heads, tokens, 8) if swapped else (2, tokens, heads, 8))
+
+
+def test_swap_threshold_is_the_decode_kernels_tile():
+    from fa_compile.kernels.decode import MAX_ROWS
+    from fa_compile.patterns.emit import DECODE_PACKED_ROWS
+
+    assert DECODE_PACKED_ROWS == MAX_ROWS
+
+
 def split_rows_not_softmaxed(q, k, v):  # the same split feeds a sum, not a softmax: not attention
     s = torch.bmm(q.reshape(B, H * N, D), k.transpose(1, 2)).view(B, H, N, N)
     return s.amax(-1, keepdim=True) * q
