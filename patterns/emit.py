@@ -275,7 +275,8 @@ def emit_attention(
 
 
 SWAP_MIN_QUERIES = 16  # decode-shaped sites (up to 16 queries) keep their axes where the decode kernel packs the heads
-DECODE_PACKED_ROWS = 128  # heads x queries the decode kernel packs per K/V head (kernels.decode.MAX_ROWS; a test ties them)
+DECODE_PACKED_ROWS = 128  # heads x queries the decode kernel packs per K/V head (kernels/decode.py's MAX_ROWS; a
+# test ties the two)
 
 
 def _swaps_heads_and_queries(q: fx.Node, k: fx.Node, bias: Optional[fx.Node]) -> bool:

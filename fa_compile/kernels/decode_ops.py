@@ -82,7 +82,8 @@ def fwd(
         _launcher(decode_combine_kernel)[(b * hkv * rows, 1, 1)](
             opart, lpart, spart, out, lse, out.stride(0), out.stride(2), out.stride(1), hkv, g, nq, dv, splits,
             BLOCK_S=_pow2(splits, 2), BLOCK_DV=block_dv,
-            V=v if empty_fill == EMPTY_FILLS["mean_v"] else None, stride_vb=v.stride(0), stride_vtok=v.stride(2), stride_vh=v.stride(1), stride_vd=v.stride(3),
+            V=v if empty_fill == EMPTY_FILLS["mean_v"] else None,  # read only to fill empty rows with mean(V)
+            stride_vb=v.stride(0), stride_vtok=v.stride(2), stride_vh=v.stride(1), stride_vd=v.stride(3),
             capacity=nk, EMPTY_FILL=empty_fill, BLOCK_N=block_n, **ctune,
         )
     return out, lse
