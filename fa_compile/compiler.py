@@ -146,17 +146,67 @@ def _warn_compile_fallback(err: Exception, what: str = "the lowered attention ke
                       RuntimeWarning, stacklevel=3)
 
 
+def _outputs_share_storage(gm: fx.GraphModule) -> bool:
+    """Whether two outputs of the Dynamo graph lie over one storage (one a view of the other, or both views
+    of one intermediate)."""
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    out = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+    if out is None:
+        return False
+    seen: set = set()
+    for node in _flat_nodes(out.args):
+        value = node.meta.get("example_value")
+        if not isinstance(value, torch.Tensor) or value.is_sparse:
+            continue
+        try:
+            ref = StorageWeakRef(value.untyped_storage())
+        except Exception:  # noqa: BLE001 - a tensor without a plain storage: nothing to compare
+            continue
+        if ref in seen:
+            return True
+        seen.add(ref)
+    return False
+
+
+def _flat_nodes(args: Any) -> list:
+    found: list = []
+    fx.node.map_arg(args, found.append)
+    return found
+
+
+def _autograd_cache_scope(gm: fx.GraphModule) -> Any:
+    """No AOTAutograd cache for a graph whose outputs share a storage: from a warm entry, torch (2.13 at
+    least, with plain Inductor as well) rebuilds an output that is a view of another output with garbage
+    sizes, a RuntimeError or a crash in the second process. Such a graph compiles as in a cold process
+    (Inductor's own graph cache still serves it); every other graph keeps the cache."""
+    import contextlib
+
+    import torch._functorch.config as functorch_config
+
+    if not hasattr(functorch_config, "enable_autograd_cache") or not _outputs_share_storage(gm):
+        return contextlib.nullcontext()
+    return functorch_config.patch(enable_autograd_cache=False)
+
+
 def _inner_compile(cfg: BackendConfig, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str], options: Optional[dict]):
-    if cfg.inner != "inductor" and ((mode and mode != "default") or options):
+    if cfg.inner == "inductor":
+        with _autograd_cache_scope(gm):
+            return _compile_inductor(cfg, gm, example_inputs, mode, options)
+    if (mode and mode != "default") or options:
         # torch.compile(..., mode=/options=) reach the backend as these arguments: never drop them.
         raise ValueError(f"mode, options: torch.compile's mode={mode!r} / options={options!r} only apply to "
                          f"fa_compile.backend(inner='inductor'), this backend's inner compiler is {cfg.inner!r}")
     if cfg.inner == "eager":
         return gm.forward
-    if cfg.inner == "aot_eager":
-        from torch._dynamo.backends.debugging import aot_eager
+    from torch._dynamo.backends.debugging import aot_eager
 
-        return aot_eager(gm, example_inputs)
+    return aot_eager(gm, example_inputs)
+
+
+def _compile_inductor(cfg: BackendConfig, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str],
+                      options: Optional[dict]):
     import torch._inductor
     from torch._inductor.compile_fx import compile_fx
 

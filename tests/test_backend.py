@@ -162,3 +162,57 @@ def test_forced_kernel_and_bad_options_name_the_argument():
         fa_compile.backend("eager", mode="max-autotune")
     with pytest.raises(ValueError, match="^kernel: unknown kernel 'nope'"):
         fa_compile.backend("eager", kernel="nope")
+
+
+VIEW_OF_OUTPUT = """
+    import math, torch
+    from torch._dynamo.utils import counters
+    def f(q, k, v, w):
+        o = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1) @ v
+        y = o.transpose(1, 2).reshape(2, 16, 32) @ w
+        return y, y.view(2, -1)  # an intermediate returned with a view of itself
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, generator=g, requires_grad=True) for _ in range(3))
+    w = torch.randn(32, 32, generator=g, requires_grad=True)
+    got, want = torch.compile(f, backend="fa3")(q, k, v, w), f(q, k, v, w)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    ones = [torch.ones_like(t) for t in got]
+    for a, b in zip(torch.autograd.grad(got, (q, k, v, w), ones), torch.autograd.grad(want, (q, k, v, w), ones)):
+        torch.testing.assert_close(a, b)
+    print("rewritten", counters["fa_compile"]["sites_rewritten"])
+"""
+
+
+def test_outputs_that_view_each_other_survive_a_warm_cache(tmp_path):
+    """torch's AOTAutograd cache rebuilds, in a later process, an output that views another output with garbage
+    sizes (with plain Inductor too: a RuntimeError or a crash): such graphs compile without that cache, so every
+    process computes what the first did. The caches are left at their defaults, as a user has them."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FA_COMPILE", "TORCHINDUCTOR_"))}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path)
+    for run in range(3):
+        r = subprocess.run([sys.executable, "-c", textwrap.dedent(VIEW_OF_OUTPUT)], capture_output=True, text=True,
+                           env=env, timeout=600)
+        assert r.returncode == 0 and "rewritten 1" in r.stdout, (run, r.stdout, r.stderr[-2000:])
+
+
+def test_only_outputs_over_one_storage_leave_the_autograd_cache():
+    from fa_compile.compiler import _outputs_share_storage
+
+    def traced(fn):
+        graphs = []
+
+        def grab(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        torch.compile(fn, backend=grab, fullgraph=True)(torch.randn(4, 6))
+        return graphs[0]
+
+    assert _outputs_share_storage(traced(lambda x: (x.exp(), x.exp().view(-1)))) is False  # two storages
+    assert _outputs_share_storage(traced(lambda x: (x.exp(), x.cos()))) is False
+    y_and_view = traced(lambda x: (lambda y: (y, y.t()))(x.exp()))
+    assert _outputs_share_storage(y_and_view) is True
+    two_views = traced(lambda x: (lambda y: (y.view(-1), y[1:]))(x.exp()))
+    assert _outputs_share_storage(two_views) is True
