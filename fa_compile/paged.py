@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -429,6 +430,35 @@ _LIB.impl("paged_attention", _paged_autograd, "Autograd")
 
 
 # ------------------------------------------------------------------------------------- Python wrapper
+def _check_wrapper_types(**args: Any) -> None:
+    """TypeErrors naming the argument for what the op's schema would reject with a RuntimeError (or, for a
+    tensor scale, take as a float and drop its gradient)."""
+    for name in ("q", "k_cache", "v_cache"):
+        if not isinstance(args[name], Tensor):
+            raise TypeError(f"{name}: expected a Tensor, got {type(args[name]).__name__}")
+    for name in ("page_table", "cache_leftpad"):
+        if args[name] is not None and not isinstance(args[name], Tensor):
+            raise TypeError(f"{name}: expected a Tensor or None, got {type(args[name]).__name__}")
+    scale = args["softmax_scale"]
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"softmax_scale: expected a Python number or None, got {type(scale).__name__} (a tensor "
+                        "scale would be read as a constant, without its gradient)")
+    for name in ("causal", "return_softmax_lse"):
+        if not isinstance(args[name], bool):
+            raise TypeError(f"{name}: expected a bool, got {type(args[name]).__name__}")
+    if isinstance(args["num_splits"], bool) or not isinstance(args["num_splits"], int):
+        raise TypeError(f"num_splits: expected an int, got {type(args['num_splits']).__name__}")
+    if not isinstance(args["layout"], str):
+        raise TypeError(f"layout: expected 'bshd' or 'bhsd', got {type(args['layout']).__name__}")
+    if args["kernel"] is not None and not isinstance(args["kernel"], str):
+        raise TypeError(f"kernel: expected a kernel name or None, got {type(args['kernel']).__name__}")
+    # the op's own checks name its arguments (scale, force_kernel): these two are named as the caller wrote them
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"softmax_scale: must be a finite number, got {scale}")
+    if args["kernel"] is not None and args["kernel"] not in KERNELS:
+        raise ValueError(f"kernel: unknown kernel {args['kernel']!r}; known: {', '.join(KERNELS)}")
+
+
 def paged_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -467,21 +497,20 @@ def paged_attention(
     naming the argument. On a GPU the values of cache_seqlens / cache_leftpad / page_table are not
     checked per call (a device sync); `fa_compile.paged.check_values(...)` checks them once.
     """
-    if not isinstance(q, Tensor):
-        raise TypeError(f"q: expected a Tensor, got {type(q).__name__}")
+    _check_wrapper_types(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cache_leftpad=cache_leftpad,
+                         softmax_scale=softmax_scale, causal=causal, layout=layout, num_splits=num_splits,
+                         return_softmax_lse=return_softmax_lse, kernel=kernel)
     if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, Tensor)):
         raise TypeError(f"cache_seqlens: expected an int or a Tensor, got {type(cache_seqlens).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q: expected [B, Nq, Hq, D] (4 dims), got {q.dim()} dims {tuple(q.shape)}")
     if isinstance(cache_seqlens, int):
-        cache_seqlens = torch.full((q.shape[0] if q.dim() else 0,), cache_seqlens, dtype=torch.int32, device=q.device)
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     if softmax_scale is None:
-        if q.dim() != 4 or q.shape[-1] == 0:
-            raise ValueError("softmax_scale: the default 1 / sqrt(head_dim) needs q [B, Nq, Hq, D] with D > 0; "
+        if q.shape[-1] == 0:
+            raise ValueError("softmax_scale: the default 1 / sqrt(head_dim) needs q's head dim D > 0; "
                              "pass softmax_scale= explicitly")
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    if not isinstance(return_softmax_lse, bool):
-        raise TypeError(f"return_softmax_lse: expected a bool, got {type(return_softmax_lse).__name__}")
     out, lse = torch.ops.fa3.paged_attention(
         q, k_cache, v_cache, cache_seqlens, page_table, cache_leftpad, scale=float(softmax_scale), causal=causal,
         layout=layout, num_splits=num_splits, force_kernel=kernel,

@@ -223,6 +223,34 @@ if not IN_CHILD:
         with pytest.raises((ValueError, TypeError), match=match):
             _bad(**change)()
 
+    @pytest.mark.parametrize("change,match", [
+        (dict(k_cache=None), r"^k_cache: expected a Tensor, got NoneType"),
+        (dict(v_cache=[1.0]), r"^v_cache: expected a Tensor, got list"),
+        (dict(page_table=[[0, 1]]), r"^page_table: expected a Tensor or None, got list"),
+        (dict(q=lambda t: t[0]), r"^q: expected \[B, Nq, Hq, D\] \(4 dims\), got 3 dims"),
+        (dict(softmax_scale="0.5"), r"^softmax_scale: expected a Python number or None, got str"),
+        (dict(softmax_scale=True), r"^softmax_scale: expected a Python number or None, got bool"),
+        (dict(softmax_scale=torch.tensor(0.5, requires_grad=True)), r"^softmax_scale: expected a Python number or None, got Tensor .* without its gradient"),
+        (dict(num_splits=True), r"^num_splits: expected an int, got bool"),
+        (dict(num_splits=1.5), r"^num_splits: expected an int, got float"),
+        (dict(layout=None), r"^layout: expected 'bshd' or 'bhsd', got NoneType"),
+        (dict(kernel=3), r"^kernel: expected a kernel name or None, got int"),
+        (dict(kernel="flash"), r"^kernel: unknown kernel 'flash'; known: triton, fa3, reference"),
+        (dict(softmax_scale=float("nan")), r"^softmax_scale: must be a finite number"),
+    ], ids=lambda x: x if isinstance(x, str) else None)
+    def test_wrapper_argument_types_name_the_argument(change, match):
+        c = make_cache(lens=[5, 20], nq=2, dtype=torch.float32)
+        kw = dict(q=c.q, k_cache=c.k, v_cache=c.v, cache_seqlens=c.seqlens, page_table=c.table)
+        for key, fn in change.items():
+            kw[key] = fn(kw[key]) if callable(fn) else fn
+        with pytest.raises(TypeError if "expected" in match and "dims" not in match else ValueError, match=match):
+            fa_compile.paged_attention(**kw)
+        import numpy as np
+
+        good = fa_compile.paged_attention(c.q, c.k, c.v, c.seqlens, c.table, softmax_scale=np.float32(c.scale))
+        torch.testing.assert_close(good, fa_compile.paged_attention(c.q, c.k, c.v, c.seqlens, c.table,
+                                                                     softmax_scale=float(np.float32(c.scale))))
+
     def test_unused_table_entries_are_not_checked():
         c = make_cache(lens=[5, 20], nq=1, dtype=torch.float32)
         assert (c.table[0, 1:] == -1).all()  # past sequence 0's one page
@@ -415,6 +443,20 @@ else:
         assert decode.plan_splits(0, 3, 2, paged.capacity(c.k, c.table, c.layout), c.q.device, 64) == 1
         check_kernel(c, 0, block_n=64)
         check_kernel(c, 2, block_n=64)
+
+    def test_strided_and_expanded_lengths():
+        """Lengths and left pads given as a column of a wider tensor (the neighbour in memory poisoned) or
+        expanded from one value: the kernel reads the values, not the memory after the first one."""
+        import dataclasses
+
+        c = make_cache(lens=[20, 50, 7], leftpad=[3, 17, 7], nq=4)
+        wide = torch.stack([c.seqlens, torch.full_like(c.seqlens, 10 ** 6)], 1)  # column 1: an out-of-range length
+        pads = torch.stack([c.leftpad, torch.full_like(c.leftpad, 45)], 1)
+        check_kernel(dataclasses.replace(c, seqlens=wide[:, 0], leftpad=pads[:, 0]), 1)
+        check_kernel(dataclasses.replace(c, seqlens=wide[:, 0], leftpad=pads[:, 0]), 3)
+        same = make_cache(lens=[33, 33, 33], nq=2)
+        one = torch.tensor([33], dtype=same.seqlens.dtype)
+        check_kernel(dataclasses.replace(same, seqlens=one.expand(3)), 2)
 
     def test_op_dispatches_to_triton_under_interpreter():
         c = make_cache(lens=[21, 70], nq=2, page=16, share_prefix=1)

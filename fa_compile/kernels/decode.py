@@ -149,9 +149,11 @@ def paged_decode(
     splits = plan_splits(num_splits, b, hkv, capacity, q.device, bn)
     rows = g * nq
     block_m = _pow2(rows)
-    lens = cache_seqlens if cache_seqlens is not None else q
+    # The kernel reads one length and one left pad per sequence at SEQLENS + b, LEFTPAD + b: unit stride
+    # (a column of a wider tensor, or an expanded length, would be read past its values).
+    lens = cache_seqlens.contiguous() if cache_seqlens is not None else q
     table = page_table if paged else lens
-    leftpad = cache_leftpad if cache_leftpad is not None else lens
+    leftpad = cache_leftpad.contiguous() if cache_leftpad is not None else lens
     if splits > 1:
         if workspace is None:
             opart = torch.empty((b * hkv, splits, rows, dv), device=q.device, dtype=torch.float32)
