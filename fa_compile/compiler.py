@@ -176,23 +176,26 @@ def _flat_nodes(args: Any) -> list:
     return found
 
 
-def _autograd_cache_scope(gm: fx.GraphModule) -> Any:
-    """No AOTAutograd cache for a graph whose outputs share a storage: from a warm entry, torch (2.13 at
-    least, with plain Inductor as well) rebuilds an output that is a view of another output with garbage
-    sizes, a RuntimeError or a crash in the second process. Such a graph compiles as in a cold process
-    (Inductor's own graph cache still serves it); every other graph keeps the cache."""
+def _autograd_cache_scope(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+    """No AOTAutograd cache for a training graph whose outputs share a storage: from a warm entry, torch
+    (2.13 at least, with plain Inductor as well) rebuilds an output that is a view of another output with
+    garbage sizes, a RuntimeError or a crash in the second process (inference graphs were not seen to).
+    Such a graph compiles as in a cold process (Inductor's own graph cache still serves it); every other
+    graph keeps the cache."""
     import contextlib
 
+    import torch
     import torch._functorch.config as functorch_config
 
-    if not hasattr(functorch_config, "enable_autograd_cache") or not _outputs_share_storage(gm):
+    trains = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+    if not trains or not hasattr(functorch_config, "enable_autograd_cache") or not _outputs_share_storage(gm):
         return contextlib.nullcontext()
     return functorch_config.patch(enable_autograd_cache=False)
 
 
 def _inner_compile(cfg: BackendConfig, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str], options: Optional[dict]):
     if cfg.inner == "inductor":
-        with _autograd_cache_scope(gm):
+        with _autograd_cache_scope(gm, example_inputs):
             return _compile_inductor(cfg, gm, example_inputs, mode, options)
     if (mode and mode != "default") or options:
         # torch.compile(..., mode=/options=) reach the backend as these arguments: never drop them.

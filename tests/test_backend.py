@@ -216,3 +216,17 @@ def test_only_outputs_over_one_storage_leave_the_autograd_cache():
     assert _outputs_share_storage(y_and_view) is True
     two_views = traced(lambda x: (lambda y: (y.view(-1), y[1:]))(x.exp()))
     assert _outputs_share_storage(two_views) is True
+    from fa_compile.compiler import _autograd_cache_scope
+
+    import torch._functorch.config as functorch_config
+
+    if os.environ.get("TORCHINDUCTOR_AUTOGRAD_CACHE") == "1":
+        pytest.skip("TORCHINDUCTOR_AUTOGRAD_CACHE=1 forces the cache over any patch")
+    before = functorch_config.enable_autograd_cache
+    for inputs, grad, off in (([torch.randn(2, requires_grad=True)], True, True),
+                              ([torch.randn(2)], True, False),  # an inference graph keeps the cache
+                              ([torch.randn(2, requires_grad=True)], False, False)):
+        with torch.set_grad_enabled(grad), _autograd_cache_scope(y_and_view, inputs):
+            assert functorch_config.enable_autograd_cache == (False if off else before)
+    with _autograd_cache_scope(traced(lambda x: (x.exp(), x.cos())), [torch.randn(2, requires_grad=True)]):
+        assert functorch_config.enable_autograd_cache == before
