@@ -239,6 +239,16 @@ def reaches_softmax(node: fx.Node, kinds: tuple, forward: bool, depth: int = 8) 
     return False
 
 
+def comes_before(graph: fx.Graph, a: fx.Node, b: fx.Node) -> bool:
+    """a stands before b in the graph's order (False when neither or only b is found first)."""
+    for n in graph.nodes:
+        if n is a:
+            return True
+        if n is b:
+            return False
+    return False
+
+
 def is_inplace(node: fx.Node) -> bool:
     """An op that writes into its first argument (`x.add_(1)`, `operator.setitem`, `torch.Tensor.mul_`)."""
     if node.op not in ("call_method", "call_function"):

@@ -49,7 +49,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from .canonicalize import is_inplace, kind, tensor_of
+from .canonicalize import comes_before, is_inplace, kind, tensor_of
 from .emit import call, example_value, size_arg
 from .shapes import known_eq, known_one, prod
 from .site import PassOptions, SiteReport
@@ -562,22 +562,13 @@ def _full_lengths(graph: fx.Graph, g: Gather, n: Any) -> fx.Node:
     return call(graph, "new_full", g.table, (size_arg(graph, g.table, 0),), n, dtype=torch.int32, method=True)
 
 
-def _before(graph: fx.Graph, a: fx.Node, b: fx.Node) -> bool:
-    for n in graph.nodes:
-        if n is a:
-            return True
-        if n is b:
-            return False
-    return False
-
-
 def _table_arg(graph: fx.Graph, g: Gather, att: fx.Node, wrapped: dict) -> fx.Node:
     """The table the op reads: advanced indexing's wrap of negative entries made explicit, computed once
     per table for every site after it that nothing writes the table before."""
     if g.spelling != "index":
         return g.table
     earlier = wrapped.get(g.table)
-    if earlier is not None and _before(graph, earlier, att) and \
+    if earlier is not None and comes_before(graph, earlier, att) and \
             _written_between(graph, earlier, att, [g.table]) is None:
         return earlier
     blocks = size_arg(graph, g.pool, 0)

@@ -35,7 +35,8 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from .canonicalize import PROB_STEPS, SCORE_STEPS, arg, is_finite_number, is_inplace, kind, reaches_softmax, tensor_of
+from .canonicalize import (PROB_STEPS, SCORE_STEPS, arg, comes_before, is_finite_number, is_inplace, kind,
+                           reaches_softmax, tensor_of)
 from .emit import set_example_value, size_arg
 from .shapes import known_eq
 from .tentative import Edit, LazyRegions, attempt, commit
@@ -85,15 +86,6 @@ def _product(node: fx.Node) -> Optional[tuple[fx.Node, fx.Node, float]]:
     return x, y, alpha
 
 
-def _nodes_before(graph: fx.Graph, node: fx.Node) -> set:
-    out = set()
-    for n in graph.nodes:
-        if n is node:
-            return out
-        out.add(n)
-    return out
-
-
 def _splits_rows(whole: torch.Tensor, split: torch.Tensor) -> bool:
     """split is whole [B, a·b, C] viewed [B, a, b, C]."""
     return (whole.dim() == 3 and split.dim() == 4 and known_eq(whole.shape[0], split.shape[0])
@@ -133,8 +125,7 @@ def _split_scores(gm: fx.GraphModule, view: fx.Node, regions: LazyRegions) -> Op
         return None
     # The 4-D product reads x and y where the product did (a write into them before the view must not be seen),
     # so every size it takes from the view must exist by then.
-    before = _nodes_before(graph, product)
-    if any(isinstance(a, fx.Node) and a not in before for a in sizes[:3]):
+    if any(isinstance(a, fx.Node) and not comes_before(graph, a, product) for a in sizes[:3]):
         return None
     made: list = []
     with graph.inserting_before(product):
