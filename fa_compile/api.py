@@ -158,10 +158,16 @@ def attention(
     seed = None
     if dropout_p > 0:
         seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=q.device)
-    out, lse = torch.ops.fa3.attention(
-        q, k, v, float(scale), bool(causal), offset, wl, wr, bias, kv_lens, float(softcap),
-        float(dropout_p), seed, kernel, sinks, q_pos, q_seg, k_seg,
-    )
+    try:
+        out, lse = torch.ops.fa3.attention(
+            q, k, v, float(scale), bool(causal), offset, wl, wr, bias, kv_lens, float(softcap),
+            float(dropout_p), seed, kernel, sinks, q_pos, q_seg, k_seg,
+        )
+    except (dispatch.NoKernelError, ValueError) as e:  # the op names its force_kernel: name ours
+        renamed = dispatch.renamed_force_error(e, "kernel") if kernel is not None else None
+        if renamed is None:
+            raise
+        raise renamed from None
     if layout == "bshd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

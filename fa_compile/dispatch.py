@@ -254,6 +254,16 @@ def _forced_candidate(cands: list, args: AttentionArgs, forced: str, source: str
 _FORCE_SOURCE = "force_kernel"
 
 
+def renamed_force_error(err: Exception, name: str) -> Optional[Exception]:
+    """`err`, an error the op raised about its force_kernel argument, as the same type naming `name` (the argument
+    a Python wrapper took and passed as force_kernel); None for any other error."""
+    prefix = f"{_FORCE_SOURCE}: "
+    msg = str(err.args[0]) if len(err.args) == 1 and isinstance(err.args[0], str) else ""
+    if not msg.startswith(prefix) or type(err) not in (NoKernelError, ValueError):
+        return None
+    return type(err)(f"{name}: {msg[len(prefix):]}")
+
+
 def zero_size(args: AttentionArgs) -> Optional[str]:
     """The zero-size dimension of these inputs, or None. Such inputs never reach a fused kernel: the
     reference computes them exactly, as eager does (no keys: out 0, lse -inf; head dim 0: scores 0,

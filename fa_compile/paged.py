@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from . import ops  # (its context-parallel hook: a KV cache is not rung)
+from .dispatch import renamed_force_error
 from .kernels import decode as _decode
 from .kernels.decode_reference import cache_view, paged_attention_reference
 
@@ -511,8 +512,14 @@ def paged_attention(
             raise ValueError("softmax_scale: the default 1 / sqrt(head_dim) needs q's head dim D > 0; "
                              "pass softmax_scale= explicitly")
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse = torch.ops.fa3.paged_attention(
-        q, k_cache, v_cache, cache_seqlens, page_table, cache_leftpad, scale=float(softmax_scale), causal=causal,
-        layout=layout, num_splits=num_splits, force_kernel=kernel,
-    )
+    try:
+        out, lse = torch.ops.fa3.paged_attention(
+            q, k_cache, v_cache, cache_seqlens, page_table, cache_leftpad, scale=float(softmax_scale), causal=causal,
+            layout=layout, num_splits=num_splits, force_kernel=kernel,
+        )
+    except ValueError as e:  # the op names its force_kernel: name ours
+        renamed = renamed_force_error(e, "kernel") if kernel is not None else None
+        if renamed is None:
+            raise
+        raise renamed from None
     return (out, lse) if return_softmax_lse else out

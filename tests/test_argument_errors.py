@@ -114,6 +114,23 @@ def test_forced_kernel_error_says_where_the_name_came_from():
         torch.ops.fa3.attention(q, q, q, 0.3, force_kernel="nope")
 
 
+def test_wrappers_name_their_kernel_argument_when_the_kernel_refuses():
+    """A kernel that exists but cannot take these inputs: the wrappers' error names `kernel=`, the argument the caller
+    wrote (the ops name their own `force_kernel`), with the same type and the refusal's reasons."""
+    from fa_compile.dispatch import NoKernelError
+
+    q = rand(*Q)
+    with pytest.raises(NoKernelError, match=r"^kernel: the forced forward kernel 'flash' cannot take these inputs: .*"
+                                            r"CUDA only"):
+        fa_compile.attention(q, q, q, kernel="flash")  # on a CPU tensor
+    with pytest.raises(NoKernelError, match=r"^force_kernel: the forced forward kernel 'flash'"):
+        torch.ops.fa3.attention(q, q, q, 0.3, force_kernel="flash")
+    qb = q.transpose(1, 2).contiguous()  # [B, N, H, D]
+    with pytest.raises(ValueError, match=r"^kernel: 'fa3' cannot take these inputs"):
+        fa_compile.paged_attention(qb, qb, qb, 5, kernel="fa3")  # FA3 is CUDA only
+    torch.testing.assert_close(fa_compile.attention(q, q, q, kernel="reference"), fa_compile.attention(q, q, q))
+
+
 def test_kv_lens_outside_zero_to_nk_are_clamped():
     """Documented: keys j >= kv_lens[b] are masked, so a length above Nk admits every key and one
     at or below 0 none (out 0, lse -inf); no check reads the values (a device sync on CUDA)."""
