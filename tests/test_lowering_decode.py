@@ -240,12 +240,19 @@ else:
         torch.testing.assert_close(out, want, atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
 
-    def test_lowered_graph_is_pinned(cpu_lowering):
-        # The kernels Inductor will launch, in order, with the plan fixed at compile time (2 splits of a
-        # 600-slot cache on the interpreter's pretend 8 SMs) and the combine after them.
-        case = _q_pos_case()
+    def _lowered_launches(case) -> list:
         gm, _ = _site(case)
         graph_pass.lower_graph(gm.graph)
+        gm.recompile()
+        return [n for n in gm.graph.nodes if n.target is FUNCTIONAL]
+
+    def test_lowered_graph_is_pinned(cpu_lowering):
+        # The kernels Inductor will launch, in order, with the plan fixed at compile time (2 splits of a
+        # 600-slot cache on the interpreter's pretend 8 SMs, CUDA graphs on) and the combine after them.
+        case = _q_pos_case()
+        gm, _ = _site(case)
+        with torch._inductor.config.patch({"triton.cudagraphs": True}):
+            graph_pass.lower_graph(gm.graph)
         gm.recompile()
         calls = []
         for n in gm.graph.nodes:
@@ -258,6 +265,30 @@ else:
         expecttest.assert_expected_inline("\n".join(calls), """\
 partial grid=[(2, 4, 1)] num_splits=2 SPLIT=True BLOCK_N=64 HAS_QPOS=True DIAG_CAUSAL=False BIAS_KIND=0 HAS_SEQLENS=False EMPTY_FILL=0
 combine grid=[(48, 1, 1)] num_splits=2 BLOCK_N=64 EMPTY_FILL=0""")
+
+    def test_short_static_cache_runs_one_split_without_cuda_graphs(cpu_lowering, poisoned):
+        # Launched by Inductor's code without CUDA graphs, a decode step is host-bound: a cache of at most
+        # HOST_BOUND_MAX_KEYS slots gets no combine launch. Longer caches, and any cache under CUDA graphs, keep
+        # the planner's splits.
+        from fa_compile.lowering import decode as lowering_decode
+
+        case = _q_pos_case()  # 600 slots
+        assert case.k.shape[2] <= lowering_decode.HOST_BOUND_MAX_KEYS
+        launches = _lowered_launches(case)
+        assert [n.kwargs["grid"] for n in launches] == [[(1, 4, 1)]], launches
+        with torch._inductor.config.patch({"triton.cudagraphs": True}):
+            assert len(_lowered_launches(case)) == 2
+        long = make_case(b=2, hq=8, hkv=2, nq=3, nk=1100, d=32, dtype=torch.float16, seed=4, needs_backward=False)
+        long.q_pos = torch.tensor([[1017, 1018, 1019], [5, 6, 7]])
+        long_launches = _lowered_launches(long)
+        assert len(long_launches) == 2 and long_launches[0].kwargs["grid"][0][0] > 1, long_launches
+        gm, inputs = _site(case)
+        graph_pass.lower_graph(gm.graph)
+        gm.recompile()
+        out, lse = gm(*inputs)
+        want, want_lse = ref.attention_reference(case.q, case.k, case.v, **case.mask_kwargs())
+        torch.testing.assert_close(out, want, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
 
     def test_describe_names_the_decode_op(cpu_lowering):
         case = _q_pos_case()

@@ -12,7 +12,8 @@ Two ways in:
   benchmarks/generate_steps.py, BENCHMARKS.md). FA_COMPILE_DECODE_KERNEL=0 turns that off.
 
 The splits and the key tile are fixed here by the launcher's own rule (fa_compile/kernels/decode.py plan_splits,
-which never reads the lengths: they live on the device). A cache length that is symbolic (Hugging Face's
+which never reads the lengths: they live on the device), except that a short static cache launched without CUDA
+graphs gets one split (HOST_BOUND_MAX_KEYS: there a launch costs more host time than the splits save GPU time). A cache length that is symbolic (Hugging Face's
 DynamicCache grows it every step: dynamic=True or Dynamo's automatic dynamic shapes) is fine: the kernel
 divides each sequence's own length among the splits at run time, so the count planned from the
 length's hint (or bound) is exact at every length, only less even. Other symbolic sizes keep the op.
@@ -43,6 +44,23 @@ def _length_hint(n) -> int:
         return int(n.node.hint)
     except Exception:
         return 0  # no hint: plan_splits gives one split
+
+
+# Up to this many cache slots, a graph launched without CUDA graphs runs the decode kernel in one split: the splits'
+# combine is one more launch per layer, ~10-13 µs of host time in Inductor's code on the H100's host, and a decode
+# step of a small model is host-bound, so the GPU time the splits save (at most ~6.5 µs at 1024 slots: B2 x 8 kv
+# heads d128, 13.5 against 7.0 µs; B4 x 16 heads d64, 11.4 against 7.3) is hidden while the launch's host time is
+# not. GPT-2 B4 (8 layers), host µs per compiled step, one split against the planner's: 1649 / 1772 with 512 slots,
+# 1601 / 1798 with 1024 (benchmarks/launch_host.py, BENCHMARKS.md). Under CUDA graphs a launch costs no host time,
+# and a symbolic length may grow past this, so both keep the planner's count.
+HOST_BOUND_MAX_KEYS = 1024
+
+
+def _host_bound_short(nk) -> bool:
+    """Whether a decode site over `nk` cache slots gets one split (see HOST_BOUND_MAX_KEYS)."""
+    import torch._inductor.config as inductor_config
+
+    return isinstance(nk, int) and nk <= HOST_BOUND_MAX_KEYS and not inductor_config.triton.cudagraphs
 
 
 def _bottom_right(args: dispatch.AttentionArgs) -> bool:
@@ -92,12 +110,15 @@ class DecodeLowering:
 
     def _plan(self, args: dispatch.AttentionArgs) -> tuple[int, int]:
         """(splits, keys per tile): fa_compile/kernels/decode.py's choice for a contiguous cache of Nk slots (a
-        symbolic Nk: its upper bound, else its hint)."""
+        symbolic Nk: its upper bound, else its hint), or one split for a short static cache launched without
+        CUDA graphs (`_host_bound_short`)."""
         from ..kernels import decode
 
         b, hkv, nk = int(args.q.shape[0]), int(args.k.shape[1]), _length_hint(args.k.shape[2])
         d, dv = int(args.q.shape[3]), int(args.v.shape[3])
         bn = decode.pick_block_n(max(decode._pow2(d), decode._pow2(dv)), None)
+        if _host_bound_short(args.k.shape[2]):
+            return 1, bn
         return decode.plan_splits(0, b, hkv, nk, args.q.device, bn), bn
 
     def forward_fn(self, args: dispatch.AttentionArgs, empty_fill: str = "zero",
