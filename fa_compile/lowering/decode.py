@@ -46,13 +46,13 @@ def _length_hint(n) -> int:
         return 0  # no hint: plan_splits gives one split
 
 
-# Up to this many cache slots, a graph launched without CUDA graphs runs the decode kernel in one split: the splits'
-# combine is one more launch per layer, ~10-13 µs of host time in Inductor's code on the H100's host, and a decode
-# step of a small model is host-bound, so the GPU time the splits save (at most ~6.5 µs at 1024 slots: B2 x 8 kv
-# heads d128, 13.5 against 7.0 µs; B4 x 16 heads d64, 11.4 against 7.3) is hidden while the launch's host time is
-# not. GPT-2 B4 (8 layers), host µs per compiled step, one split against the planner's: 1649 / 1772 with 512 slots,
-# 1601 / 1798 with 1024 (benchmarks/launch_host.py, BENCHMARKS.md). Under CUDA graphs a launch costs no host time,
-# and a symbolic length may grow past this, so both keep the planner's count.
+# Up to this many cache slots, a graph launched without CUDA graphs runs the decode kernel in one split. The splits'
+# combine is one more launch per layer (~10-13 µs of host time in Inductor's code on an H100's host), and a decode
+# step of a small model is host-bound, so the GPU time the splits save is hidden while the launch's host time is not:
+# at most ~6.5 µs at 1024 slots (B2 x 8 kv heads d128: 13.5 against 7.0 µs; B4 x 16 heads d64: 11.4 against 7.3;
+# benchmarks/decode_splits.py). GPT-2 B4, 8 layers, host µs per compiled step, one split against the planner's:
+# 1649 / 1772 with 512 slots, 1601 / 1798 with 1024 (benchmarks/launch_host.py; BENCHMARKS.md). Under CUDA graphs a
+# launch costs no host time, and a symbolic length may grow past this: both keep the planner's count.
 HOST_BOUND_MAX_KEYS = 1024
 
 
