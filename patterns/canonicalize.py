@@ -201,6 +201,8 @@ def kind(node: Any) -> Optional[str]:
         return None
     if k == "cast" and not _is_dtype_cast(node):
         return None
+    if k == "div" and node.kwargs.get("rounding_mode") is not None:
+        return None  # floor / trunc division: a step of its own (gradient 0), not a scale
     if k == "div" and exp_sum_of(node) is not None:
         k = "softmax"
     return k

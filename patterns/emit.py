@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 from typing import Any, Optional, Union
 
 import torch
@@ -82,6 +83,23 @@ def call(graph: fx.Graph, target: Any, *args: Any, method: bool = False, **kwarg
 EMPTY_ROWS_KEPT = ("impossible", "zero", "nan", "mean_v", "mean_v_add", "mean_v_add_tied")
 # "fill" is kept too, but only by callers that pass MaskSpec.fill along: it is not in the tuple above,
 # so a caller that forwards empty_rows alone falls back to its exact bias instead.
+
+
+_REGIONS: "weakref.WeakKeyDictionary[fx.Graph, Any]" = weakref.WeakKeyDictionary()
+
+
+def _no_grad_at(graph: fx.Graph, nodes: tuple) -> bool:
+    """Whether grad mode is known to be off where each of `nodes` is computed (the call is then recorded for no
+    backward, whatever its inputs' requires_grad: a parameter keeps the flag under no_grad)."""
+    from .regions import Regions
+
+    gm = graph.owning_module
+    if gm is None:
+        return False
+    regions = _REGIONS.get(graph)
+    if regions is None:  # per graph: grad-mode markers are the traced program's own, never inserted by a rewrite
+        regions = _REGIONS[graph] = Regions(gm)
+    return all(isinstance(n, fx.Node) and regions.of(n).grad is False for n in nodes)
 
 
 def emit_attention(
@@ -221,7 +239,8 @@ def emit_attention(
         if _key_shaped(causal, window_left, window_right, bias, kv_lens) and all(x is None for x in runtime.values()):
             k, bias = _fill_masked_keys(graph, q, k, bias, kv_lens, fill)
             kv_lens, empty_rows = None, "impossible"  # the op now computes eager's own softmax
-    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in map(example_value, (q, k, v, bias, sinks))):
+    if not _no_grad_at(graph, (q, k, v)) and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in map(example_value, (q, k, v, bias, sinks))):
         # The op saves its inputs for the backward, and a copy would not help: AOTAutograd saves a mutated
         # graph input rather than a copy of it and replays the write before the backward (torch 2.11 and
         # 2.13: `c = m.clone(); y = q * c; m.mul_(2)` gives q the gradient of the new m).

@@ -180,6 +180,35 @@ def test_gpt_oss_sink_column_under_dynamic_shapes():
     assert c.reports and all(r.rewritten for r in c.reports), [r.reason for r in c.reports]
 
 
+class CacheWriteAfter(GptOssAttention):
+    """The attention over a cache that the same graph writes into afterwards (a static cache's next write)."""
+
+    def forward(self, q, k, v, mask=None):
+        out = eager_sinks(q, k, v, self.sinks, mask)
+        k.add_(1.0)
+        return out
+
+
+def test_cache_written_after_the_site_under_no_grad():
+    # The sink parameter keeps requires_grad under no_grad, yet no backward is recorded there, so nothing the op
+    # would save is overwritten: the site is rewritten (generate() with a static cache). With a gradient wanted,
+    # the op would save k and the write would change it: refused.
+    from conftest import Compiled
+
+    q, k, v, _ = _inputs(torch.float32)
+    m = CacheWriteAfter()
+    k_ref, k_got = k.detach().clone(), k.detach().clone()
+    with torch.no_grad():
+        want = m(q.detach(), k_ref, v.detach())
+        c = Compiled(m, inner="aot_eager")
+        got = c(q.detach(), k_got, v.detach())
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(k_got, k_ref)
+    assert [r.rewritten for r in c.reports] == [True], [r.reason for r in c.reports]
+    res = check(CacheWriteAfter(), [q, k.detach(), v], rewritten=0)
+    assert any("written in place later" in r for r in res.reasons), res.reasons
+
+
 def test_gpt_oss_sink_column_with_an_additive_causal_mask():
     # HF's additive finfo.min causal mask, rows fully masked included (a negative offset): the sink takes them.
     q, k, v, _ = _inputs(torch.float32)

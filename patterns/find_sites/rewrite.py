@@ -25,7 +25,7 @@ from .build import (
     _padded_batch, _regroup, _same, _shape, _where,
 )
 from .probs import Probs, walk_probs
-from .scores import Miss, Scores, walk_scores
+from .scores import Miss, Scores, narrows, walk_scores
 
 
 def _analyze_mask(gm: fx.GraphModule, terms: list, bd: list, st: torch.Tensor, insert_before: fx.Node) -> MaskSpec:
@@ -201,8 +201,13 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
     sink = sinks.peel(sm, x)
     if sink is not None:
         x, st = sink.scores, tensor_of(sink.scores)
-    scores = walk_scores(x, gm)
+    scores = walk_scores(x, gm, shift_invariant=sink is None)
     probs = walk_probs(sm, options, gm, through=sink.drop if sink is not None else None)
+    ref = tensor_of(scores.contraction.node).dtype
+    for n in [sm] + [n for n in probs.nodes if kind(n) == "cast"]:
+        if tensor_of(n) is not None and narrows(tensor_of(n).dtype, ref):
+            raise Miss(f"the probabilities are {'computed' if n is sm else 'cast'} in {tensor_of(n).dtype} ({n.name}), "
+                       f"narrower than the {ref} of the scores: a rounding the op would not make")
     if sink is not None:
         scores.nodes[:0] = sink.nodes
     qk, pv = scores.contraction, probs.pv

@@ -148,13 +148,42 @@ def _clamp_min_of(node: fx.Node, t: torch.Tensor) -> Optional[fx.Node]:
     return a
 
 
-def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None) -> Scores:
-    """From the softmax input back to the Q·Kᵀ contraction (gm: the graph, for proofs of mask values)."""
+def _shift_refusal(terms: list, softcap: float, shift_invariant: bool) -> Optional[str]:
+    """Why a shift of the scores by a row constant (a number, or the row max) may not be dropped, given what the walk
+    found applied after it (`terms`, `softcap`: the walk goes from the softmax inwards); None when softmax ignores it."""
+    if not shift_invariant:
+        return "the scores are shifted before a column is concatenated to them (the shift does not reach that column)"
+    if softcap:
+        return "the scores are shifted before the softcap (tanh does not commute with the shift)"
+    from ..masks.combine import _absorbs
+
+    for t in terms:
+        if t.op not in ("fill", "where", "fill_zero") or not isinstance(t.fill, (int, float)):
+            continue
+        # a fill that absorbs any plausible score (-inf, finfo.min) gets weight 0 whatever the shift; a higher one
+        # keeps a weight that the shift changes (the mask analysis' own rule for a constant added: analyze.py)
+        if not _absorbs(t.fill, t.dtype if t.dtype is not None else torch.float32):
+            return (f"the scores are shifted before a finite fill ({t.fill:g}): the filled entries do not move with the "
+                    "shift, so softmax is not invariant to it")
+    return None
+
+
+def narrows(dtype: torch.dtype, ref: torch.dtype) -> bool:
+    """Whether a cast to `dtype` loses precision or range of `ref` values (a quantizing round trip, not a widening)."""
+    if not (dtype.is_floating_point and ref.is_floating_point):
+        return dtype != ref
+    a, b = torch.finfo(dtype), torch.finfo(ref)
+    return a.eps > b.eps or a.max < b.max
+
+
+def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None, shift_invariant: bool = True) -> Scores:
+    """From the softmax input back to the Q·Kᵀ contraction (gm: the graph, for proofs of mask values).
+    shift_invariant: False where the softmax reads more than these scores (a sink column concatenated after them),
+    so that a row-constant shift of the scores is no longer one of its input."""
     scale, factors, softcap, terms, nodes, batches = 1.0, [], 0.0, [], [], []
     row_max_users: set = set()  # max/amax nodes reading a chain node only to subtract its row max
     clamped = False
     phase = "mask"  # outermost first: mask terms -> softcap -> scale
-    shifted = False
     cur = x
     for _ in range(128):
         c = contraction(cur)
@@ -187,8 +216,6 @@ def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None) -> Scores:
             if cap is not None:
                 if phase == "scale":
                     raise Miss("the softcapped scores are scaled again (not expressible as the op's scale and softcap)")
-                if shifted:
-                    raise Miss("a constant is added to the scores before the softcap")
                 softcap, cur = cap[0], cap[1]
                 nodes.extend(cap[2])
                 phase = "scale"
@@ -235,18 +262,18 @@ def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None) -> Scores:
                 cur = mm.scores
                 continue
             a, b = cur.args[0], arg(cur, 1, "other")
-            if k == "sub" and is_finite_number(b) and isinstance(a, fx.Node):
-                shifted = True  # a constant shift: softmax is invariant to it
-                cur = a
-                continue
-            if k == "add" and (is_finite_number(a) or is_finite_number(b)):
-                shifted = True
-                cur = b if is_finite_number(a) else a
-                continue
-            if k == "sub" and _row_max_of(b, a):
-                shifted = True  # s - rowmax(s): the usual stabilisation, softmax is invariant to it
-                row_max_users.add(_row_max_of(b, a))
-                cur = a
+            const_sub = k == "sub" and is_finite_number(b) and isinstance(a, fx.Node)
+            const_add = k == "add" and (is_finite_number(a) or is_finite_number(b))
+            row_max = k == "sub" and _row_max_of(b, a)
+            if const_sub or const_add or row_max:
+                # a row constant (s - rowmax(s): the usual stabilisation): softmax is invariant to it unless
+                # something applied after it does not move with it
+                why = _shift_refusal(terms, softcap, shift_invariant)
+                if why:
+                    raise Miss(why)
+                if row_max:
+                    row_max_users.add(row_max)
+                cur = b if const_add and is_finite_number(a) else a
                 continue
             if k == "sub":
                 if not (isinstance(a, fx.Node) and _reaches_contraction(a)) or tensor_of(b) is None:
@@ -301,6 +328,9 @@ def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None) -> Scores:
             scale *= float(c.alpha)
         else:  # a SymFloat alpha (e.g. d ** -0.5 under dynamic shapes): folded into q
             factors.append((c.alpha, "mul", list(tensor_of(c.node).shape[:-2])))
+        if c.beta == 0 and c.addend is not None and getattr(tensor_of(c.addend), "requires_grad", False):
+            raise Miss(f"{c.spelling} with beta=0 ignores its added input, which needs a gradient: eager gives it a "
+                       "zero gradient, the op none")
         if c.beta != 0:
             if softcap or outer_factors:
                 raise Miss(f"{c.spelling}'s added input is softcapped or scaled by a tensor afterwards")
@@ -317,6 +347,11 @@ def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None) -> Scores:
         users = [u for u in n.users if not reads_only_metadata(u, n) and u not in row_max_users]
         if len(users) != 1:
             raise Miss(f"the scores ({n.name}) are also used outside the attention")
+    ref = tensor_of(c.node).dtype
+    for n in nodes:
+        if kind(n) == "cast" and narrows(tensor_of(n).dtype, ref):
+            raise Miss(f"the scores are cast to {tensor_of(n).dtype} ({n.name}), narrower than the {ref} they are "
+                       "computed in: a rounding the op would not make")
     if clamped:
         terms = [MaskTerm(t.op, t.tensor, float(torch.finfo(tensor_of(x).dtype).min), t.dtype)
                  if t.op in ("fill", "where", "fill_zero") and t.fill == -math.inf else t for t in terms]

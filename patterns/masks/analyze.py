@@ -53,6 +53,10 @@ def _analyze(gm, terms, *, batch, q_len, k_len, scores_dtype, insert_before, sdp
         if isinstance(info, str):
             return info
         infos.append(info)
+    for i, t in enumerate(infos):  # in eager's order: infos[i + 1:] are applied after term i
+        if t.shift and any(infos[j].finite for j in range(i + 1, len(infos))):
+            return ("a constant is added to the scores before a finite fill: the filled entries do not move with "
+                    "it, so softmax is not invariant to it")
 
     def is_mask_add(i: int) -> bool:
         t = infos[i]

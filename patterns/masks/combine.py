@@ -32,6 +32,7 @@ class _TermInfo:
     absorbs: bool = True  # additive 0-or-c: eager's s + c rounds to c, so a fully masked row is uniform
     finite: bool = False  # a fill whose c is not negligible next to admissible scores (see _negligible)
     applied: Optional[torch.dtype] = None  # converted additive terms: the dtype eager adds them in
+    shift: bool = False  # a nonzero constant added to every score: dropped, as softmax ignores it (see analyze)
 
 
 def _absorbs(c: float, dtype: torch.dtype) -> bool:
@@ -70,7 +71,7 @@ def _term_info(an: _Analyzer, t: MaskTerm, scores_dtype: torch.dtype, q_len: Siz
             s = _scalar(t.tensor)
             if s is None or not math.isfinite(s):
                 return f"additive mask constant {t.tensor!r} is not a finite number"
-            return _TermInfo("add", 0.0, keep=_TRUE)  # a constant shift does not change softmax
+            return _TermInfo("add", 0.0, keep=_TRUE, shift=s != 0)  # a constant shift does not change softmax
         dt = _dtype(t.tensor)
         if dt == torch.bool:  # scores + bool adds 1.0 where True (HF GPT-Neo with a bool mask): a 0/1 bias
             item = ("to", an.smallest(t.tensor), torch.promote_types(scores_dtype, torch.float32))
@@ -80,7 +81,7 @@ def _term_info(an: _Analyzer, t: MaskTerm, scores_dtype: torch.dtype, q_len: Siz
         v = an.value(t.tensor)
         if isinstance(v, _Konst):
             if v.value == 0 or (isinstance(v.value, float) and math.isfinite(v.value)):
-                return _TermInfo("add", 0.0, keep=_TRUE)
+                return _TermInfo("add", 0.0, keep=_TRUE, shift=v.value != 0)
             return f"additive mask {t.tensor.name} is the constant {v.value}"
         eager_dt = torch.promote_types(scores_dtype, dt)
         # s + c for a finite c that does not absorb s (fp32 -1e9, -1e4) keeps s: only the untouched bias
