@@ -216,3 +216,36 @@ def test_compiled_with_inductor_serves_other_lengths():
         assert_same(compiled(q, k, v), fn(q, k, v), **TOL)
     assert cap.compiles == 1
     assert counters["fa_compile"]["sites_rewritten"] == 1
+
+
+_TRIU_N = 8  # a module constant: the mask's size stays static (a closure's int would be made symbolic too)
+
+
+def _triu_offset_attention(q, k, v, off):
+    s = (q @ k.transpose(-1, -2) * 0.3).masked_fill(torch.ones(_TRIU_N, _TRIU_N, dtype=torch.bool).triu(off), -math.inf)
+    return torch.softmax(s, -1) @ v
+
+
+def test_run_time_diagonal_offset_keeps_the_op_without_a_failed_lowering():
+    # torch.ones(N, N).triu(off) with `off` a Python int, symbolic under dynamic=True: the site's diagonal offset is
+    # a run-time value the traced math of a small inference site cannot read. The lowering refuses it up front (the
+    # op and its run-time dispatch stay), where it had failed inside Inductor with a warning.
+    import warnings
+
+    import fa_compile
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, _TRIU_N, 8, generator=g, requires_grad=True) for _ in range(3))
+    f = _triu_offset_attention
+    cf = torch.compile(f, backend=fa_compile.backend(), dynamic=True)
+    for off in (1, 2, 3):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = cf(q, k, v, off)
+        assert not [w for w in caught if "fa_compile" in str(w.message)], [str(w.message) for w in caught]
+        want = f(q, k, v, off)
+        torch.testing.assert_close(got, want, **TOL)
+        gq, = torch.autograd.grad(got.sum(), q)
+        wq, = torch.autograd.grad(want.sum(), q)
+        torch.testing.assert_close(gq, wq, **TOL)
+    assert counters["fa_compile"]["sites_rewritten"] >= 1

@@ -71,6 +71,14 @@ def _symbolic(x) -> bool:
     return isinstance(x, torch.SymInt) and x.node.maybe_as_int() is None
 
 
+def bottom_right(args: dispatch.AttentionArgs) -> bool:
+    """Whether the site's diagonal offset is provably Nk - Nq (a symbolic offset a traced lowering can compute from
+    its own inputs' sizes; any other symbolic offset would be a SymInt the trace does not hold)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(args.diag_offset == args.k.shape[2] - args.q.shape[2]))
+
+
 def upper_bound(n) -> Optional[int]:
     """A static size, or a symbolic one's upper bound where it has a finite one (None otherwise)."""
     if not _symbolic(n):

@@ -63,12 +63,6 @@ def _host_bound_short(nk) -> bool:
     return isinstance(nk, int) and nk <= HOST_BOUND_MAX_KEYS and not inductor_config.triton.cudagraphs
 
 
-def _bottom_right(args: dispatch.AttentionArgs) -> bool:
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return bool(statically_known_true(args.diag_offset == args.k.shape[2] - args.q.shape[2]))
-
-
 class DecodeLowering:
     same_kernel = True
     takes_structure = True  # graph_pass passes sinks, q_pos, q_seg, k_seg (those present) after bias and kv_lens
@@ -93,7 +87,7 @@ class DecodeLowering:
         dyn = [n for n in choice.dynamic_dims(args) if n not in _KEY_LENGTH_DIMS]
         if dyn:
             return [f"{what} fixes its launch grid from static sizes; dynamic here: {', '.join(dyn)}"]
-        if choice._symbolic(args.diag_offset) and not _bottom_right(args):
+        if choice._symbolic(args.diag_offset) and not choice.bottom_right(args):
             return [f"{what}: a symbolic diagonal offset other than Nk - Nq"]
         if args.sinks is not None or args.q_seg is not None:
             return [f"{what}: no sinks or segment ids"]

@@ -75,12 +75,25 @@ def _reference_kwargs(args: dispatch.AttentionArgs, bf16_products: bool) -> dict
                 dropout_p=float(args.dropout_p), bf16_products=bf16_products)
 
 
+def _offset_reasons(args: dispatch.AttentionArgs, what: str) -> list[str]:
+    if choice._symbolic(args.diag_offset) and not choice.bottom_right(args):
+        return [f"{what}: a symbolic diagonal offset other than Nk - Nq (a run-time value the traced math cannot read)"]
+    return []
+
+
+def _with_offset(kw: dict, q, k) -> dict:
+    """`kw` with a symbolic diagonal offset (Nk - Nq: _offset_reasons) computed from the traced q and k."""
+    if choice._symbolic(kw["diag_offset"]):
+        return dict(kw, diag_offset=k.shape[2] - q.shape[2])
+    return kw
+
+
 def _reference_forward_fn(args: dispatch.AttentionArgs, lowering, bf16_products: bool):
     """fn(q, k, v, *the present tensors) -> (out, lse) in the op's conventions, by the reference math."""
     present, kw = _present(args, lowering), _reference_kwargs(args, bf16_products)
 
     def fn(q, k, v, *rest):
-        out, lse = attention_reference(q, k, v, **kw, **dict(zip(present, rest)))
+        out, lse = attention_reference(q, k, v, **_with_offset(kw, q, k), **dict(zip(present, rest)))
         return conventions.finish(out, lse, None)
 
     return fn
@@ -100,6 +113,7 @@ class DecodeMath:
             return r
         if args.dropout_p > 0:
             r.append(f"{what} has no dropout")
+        r += _offset_reasons(args, what)
         nq = choice.upper_bound(args.q.shape[2])
         nk = choice.upper_bound(args.k.shape[2])
         if nq is None or nq > DECODE_MAX_QUERIES:
@@ -169,7 +183,7 @@ class ReferenceMath:
         hq, hkv = args.q.shape[1], args.k.shape[1]
         if (choice._symbolic(hq) or choice._symbolic(hkv)) and hq is not hkv:  # (not one and the same symbol)
             return [f"{what}: GQA with symbolic head counts"]
-        return []
+        return _offset_reasons(args, what)
 
     def forward_fn(self, args: dispatch.AttentionArgs):
         """fn(q, k, v[, bias][, kv_lens][, dropout_seed][, q_pos][, q_seg, k_seg]) -> (out, lse)."""
@@ -182,7 +196,8 @@ class ReferenceMath:
 
         def fn(dout, q, k, v, out, lse, *rest):
             dq, dk, dv, db = attention_backward_reference(
-                dout, q, k, v, bias_requires_grad=bias_grad, out=out, **kw, **dict(zip(present, rest)))
+                dout, q, k, v, bias_requires_grad=bias_grad, out=out, **_with_offset(kw, q, k),
+                **dict(zip(present, rest)))
             db = db.contiguous() if bias_grad else q.new_empty((0,))
             return conventions.dense_like(dq, q), conventions.dense_like(dk, k), conventions.dense_like(dv, v), db
 
