@@ -315,6 +315,9 @@ def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None, shift_invariant
             batches.append(list(t.shape[:-2]))
             cur = nxt
             continue
+        if cur.kwargs.get("rounding_mode") is not None:
+            raise Miss(f"the scores are divided with rounding_mode={cur.kwargs['rounding_mode']!r} ({cur.name}): "
+                       "a rounding, not a scale")
         raise Miss(f"scores are not a Q·Kᵀ contraction (reached {_describe(cur)})")
     else:
         raise Miss("scores chain too long")
