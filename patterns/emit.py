@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import operator
-import weakref
 from typing import Any, Optional, Union
 
 import torch
@@ -85,21 +84,22 @@ EMPTY_ROWS_KEPT = ("impossible", "zero", "nan", "mean_v", "mean_v_add", "mean_v_
 # so a caller that forwards empty_rows alone falls back to its exact bias instead.
 
 
-_REGIONS: "weakref.WeakKeyDictionary[fx.Graph, Any]" = weakref.WeakKeyDictionary()
+def _grad_mode_at(node: fx.Node) -> Optional[bool]:
+    """Grad mode where `node` runs: the nearest `torch._C._set_grad_enabled(flag)` before it (Dynamo's form of
+    no_grad / enable_grad regions), else the mode the graph is compiled under; None when not known."""
+    n = node.prev
+    while n.op != "root":
+        if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
+            flag = n.args[0] if n.args else None
+            return flag if isinstance(flag, bool) else None
+        n = n.prev
+    return torch.is_grad_enabled()
 
 
-def _no_grad_at(graph: fx.Graph, nodes: tuple) -> bool:
-    """Whether grad mode is known to be off where each of `nodes` is computed (the call is then recorded for no
-    backward, whatever its inputs' requires_grad: a parameter keeps the flag under no_grad)."""
-    from .regions import Regions
-
-    gm = graph.owning_module
-    if gm is None:
-        return False
-    regions = _REGIONS.get(graph)
-    if regions is None:  # per graph: grad-mode markers are the traced program's own, never inserted by a rewrite
-        regions = _REGIONS[graph] = Regions(gm)
-    return all(isinstance(n, fx.Node) and regions.of(n).grad is False for n in nodes)
+def _no_grad_at(nodes: tuple) -> bool:
+    """Whether grad mode is known to be off where each of `nodes` runs: the op is then recorded for no backward,
+    whatever its inputs' requires_grad (a parameter keeps the flag under no_grad)."""
+    return all(isinstance(n, fx.Node) and _grad_mode_at(n) is False for n in nodes)
 
 
 def emit_attention(
@@ -239,8 +239,8 @@ def emit_attention(
         if _key_shaped(causal, window_left, window_right, bias, kv_lens) and all(x is None for x in runtime.values()):
             k, bias = _fill_masked_keys(graph, q, k, bias, kv_lens, fill)
             kv_lens, empty_rows = None, "impossible"  # the op now computes eager's own softmax
-    if not _no_grad_at(graph, (q, k, v)) and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in map(example_value, (q, k, v, bias, sinks))):
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in map(example_value, (q, k, v, bias, sinks))) \
+            and not _no_grad_at((q, k, v)):
         # The op saves its inputs for the backward, and a copy would not help: AOTAutograd saves a mutated
         # graph input rather than a copy of it and replays the write before the backward (torch 2.11 and
         # 2.13: `c = m.clone(); y = q * c; m.mul_(2)` gives q the gradient of the new m).
