@@ -64,19 +64,94 @@ def chain_write(nodes: list, own: set, keep_out: Optional[fx.Node] = None) -> Op
 
 def written_in_place(node: fx.Node, depth: int = 8) -> bool:
     """Is the memory of `node`'s value written in place anywhere in the graph: through `node`, the tensor
-    it is a view of, or a view of either?"""
+    it is a view of, or a view of either (views: `_ALIASING`, chunk / split / unbind, narrow, as_strided, mT...)?"""
     base = node
     for _ in range(depth):
-        if base.op in ("call_function", "call_method") and kind(base) in _THROUGH and base.args \
-                and isinstance(base.args[0], fx.Node):
-            base = base.args[0]
+        up = base.args[0] if base.op in ("call_function", "call_method") and base.args else None
+        if isinstance(up, fx.Node) and _may_alias(base):
+            base = up  # (an in-place op's result is its argument: mutated_downstream sees that write itself)
         else:
             break
     return mutated_downstream(base, depth)
 
 
+# Ops whose result may share its first argument's memory (views, and calls that return their input unchanged when
+# nothing is to be done: contiguous, to, type, float, ...). Everything else allocates its result.
+_ALIASING = frozenset({
+    "view", "reshape", "view_as", "reshape_as", "transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis",
+    "t", "adjoint", "expand", "expand_as", "broadcast_to", "squeeze", "unsqueeze", "flatten", "unflatten", "narrow",
+    "select", "chunk", "split", "split_with_sizes", "tensor_split", "unbind", "hsplit", "vsplit",
+    "dsplit", "diagonal", "as_strided", "unfold", "detach", "alias", "contiguous", "to", "type", "type_as", "float",
+    "double", "half", "bfloat16", "real", "imag", "view_as_real", "view_as_complex", "getitem", "getattr", "T", "mT",
+    "H", "mH", "align_as", "rename", "refine_names", "_unsafe_view", "lift_fresh",
+})
+
+
+def _may_alias(u: fx.Node) -> bool:
+    """Whether `u`'s result may be a view of (share memory with) its first argument."""
+    if u.op not in ("call_function", "call_method"):
+        return False
+    if kind(u) in ("transpose", "permute", "reshape", "unsqueeze", "getitem", "expand"):
+        return True
+    name = u.target if isinstance(u.target, str) else getattr(u.target, "__name__", "")
+    return isinstance(name, str) and name.split(".")[0] in _ALIASING
+
+
+_INPLACE_PARAM: dict = {}  # target -> whether its signature has an `inplace` parameter, and the signature
+
+
+def _inplace_flag(u: fx.Node) -> bool:
+    """`F.relu(x, inplace=True)`-style calls: the `inplace` argument, by keyword or position."""
+    if u.kwargs.get("inplace") is True:
+        return True
+    if u.op != "call_function" or not any(a is True for a in u.args):
+        return False
+    try:
+        sig = _INPLACE_PARAM.get(u.target)
+    except TypeError:  # unhashable target
+        return False
+    if sig is None:
+        import inspect
+
+        try:
+            sig = inspect.signature(u.target)
+            sig = sig if "inplace" in sig.parameters else False
+        except (TypeError, ValueError):
+            sig = False
+        _INPLACE_PARAM[u.target] = sig
+    if sig is False:
+        return False
+    try:
+        return sig.bind(*u.args, **u.kwargs).arguments.get("inplace") is True
+    except TypeError:
+        return False
+
+
+def _schema_writes_first(target: Any) -> bool:
+    """An aten op (`torch.ops.aten.add_`) whose schema writes its first argument."""
+    schema = getattr(target, "_schema", None) or getattr(getattr(target, "default", None), "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
+
+
+def _writes(u: fx.Node, n: fx.Node) -> bool:
+    """Does `u` write into the memory of its argument `n`: in place (`n.add_(1)`, `operator.setitem`, a `_foreach_*_`
+    op over a list holding `n`, `inplace=True`, an aten op writing its first argument) or through `out=`?"""
+    if u.op not in ("call_function", "call_method"):
+        return False
+    first = u.args[0] if u.args else None
+    holds = first is n or (isinstance(first, (list, tuple)) and any(a is n for a in first))
+    if holds and (is_inplace(u) or _inplace_flag(u) or _schema_writes_first(u.target)):
+        return True
+    out = u.kwargs.get("out")
+    return out is n or (isinstance(out, (list, tuple)) and any(a is n for a in out))
+
+
 def mutated_downstream(node: fx.Node, depth: int = 8) -> bool:
-    """Is `node`'s value (or a view of it) updated in place later (`o += x`, `o.mul_(c)`, `o[i] = y`)?"""
+    """Is `node`'s value (or a possible view of it) updated in place later (`o += x`, `o.mul_(c)`, `o[i] = y`,
+    `torch._foreach_add_([o], 1)`, `out=o`)? Its views (`_may_alias`) are followed."""
     frontier, seen = [node], set()
     for _ in range(depth):
         nxt = []
@@ -85,9 +160,9 @@ def mutated_downstream(node: fx.Node, depth: int = 8) -> bool:
                 if u in seen:
                     continue
                 seen.add(u)
-                if is_inplace(u) and u.args and u.args[0] is n:
+                if _writes(u, n):
                     return True
-                if kind(u) in _THROUGH and u.args and u.args[0] is n:
+                if _may_alias(u):
                     nxt.append(u)
         frontier = nxt
     return False

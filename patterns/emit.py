@@ -84,22 +84,11 @@ EMPTY_ROWS_KEPT = ("impossible", "zero", "nan", "mean_v", "mean_v_add", "mean_v_
 # so a caller that forwards empty_rows alone falls back to its exact bias instead.
 
 
-def _grad_mode_at(node: fx.Node) -> Optional[bool]:
-    """Grad mode where `node` runs: the nearest `torch._C._set_grad_enabled(flag)` before it (Dynamo's form of
-    no_grad / enable_grad regions), else the mode the graph is compiled under; None when not known."""
-    n = node.prev
-    while n.op != "root":
-        if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
-            flag = n.args[0] if n.args else None
-            return flag if isinstance(flag, bool) else None
-        n = n.prev
-    return torch.is_grad_enabled()
-
-
-def _no_grad_at(nodes: tuple) -> bool:
-    """Whether grad mode is known to be off where each of `nodes` runs: the op is then recorded for no backward,
-    whatever its inputs' requires_grad (a parameter keeps the flag under no_grad)."""
-    return all(isinstance(n, fx.Node) and _grad_mode_at(n) is False for n in nodes)
+def _runs_without_grad(graph: fx.Graph) -> bool:
+    """Whether the whole graph runs with grad mode off (compiled under no_grad, no grad-mode region inside): its ops
+    are then recorded for no backward, whatever their inputs' requires_grad (a parameter keeps the flag)."""
+    return not torch.is_grad_enabled() and not any(
+        n.op == "call_function" and n.target is torch._C._set_grad_enabled for n in graph.nodes)
 
 
 def emit_attention(
@@ -240,7 +229,7 @@ def emit_attention(
             k, bias = _fill_masked_keys(graph, q, k, bias, kv_lens, fill)
             kv_lens, empty_rows = None, "impossible"  # the op now computes eager's own softmax
     if any(isinstance(t, torch.Tensor) and t.requires_grad for t in map(example_value, (q, k, v, bias, sinks))) \
-            and not _no_grad_at((q, k, v)):
+            and not _runs_without_grad(graph):
         # The op saves its inputs for the backward, and a copy would not help: AOTAutograd saves a mutated
         # graph input rather than a copy of it and replays the write before the backward (torch 2.11 and
         # 2.13: `c = m.clone(); y = q * c; m.mul_(2)` gives q the gradient of the new m).

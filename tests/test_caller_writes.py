@@ -301,3 +301,100 @@ def test_a_mask_written_after_the_attention(fn, inner):
     assert len(res.rewritten) == 1, res.reasons
     res = check(fn, qkv(requires_grad=True) + [_mask_for(fn)], inner=inner)
     assert not res.rewritten and any("written in place later" in r for r in res.reasons), res.reasons
+
+
+# ------------------------------------------------------------------------------- inputs written after the site
+
+# Only v needs a gradient, so eager saves P, not k: writing k after the attention is legal eager code. The op would
+# save k for its backward, which would then read the written k (wrong gradients, or autograd's version-counter
+# error at compile time): every spelling of such a write leaves the site alone.
+def _attend(q, k, v):
+    return torch.softmax(q @ k.transpose(-1, -2) * 0.25, -1) @ v
+
+
+def foreach_add_after(q, k, v):
+    o = _attend(q, k, v)
+    torch._foreach_add_([k], 1.0)
+    return o
+
+
+def foreach_copy_after(q, k, v):
+    o = _attend(q, k, v)
+    torch._foreach_copy_([k], [v.detach()])
+    return o
+
+
+def chunk_view_write_after(x, v):
+    q, k = x.chunk(2, dim=-1)
+    o = _attend(q, k, v)
+    k.mul_(3.0)
+    return o
+
+
+def unbind_view_write_after(x, v):
+    q, k = x.unbind(0)
+    o = _attend(q, k, v)
+    q.mul_(3.0)
+    return o
+
+
+def out_write_after(q, k, v):
+    o = _attend(q, k, v)
+    torch.mul(k, 2.0, out=k)
+    return o
+
+
+def relu_inplace_after(q, k, v):
+    o = _attend(q, k, v)
+    torch.nn.functional.relu(k, inplace=True)
+    return o
+
+
+def aten_add_after(q, k, v):
+    o = _attend(q, k, v)
+    torch.ops.aten.add_(k, 1.0)
+    return o
+
+
+def mt_slice_write_after(q, k, v):
+    o = _attend(q, k, v)
+    k.mT[..., :2].mul_(0.0)
+    return o
+
+
+def _v_grad_only() -> list:
+    q, k, v = qkv()
+    return [q, k, v.requires_grad_()]
+
+
+WRITES_AFTER = {
+    "foreach_add": (foreach_add_after, _v_grad_only), "foreach_copy": (foreach_copy_after, _v_grad_only),
+    "chunk_view": (chunk_view_write_after,
+                   lambda: [rand(B, H, N, 2 * D, seed=5), rand(B, H, N, D, seed=6, requires_grad=True)]),
+    "unbind_view": (unbind_view_write_after,
+                    lambda: [rand(2, B, H, N, D, seed=5), rand(B, H, N, D, seed=6, requires_grad=True)]),
+    "out": (out_write_after, _v_grad_only), "relu_inplace": (relu_inplace_after, _v_grad_only),
+    "aten_add_": (aten_add_after, _v_grad_only), "mT_slice": (mt_slice_write_after, _v_grad_only),
+}
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+@pytest.mark.parametrize("form", list(WRITES_AFTER))
+def test_inputs_written_after_the_site_are_not_saved(form, inner):
+    fn, make = WRITES_AFTER[form]
+    res = check(fn, make(), inner=inner, rewritten=0)
+    assert any("written in place later" in r for r in res.reasons), res.reasons
+
+
+def test_inputs_made_under_no_grad_then_written_with_a_bias_gradient():
+    # q, k, v computed under no_grad, the site under grad with a bias that needs one: the op saves q for the bias's
+    # gradient, so a write into q afterwards must still leave the site alone.
+    def fn(x, bias):
+        with torch.no_grad():
+            q, k, v = x * 1.0, x * 2.0, x * 0.5
+        o = torch.softmax(q @ k.transpose(-1, -2) * 0.25 + bias, -1) @ v
+        q.add_(1.0)
+        return o
+
+    res = check(fn, [rand(B, H, N, D, seed=3), rand(B, H, N, N, seed=4, requires_grad=True)], rewritten=0)
+    assert any("written in place later" in r for r in res.reasons), res.reasons
