@@ -191,3 +191,116 @@ def head_logits_for_op(graph: fx.Graph, sink: SinkColumn) -> fx.Node:
     for dtype in sink.casts:
         flat = call(graph, "to", flat, dtype, method=True)
     return flat
+
+
+# ----------------------------------------------------------------------------- sinks as an output gate
+
+@dataclass
+class SinkGate:
+    """GraniteSWA's spelling of the same sinks, applied after the product:
+
+        out = (softmax(S) @ V) * sigmoid(logsumexp(S, -1) - sink.view(1, H, 1))[..., None]
+
+    softmax(S)_j * sigmoid(lse(S) - sink) = e^S_j / (sum_k e^S_k + e^sink): the op's `sinks` (casts of the gate
+    allowed where they do not narrow below the output's dtype)."""
+    lse: fx.Node  # logsumexp(S, -1), S being the softmax input
+    head_logits: fx.Node  # the tensor of H elements, in head order once flattened
+    mul: fx.Node  # (P·V) * gate: the site's result
+    nodes: list = field(default_factory=list)  # the gate's chain, outermost first, lse last
+
+
+def _call_name(n: fx.Node) -> str:
+    if n.op == "call_method":
+        return n.target
+    if n.op == "call_function":
+        return getattr(n.target, "__name__", "")
+    return ""
+
+
+def _last_dim(d: Any, rank: int) -> bool:
+    if isinstance(d, (list, tuple)) and len(d) == 1:
+        d = d[0]
+    return isinstance(d, int) and not isinstance(d, bool) and d % rank == rank - 1
+
+
+def _is_row_lse(n: fx.Node, x: fx.Node, rank: int) -> bool:
+    """logsumexp(x, -1) with keepdim False, x its first argument."""
+    if _call_name(n) != "logsumexp" or not n.args or n.args[0] is not x:
+        return False
+    dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+    keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+    return _last_dim(dim, rank) and keep is False and len(n.args) <= 3
+
+
+def _gate_cast(n: fx.Node, out_dtype: torch.dtype) -> bool:
+    from .find_sites.scores import narrows  # noqa: PLC0415  (find_sites imports this module)
+
+    t = _tensor(n)
+    return _call_name(n) in _CAST_METHODS and t is not None and t.dtype.is_floating_point and \
+        not narrows(t.dtype, out_dtype)
+
+
+def _head_vector(n: Any, heads: Any) -> Optional[fx.Node]:
+    """The 1-D tensor of `heads` elements that `n` views as [1, H, 1] / [H, 1] (order-preserving views only)."""
+    t = _tensor(n)
+    if t is None or t.dim() not in (2, 3) or not known_one(t.shape[-1]) or not known_eq(t.shape[-2], heads) or \
+            not all(known_one(s) for s in t.shape[:-2]):
+        return None
+    cur = n
+    for _ in range(8):
+        ct = _tensor(cur)
+        if ct is not None and ct.dim() == 1 and known_eq(ct.shape[0], heads):
+            return cur
+        if not isinstance(cur, fx.Node) or not cur.args or not (
+                (cur.op == "call_method" and cur.target in _VIEW_METHODS)
+                or (cur.op == "call_function" and cur.target in _VIEW_FUNCTIONS)):
+            return None
+        cur = cur.args[0]
+    return None
+
+
+def peel_gate(sm: fx.Node, x: fx.Node) -> Optional[SinkGate]:
+    """The sink gate of the softmax `sm` over the 4-d scores `x`, or None. The P·V product the gate multiplies is
+    checked by the caller (it is found after this)."""
+    t = _tensor(x)
+    if t is None or t.dim() != 4:
+        return None
+    others = [u for u in x.users if u is not sm]
+    if len(others) != 1 or not _is_row_lse(others[0], x, 4):
+        return None
+    lse = others[0]
+    chain, cur, head_logits, seen = [lse], lse, None, set()
+    for _ in range(12):
+        users = list(cur.users)
+        if len(users) != 1:
+            return None
+        u = users[0]
+        name = _call_name(u)
+        if not u.args or (u.args[0] is not cur and name not in ("mul", "__mul__")):
+            return None
+        if name in ("sub", "__sub__") and head_logits is None and len(u.args) == 2 and not u.kwargs:
+            head_logits = _head_vector(u.args[1], t.shape[1])  # lse - sink.view(1, H, 1)
+            if head_logits is None:
+                return None
+            seen.add("sub")
+        elif name in ("sigmoid", "expit") and "sub" in seen and "sigmoid" not in seen and len(u.args) == 1:
+            seen.add("sigmoid")
+        elif name == "unsqueeze" and "sigmoid" in seen and len(u.args) == 2 and u.args[1] in (-1, 3):
+            seen.add("unsqueeze")
+        elif name in ("mul", "__mul__") and "unsqueeze" in seen and len(u.args) == 2 and not u.kwargs \
+                and cur in u.args:
+            return SinkGate(lse, head_logits, u, list(reversed(chain)))
+        elif _gate_cast(u, t.dtype):
+            pass
+        else:
+            return None
+        chain.append(u)
+        cur = u
+    return None
+
+
+def gate_logits_for_op(graph: fx.Graph, gate: SinkGate) -> fx.Node:
+    """The op's `sinks` argument for a gate: its logits flattened to [H] (a view)."""
+    from .emit import call  # noqa: PLC0415
+
+    return call(graph, torch.reshape, gate.head_logits, (-1,))

@@ -3,6 +3,7 @@ refusals) and the recognition of GPT-OSS's sink column (patterns/sinks.py), agai
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import expecttest
 
@@ -327,3 +328,49 @@ def test_hf_gpt_oss_sites_rewritten_with_sinks_and_train():
     assert len(attention) == 2, res.reasons
     assert sorted(r.mask for r in attention) == ["causal", "window"]
     assert all(r.call.args[-1] is not None for r in attention)
+
+
+# --------------------------------------------------------------------------------------- sinks as an output gate
+
+class GateSinkAttention(nn.Module):
+    """GraniteSWA's eager attention: the sink as a gate sigmoid(logsumexp(S) - sink) on the P·V product. fill: a
+    causal mask with a negative offset (so some rows have no admissible key) built in the graph with that value."""
+
+    def __init__(self, fill: Optional[float] = None, shift_inside: bool = False, gate_other: bool = False):
+        super().__init__()
+        self.sinks = nn.Parameter(torch.randn(H, generator=torch.Generator().manual_seed(13)))
+        self.fill, self.shift_inside, self.gate_other = fill, shift_inside, gate_other
+
+    def forward(self, q, k, v):
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        s = q @ k.transpose(2, 3) * q.shape[-1] ** -0.5
+        if self.fill is not None:
+            i, j = torch.arange(N).view(-1, 1), torch.arange(N).view(1, -1)
+            s = s + torch.zeros(N, N).masked_fill(j - i > -2, self.fill)
+        lse = torch.logsumexp(s, dim=-1)
+        gate = (lse - self.sinks.view(1, -1, 1)).to(torch.float32).sigmoid()
+        if self.shift_inside:
+            s = s + 1.5  # softmax ignores it, the gate's logsumexp does not
+        out = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+        if self.gate_other:
+            out = out + 0.0  # the gate then multiplies another tensor than the product
+        return out * gate.unsqueeze(-1).to(out.dtype)
+
+
+def test_sink_gate_is_the_ops_sinks():
+    # the gate's value and gradients (q, k, v and the sink parameter) against eager, also with HF's additive
+    # finfo.min causal mask whose fully masked rows (a negative offset) eager gates to 0, as the op's sink does
+    q, k, v, _ = _inputs(torch.float32)
+    res = check(GateSinkAttention(), [q, k, v], rewritten=1)
+    assert res.rewritten[0].call.args[-1] is not None  # the op got the sinks
+    check(GateSinkAttention(fill=torch.finfo(torch.float32).min), [q, k, v], rewritten=1)
+
+
+def test_sink_gate_refusals():
+    q, k, v, _ = _inputs(torch.float32)
+    # -inf on fully masked rows: eager's softmax is NaN there and NaN times the gate stays NaN
+    res = check(GateSinkAttention(fill=float("-inf")), [q, k, v], rewritten=0)
+    assert any("sink gate" in r for r in res.reasons), res.reasons
+    check(GateSinkAttention(shift_inside=True), [q, k, v], rewritten=0)
+    check(GateSinkAttention(gate_other=True), [q, k, v], rewritten=0)

@@ -199,10 +199,19 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
     if dim != st.dim() - 1:
         raise Miss(f"softmax is over dim {dim}, not the key axis (the last dim {st.dim() - 1})")
     sink = sinks.peel(sm, x)
+    gate = sinks.peel_gate(sm, x) if sink is None else None
     if sink is not None:
         x, st = sink.scores, tensor_of(sink.scores)
-    scores = walk_scores(x, gm, shift_invariant=sink is None)
+    scores = walk_scores(x, gm, shift_invariant=sink is None and gate is None,
+                         also_read_by=(gate.lse,) if gate is not None else ())
     probs = walk_probs(sm, options, gm, through=sink.drop if sink is not None else None)
+    has_sinks = sink is not None or gate is not None
+    if gate is not None:
+        if gate.mul.args[0] is not probs.pv.node and gate.mul.args[1] is not probs.pv.node:
+            raise Miss("the scores' logsumexp gates another tensor than this site's P·V product")
+        if len(probs.pv.node.users) != 1:
+            raise Miss("the P·V product is read besides the sink gate that multiplies it")
+        scores.nodes[:0] = gate.nodes
     ref = tensor_of(scores.contraction.node).dtype
     for n in [sm] + [n for n in probs.nodes if kind(n) == "cast"]:
         if tensor_of(n) is not None and narrows(tensor_of(n).dtype, ref):
@@ -214,7 +223,7 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
     rep.form = f"{qk.spelling}-softmax-{pv.spelling}"
     bd = list(st.shape[:-2])
     nb = len(bd)
-    o_node = pv.node
+    o_node = pv.node if gate is None else gate.mul
     o_val = tensor_of(o_node)
     inner_bd = list(_canon_out_shape(qk, tensor_of(qk.node))[:-2])  # where the scores are computed
     p_bd = list(tensor_of(probs.end).shape[:-2])  # where the probabilities meet V
@@ -306,14 +315,17 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
             if bt is not None and bt.is_floating_point():
                 structured = spec.causal or spec.window_left >= 0 or spec.window_right >= 0 or any(
                     x is not None for x in (spec.kv_lens, spec.q_pos, spec.q_seg, spec.k_seg, spec.filled))
-                if structured or probs.dropout_p or sink is not None or (bt.requires_grad and not _bias_cut(scores, flow)):
+                if structured or probs.dropout_p or has_sinks or (bt.requires_grad and not _bias_cut(scores, flow)):
                     raise Miss("scores clamped by max(s, finfo.min) over a float mask, with structure, dropout, "
                                "sinks or a mask gradient: eager's halved gradient of the scores that tie the clamp "
                                "cannot be kept there")
                 clamp_tied = True
         if spec.empty_rows == "unknown":
             raise Miss("cannot keep eager's value on fully masked rows for this mask")
-        if sink is not None and spec.empty_rows == "fill":
+        if gate is not None and spec.empty_rows == "nan":
+            raise Miss("a sink gate over rows that may have no admissible key: eager's NaN there times the gate stays "
+                       "NaN, where the op's sink takes the row (0)")
+        if has_sinks and spec.empty_rows == "fill":
             raise Miss(f"attention sinks with a finite mask fill {spec.fill}: eager's fully masked rows share "
                        "their weight between the filled keys and the sink, which the rewrite cannot keep")
         if spec.empty_rows == "fill" and probs.dropout_p:
@@ -386,15 +398,16 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
                     raise Miss(f"{name} does not map to the op's batch axis")
             filled = spec.filled
             if filled is not None and emit.needs_qk_grad(qo, ko):
-                if probs.dropout_p > 0 or sink is not None:
+                if probs.dropout_p > 0 or has_sinks:
                     raise Miss("a fill before an additive mask with dropout or sinks: eager's cut gradient of the "
                                "filled scores on fully masked rows cannot be kept there")
                 filled = b.bias_to_op(filled)
             sink_arg = None
-            if sink is not None:
+            if has_sinks:
                 if nb != 2 or layout.mode != "std" or not (known_eq(tensor_of(qo).shape[1], bd[1])):
                     raise Miss("attention sinks: the scores' head axis does not map to the op's")
-                sink_arg = sinks.head_logits_for_op(graph, sink)
+                sink_arg = sinks.head_logits_for_op(graph, sink) if sink is not None else \
+                    sinks.gate_logits_for_op(graph, gate)
                 o.made.append(sink_arg)
             out, call = emit.emit_attention(
                 graph, qo, ko, vo, scale=scale, causal=spec.causal, diag_offset=spec.diag_offset,

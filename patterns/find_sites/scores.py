@@ -176,10 +176,12 @@ def narrows(dtype: torch.dtype, ref: torch.dtype) -> bool:
     return a.eps > b.eps or a.max < b.max
 
 
-def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None, shift_invariant: bool = True) -> Scores:
+def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None, shift_invariant: bool = True,
+                also_read_by: tuple = ()) -> Scores:
     """From the softmax input back to the Q·Kᵀ contraction (gm: the graph, for proofs of mask values).
     shift_invariant: False where the softmax reads more than these scores (a sink column concatenated after them),
-    so that a row-constant shift of the scores is no longer one of its input."""
+    so that a row-constant shift of the scores is no longer one of its input. also_read_by: readers of `x` besides the
+    softmax that the site accounts for (a sink gate's logsumexp)."""
     scale, factors, softcap, terms, nodes, batches = 1.0, [], 0.0, [], [], []
     row_max_users: set = set()  # max/amax nodes reading a chain node only to subtract its row max
     clamped = False
@@ -347,7 +349,8 @@ def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None, shift_invariant
         if bad:
             raise Miss(f"the scores are modified in place ({bad[0].name})")
         # `x.type_as(n)`, `torch.ones_like(n)`, `n.size(-1)` read only n's dtype / shape: not a use of its values
-        users = [u for u in n.users if not reads_only_metadata(u, n) and u not in row_max_users]
+        users = [u for u in n.users if not reads_only_metadata(u, n) and u not in row_max_users
+                 and not (n is x and u in also_read_by)]
         if len(users) != 1:
             raise Miss(f"the scores ({n.name}) are also used outside the attention")
     ref = tensor_of(c.node).dtype
