@@ -202,8 +202,9 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
     gate = sinks.peel_gate(sm, x) if sink is None else None
     if sink is not None:
         x, st = sink.scores, tensor_of(sink.scores)
-    scores = walk_scores(x, gm, shift_invariant=sink is None and gate is None,
-                         also_read_by=(gate.lse,) if gate is not None else ())
+    barrier = ("a sink column is concatenated to them (the shift does not reach it)" if sink is not None else
+               "the sink gate's logsumexp reads them (the shift moves it)" if gate is not None else None)
+    scores = walk_scores(x, gm, shift_barrier=barrier, also_read_by=(gate.lse,) if gate is not None else ())
     probs = walk_probs(sm, options, gm, through=sink.drop if sink is not None else None)
     has_sinks = sink is not None or gate is not None
     if gate is not None:

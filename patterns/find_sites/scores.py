@@ -148,11 +148,12 @@ def _clamp_min_of(node: fx.Node, t: torch.Tensor) -> Optional[fx.Node]:
     return a
 
 
-def _shift_refusal(terms: list, softcap: float, shift_invariant: bool) -> Optional[str]:
+def _shift_refusal(terms: list, softcap: float, shift_barrier: Optional[str]) -> Optional[str]:
     """Why a shift of the scores by a row constant (a number, or the row max) may not be dropped, given what the walk
-    found applied after it (`terms`, `softcap`: the walk goes from the softmax inwards); None when softmax ignores it."""
-    if not shift_invariant:
-        return "the scores are shifted before a column is concatenated to them (the shift does not reach that column)"
+    found applied after it (`terms`, `softcap`: the walk goes from the softmax inwards) and what else reads the
+    scores (`shift_barrier`); None when softmax ignores it."""
+    if shift_barrier:
+        return f"the scores are shifted before {shift_barrier}"
     if softcap:
         return "the scores are shifted before the softcap (tanh does not commute with the shift)"
     from ..masks.combine import _absorbs
@@ -176,12 +177,12 @@ def narrows(dtype: torch.dtype, ref: torch.dtype) -> bool:
     return a.eps > b.eps or a.max < b.max
 
 
-def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None, shift_invariant: bool = True,
+def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None, shift_barrier: Optional[str] = None,
                 also_read_by: tuple = ()) -> Scores:
     """From the softmax input back to the Q·Kᵀ contraction (gm: the graph, for proofs of mask values).
-    shift_invariant: False where the softmax reads more than these scores (a sink column concatenated after them),
-    so that a row-constant shift of the scores is no longer one of its input. also_read_by: readers of `x` besides the
-    softmax that the site accounts for (a sink gate's logsumexp)."""
+    shift_barrier: what, besides the softmax, sees a row-constant shift of these scores (a sink column concatenated
+    after them, a sink gate's logsumexp), so that such a shift can no longer be dropped. also_read_by: readers of `x`
+    besides the softmax that the site accounts for (a sink gate's logsumexp)."""
     scale, factors, softcap, terms, nodes, batches = 1.0, [], 0.0, [], [], []
     row_max_users: set = set()  # max/amax nodes reading a chain node only to subtract its row max
     clamped = False
@@ -270,7 +271,7 @@ def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None, shift_invariant
             if const_sub or const_add or row_max:
                 # a row constant (s - rowmax(s): the usual stabilisation): softmax is invariant to it unless
                 # something applied after it does not move with it
-                why = _shift_refusal(terms, softcap, shift_invariant)
+                why = _shift_refusal(terms, softcap, shift_barrier)
                 if why:
                     raise Miss(why)
                 if row_max:
