@@ -43,7 +43,7 @@ def run_pass(gm: fx.GraphModule, kernel: Optional[str] = None, record: bool = Tr
     constants: the mask analysis may read module buffers as constants, for a caller that wraps the
     compiled graph with `constant_guard.guard_constants` (the reads are kept on gm.meta); False treats
     them as data (patterns/constants.py)."""
-    from . import constant_guard
+    from . import constant_guard, forward_ad
     from . import ops  # noqa: F401  (registers torch.ops.fa3 before the pass emits it)
     from . import paged  # noqa: F401  (registers torch.ops.fa3.paged_attention, emitted for paged caches)
     from .patterns import constants as pass_constants
@@ -57,7 +57,10 @@ def run_pass(gm: fx.GraphModule, kernel: Optional[str] = None, record: bool = Tr
         before = GraphRecord(gm.graph)
         with pass_constants.reading() as reads:
             reports = rewrite_attention(gm, options)
-        constant_guard.record(gm, reads, before.original() if reads and any(r.rewritten for r in reports) else None)
+        changed = any(r.rewritten for r in reports)
+        constant_guard.record(gm, reads, before.original() if reads and changed else None)
+        if changed:  # (the graph as traced, rebuilt only should a call with forward-AD tangents come)
+            gm.meta[forward_ad.PASS_RECORD] = before
     else:
         reports = rewrite_attention(gm, options)
     if config.fp8_requested() if fp8 is None else fp8:
@@ -195,8 +198,10 @@ def _autograd_cache_scope(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
 
 def _inner_compile(cfg: BackendConfig, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str], options: Optional[dict]):
     if cfg.inner == "inductor":
+        from .forward_ad import route_dual_calls
+
         with _autograd_cache_scope(gm, example_inputs):
-            return _compile_inductor(cfg, gm, example_inputs, mode, options)
+            return route_dual_calls(_compile_inductor(cfg, gm, example_inputs, mode, options), gm)
     if (mode and mode != "default") or options:
         # torch.compile(..., mode=/options=) reach the backend as these arguments: never drop them.
         raise ValueError(f"mode, options: torch.compile's mode={mode!r} / options={options!r} only apply to "

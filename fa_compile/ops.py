@@ -53,9 +53,10 @@ import weakref
 from typing import Optional, Sequence
 
 import torch
+import torch.autograd.forward_ad as _fwad
 from torch import Tensor
 
-from . import dispatch
+from . import dispatch, forward_ad
 from .kernels import reference as _ref
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -473,6 +474,10 @@ class _AttentionFunction(torch.autograd.Function):
         return d_out, o
 
 
+_REFERENCE_NAMES = ("q", "k", "v", "scale", "causal", "diag_offset", "window_left", "window_right", "bias", "kv_lens",
+                    "softcap", "dropout_p", "dropout_seed", "sinks", "q_pos", "q_seg", "k_seg")
+
+
 def _attention_autograd(
     q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = False, diag_offset: int = 0, window_left: int = -1,
     window_right: int = -1, bias: Optional[Tensor] = None, kv_lens: Optional[Tensor] = None, softcap: float = 0.0,
@@ -480,7 +485,16 @@ def _attention_autograd(
     sinks: Optional[Tensor] = None, q_pos: Optional[Tensor] = None, q_seg: Optional[Tensor] = None,
     k_seg: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    """The Autograd-key kernel: the autograd Function when a gradient is wanted, else the kernel."""
+    """The Autograd-key kernel: the autograd Function when a gradient is wanted, else the kernel; the reference
+    math when an input carries a forward-AD tangent (forward_ad.py: kernels would drop it)."""
+    if _fwad._current_level >= 0:
+        tensors = (q, k, v, bias, kv_lens, dropout_seed, sinks, q_pos, q_seg, k_seg)
+        if forward_ad.has_tangent(tensors):
+            check_scalars(scale, softcap, dropout_p, dropout_seed, window_left, window_right)
+            check_tensors(*tensors)
+            return forward_ad.reference_attention(
+                (q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens, softcap, dropout_p,
+                 dropout_seed, sinks, q_pos, q_seg, k_seg), _REFERENCE_NAMES)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (bias is not None and bias.requires_grad)
                                     or (sinks is not None and sinks.requires_grad)):
@@ -514,6 +528,9 @@ class _AttentionBackwardFunction(torch.autograd.Function):
 
 
 def _attention_backward_autograd(*args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if _fwad._current_level >= 0 and forward_ad.has_tangent(args):  # its kernels would drop the tangents
+        raise RuntimeError("fa3::attention_backward: forward-mode AD through an attention gradient is not supported; "
+                           "compute it with the unfused attention, e.g. under fa_compile disabled (FA_COMPILE=0)")
     if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
         return _AttentionBackwardFunction.apply(*args)
     if _runs_directly([a for a in args if isinstance(a, Tensor)]):
