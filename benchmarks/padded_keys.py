@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--mode", choices=("train", "fwd"), default="train")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--variants", default="cut,every-key,sdpa")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="a JSON file, or a folder to write padded-keys-MODE.json into")
     ap.add_argument("--idle", action="store_true")
     args = ap.parse_args()
     import torch._functorch.config as functorch_config
@@ -149,7 +149,9 @@ def main() -> None:
             print(f"  {t:9.1f} us x {c:3d}  {name[:100]}")
         res[f"kernels_{v}"] = k
     if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
+        out = Path(args.out)
+        out = out / f"padded-keys-{args.mode}.json" if out.is_dir() else out  # (a folder such as $OUT)
+        out.write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def _padded(q, k, v, m):
 def _causal_gqa(q, k, v, m):  # (eager SDPA has no forward-AD formula on CPU: the matmul spelling)
     k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
     s = q @ k.transpose(-1, -2) * 8 ** -0.5
-    causal = torch.ones(s.shape[-2:], dtype=torch.bool).triu(1)
+    causal = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
     return torch.softmax(s.masked_fill(causal, float("-inf")), -1) @ v
 
 
@@ -39,10 +39,10 @@ def _causal(q, k, v):
 
 
 def _bias(q, k, v, m):
-    return torch.softmax(q @ k.transpose(-1, -2) / 3.0 + m.float() * -2.5, dim=-1) @ v
+    return torch.softmax(q @ k.transpose(-1, -2) / 3.0 + m.to(q.dtype) * -2.5, dim=-1) @ v
 
 
-def _inputs(fn):
+def _inputs(fn, device: str = "cpu"):
     g = torch.Generator().manual_seed(11)
     hkv = 2 if fn is _causal_gqa else 4
     q = torch.randn(2, 4, 12, 8, generator=g)
@@ -50,8 +50,11 @@ def _inputs(fn):
     m = torch.zeros(2, 1, 12, 12, dtype=torch.bool)
     m[0, :, 3] = True  # a row with no key: eager's finfo.min fill gives the mean of V there
     m[1, ..., 7:] = True
-    tangents = tuple(torch.randn(t.shape, generator=g) for t in (q, k, v))
-    return (q, k, v, m), tangents
+    tangents = tuple(torch.randn(t.shape, generator=g).to(device) for t in (q, k, v))
+    return tuple(t.to(device) for t in (q, k, v, m)), tangents
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _dual_call(fn, args, tangents, grad: bool):
@@ -67,9 +70,10 @@ def _dual_call(fn, args, tangents, grad: bool):
 
 @pytest.mark.parametrize("fn", [_padded, _causal_gqa, _bias], ids=["finfo_min_fill", "causal_gqa", "bias"])
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
-def test_tangents_through_a_compiled_graph_equal_eagers(fn, grad):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_tangents_through_a_compiled_graph_equal_eagers(fn, grad, device):
     torch._dynamo.reset()
-    args, tangents = _inputs(fn)
+    args, tangents = _inputs(fn, device)
     compiled = torch.compile(fn, backend="fa3")
     plain = compiled(*args)  # compiled first without tangents: the rewritten, lowered graph
     torch.testing.assert_close(plain, fn(*args), atol=1e-5, rtol=1e-5)
@@ -95,6 +99,20 @@ def test_attention_backward_refuses_tangents():
     out, lse = torch.ops.fa3.attention(q, k, v, 0.5)
     with fwAD.dual_level(), pytest.raises(RuntimeError, match="forward-mode AD"):
         torch.ops.fa3.attention_backward(fwAD.make_dual(dout, torch.ones_like(dout)), q, k, v, out, lse, 0.5)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_direct_call_on_cuda_carries_tangents(dtype):
+    # cuDNN / FA2 / our kernels return plain tensors: without the reference path the tangent would be None.
+    g = torch.Generator().manual_seed(5)
+    q, k, v, tq, tk, tv = (torch.randn(2, 4, 64, 64, generator=g).to("cuda", dtype) for _ in range(6))
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(x, t) for x, t in ((q, tq), (k, tk), (v, tv))]
+        got = fwAD.unpack_dual(fa_compile.attention(*duals, causal=True)).tangent
+        want = fwAD.unpack_dual(_causal(*(d.float() for d in duals))).tangent
+    assert got is not None
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
 if not IN_CHILD:
