@@ -199,8 +199,9 @@ def _autograd_cache_scope(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
 def _inner_compile(cfg: BackendConfig, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str], options: Optional[dict]):
     if cfg.inner == "inductor":
         from .forward_ad import route_dual_calls
+        from .sdpa_pattern_guard import softmax_dim_checked
 
-        with _autograd_cache_scope(gm, example_inputs):
+        with _autograd_cache_scope(gm, example_inputs), softmax_dim_checked():
             return route_dual_calls(_compile_inductor(cfg, gm, example_inputs, mode, options), gm)
     if (mode and mode != "default") or options:
         # torch.compile(..., mode=/options=) reach the backend as these arguments: never drop them.
@@ -224,11 +225,16 @@ def _compile_inductor(cfg: BackendConfig, gm: fx.GraphModule, example_inputs: Se
         patches.update(torch._inductor.list_mode_options(chosen_mode))
     patches.update(cfg.options)
     patches.update(options or {})
+    import torch._inductor.config as inductor_config
+
     from . import ops
+    from .sdpa_pattern_guard import keyed
+
+    patches["joint_custom_pre_pass"] = keyed(patches.get("joint_custom_pre_pass",
+                                                         inductor_config.joint_custom_pre_pass))
 
     if not cfg.lower or config.killed() or ops._CP_HOOK is not None:  # context parallel: the ring needs the op
         return compile_fx(gm, example_inputs, config_patches=patches)
-    import torch._inductor.config as inductor_config
     from .distributed.context import guard_compiled
 
     current = patches.get("post_grad_custom_pre_pass", inductor_config.post_grad_custom_pre_pass)
@@ -332,8 +338,9 @@ class PreGradRewritePass(CustomGraphPass):
         from . import patterns as _patterns
 
         patterns = os.path.dirname(os.path.abspath(_patterns.__file__))
-        files = [__file__, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp8.py")] + sorted(os.path.join(root, f) for root, _dirs, fs in os.walk(patterns) for f in fs
-                                    if f.endswith(".py"))
+        here = os.path.dirname(os.path.abspath(__file__))
+        files = [__file__, os.path.join(here, "fp8.py"), os.path.join(here, "sdpa_pattern_guard.py")]
+        files += sorted(os.path.join(root, f) for root, _dirs, fs in os.walk(patterns) for f in fs if f.endswith(".py"))
         key = repr((get_hash_for_files(tuple(files)).hex(), _source_hash(), config.killed(), config.fp8_requested(),
                     chained))
         return hashlib.sha256(key.encode()).hexdigest()
@@ -344,6 +351,9 @@ def install_inductor_pass() -> None:
     pre-pass (for FA_COMPILE=1 and default torch.compile), each ahead of what the user had there."""
     import torch._inductor.config as inductor_config
 
+    from .sdpa_pattern_guard import install
+
+    install()  # refused sites run as written here too (Inductor's attention patterns ignore the softmax's dim)
     current = inductor_config.pre_grad_custom_pass
     if not isinstance(current, PreGradRewritePass):
         inductor_config.pre_grad_custom_pass = PreGradRewritePass(current)
