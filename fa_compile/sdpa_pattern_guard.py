@@ -5,8 +5,10 @@ chains by SDPA, but match the softmax whatever its dim: `(q @ k.mT).softmax(dim=
 over the keys, a wrong result, under plain `torch.compile` as well. The pass refuses such a site (softmax over
 another axis than the keys), and a refused site must run as written; so while this backend's Inductor compiles a
 graph, every pattern's parameter check (`_sfdp_params_check`, which all of them call) also requires each softmax
-and softmax reduction of the match to be over its input's last dim. Other compiles in the process are untouched,
-except under FA_COMPILE=1, which opts every compile into the pass and so into this check too (`install`).
+and softmax reduction of the match to be over its input's last dim, and a divisor of the scores to be nonzero
+(the replacement computes its reciprocal: a division by zero failed the compile). Other compiles in the process
+are untouched, except under FA_COMPILE=1, which opts every compile into the pass and so into this check too
+(`install`).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 _aten = torch.ops.aten
 _SOFTMAX = (_aten._softmax.default, _aten.softmax.int, _aten._safe_softmax.default)
 _REDUCTIONS = (_aten.amax.default, _aten.sum.dim_IntList, _aten.logsumexp.default)
+_DIVISORS = ("inv_scale", "inv_scale_factor")  # the patterns' names for a number the scores are divided by
 
 
 def _last_dim_only(node: Any) -> bool:
@@ -34,12 +37,14 @@ def _last_dim_only(node: Any) -> bool:
 
 
 def softmax_on_last_dim(match: Any) -> bool:
-    """Whether every softmax (and softmax reduction) among `match.nodes` is over the last dim."""
+    """Whether every softmax (and softmax reduction) among `match.nodes` is over the last dim, and no divisor of
+    the scores is 0 (the replacements compute 1 / inv_scale: a ZeroDivisionError that failed the compile)."""
     for node in getattr(match, "nodes", ()):
         if node.op == "call_function" and (node.target in _SOFTMAX or node.target in _REDUCTIONS):
             if not _last_dim_only(node):
                 return False
-    return True
+    kwargs = getattr(match, "kwargs", {})
+    return not any(isinstance(kwargs.get(n), (int, float)) and kwargs[n] == 0 for n in _DIVISORS)
 
 
 def _wrap() -> Optional[tuple[Any, Any]]:

@@ -394,6 +394,24 @@ def test_ids_on_one_axis_only_are_not_segments():
     assert masks_of(res) == ["bool-mask"]
 
 
+@pytest.mark.parametrize("kind", ["segments", "positions"])
+def test_ids_and_positions_along_the_heads_axis_are_a_bool_mask(kind):
+    """Ids / positions [H, N] whose leading axis lands on the heads (`m[None]`), not the batch: the op's q_seg /
+    k_seg / q_pos are per batch row, so such a mask is a bool mask (with B == H the shapes would fit)."""
+
+    def fn(q, k, v, ids):
+        if kind == "segments":
+            m = ids[:, :, None] == ids[:, None, :]  # [H, N, N]
+        else:
+            m = torch.arange(k.shape[-2])[None, None, :] <= ids[:, :, None]  # [H, Nq, Nk]
+        return torch.softmax(_scores(q, k).masked_fill(~m[None], NEG_INF), -1) @ v
+
+    ids = torch.tensor([[0, 0, 1, 1, 1, 2], [5, 5, 3, 3, 3, 3]]) if kind == "segments" else \
+        torch.tensor([[5, 2, 4, 0, 3, 1], [3, 3, 1, 5, 0, 2]])
+    assert B == H == ids.shape[0]
+    assert masks_of(check(fn, [*qkv(6, 6), ids], rewritten=1)) == ["bool-mask"]
+
+
 # ----------------------------------------------------------------------------- the rewritten graph
 
 def _code(fn, *args) -> str:

@@ -54,6 +54,21 @@ def test_refused_softmax_axis_runs_as_written(fn, lower):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"d{n}: {m}")
 
 
+def test_scores_divided_by_zero_compile_and_match_eager():
+    # Inductor's replacement computes 1 / inv_scale: a ZeroDivisionError failed the compile (plain Inductor's too).
+    def fn(q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2) / 0.0, -1) @ v
+
+    torch._dynamo.reset()
+    q, k, v = _inputs(grad=True)
+    want = fn(q, k, v)
+    got = torch.compile(fn, backend="fa3")(q, k, v)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    torch.testing.assert_close(got, want, equal_nan=True)
+    got.sum().backward()  # (NaN gradients, as eager's)
+    assert q.grad is not None
+
+
 def test_plain_inductor_keeps_its_own_check():
     from torch._inductor.fx_passes import fuse_attention
 

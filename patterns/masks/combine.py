@@ -144,8 +144,8 @@ def _band_fits(k: _Keep, node: fx.Node, q_len: Size, k_len: Size) -> bool:
     shape = _shape(node)
     if shape is None or len(shape) > 4 or k.inverted:
         return False
-    if k.lo is None and k.hi is None and k.lens is None:
-        return True
+    if k.lo is None and k.hi is None and k.lens is None and k.qpos is None and k.seg is None:
+        return True  # (run-time positions and segment ids still need their axes checked below)
     if k.lo is not None or k.hi is not None:
         if len(shape) < 2 or not _same(shape[-2], q_len) or not _same(shape[-1], k_len):
             return False
