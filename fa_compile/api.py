@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from typing import Literal, Optional, Union
 
 import torch
@@ -10,20 +11,29 @@ from torch import Tensor
 
 from . import dispatch
 from . import ops  # noqa: F401  (registers torch.ops.fa3)
+from .paged import short_repr
 
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 
 
+_FLOAT_MAX = int(sys.float_info.max)  # an int beyond it has no float (float(10**400) raises OverflowError)
+INT64_MAX = 2**63 - 1  # the op's int arguments are int64
+
+
 def _check_number(name: str, x) -> None:
-    if type(x) is float or type(x) is int:  # the common case, without the ABC checks (host time per call)
+    if type(x) is float:  # the common case, without the ABC checks (host time per call)
         return
+    if type(x) is int:
+        if -_FLOAT_MAX <= x <= _FLOAT_MAX:
+            return
+        raise ValueError(f"{name}: {short_repr(x)} is beyond the largest float")
     if isinstance(x, bool) or not isinstance(x, (numbers.Real, torch.SymFloat, torch.SymInt)):
         raise TypeError(f"{name}: expected a real number, got {type(x).__name__} {x!r}")
 
 
 def _check_window(window) -> tuple[int, int]:
     if type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int \
-            and window[0] >= -1 and window[1] >= -1:
+            and -1 <= window[0] <= INT64_MAX and -1 <= window[1] <= INT64_MAX:
         return window  # the common case, without the ABC checks
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"window: expected a pair (left, right) of ints, got {window!r}")
@@ -32,7 +42,9 @@ def _check_window(window) -> tuple[int, int]:
             raise TypeError(f"window: expected a pair (left, right) of ints, got {window!r} "
                             f"(a {type(x).__name__} is not truncated silently)")
         if x < -1:
-            raise ValueError(f"window: each bound must be >= 0, or -1 for unbounded; got {tuple(window)}")
+            raise ValueError(f"window: each bound must be >= 0, or -1 for unbounded; got {short_repr(tuple(window))}")
+        if x > INT64_MAX:
+            raise ValueError(f"window: each bound must fit in 64 bits (-1 for unbounded); got {short_repr(tuple(window))}")
     return int(window[0]), int(window[1])
 
 

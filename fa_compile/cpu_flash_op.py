@@ -210,7 +210,14 @@ def cpu_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
         d_attn = dout.masked_fill(rows, 0)
         lse_b = lse.masked_fill(empty, 0.0)
     rep = 1 if groups == 1 or native_gqa() else groups
-    kd, vd = last_dim_dense(k), last_dim_dense(v)
+    dq_nan = None
+    if mask is not None and not _all_finite(k):  # as the forward ran (conventions.nan_keys_for_backward)
+        from .lowering import conventions
+
+        kd, dq_nan = conventions.nan_keys_for_backward(last_dim_dense(k), groups)
+    else:
+        kd = last_dim_dense(k)
+    vd = last_dim_dense(v)
     dq, dk, dv = _BWD(last_dim_dense(d_attn), last_dim_dense(q), _repeat_kv(kd, rep), _repeat_kv(vd, rep),
                       last_dim_dense(out), lse_b, 0.0, causal, attn_mask=mask, scale=scale)
     b, hkv, nk = k.shape[0], k.shape[1], k.shape[2]
@@ -228,6 +235,8 @@ def cpu_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
             acc = torch.promote_types(q.dtype, torch.float32)
             uq, uk = _uniform_grads(dg, q, k, v, scale, acc, True, True)
             dq, dk = dq + uq, dk + uk
+    if dq_nan is not None:
+        dq = dq + dq_nan.to(dq.dtype)
     return _laid_out_like(dq, q), _laid_out_like(dk, k), _laid_out_like(dv, v)
 
 

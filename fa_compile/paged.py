@@ -117,11 +117,29 @@ def check_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tenso
         raise ValueError(f"force_kernel: unknown kernel {force_kernel!r}; known: {', '.join(KERNELS)}")
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def finite_number(x: Any) -> bool:
+    """math.isfinite, also for an int too large for a float (False there, where math.isfinite raises)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
+def short_repr(x: Any, width: int = 40) -> str:
+    """repr(x), its middle elided past `width` characters (an int of 400 digits in an error message)."""
+    r = repr(x)
+    return r if len(r) <= width else f"{r[:width // 2]}...{r[-8:]} ({len(r)} characters)"
+
+
 def check_scalars(scale: float, num_splits: int) -> None:
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
-        raise ValueError(f"scale: must be a finite number, got {scale!r}")
-    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
-        raise ValueError(f"num_splits: must be an int >= 0 (0: chosen by the kernel), got {num_splits!r}")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not finite_number(scale):
+        raise ValueError(f"scale: must be a finite number, got {short_repr(scale)}")
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 0 <= num_splits <= _INT32_MAX:
+        raise ValueError(f"num_splits: must be an int in [0, {_INT32_MAX}] (0: chosen by the kernel), "
+                         f"got {short_repr(num_splits)}")
 
 
 def capacity(k_cache: Tensor, page_table: Optional[Tensor], layout: str) -> int:
@@ -454,8 +472,11 @@ def _check_wrapper_types(**args: Any) -> None:
     if args["kernel"] is not None and not isinstance(args["kernel"], str):
         raise TypeError(f"kernel: expected a kernel name or None, got {type(args['kernel']).__name__}")
     # the op's own checks name its arguments (scale, force_kernel): these two are named as the caller wrote them
-    if scale is not None and not math.isfinite(scale):
-        raise ValueError(f"softmax_scale: must be a finite number, got {scale}")
+    if scale is not None and not finite_number(scale):
+        raise ValueError(f"softmax_scale: must be a finite number, got {short_repr(scale)}")
+    if not 0 <= args["num_splits"] <= _INT32_MAX:
+        raise ValueError(f"num_splits: must be in [0, {_INT32_MAX}] (0: chosen by the kernel), "
+                         f"got {short_repr(args['num_splits'])}")
     if args["kernel"] is not None and args["kernel"] not in KERNELS:
         raise ValueError(f"kernel: unknown kernel {args['kernel']!r}; known: {', '.join(KERNELS)}")
 
@@ -506,6 +527,8 @@ def paged_attention(
     if q.dim() != 4:
         raise ValueError(f"q: expected [B, Nq, Hq, D] (4 dims), got {q.dim()} dims {tuple(q.shape)}")
     if isinstance(cache_seqlens, int):
+        if not 0 <= cache_seqlens <= _INT32_MAX:
+            raise ValueError(f"cache_seqlens: an int must be in [0, {_INT32_MAX}], got {short_repr(cache_seqlens)}")
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     if softmax_scale is None:
         if q.shape[-1] == 0:

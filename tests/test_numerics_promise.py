@@ -154,6 +154,42 @@ def test_compiled_nan_in_a_future_key_reaches_only_the_rows_that_see_it(fn):
         torch.testing.assert_close(out, fn(q, poisoned(k), v), equal_nan=True, **TOL[torch.float32])
 
 
+def _padded_fill(fill: float):
+    def fn(q, k, v, pad):
+        s = q @ k.transpose(-2, -1) * 0.25
+        return torch.softmax(s.masked_fill(pad[:, None, None, :], fill), dim=-1) @ v
+
+    return fn
+
+
+@pytest.mark.parametrize("fill", [-INF, torch.finfo(torch.float32).min], ids=["neg_inf", "finfo_min"])
+def test_compiled_nan_in_a_padded_key_gradients_equal_eagers(fill):
+    """A NaN in a key that a data key-padding mask excludes: eager's dK and dV there are 0 and its dQ carries the NaN
+    (dS · K with dS = 0); the CPU kernel's backward, which adds the mask, recomputed NaN + (-inf) = NaN for them.
+    finfo_min also empties a whole sequence (eager's uniform rows), which runs the op with the empty-row fix-up."""
+    import fa_compile
+
+    fn = _padded_fill(fill)
+    q, k, v = qkv()
+    k = poisoned(k)
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    pad[0, J:] = True  # key J of sequence 0 is padding
+    if fill != -INF:
+        pad[1] = True  # every key of sequence 1: rows without an admissible key
+    args = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = fn(*args, pad)
+    g = torch.randn(want.shape, generator=torch.Generator().manual_seed(3))
+    want_grads = torch.autograd.grad(want, args, g)
+    torch._dynamo.reset()
+    args2 = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    got = torch.compile(fn, backend="fa3")(*args2, pad)
+    assert len(fa_compile.explain(fn, *args2, pad).rewritten) == 1
+    got_grads = torch.autograd.grad(got, args2, g)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (got, *got_grads), (want, *want_grads)):
+        assert torch.equal(a.isnan(), b.isnan()), f"{name}: NaN at {a.isnan().sum()} places, eager {b.isnan().sum()}"
+        torch.testing.assert_close(a, b, equal_nan=True, **TOL[torch.float32], msg=lambda m, n=name: f"{n}: {m}")
+
+
 def plain_unscaled_product(q, k, v):
     return torch.softmax(q @ k.transpose(-2, -1) * 0.002, dim=-1) @ v
 

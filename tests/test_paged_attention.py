@@ -237,6 +237,9 @@ if not IN_CHILD:
         (dict(kernel=3), r"^kernel: expected a kernel name or None, got int"),
         (dict(kernel="flash"), r"^kernel: unknown kernel 'flash'; known: triton, fa3, reference"),
         (dict(softmax_scale=float("nan")), r"^softmax_scale: must be a finite number"),
+        (dict(softmax_scale=10**400), r"^softmax_scale: must be a finite number, got 1000.*\(401 characters\)"),
+        (dict(num_splits=2**70), r"^num_splits: must be in \[0, 2147483647\]"),
+        (dict(cache_seqlens=2**40), r"^cache_seqlens: an int must be in \[0, 2147483647\]"),
     ], ids=lambda x: x if isinstance(x, str) else None)
     def test_wrapper_argument_types_name_the_argument(change, match):
         c = make_cache(lens=[5, 20], nq=2, dtype=torch.float32)

@@ -176,6 +176,12 @@ class SdpaCandidate:
 
     def backward(self, args, dout: Tensor, out: Tensor, lse: Tensor):
         q, k, v, out = (c.last_dim_contiguous(t) for t in (args.q, args.k, args.v, out))
+        dq_nan = None
+        excludes = args.kv_lens is not None or (args.bias is not None and args.bias.dtype == torch.bool)
+        if self.kind != "flash" and excludes:  # the forward's NaN keys were zeroed: conventions.nan_keys_for_backward
+            from ..lowering import conventions
+
+            k, dq_nan = conventions.nan_keys_for_backward(k, q.shape[1] // k.shape[1])
         # The kernels read dO with out's strides (cuDNN insists on it).
         if dout.stride() != out.stride():
             dout = torch.empty_like(out).copy_(dout)
@@ -196,6 +202,8 @@ class SdpaCandidate:
                 nq, nk, 0.0, causal, scale=args.scale)
         else:
             raise RuntimeError("mem-efficient backward is not used (see EFFICIENT below)")
+        if dq_nan is not None:
+            dq = dq + dq_nan.to(dq.dtype)
         return dq, dk, dv, None
 
 

@@ -119,10 +119,22 @@ def without_nan_keys(q: Tensor, k: Tensor, mask: Tensor, causal: bool, groups: i
     that admit it (a -inf score weighs 0 there)."""
     nan = k != k
     kbad = nan.any(-1)  # [B, Hkv, Nk]
-    k = k.masked_fill(nan, 0)
+    k = k.masked_fill(nan, 0)  # (the backward zeroes them alike: nan_keys_for_backward)
     bad = (kbad.repeat_interleave(groups, dim=1) if groups > 1 else kbad).unsqueeze(2)  # [B, Hq, 1, Nk]
     rows = (bad & admitted(q, k, mask, causal)).any(-1)  # the mask's own broadcast shape over Nq
     return k, rows.expand(q.shape[0], q.shape[1], q.shape[2])
+
+
+def nan_keys_for_backward(k: Tensor, groups: int) -> tuple[Tensor, Tensor]:
+    """(k with its NaN elements zeroed, a dQ term) for the backward of a forward that ran on `without_nan_keys`' k.
+    The kernel recomputes the scores, and a NaN key would make P NaN (NaN + -inf) on the rows that exclude it, and
+    so its dK and dV, where eager's are 0: the kernel gets the zeroed k. Eager's dQ = dS·K does carry the NaN to
+    every row of the key's head (0 · NaN), in the columns where it sits: the term, [B, Hq, 1, D], NaN there and 0
+    elsewhere, added to the kernel's dQ gives that. Rows that admit the key have a NaN lse from the forward, and
+    their gradients stay NaN."""
+    kz = k.masked_fill(k != k, 0)
+    term = (k - kz).sum(dim=2, keepdim=True)  # NaN - 0 is NaN, x - x is 0 (infinite elements stay in k)
+    return kz, term.repeat_interleave(groups, dim=1) if groups > 1 else term
 
 
 def finish(out: Tensor, lse: Tensor, empty: Optional[Tensor]) -> tuple[Tensor, Tensor]:

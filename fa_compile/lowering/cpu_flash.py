@@ -146,6 +146,7 @@ class CpuFlash:
         own) are then the strides of the graph values the gradients stand for."""
         scale, causal = float(args.scale), self._causal(args)
         has_bias, has_lens = args.bias is not None, args.kv_lens is not None
+        excludes = has_lens or (has_bias and args.bias.dtype == torch.bool)  # the forward's NaN keys were zeroed
         groups = int(args.q.shape[1]) // int(args.k.shape[1])
         native = groups > 1 and native_gqa()  # the kernel reads each kv head for its group itself
 
@@ -155,6 +156,9 @@ class CpuFlash:
             mask = conventions.additive_mask(q, k0, bias, kv_lens)
             # keys and values past kv_lens are never read (a cache's unused slots): zeroed, as the forward does
             k, v = zero_past_kv_lens(k0, kv_lens), zero_past_kv_lens(v0, kv_lens)
+            dq_nan = None
+            if excludes and empty_grad is None:  # (the op below decides on the data itself)
+                k, dq_nan = conventions.nan_keys_for_backward(k, groups)
             if empty_grad is not None:
                 grads = _CPU_FLASH_BACKWARD(dout, q, k, v, out, lse, mask, scale, causal, groups, empty_grad)
                 grads = [g if s is None else conventions.with_strides(g, s)
@@ -170,6 +174,8 @@ class CpuFlash:
                 b, hkv, nk, d = k.shape
                 dk = dk.view(b, hkv, groups, nk, d).sum(dim=2)
                 dv = dv.view(b, hkv, groups, nk, v.shape[3]).sum(dim=2)
+            if dq_nan is not None:
+                dq = dq + dq_nan.to(dq.dtype)
             return (conventions.dense_like(dq, q), conventions.dense_like(dk, k0), conventions.dense_like(dv, v0),
                     q.new_empty((0,)))
 
