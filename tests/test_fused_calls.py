@@ -243,17 +243,22 @@ def test_sdpa_refuses_training_dropout_when_told():
                for n in cap.graphs[0].graph.nodes)
 
 
-def test_sdpa_refuses_a_fold_that_would_copy():
-    x = rnd(3, 7, 2, 2, 8)
+def test_sdpa_folds_leading_dims_that_no_view_folds_with_a_copy():
+    # NesT / Hiera: a fused QKV projection permuted to [3, B, H, T, N, d] and unbound; the 5-D q, k, v fold into
+    # a batch axis only by a copy, which `flatten` makes (the gradient goes back through it)
+    x = rnd(3, 7, 2, 2, 8, requires_grad=True)
 
     def fn(x):
         q = x.permute(2, 0, 3, 1, 4)  # [2, 3, 2, 7, 8]: leading dims not mergeable without a copy
-        return F.scaled_dot_product_attention(q, q, q)
+        return F.scaled_dot_product_attention(q, q * 0.5, q.flip(-1))
 
     out, cap = run(fn, x)
     rep = only_report(cap)
-    assert not rep.rewritten and "would copy" in rep.reason
-    assert_same(out, fn(x))
+    assert rep.rewritten, rep.reason
+    want = fn(x)
+    assert_same(out, want)
+    g = rnd(*out.shape, seed=1)
+    assert_same(torch.autograd.grad(out, x, g)[0], torch.autograd.grad(want, x, g)[0])
 
 
 def test_sdpa_refuses_high_rank_mask_with_high_rank_inputs():
