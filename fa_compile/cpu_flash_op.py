@@ -214,7 +214,7 @@ def cpu_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     if mask is not None and not _all_finite(k):  # as the forward ran (conventions.nan_keys_for_backward)
         from .lowering import conventions
 
-        kd, dq_nan = conventions.nan_keys_for_backward(last_dim_dense(k), groups)
+        kd, dq_nan = conventions.nan_keys_for_backward(last_dim_dense(k))
     else:
         kd = last_dim_dense(k)
     vd = last_dim_dense(v)
@@ -236,7 +236,9 @@ def cpu_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
             uq, uk = _uniform_grads(dg, q, k, v, scale, acc, True, True)
             dq, dk = dq + uq, dk + uk
     if dq_nan is not None:
-        dq = dq + dq_nan.to(dq.dtype)
+        from .lowering import conventions
+
+        dq = conventions.with_nan_columns(dq, dq_nan)
     return _laid_out_like(dq, q), _laid_out_like(dk, k), _laid_out_like(dv, v)
 
 

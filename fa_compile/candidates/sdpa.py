@@ -181,7 +181,7 @@ class SdpaCandidate:
         if self.kind != "flash" and excludes:  # the forward's NaN keys were zeroed: conventions.nan_keys_for_backward
             from ..lowering import conventions
 
-            k, dq_nan = conventions.nan_keys_for_backward(k, q.shape[1] // k.shape[1])
+            k, dq_nan = conventions.nan_keys_for_backward(k)
         # The kernels read dO with out's strides (cuDNN insists on it).
         if dout.stride() != out.stride():
             dout = torch.empty_like(out).copy_(dout)
@@ -203,7 +203,9 @@ class SdpaCandidate:
         else:
             raise RuntimeError("mem-efficient backward is not used (see EFFICIENT below)")
         if dq_nan is not None:
-            dq = dq + dq_nan.to(dq.dtype)
+            from ..lowering import conventions
+
+            dq = conventions.with_nan_columns(dq, dq_nan)
         return dq, dk, dv, None
 
 

@@ -125,16 +125,25 @@ def without_nan_keys(q: Tensor, k: Tensor, mask: Tensor, causal: bool, groups: i
     return k, rows.expand(q.shape[0], q.shape[1], q.shape[2])
 
 
-def nan_keys_for_backward(k: Tensor, groups: int) -> tuple[Tensor, Tensor]:
-    """(k with its NaN elements zeroed, a dQ term) for the backward of a forward that ran on `without_nan_keys`' k.
-    The kernel recomputes the scores, and a NaN key would make P NaN (NaN + -inf) on the rows that exclude it, and
-    so its dK and dV, where eager's are 0: the kernel gets the zeroed k. Eager's dQ = dS·K does carry the NaN to
-    every row of the key's head (0 · NaN), in the columns where it sits: the term, [B, Hq, 1, D], NaN there and 0
-    elsewhere, added to the kernel's dQ gives that. Rows that admit the key have a NaN lse from the forward, and
-    their gradients stay NaN."""
-    kz = k.masked_fill(k != k, 0)
-    term = (k - kz).sum(dim=2, keepdim=True)  # NaN - 0 is NaN, x - x is 0 (infinite elements stay in k)
-    return kz, term.repeat_interleave(groups, dim=1) if groups > 1 else term
+def nan_keys_for_backward(k: Tensor) -> tuple[Tensor, Tensor]:
+    """(k with its NaN elements zeroed, the NaN columns [B, Hkv, 1, D]) for the backward of a forward that ran on
+    `without_nan_keys`' k. The kernel recomputes the scores, and a NaN key would make P NaN (NaN + -inf) on the rows
+    that exclude it, and so its dK and dV, where eager's are 0: the kernel gets the zeroed k. Eager's dQ = dS·K
+    does carry the NaN to every row of the key's head (0 · NaN), in the columns where it sits: `with_nan_columns`
+    puts that back. Rows that admit the key have a NaN lse from the forward, and their gradients stay NaN."""
+    nan = k != k
+    return k.masked_fill(nan, 0), nan.any(dim=2, keepdim=True)
+
+
+def with_nan_columns(dq: Tensor, columns: Tensor) -> Tensor:
+    """dq [B, Hq, Nq, D], NaN in the columns `nan_keys_for_backward` found for each query head's kv head."""
+    b, hq, nq, d = dq.shape
+    hkv = columns.shape[1]
+    nan = torch.full((), float("nan"), dtype=dq.dtype, device=dq.device)
+    if hkv == hq:
+        return torch.where(columns, nan, dq)
+    # query head h reads kv head h // G: split the heads (a view of any layout), broadcast over the group
+    return torch.where(columns.unsqueeze(2), nan, dq.unflatten(1, (hkv, hq // hkv))).flatten(1, 2)
 
 
 def finish(out: Tensor, lse: Tensor, empty: Optional[Tensor]) -> tuple[Tensor, Tensor]:

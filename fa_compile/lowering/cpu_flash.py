@@ -158,7 +158,7 @@ class CpuFlash:
             k, v = zero_past_kv_lens(k0, kv_lens), zero_past_kv_lens(v0, kv_lens)
             dq_nan = None
             if excludes and empty_grad is None:  # (the op below decides on the data itself)
-                k, dq_nan = conventions.nan_keys_for_backward(k, groups)
+                k, dq_nan = conventions.nan_keys_for_backward(k)
             if empty_grad is not None:
                 grads = _CPU_FLASH_BACKWARD(dout, q, k, v, out, lse, mask, scale, causal, groups, empty_grad)
                 grads = [g if s is None else conventions.with_strides(g, s)
@@ -175,7 +175,7 @@ class CpuFlash:
                 dk = dk.view(b, hkv, groups, nk, d).sum(dim=2)
                 dv = dv.view(b, hkv, groups, nk, v.shape[3]).sum(dim=2)
             if dq_nan is not None:
-                dq = dq + dq_nan.to(dq.dtype)
+                dq = conventions.with_nan_columns(dq, dq_nan)
             return (conventions.dense_like(dq, q), conventions.dense_like(dk, k0), conventions.dense_like(dv, v0),
                     q.new_empty((0,)))
 

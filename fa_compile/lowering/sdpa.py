@@ -111,7 +111,6 @@ class SdpaLowering:
         causal = c.effective_causal(args)
         has_bias, has_lens = args.bias is not None, args.kv_lens is not None
         excludes = kind != "flash" and (has_lens or (has_bias and args.bias.dtype == torch.bool))  # as forward_fn
-        groups = int(args.q.shape[1]) // int(args.k.shape[1])
 
         def fn(dout, q, k, v, out, lse, *rest):
             bias = rest[0] if has_bias else None
@@ -120,7 +119,7 @@ class SdpaLowering:
             k, v = zero_past_kv_lens(k, kv_lens), zero_past_kv_lens(v, kv_lens)  # as the forward read them
             dq_nan = None
             if excludes:  # the forward's NaN keys were zeroed (conventions.nan_keys_for_backward)
-                k, dq_nan = conventions.nan_keys_for_backward(k, groups)
+                k, dq_nan = conventions.nan_keys_for_backward(k)
             q, k, v, out = (_last_dim_contiguous(t) for t in (q, k, v, out))
             dout = conventions.with_strides(dout, out.stride())  # the kernels read dO with out's strides
             b, hq, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
@@ -139,7 +138,7 @@ class SdpaLowering:
                     dout, q, k, v, out, lse_b.reshape(b, hq, nq, 1), seed, offset, _bias(q, k, bias, kv_lens), None,
                     None, nq, nk, 0.0, causal, scale=scale)
             if dq_nan is not None:
-                dq = dq + dq_nan.to(dq.dtype)
+                dq = conventions.with_nan_columns(dq, dq_nan)
             return (conventions.dense_like(dq, q0), conventions.dense_like(dk, k0), conventions.dense_like(dv, v0),
                     q0.new_empty((0,)))
 
