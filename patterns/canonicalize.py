@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .aliasing import is_inplace
 from .emit import example_value
 
 
@@ -208,10 +209,6 @@ def kind(node: Any) -> Optional[str]:
     return k
 
 
-_OPERATOR_INPLACE = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                     operator.iand, operator.ior, operator.ixor, operator.ifloordiv, operator.imod, operator.ipow)
-
-
 # Steps an attention's scores take between Q·Kᵀ and the softmax, and its probabilities between the softmax and P·V,
 # as the graph edits before the site finder follow them (the finder itself reads each step's role).
 SCORE_STEPS = ("add", "sub", "mul", "div", "masked_fill", "where", "cast", "tanh")
@@ -249,18 +246,6 @@ def comes_before(graph: fx.Graph, a: fx.Node, b: fx.Node) -> bool:
         if n is b:
             return False
     return False
-
-
-def is_inplace(node: fx.Node) -> bool:
-    """An op that writes into its first argument (`x.add_(1)`, `operator.setitem`, `torch.Tensor.mul_`)."""
-    if node.op not in ("call_method", "call_function"):
-        return False
-    if node.target in _OPERATOR_INPLACE:  # in place on tensors only (`n += 1` on a SymInt is not)
-        return bool(node.args) and tensor_of(node.args[0]) is not None
-    if node.op == "call_function" and getattr(node.target, "__module__", None) in ("_operator", "operator"):
-        return False  # operator.and_ / or_ / not_ are functional despite the underscore
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
 
 
 def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:

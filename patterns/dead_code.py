@@ -16,7 +16,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .canonicalize import is_inplace, kind, tensor_of
+from .aliasing import writes
+from .canonicalize import kind, tensor_of
 
 # canonical kinds (canonicalize.kind) that compute a value and nothing else; dropout draws random numbers
 _PURE_KINDS = {"softmax", "matmul", "einsum", "baddbmm", "linear", "mul", "div", "add", "sub", "masked_fill",
@@ -46,7 +47,7 @@ def _tensor_index(node: fx.Node) -> bool:
 
 def is_pure(node: fx.Node) -> bool:
     """Computing `node` has no effect besides its result (see the module docstring)."""
-    if node.op not in ("call_function", "call_method") or node.is_impure() or is_inplace(node):
+    if node.op not in ("call_function", "call_method") or node.is_impure() or writes(node):
         return False
     if "out" in node.kwargs:
         return False

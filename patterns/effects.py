@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from .aliasing import written_args
 from .canonicalize import is_inplace, kind, tensor_of
 from .emit import example_value
 from .regions import Regions
@@ -50,133 +51,27 @@ def path_to(top: fx.Node, base: fx.Node, limit: int = 64) -> Optional[list]:
 
 def chain_write(nodes: list, own: set, keep_out: Optional[fx.Node] = None) -> Optional[str]:
     """Why the site's nodes write into memory that outlives the site (None when they do not):
-    an `out=` argument (except on `keep_out`, whose write the rewrite keeps) or an in-place op
-    whose destination is not itself one of the site's own nodes."""
+    an `out=` argument (except on `keep_out`, whose write the rewrite keeps) or an in-place write
+    (aliasing.written_args) whose destination is not itself one of the site's own nodes."""
     for n in nodes:
-        if n is not keep_out and out_target(n) is not None:
+        out = out_target(n)
+        if n is not keep_out and out is not None:
             return f"{n.name} writes its result into an out= tensor"
-        if is_inplace(n):
-            dst = n.args[0] if n.args else None
-            if isinstance(dst, fx.Node) and dst not in own:
-                return f"{n.name} writes in place into {dst.name}, which outlives the attention"
+        outside = [dst for dst in written_args(n) if dst is not out and dst not in own]
+        if outside:
+            return f"{n.name} writes in place into {outside[0].name}, which outlives the attention"
     return None
 
 
-def written_in_place(node: fx.Node, depth: int = 8) -> bool:
-    """Is the memory of `node`'s value written in place anywhere in the graph: through `node`, the tensor
-    it is a view of, or a view of either (views: `_ALIASING`, chunk / split / unbind, narrow, as_strided, mT...)?"""
-    base = node
-    for _ in range(depth):
-        up = base.args[0] if base.op in ("call_function", "call_method") and base.args else None
-        if isinstance(up, fx.Node) and _may_alias(base):
-            base = up  # (an in-place op's result is its argument: mutated_downstream sees that write itself)
-        else:
-            break
-    return mutated_downstream(base, depth)
-
-
-# Ops whose result may share its first argument's memory (views, and calls that return their input unchanged when
-# nothing is to be done: contiguous, to, type, float, ...). Everything else allocates its result.
-_ALIASING = frozenset({
-    "view", "reshape", "view_as", "reshape_as", "transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis",
-    "t", "adjoint", "expand", "expand_as", "broadcast_to", "squeeze", "unsqueeze", "flatten", "unflatten", "narrow",
-    "select", "chunk", "split", "split_with_sizes", "tensor_split", "unbind", "hsplit", "vsplit",
-    "dsplit", "diagonal", "as_strided", "unfold", "detach", "alias", "contiguous", "to", "type", "type_as", "float",
-    "double", "half", "bfloat16", "real", "imag", "view_as_real", "view_as_complex", "getitem", "getattr", "T", "mT",
-    "H", "mH", "align_as", "rename", "refine_names", "_unsafe_view", "lift_fresh",
-})
-
-
-def _may_alias(u: fx.Node) -> bool:
-    """Whether `u`'s result may be a view of (share memory with) its first argument."""
-    if u.op not in ("call_function", "call_method"):
-        return False
-    if kind(u) in ("transpose", "permute", "reshape", "unsqueeze", "getitem", "expand"):
-        return True
-    name = u.target if isinstance(u.target, str) else getattr(u.target, "__name__", "")
-    return isinstance(name, str) and name.split(".")[0] in _ALIASING
-
-
-_INPLACE_PARAM: dict = {}  # target -> whether its signature has an `inplace` parameter, and the signature
-
-
-def _inplace_flag(u: fx.Node) -> bool:
-    """`F.relu(x, inplace=True)`-style calls: the `inplace` argument, by keyword or position."""
-    if u.kwargs.get("inplace") is True:
-        return True
-    if u.op != "call_function" or not any(a is True for a in u.args):
-        return False
-    try:
-        sig = _INPLACE_PARAM.get(u.target)
-    except TypeError:  # unhashable target
-        return False
-    if sig is None:
-        import inspect
-
-        try:
-            sig = inspect.signature(u.target)
-            sig = sig if "inplace" in sig.parameters else False
-        except (TypeError, ValueError):
-            sig = False
-        _INPLACE_PARAM[u.target] = sig
-    if sig is False:
-        return False
-    try:
-        return sig.bind(*u.args, **u.kwargs).arguments.get("inplace") is True
-    except TypeError:
-        return False
-
-
-def _schema_writes_first(target: Any) -> bool:
-    """An aten op (`torch.ops.aten.add_`) whose schema writes its first argument."""
-    schema = getattr(target, "_schema", None) or getattr(getattr(target, "default", None), "_schema", None)
-    if schema is None or not schema.arguments:
-        return False
-    alias = schema.arguments[0].alias_info
-    return alias is not None and alias.is_write
-
-
-def _writes(u: fx.Node, n: fx.Node) -> bool:
-    """Does `u` write into the memory of its argument `n`: in place (`n.add_(1)`, `operator.setitem`, a `_foreach_*_`
-    op over a list holding `n`, `inplace=True`, an aten op writing its first argument) or through `out=`?"""
-    if u.op not in ("call_function", "call_method"):
-        return False
-    first = u.args[0] if u.args else None
-    holds = first is n or (isinstance(first, (list, tuple)) and any(a is n for a in first))
-    if holds and (is_inplace(u) or _inplace_flag(u) or _schema_writes_first(u.target)):
-        return True
-    out = u.kwargs.get("out")
-    return out is n or (isinstance(out, (list, tuple)) and any(a is n for a in out))
-
-
-def mutated_downstream(node: fx.Node, depth: int = 8) -> bool:
-    """Is `node`'s value (or a possible view of it) updated in place later (`o += x`, `o.mul_(c)`, `o[i] = y`,
-    `torch._foreach_add_([o], 1)`, `out=o`)? Its views (`_may_alias`) are followed."""
-    frontier, seen = [node], set()
-    for _ in range(depth):
-        nxt = []
-        for n in frontier:
-            for u in n.users:
-                if u in seen:
-                    continue
-                seen.add(u)
-                if _writes(u, n):
-                    return True
-                if _may_alias(u):
-                    nxt.append(u)
-        frontier = nxt
-    return False
-
-
-def private_storage(write: fx.Node, pos: dict, after: int, limit: int = 4096) -> Optional[set]:
-    """The nodes whose values share the memory that the in-place node `write` updates, when that memory was
+def private_storage(dst: Any, pos: dict, after: int, limit: int = 4096) -> Optional[set]:
+    """The nodes whose values share the memory of `dst`, which a node writes into, when that memory was
     allocated in the graph after position `after` (so no value read before then can be a view of it); None
     when that cannot be shown. The set is closed over views, in-place results and any op of unknown aliasing
     that reads a member as its first argument; an op that allocates its result (arithmetic, a contraction,
     a gather with a member as its index) starts new memory and is not in it."""
     from .functionalize import is_fresh
 
-    base = write.args[0] if write.args else None
+    base = dst
     for _ in range(64):
         if not isinstance(base, fx.Node) or base.op not in ("call_function", "call_method"):
             return None

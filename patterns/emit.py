@@ -233,7 +233,7 @@ def emit_attention(
         # The op saves its inputs for the backward, and a copy would not help: AOTAutograd saves a mutated
         # graph input rather than a copy of it and replays the write before the backward (torch 2.11 and
         # 2.13: `c = m.clone(); y = q * c; m.mul_(2)` gives q the gradient of the new m).
-        from .effects import written_in_place
+        from .aliasing import written_in_place
 
         written = [name for name, x in (("q", q), ("k", k), ("v", v), ("bias", bias), ("kv_lens", kv_lens),
                                         ("sinks", sinks), *runtime.items())

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from . import emit
-from .effects import mutated_downstream
+from .aliasing import written_in_place
 from .fused_common import (
     Builder, Refuse, check_scalars, const, default_scale, emit_attention, guarded_rewrite, options_allow_dropout,
     runtime_scale, same_size, shape_of, structured_mask, tensor_value,
@@ -212,7 +212,7 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, c
     elif nd > 4:
         lead = [b.size(q, i) for i in range(nd - 3)]
         out = b.m("unflatten", out4, 0, tuple(lead))
-    if mutated_downstream(node):
+    if written_in_place(node):
         out = b.m("clone", out)  # `o += x` must not write into the op's output, which autograd saved
     b.replace(node, out)
     rep.rewritten, rep.call = True, call

@@ -49,6 +49,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from .aliasing import writes
 from .canonicalize import comes_before, is_inplace, kind, tensor_of
 from .emit import call, example_value, size_arg
 from .shapes import known_eq, known_one, prod
@@ -340,7 +341,7 @@ def trace_gather(x: fx.Node, consumer: fx.Node) -> Gather:
 def _live(n: fx.Node, depth: int = 0) -> bool:
     """Whether n's value is used: the site rewrite leaves the user's dead nodes (its own k.transpose)
     to the pass's final dead-code removal, so a reader that nothing reads does not count."""
-    if n.op == "output" or n.is_impure() or is_inplace(n) or depth > 32:
+    if n.op == "output" or n.is_impure() or writes(n) or depth > 32:
         return True
     return any(_live(u, depth + 1) for u in n.users)
 

@@ -14,7 +14,8 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 
-from .canonicalize import canonicalize, is_inplace
+from .aliasing import writes
+from .canonicalize import canonicalize
 from .fused_calls import rewrite_fused_calls
 from .find_sites import rewrite_softmax_sites
 from .paged import rewrite_paged_caches
@@ -80,7 +81,7 @@ def _finish(gm: fx.GraphModule, reports: list[SiteReport], unread: set) -> None:
         # (`y.add_(1)`, no users) as dead, and so are nodes the traced program kept unread for their effect
         # (`unread`: torch.vmap's _vmap_increment_nesting / _vmap_decrement_nesting, whose removal
         # unbalances the batch levels AOTAutograd replays).
-        gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or is_inplace(n) or n in unread)
+        gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or writes(n) or n in unread)
         gm.graph.lint()
         gm.recompile()
 

@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from .aliasing import op_name
 from .emit import example_value
 from .shapes import known_eq, known_one
 
@@ -209,14 +210,6 @@ class SinkGate:
     nodes: list = field(default_factory=list)  # the gate's chain, outermost first, lse last
 
 
-def _call_name(n: fx.Node) -> str:
-    if n.op == "call_method":
-        return n.target
-    if n.op == "call_function":
-        return getattr(n.target, "__name__", "")
-    return ""
-
-
 def _last_dim(d: Any, rank: int) -> bool:
     if isinstance(d, (list, tuple)) and len(d) == 1:
         d = d[0]
@@ -225,7 +218,7 @@ def _last_dim(d: Any, rank: int) -> bool:
 
 def _is_row_lse(n: fx.Node, x: fx.Node, rank: int) -> bool:
     """logsumexp(x, -1) with keepdim False, x its first argument."""
-    if _call_name(n) != "logsumexp" or not n.args or n.args[0] is not x:
+    if op_name(n) != "logsumexp" or not n.args or n.args[0] is not x:
         return False
     dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
     keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
@@ -236,7 +229,7 @@ def _gate_cast(n: fx.Node, out_dtype: torch.dtype) -> bool:
     from .find_sites.scores import narrows  # noqa: PLC0415  (find_sites imports this module)
 
     t = _tensor(n)
-    return _call_name(n) in _CAST_METHODS and t is not None and t.dtype.is_floating_point and \
+    return op_name(n) in _CAST_METHODS and t is not None and t.dtype.is_floating_point and \
         not narrows(t.dtype, out_dtype)
 
 
@@ -275,7 +268,7 @@ def peel_gate(sm: fx.Node, x: fx.Node) -> Optional[SinkGate]:
         if len(users) != 1:
             return None
         u = users[0]
-        name = _call_name(u)
+        name = op_name(u)
         if not u.args or (u.args[0] is not cur and name not in ("mul", "__mul__")):
             return None
         if name in ("sub", "__sub__") and head_logits is None and len(u.args) == 2 and not u.kwargs:

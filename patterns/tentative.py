@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
+from .aliasing import writes
 from .canonicalize import arg, is_inplace, kind, tensor_of
 from .emit import set_example_value
 from .regions import Regions
@@ -35,7 +36,7 @@ def live(node: fx.Node) -> bool:
         if n in seen:
             continue
         seen.add(n)
-        if n.op == "output" or n.is_impure() or is_inplace(n):
+        if n.op == "output" or n.is_impure() or writes(n):
             return True
         todo.extend(n.users)
     return False

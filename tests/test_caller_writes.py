@@ -168,13 +168,33 @@ def q_scaled_copy_then_q_mutated(q, k, v):
     return (q2 @ k.mT).softmax(-1) @ v
 
 
+def q_scaled_copy_then_q_aten_add_(q, k, v):
+    q2 = q * 0.5
+    torch.ops.aten.add_.Tensor(q, torch.ones_like(q))  # the OpOverload spelling of `q.add_(1)`
+    return (q2 @ k.mT).softmax(-1) @ v
+
+
+def q_scaled_copy_then_q_out(q, k, v):
+    q2 = q * 0.5
+    torch.add(q, 1.0, out=q)
+    return (q2 @ k.mT).softmax(-1) @ v
+
+
+def q_scaled_copy_then_q_relu_inplace(q, k, v):
+    q2 = q * 0.5
+    torch.nn.functional.relu(q, inplace=True)
+    return (q2 @ k.mT).softmax(-1) @ v
+
+
 def scores_scaled_in_place(q, k, v):
     s = q @ k.mT
     s *= 0.25
     return s.softmax(-1) @ v
 
 
-@pytest.mark.parametrize("fn", [q_imul, q_mul_, q_scaled_copy_then_q_mutated, scores_scaled_in_place])
+@pytest.mark.parametrize("fn", [q_imul, q_mul_, q_scaled_copy_then_q_mutated, q_scaled_copy_then_q_aten_add_,
+                                q_scaled_copy_then_q_out, q_scaled_copy_then_q_relu_inplace, scores_scaled_in_place],
+                         ids=lambda f: f.__name__)
 def test_inputs_and_scores_updated_in_place(fn):
     res = check(fn, qkv())
     if fn is scores_scaled_in_place:
@@ -356,6 +376,23 @@ def aten_add_after(q, k, v):
     return o
 
 
+def deep_view_write_after(q, k, v):
+    o = _attend(q, k, v)
+    t = k.view(B * H, N, D).view(B, H, N, D)
+    for _ in range(4):
+        t = t.unsqueeze(0)
+    for _ in range(4):
+        t = t.squeeze(0)
+    t.add_(1.0)  # through 10 views of k
+    return o
+
+
+def aten_add_overload_after(q, k, v):
+    o = _attend(q, k, v)
+    torch.ops.aten.add_.Tensor(k, torch.ones_like(k))
+    return o
+
+
 def mt_slice_write_after(q, k, v):
     o = _attend(q, k, v)
     k.mT[..., :2].mul_(0.0)
@@ -375,6 +412,7 @@ WRITES_AFTER = {
                     lambda: [rand(2, B, H, N, D, seed=5), rand(B, H, N, D, seed=6, requires_grad=True)]),
     "out": (out_write_after, _v_grad_only), "relu_inplace": (relu_inplace_after, _v_grad_only),
     "aten_add_": (aten_add_after, _v_grad_only), "mT_slice": (mt_slice_write_after, _v_grad_only),
+    "deep_view": (deep_view_write_after, _v_grad_only), "aten_add_Tensor": (aten_add_overload_after, _v_grad_only),
 }
 
 
@@ -383,6 +421,11 @@ WRITES_AFTER = {
 def test_inputs_written_after_the_site_are_not_saved(form, inner):
     fn, make = WRITES_AFTER[form]
     res = check(fn, make(), inner=inner, rewritten=0)
+    assert any("written in place later" in r for r in res.reasons), res.reasons
+
+
+def test_input_written_through_many_views_with_the_fa3_backend():
+    res = check(deep_view_write_after, _v_grad_only(), inner="inductor", rewritten=0)
     assert any("written in place later" in r for r in res.reasons), res.reasons
 
 

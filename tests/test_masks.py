@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import fa_compile  # noqa: F401  (registers torch.ops.fa3)
 from fa_compile import ops  # noqa: F401
 from fa_compile.patterns import constants, masks
+from fa_compile.patterns.aliasing import is_inplace
 from fa_compile.patterns.emit import emit_attention, example_value
 from fa_compile.patterns.site import MaskSpec, MaskTerm
 
@@ -113,7 +114,7 @@ class Rewriter:
                                         kv_lens=spec.kv_lens, empty_rows=spec.empty_rows,
                                         fill=spec.fill, filled=spec.filled)
             pv.replace_all_uses_with(out)
-        g.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or masks._is_inplace(n))
+        g.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or is_inplace(n))
         g.lint()
         gm.recompile()
         self.graphs.append(gm)

@@ -10,9 +10,10 @@ import torch
 import torch.fx as fx
 
 from .. import emit, sinks
-from ..canonicalize import is_inplace, kind, softmax_args, tensor_of
+from ..aliasing import writes, written_args, written_in_place
+from ..canonicalize import kind, softmax_args, tensor_of
 from ..effects import (
-    GradFlow, chain_write, grad_flow, mutated_downstream, out_target, path_to, private_storage, read_path,
+    GradFlow, chain_write, grad_flow, out_target, path_to, private_storage, read_path,
 )
 from ..emit import example_value
 from ..gqa import unrepeat
@@ -52,11 +53,9 @@ def _analyze_mask(gm: fx.GraphModule, terms: list, bd: list, st: torch.Tensor, i
 def _reads_values(node: fx.Node) -> bool:
     """False when `node` only views its input (its result aliases the input's memory) and writes
     nothing; True otherwise, and whenever that cannot be told."""
-    from ..canonicalize import is_inplace
-
     if node.op in ("placeholder", "get_attr"):
         return False
-    if node.op not in ("call_function", "call_method") or is_inplace(node) or out_target(node) is not None:
+    if node.op not in ("call_function", "call_method") or writes(node):
         return True
     val = example_value(node)
     if not isinstance(val, torch.Tensor) or not node.args or not isinstance(node.args[0], fx.Node):
@@ -95,10 +94,11 @@ def _effects(ctx: "_Ctx", scores: Scores, probs: Probs, q: View, k: View, v: Vie
         # memory made after the site's first read (an index table built between Q·Kᵀ and P·V, as
         # Data2VecVision does) holds no value eager read before the write: harmless unless the op reads it
         after = ctx.pos.get(first)
-        private = None if after is None else private_storage(m, ctx.pos, after)
-        if private is None:
-            raise Miss("a tensor is modified in place between the scores and the P·V product")
-        written |= private
+        for dst in written_args(m) or [None]:  # (a write into an argument that is not a node: unknown memory)
+            private = None if after is None else private_storage(dst, ctx.pos, after)
+            if private is None:
+                raise Miss("a tensor is modified in place between the scores and the P·V product")
+            written |= private
     chain = [qk.node] + list(reversed(scores.nodes)) + probs.nodes  # Q·Kᵀ .. P·V, in program order
     why = chain_write(q_path + k_path + v_path + chain, own, keep_out=o_node)
     if why:
@@ -168,7 +168,7 @@ def _detached(o: "_Out", node: Any) -> Any:
 
 
 class _Ctx:
-    """Per-graph facts computed once: node order, in-place mutations, global-state regions."""
+    """Per-graph facts computed once: node order, the nodes that write into a tensor, global-state regions."""
 
     def __init__(self, gm: fx.GraphModule):
         self.regions = Regions(gm)
@@ -176,11 +176,11 @@ class _Ctx:
         self.mutations: list[fx.Node] = []
         for i, n in enumerate(gm.graph.nodes):
             self.pos[n] = i
-            if is_inplace(n):
+            if writes(n):
                 self.mutations.append(n)
 
     def mutations_between(self, a: fx.Node, b: fx.Node, own: set) -> list:
-        """The in-place nodes strictly between a and b, other than `own`."""
+        """The writing nodes strictly between a and b, other than `own`."""
         lo, hi = self.pos.get(a, 0), self.pos.get(b, 0)
         return [m for m in self.mutations
                 if lo < self.pos[m] < hi and m not in own and not getattr(m, "_erased", False)]
@@ -424,7 +424,7 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
                 res = o.call(torch.permute, res, pv.out_perm)
             if tensor_of(res).dtype != o_val.dtype:
                 res = o.call("to", res, o_val.dtype, method=True)
-            if o_out is None and mutated_downstream(o_node):
+            if o_out is None and written_in_place(o_node):
                 res = o.call("clone", res, method=True)  # `o += x` must not write into the op's saved output
             if _needs_contiguous(o_node, tensor_of(res)):
                 res = o.call("contiguous", res, method=True)

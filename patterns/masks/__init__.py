@@ -90,7 +90,7 @@ fp16 scores and such an untouched fp16 mask of huge negative values (e.g. BERT's
 """
 from .analyze import analyze_mask
 from .combine import ABSORB_LIMIT
-from .concrete import CONCRETE_MAX_NUMEL, _band_of, _is_inplace
+from .concrete import CONCRETE_MAX_NUMEL, _band_of
 from .symbolic import _sym_true
 from .values import _Keep
 from .zero_one import zero_one

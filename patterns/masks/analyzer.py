@@ -10,12 +10,12 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from ..aliasing import is_inplace, op_name, written_in_place
 from ..emit import example_value, op_accepts
 from .symbolic import Size, _DEBUG, _as_int, _dtype, _is_one, _same, _shape, _sym_true
 from .values import (AbsVal, _AbsLin, _Fail, _Gather, _Ids, _Keep, _Konst, _Lin, _Opaque, _QPos, _Runs, _TRUE, _Two,
                      _and, _not)
-from .concrete import (_Evaluator, _arg, _classify, _exact_positions, _is_inplace, _opname, _scalar,
-                       _written_in_place)
+from .concrete import _Evaluator, _arg, _classify, _exact_positions, _scalar
 
 
 # ----------------------------------------------------------------------------- dim mapping of shape ops
@@ -79,9 +79,9 @@ def _canonical(node: Any) -> Optional[fx.Node]:
     """The node whose values `node` reads unchanged (through expand / contiguous), or None when any of
     them is written in place (its value would depend on where it is read)."""
     for _ in range(8):
-        if not isinstance(node, fx.Node) or _written_in_place(node):
+        if not isinstance(node, fx.Node) or written_in_place(node):
             return None
-        if node.op in ("call_function", "call_method") and _opname(node) in _SAME_VALUES:
+        if node.op in ("call_function", "call_method") and op_name(node) in _SAME_VALUES:
             node = node.args[0]
             continue
         return node
@@ -157,7 +157,7 @@ class _Analyzer:
         return x
 
     def _value(self, n: fx.Node) -> AbsVal:
-        if any(_is_inplace(u) for u in n.users) or _is_inplace(n):
+        if any(is_inplace(u) for u in n.users) or is_inplace(n):
             return _Opaque(n)  # its value depends on where it is read; never reason about it
         if self.ev.can_fold(n) and isinstance(example_value(n), torch.Tensor):
             try:
@@ -171,7 +171,7 @@ class _Analyzer:
             return _Lin((), v)  # a size or size arithmetic (T // 2, Nk - Nq): its value is known symbolically
         if n.op != "call_function" and n.op != "call_method":
             return _Opaque(n)
-        name = _opname(n)
+        name = op_name(n)
         handler = getattr(self, "_op_" + name.strip("_"), None)
         if name in _CMP:
             return self._cmp(n, _CMP[name])
@@ -645,10 +645,10 @@ class _Analyzer:
         shape = _shape(n)
         if not isinstance(x, fx.Node) or shape is None or len(shape) != 2 or dim not in (-1, 1):
             return None
-        if _opname(x) not in _CMP or _CMP[_opname(x)] != "ne" or len(x.args) != 2:
+        if op_name(x) not in _CMP or _CMP[op_name(x)] != "ne" or len(x.args) != 2:
             return None
         d, one = (x.args[0], x.args[1]) if isinstance(x.args[0], fx.Node) else (x.args[1], x.args[0])
-        if _scalar(one) != 1.0 or not isinstance(d, fx.Node) or _opname(d) != "diff":
+        if _scalar(one) != 1.0 or not isinstance(d, fx.Node) or op_name(d) != "diff":
             return None
         if _arg(d, 1, "n", 1) != 1 or _arg(d, 2, "dim", -1) not in (-1, 1) or _arg(d, 4, "append") is not None:
             return None
@@ -801,7 +801,7 @@ class _Analyzer:
         shape = _shape(n.args[0])
         if shape is None or len(shape) < 2:
             return _Opaque(n)
-        dims = (0, 1) if _opname(n) == "t" else (_arg(n, 1, "dim0"), _arg(n, 2, "dim1"))
+        dims = (0, 1) if op_name(n) == "t" else (_arg(n, 1, "dim0"), _arg(n, 2, "dim1"))
         if not all(isinstance(d, int) for d in dims):
             return _Opaque(n)
         if sorted(d % len(shape) for d in dims) != [len(shape) - 2, len(shape) - 1]:

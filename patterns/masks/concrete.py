@@ -2,7 +2,6 @@
 and their values classified as bands, 0-or-c masks or index arithmetic."""
 from __future__ import annotations
 
-import operator
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -10,6 +9,7 @@ import torch
 import torch.fx as fx
 
 from .. import constants
+from ..aliasing import is_inplace, op_name
 from ..emit import example_value
 from .symbolic import _shape, _static, _static_value, _sym_true
 from .values import AbsVal, _Keep, _Konst, _Lin, _Opaque, _TRUE, _Two
@@ -20,67 +20,8 @@ CONCRETE_MAX_NUMEL = 1 << 24  # concrete evaluation is skipped for larger mask s
 
 # ----------------------------------------------------------------------------- node helpers
 
-_INPLACE_FUNCS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                  operator.iand, operator.ior}
 _RANDOM_WORDS = ("rand", "empty", "dropout", "bernoulli", "normal", "uniform", "exponential", "multinomial",
                  "seed", "poisson", "cauchy", "geometric", "log_normal", "rrelu", "gumbel")
-
-
-def _opname(node: fx.Node) -> str:
-    if node.op == "call_method":
-        return str(node.target)
-    if node.op != "call_function":
-        return node.op
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        return t._schema.name.split("::")[-1]
-    if isinstance(t, torch._ops.OpOverloadPacket):
-        return t._qualified_op_name.split("::")[-1]
-    return getattr(t, "__name__", str(t))
-
-
-def _is_inplace(node: fx.Node) -> bool:
-    if node.op == "call_function" and node.target in _INPLACE_FUNCS:
-        return True
-    if node.op == "call_function" and getattr(node.target, "__module__", "") in ("_operator", "operator"):
-        return False  # operator.and_ / or_ / not_ are pure
-    name = _opname(node)
-    return node.op in ("call_method", "call_function") and name.endswith("_") and not name.endswith("__")
-
-
-# ops whose result may share its first input's storage (a later in-place write shows through)
-_MAY_ALIAS = {"getitem", "view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "broadcast_to",
-              "transpose", "permute", "t", "contiguous", "to", "type", "type_as", "long", "int", "flatten",
-              "unflatten", "narrow", "select", "detach", "view_as", "reshape_as", "alias", "as_strided",
-              "movedim", "swapaxes", "swapdims", "_unsafe_view"}
-
-
-def _written_in_place(node: fx.Node) -> bool:
-    """Whether node, or any tensor that may share its storage (the views it is taken from and every
-    view taken of those), is written in place anywhere in the graph: then its values depend on where
-    it is read, and a copy taken for the op could differ from what the mask read."""
-
-    def aliases_input(n: fx.Node) -> bool:
-        return (n.op in ("call_function", "call_method") and _opname(n) in _MAY_ALIAS and bool(n.args)
-                and isinstance(n.args[0], fx.Node))
-
-    base = node
-    for _ in range(64):
-        if not aliases_input(base):
-            break
-        base = base.args[0]
-    seen, todo = set(), [base]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if len(seen) > 4096 or _is_inplace(n):
-            return True
-        for u in n.users:
-            if u.args and u.args[0] is n and (_is_inplace(u) or aliases_input(u)):
-                todo.append(u)  # an in-place write into n (caught above), or a view of n
-    return False
 
 
 def _arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:
@@ -158,7 +99,7 @@ class _Evaluator:
         if node in self.foldable:
             return self.foldable[node]
         self.foldable[node] = False  # cycles cannot happen; this also bounds recursion on failure
-        ok = _static(node) and not any(_is_inplace(u) for u in node.users)
+        ok = _static(node) and not any(is_inplace(u) for u in node.users)
         if ok:
             if node.op == "placeholder":
                 ok = _real_buffer(node) is not None
@@ -172,8 +113,8 @@ class _Evaluator:
                 ok = isinstance(val, torch.Tensor) and not isinstance(val, torch.nn.Parameter) and not val.requires_grad \
                     and constants.note(node.name, val, None)
             elif node.op in ("call_function", "call_method"):
-                name = _opname(node).lower()
-                ok = not _is_inplace(node) and not any(w in name for w in _RANDOM_WORDS)
+                name = op_name(node).lower()
+                ok = not is_inplace(node) and not any(w in name for w in _RANDOM_WORDS)
                 if ok:
                     deps = []
                     fx.node.map_arg((node.args, node.kwargs), deps.append)

@@ -7,10 +7,10 @@ from typing import Any, Optional, Union
 import torch
 import torch.fx as fx
 
+from ..aliasing import written_in_place
 from ..emit import call, example_value
 from ..site import MaskSpec
 from .symbolic import Size, _as_int, _dtype, _is_one, _same, _shape
-from .concrete import _written_in_place
 from .values import _Fail, _QPos
 
 
@@ -80,7 +80,7 @@ def _emit_vector(em: "_Emitter", node: fx.Node, own_axis: int, own_b: Optional[i
     [B, N] int64 vector: a fresh copy taken right where the mask read node."""
     if not em.before(node):
         raise _Fail(f"{node.name} is computed after the site")
-    if _written_in_place(node):
+    if written_in_place(node):
         raise _Fail(f"{node.name} is written in place")
     shape = _shape(node)
     keep = {own_axis + len(shape)} | ({own_b + len(shape)} if own_b is not None else set())
@@ -101,7 +101,7 @@ def _emit_positions(em: "_Emitter", qp: _QPos) -> fx.Node:
     if qp.rows:
         if not em.before(qp.node):
             raise _Fail(f"{qp.node.name} is computed after the site")
-        if _written_in_place(qp.node):
+        if written_in_place(qp.node):
             raise _Fail(f"{qp.node.name} is written in place")
         p = em.call_after(qp.node, "to", qp.node, torch.int64, copy=True, method=True)
         if qp.wrap is not None:  # buffer[pos] reads row pos + rows for -rows <= pos < 0

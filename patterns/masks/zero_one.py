@@ -13,9 +13,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..aliasing import is_inplace, op_name
 from ..canonicalize import tensor_of
 from .analyzer import _Analyzer
-from .concrete import _is_inplace, _opname
 from .values import _Keep, _Konst, _Two
 
 # ops whose result holds a subset of their first input's values (0/1 stay exact in every dtype)
@@ -29,11 +29,11 @@ def zero_one(gm: fx.GraphModule, node: Any) -> bool:
     n = node
     for _ in range(32):
         t = tensor_of(n)
-        if t is None or _is_inplace(n) or any(_is_inplace(u) for u in n.users):
+        if t is None or is_inplace(n) or any(is_inplace(u) for u in n.users):
             return False  # a value written in place depends on where it is read
         if t.dtype == torch.bool:
             return True
-        if _opname(n) in _VALUE_SUBSET and n.args and isinstance(n.args[0], fx.Node):
+        if op_name(n) in _VALUE_SUBSET and n.args and isinstance(n.args[0], fx.Node):
             n = n.args[0]
             continue
         break

@@ -1,0 +1,211 @@
+"""Which nodes share memory and which write into it: the one reading of aliasing that every pass uses.
+
+A rewrite may read a tensor at another place than eager did, or save it for the backward; both are exact only
+when nothing writes into that memory in between. "Written" is answered over the tensor's whole alias class (the
+base it is a view of and every view of that base), and every answer errs towards "written": an op whose result
+may share its input's memory counts as a view, an op that may write counts as a write, and a class too large to
+walk is taken as written.
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .emit import example_value
+
+_CALLS = ("call_function", "call_method")
+
+_OPERATOR_INPLACE = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                     operator.iand, operator.ior, operator.ixor, operator.ifloordiv, operator.imod, operator.ipow,
+                     operator.ilshift, operator.irshift, operator.imatmul)
+# The same updates spelled as Tensor methods (their names end in "__", which the trailing-underscore rule skips).
+_DUNDER_INPLACE = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__iand__",
+                             "__ior__", "__ixor__", "__ifloordiv__", "__imod__", "__ipow__", "__ilshift__",
+                             "__irshift__", "__imatmul__"})
+
+# Ops whose result may share memory with their first argument: views, and calls that return their input unchanged
+# when nothing is to be done (contiguous, to, type, float, long, ...). Everything else allocates its result.
+MAY_ALIAS = frozenset({
+    "view", "reshape", "view_as", "reshape_as", "transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis",
+    "t", "adjoint", "expand", "expand_as", "broadcast_to", "squeeze", "unsqueeze", "flatten", "unflatten", "ravel",
+    "narrow", "select", "slice", "chunk", "split", "split_with_sizes", "tensor_split", "unbind", "hsplit", "vsplit",
+    "dsplit", "diagonal", "as_strided", "unfold", "detach", "alias", "contiguous", "to", "type", "type_as", "float",
+    "double", "half", "bfloat16", "long", "int", "short", "char", "byte", "bool", "cpu", "cuda", "real", "imag",
+    "view_as_real", "view_as_complex", "conj", "_conj", "resolve_conj", "resolve_neg", "positive", "getitem",
+    "getattr", "T", "mT", "H", "mH", "align_as", "align_to", "rename", "refine_names", "_unsafe_view",
+    "_reshape_alias", "lift_fresh", "atleast_1d", "atleast_2d", "atleast_3d", "broadcast_tensors", "meshgrid",
+})
+# Of those, the ops that may return a view of any of their tensor arguments, not only of the first.
+_ALIAS_EVERY_ARG = frozenset({"atleast_1d", "atleast_2d", "atleast_3d", "broadcast_tensors", "meshgrid"})
+
+
+def op_name(node: fx.Node) -> str:
+    """The operation's bare name, whatever the spelling: a method name, a function's `__name__`, an aten
+    overload's or packet's schema name (`torch.ops.aten.add_.Tensor` -> "add_"); the node's op otherwise."""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op != "call_function":
+        return node.op
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name.split("::")[-1]
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return t._qualified_op_name.split("::")[-1]
+    return getattr(t, "__name__", str(t))
+
+
+def _maybe_tensor(x: Any) -> bool:
+    """False only when `x` is known not to be a tensor (a SymInt, a number): `n += 1` on those writes nothing."""
+    if not isinstance(x, fx.Node):
+        return False
+    v = example_value(x)
+    return v is None or isinstance(v, torch.Tensor)
+
+
+def is_inplace(node: fx.Node) -> bool:
+    """An op that writes into its first argument (`x.add_(1)`, `operator.setitem`, `torch.Tensor.mul_`,
+    `torch.ops.aten.add_.Tensor`)."""
+    if node.op not in _CALLS:
+        return False
+    if node.op == "call_function" and node.target in _OPERATOR_INPLACE:
+        return bool(node.args) and _maybe_tensor(node.args[0])
+    if node.op == "call_function" and getattr(node.target, "__module__", None) in ("_operator", "operator"):
+        return False  # operator.and_ / or_ / not_ are functional despite the underscore
+    name = op_name(node)
+    if name in _DUNDER_INPLACE:
+        return bool(node.args) and _maybe_tensor(node.args[0])
+    return name.endswith("_") and not name.endswith("__")
+
+
+def may_alias(node: fx.Node) -> bool:
+    """Whether `node`'s result may share memory with an argument (see MAY_ALIAS)."""
+    return node.op in _CALLS and op_name(node) in MAY_ALIAS
+
+
+def _may_hold_tensor(node: fx.Node) -> bool:
+    """False only when `node`'s value is known to hold no tensor (a shape, a size): such a value shares no memory."""
+    v = example_value(node)
+    return v is None or isinstance(v, torch.Tensor) or \
+        (isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v))
+
+
+def _first_arg(node: fx.Node) -> Any:
+    return node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self"))
+
+
+def _nodes_in(x: Any) -> list:
+    """`x` itself when it is a node, the nodes of a list / tuple `x`."""
+    if isinstance(x, (list, tuple)):
+        return [a for a in x if isinstance(a, fx.Node)]
+    return [x] if isinstance(x, fx.Node) else []
+
+
+_INPLACE_SIG: dict = {}  # target -> its signature when it has an `inplace` parameter, else False
+
+
+def _inplace_flag(u: fx.Node) -> bool:
+    """`F.relu(x, inplace=True)`-style calls: the `inplace` argument, by keyword or position."""
+    if u.kwargs.get("inplace") is True:
+        return True
+    if u.op != "call_function" or not any(a is True for a in u.args):
+        return False
+    try:
+        sig = _INPLACE_SIG.get(u.target)
+    except TypeError:  # unhashable target
+        return False
+    if sig is None:
+        try:
+            sig = inspect.signature(u.target)
+            sig = sig if "inplace" in sig.parameters else False
+        except (TypeError, ValueError):
+            sig = False
+        _INPLACE_SIG[u.target] = sig
+    if sig is False:
+        return False
+    try:
+        return sig.bind(*u.args, **u.kwargs).arguments.get("inplace") is True
+    except TypeError:
+        return False
+
+
+def _schema_written(u: fx.Node) -> list:
+    """The nodes an aten op's schema marks as written (for a packet: in any of its overloads)."""
+    t = u.target
+    if isinstance(t, torch._ops.OpOverload):
+        schemas = [t._schema]
+    elif isinstance(t, torch._ops.OpOverloadPacket):
+        schemas = [getattr(t, o)._schema for o in t.overloads()]
+    else:
+        return []
+    found: list = []
+    for s in schemas:
+        for i, a in enumerate(s.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                found += _nodes_in(u.args[i] if i < len(u.args) and not a.kwarg_only else u.kwargs.get(a.name))
+    return found
+
+
+def written_args(node: fx.Node) -> list:
+    """The nodes `node` may write into: the first argument of an in-place op (`x.add_(1)`, `operator.setitem`,
+    every tensor of a `_foreach_*_` op's list, `inplace=True`), an argument an aten schema writes, `out=`."""
+    if node.op not in _CALLS:
+        return []
+    found: list = []
+    if is_inplace(node) or _inplace_flag(node):
+        found += _nodes_in(_first_arg(node))
+    return found + _schema_written(node) + _nodes_in(node.kwargs.get("out"))
+
+
+def writes(node: fx.Node) -> bool:
+    """Does `node` write into any tensor (see written_args)?"""
+    return is_inplace(node) or bool(written_args(node))
+
+
+def writes_into(user: fx.Node, node: fx.Node) -> bool:
+    """Does `user` write into the memory of its argument `node` (see written_args)?"""
+    return any(a is node for a in written_args(user))
+
+
+def _alias_inputs(node: fx.Node) -> list:
+    """The nodes whose memory `node`'s result may share: the first argument of a view (every tensor argument of
+    broadcast_tensors-like ops), what a write wrote into (`x.add_(1)` is x, `torch.mul(a, 2, out=b)` is b)."""
+    if not may_alias(node):
+        return written_args(node)
+    if op_name(node) in _ALIAS_EVERY_ARG:
+        found: list = []
+        fx.node.map_arg(node.args, found.append)
+        return found
+    return _nodes_in(_first_arg(node))
+
+
+def written_in_place(node: fx.Node, limit: int = 4096) -> bool:
+    """Is the memory of `node`'s value written in place anywhere in the graph: through `node`, the tensors it is
+    a view of, or any view of those? True as well when more than `limit` nodes would have to be walked."""
+    bases, seen, todo = [], set(), [node]
+    while todo:  # up to the tensors whose memory `node` may be a view of
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if len(seen) > limit:
+            return True
+        up = _alias_inputs(n)
+        if not up:
+            bases.append(n)
+        todo.extend(up)
+    seen, todo = set(bases), list(bases)
+    while todo:  # down through every view of them (a view in any argument position: the wider reading)
+        n = todo.pop()
+        if len(seen) > limit or is_inplace(n):
+            return True
+        for u in n.users:
+            if writes_into(u, n):
+                return True
+            if u not in seen and may_alias(u) and _may_hold_tensor(u):
+                seen.add(u)
+                todo.append(u)
+    return False
