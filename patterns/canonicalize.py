@@ -103,14 +103,50 @@ def log_softmax_of(node: Any) -> Optional[fx.Node]:
     """L when `node` is exp(L) for L = log_softmax(x): softmax(x), spelled through the log-probabilities
     (exp(x - max - log Σ exp(x - max)) is softmax's own formula). L may have other readers: the site
     finder refuses those, as it does a second reader of the probabilities."""
-    if not isinstance(node, fx.Node) or not node.args or len(node.args) != 1 or node.kwargs:
+    if not _is_exp(node) or not _is_log_softmax(node.args[0]):
         return None
-    is_exp = (node.op == "call_method" and node.target == "exp") or \
+    return node.args[0]
+
+
+def _is_exp(node: Any) -> bool:
+    """node is exp(x) of one tensor argument, any spelling."""
+    if not isinstance(node, fx.Node) or len(node.args) != 1 or node.kwargs:
+        return False
+    return (node.op == "call_method" and node.target == "exp") or \
         (node.op == "call_function" and node.target in _EXP_FNS)
-    src = node.args[0]
-    if not is_exp or not _is_log_softmax(src):
+
+
+_SUB_FNS = (operator.sub, torch.sub, torch.subtract, torch.Tensor.sub)
+
+
+def _is_sub(y: Any) -> bool:
+    """y is a - b (two arguments, no alpha), any spelling."""
+    return isinstance(y, fx.Node) and len(y.args) == 2 and not y.kwargs and (
+        (y.op == "call_method" and y.target in ("sub", "__sub__")) or (y.op == "call_function" and y.target in _SUB_FNS))
+
+
+_LOGSUMEXP_FNS = (torch.logsumexp, torch.Tensor.logsumexp)
+
+
+def exp_lse_of(node: Any) -> Optional[tuple[fx.Node, fx.Node]]:
+    """(D, L) when `node` is exp(D), D = x - L, L = logsumexp(x, -1, keepdim=True): softmax(x) through its
+    log-normaliser (Reformer). logsumexp subtracts the row max itself, so the exp overflows nowhere softmax does not.
+    D and L may have other readers: the site finder refuses those."""
+    if not _is_exp(node) or not _is_sub(node.args[0]):
         return None
-    return src
+    d = node.args[0]
+    x, lse = d.args
+    if not isinstance(lse, fx.Node) or not lse.args or lse.args[0] is not x or tensor_of(x) is None or not (
+            (lse.op == "call_method" and lse.target == "logsumexp") or
+            (lse.op == "call_function" and lse.target in _LOGSUMEXP_FNS)):
+        return None
+    dim, keep = arg(lse, 1, "dim"), arg(lse, 2, "keepdim", False)
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    nd = tensor_of(x).dim()
+    if not isinstance(dim, int) or nd == 0 or dim % nd != nd - 1 or keep is not True or len(lse.args) > 3:
+        return None
+    return d, lse
 
 def row_max_of(m: Any, s: Any) -> Optional[fx.Node]:
     """The max/amax node when m is s.amax(-1, keepdim=True) or s.max(-1, keepdim=True)[0] (detached or not)."""
@@ -165,14 +201,10 @@ def exp_sum_of(node: Any) -> Optional[tuple[fx.Node, fx.Node]]:
     e, den = node.args
     if not is_div or not isinstance(e, fx.Node) or not _is_last_dim_sum(den, e):
         return None
-    is_exp = (e.op == "call_method" and e.target == "exp") or (e.op == "call_function" and e.target in _EXP_FNS)
-    if not is_exp or len(e.args) != 1 or e.kwargs:
+    if not _is_exp(e):
         return None
     y = e.args[0]
-    shifted = isinstance(y, fx.Node) and len(y.args) == 2 and not y.kwargs and (
-        (y.op == "call_method" and y.target in ("sub", "__sub__"))
-        or (y.op == "call_function" and y.target in (operator.sub, torch.sub, torch.subtract, torch.Tensor.sub)))
-    if not shifted or row_max_of(y.args[1], y.args[0]) is None:
+    if not _is_sub(y) or row_max_of(y.args[1], y.args[0]) is None:
         return None
     return e, den
 
@@ -187,7 +219,7 @@ def kind(node: Any) -> Optional[str]:
         return None
     if node.op == "call_method":
         k = _METHODS.get(node.target)
-        if k is None and log_softmax_of(node) is not None:
+        if k is None and (log_softmax_of(node) is not None or exp_lse_of(node) is not None):
             k = "softmax"
     elif node.op == "call_function":
         if _FUNCTIONS is None:
@@ -196,7 +228,7 @@ def kind(node: Any) -> Optional[str]:
             k = _FUNCTIONS.get(node.target)
         except TypeError:  # unhashable target
             k = None
-        if k is None and log_softmax_of(node) is not None:
+        if k is None and (log_softmax_of(node) is not None or exp_lse_of(node) is not None):
             k = "softmax"
     else:
         return None
@@ -276,11 +308,16 @@ def _is_dtype_cast(node: fx.Node) -> bool:
 
 def softmax_args(node: fx.Node) -> tuple[fx.Node, Optional[int], Optional[torch.dtype]]:
     """(input, dim normalised to >= 0 or None when it cannot be read, dtype argument); for exp of a
-    log_softmax, those of the log_softmax; for exp(y) / Σ exp(y), (y, its last dim, None)."""
+    log_softmax, those of the log_softmax; for exp(y) / Σ exp(y), (y, its last dim, None); for exp(x - logsumexp(x)),
+    (x, its last dim, None)."""
     es = exp_sum_of(node)
     if es is not None:
         y = es[0].args[0]
         return y, tensor_of(y).dim() - 1, None
+    el = exp_lse_of(node)
+    if el is not None:
+        x = el[1].args[0]
+        return x, tensor_of(x).dim() - 1, None
     node = log_softmax_of(node) or node
     x = node.args[0]
     dim = arg(node, 1, "dim")

@@ -58,7 +58,26 @@ def llama_gqa_left_padding():
     return model, args, dict(attention_mask=am), "causal+bool-mask"
 
 
-MODELS = {"gpt2": gpt2, "llama_gqa": llama_gqa, "llama_gqa_left_padding": llama_gqa_left_padding, "bert_padding": bert_padding, "vit": vit, "bloom_alibi": bloom_alibi}
+def _deberta(config_cls, model_cls):
+    """DeBERTa's mask keep[i] & keep[j]: the padded queries of row 1 see no key (finfo.min fill, then softmax)."""
+    cfg = config_cls(num_hidden_layers=LAYERS, num_attention_heads=4, hidden_size=64, intermediate_size=128,
+                     vocab_size=100, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    am = torch.ones(2, 8, dtype=torch.long)
+    am[1, 5:] = 0
+    return model_cls(cfg), (torch.randint(0, 100, (2, 8)),), dict(attention_mask=am), None
+
+
+def deberta_v2():
+    return _deberta(transformers.DebertaV2Config, transformers.DebertaV2Model)
+
+
+def deberta():
+    return _deberta(transformers.DebertaConfig, transformers.DebertaModel)
+
+
+MODELS = {"gpt2": gpt2, "llama_gqa": llama_gqa, "llama_gqa_left_padding": llama_gqa_left_padding,
+          "bert_padding": bert_padding, "vit": vit, "bloom_alibi": bloom_alibi, "deberta_v2": deberta_v2,
+          "deberta": deberta}
 
 
 def _first(out):
@@ -146,3 +165,83 @@ def test_hf_llama_static_cache_prefill_and_decode():
     assert not c.missed, [r.reason for r in c.missed]
     masks = [r.mask for r in c.rewritten]
     assert len(masks) == 2 * LAYERS and set(masks) == {"causal", "key-padding"}, masks
+
+
+def sew_d():
+    """SEW-D's XSoftmax: masked_fill(rmask, finfo.min), softmax, masked_fill_(rmask, 0), with the relative-position
+    bias added before the fill; padded frames of row 1 see no key."""
+    cfg = transformers.SEWDConfig(hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=2, intermediate_size=64,
+                                  conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                                  num_conv_pos_embedding_groups=2, squeeze_factor=1, hidden_dropout=0.0,
+                                  attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, layerdrop=0.0,
+                                  mask_time_prob=0.0)
+    am = torch.ones(2, 400, dtype=torch.long)
+    am[1, 300:] = 0
+    return transformers.SEWDModel(cfg), (torch.randn(2, 400, generator=torch.Generator().manual_seed(2)),), \
+        dict(attention_mask=am)
+
+
+def test_hf_sew_d_xsoftmax_is_rewritten_in_inference():
+    torch.manual_seed(0)
+    model, args, kwargs = sew_d()
+    model.eval()
+    c = Compiled(model, fullgraph=False)
+    with torch.no_grad():  # Dynamo inlines XSoftmax.forward only where no input needs a gradient
+        out, ref = _first(c(*args, **kwargs)), _first(model(*args, **kwargs))
+    assert len(c.rewritten) == LAYERS and c.op_calls() == LAYERS, [r.reason for r in c.missed]
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_hf_sew_d_xsoftmax_autograd_function_is_left_alone_with_reason():
+    """With gradients, XSoftmax is an autograd.Function: a higher-order op whose own backward the pass does not
+    prove to be its forward's, and whose body starts at the scores."""
+    torch.manual_seed(0)
+    model, args, kwargs = sew_d()
+    model.train()
+    c = Compiled(model, inner="aot_eager", fullgraph=False)
+    torch.testing.assert_close(_first(c(*args, **kwargs)), _first(model(*args, **kwargs)), **TOL[torch.float32])
+    assert len(c.missed) == LAYERS and not c.rewritten
+    assert all("autograd_function_apply" in r.reason for r in c.missed), [r.reason for r in c.missed]
+
+
+def reformer_local(**kw):
+    """Reformer's local attention: exp(s - logsumexp(s)), chunked keys (previous chunk concatenated)."""
+    cfg = transformers.ReformerConfig(hidden_size=32, num_attention_heads=2, attention_head_size=16,
+                                      feed_forward_size=64, vocab_size=100, attn_layers=["local"] * LAYERS,
+                                      axial_pos_embds=False, max_position_embeddings=64, local_attn_chunk_length=4,
+                                      hidden_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0, **kw)
+    return transformers.ReformerModel(cfg), (torch.randint(0, 100, (2, 16)),)
+
+
+def test_hf_reformer_local_attention_is_rewritten_and_trains():
+    torch.manual_seed(0)
+    model, args = reformer_local(is_decoder=False)
+    model.train()
+    c = Compiled(model, inner="aot_eager", fullgraph=False)
+    out, ref = _first(c(*args)), _first(model(*args))
+    assert len(c.rewritten) == LAYERS and c.op_calls() == LAYERS, [r.reason for r in c.missed]
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    params = list(model.parameters())
+    for p, a, b in zip(params, torch.autograd.grad(out, params, g, allow_unused=True),
+                       torch.autograd.grad(ref, params, g, allow_unused=True)):
+        if a is not None or b is not None:
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("how", ["padding", "decoder"])
+def test_hf_reformer_masked_local_attention_is_left_alone_with_reason(how):
+    """Its mask fills -1e9 (a buffer): over a row with no admissible key eager's logsumexp rounds to -1e9, and every
+    key gets weight 1. Padding can empty a row; the decoder's causal band over chunks cannot, but is not proven so."""
+    torch.manual_seed(0)
+    model, (ids,) = reformer_local(is_decoder=how == "decoder")
+    kwargs = {}
+    if how == "padding":
+        kwargs["attention_mask"] = torch.ones(2, 16, dtype=torch.long)
+        kwargs["attention_mask"][1, 8:] = 0  # the last two chunks of row 1: their queries see no key
+    model.eval()
+    c = Compiled(model, fullgraph=False)
+    with torch.no_grad():
+        torch.testing.assert_close(_first(c(ids, **kwargs)), _first(model(ids, **kwargs)), **TOL[torch.float32])
+    assert len(c.missed) == LAYERS and not c.rewritten
+    assert all("eager's logsumexp rounds at the fill's magnitude" in r.reason for r in c.missed)

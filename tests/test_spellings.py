@@ -8,9 +8,12 @@
   of their values;
 - F.linear(q, k) is Q·Kᵀ (its bias an additive mask), exp(log_softmax(s)) is softmax(s), so is
   exp(s - rowmax(s)) / Σ exp(s - rowmax(s)) (softmax's own formula; without the row max it is not: eager's
-  exp overflows where softmax does not), a
+  exp overflows where softmax does not), so is exp(s - logsumexp(s)) (not over rows a finite fill may mask
+  entirely: eager's logsumexp rounds at the fill's magnitude there), a
   multiplicative 0/1 mask `s * m + (1 - m) * c` is masked_fill(m == 0, c) (m proven 0/1, or refused),
-  baddbmm's beta * input is an additive bias for every beta.
+  baddbmm's beta * input is an additive bias for every beta;
+- probabilities set to 0 exactly where an absorbing fill masked the scores (DeBERTa's XSoftmax) differ from the
+  softmax only on rows with no admissible key: those are 0 with no gradient, the op's own empty row.
 Each is compared with eager on fresh random inputs: output, inputs afterwards and every gradient.
 """
 from __future__ import annotations
@@ -966,6 +969,229 @@ def test_exp_or_row_sum_read_elsewhere_are_refused(fn):
     assert "only the softmax's own division may read them" in reasons(res)
 
 
+# ------------------------------------------------------- exp of the scores minus their logsumexp (Reformer)
+
+def _first_row(n=N):
+    return (torch.arange(n) == 0)[:, None].expand(n, n)
+
+
+def _exp_lse(s):
+    return torch.exp(s - torch.logsumexp(s, dim=-1, keepdim=True))
+
+
+EXP_LSE_FORMS = {
+    "torch.logsumexp": lambda q, k, v: _exp_lse(q @ k.transpose(-2, -1) * 0.25) @ v,
+    "Tensor.logsumexp.exp": lambda q, k, v: (lambda s: (s - s.logsumexp(3, True)).exp())(
+        q @ k.transpose(-2, -1) / 4.0) @ v,
+    "causal finfo.min": lambda q, k, v: _exp_lse(
+        (q @ k.transpose(-2, -1) * 0.25).masked_fill(causal_bool(), torch.finfo(q.dtype).min)) @ v,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("form", list(EXP_LSE_FORMS))
+def test_exp_minus_logsumexp_is_softmax(form, dtype):
+    check(EXP_LSE_FORMS[form], qkv(dtype=dtype), dtype=dtype, rewritten=1)
+
+
+def exp_lse_empty_row_nan(q, k, v):
+    return _exp_lse((q @ k.transpose(-2, -1) * 0.25).masked_fill(causal_bool() | _first_row(), -math.inf)) @ v
+
+
+def test_exp_minus_logsumexp_keeps_a_fully_masked_row_nan():
+    res = check(exp_lse_empty_row_nan, qkv(grad=False), rewritten=1)
+    assert res.ref[:, :, 0].isnan().all() and not res.ref[:, :, 1:].isnan().any()
+
+
+def test_exp_minus_logsumexp_through_inductor():
+    check(EXP_LSE_FORMS["torch.logsumexp"], qkv(), inner="inductor", rewritten=1)
+
+
+def exp_lse_finite_fill(q, k, v, keep):
+    """Reformer's local attention: where(mask, s, -1e9)."""
+    return _exp_lse(torch.where(keep[:, None, None, :], q @ k.transpose(-2, -1) * 0.25, -1e9)) @ v
+
+
+def test_exp_minus_logsumexp_over_a_row_of_finite_fills_is_refused():
+    args = qkv() + [keep_padding(N)]  # batch 1 has no key at all
+    res = check(exp_lse_finite_fill, args, rewritten=0)
+    assert "eager's logsumexp rounds at the fill's magnitude" in reasons(res)
+    q, k, v, keep = args
+    # logsumexp(-1e9 + 0 * s) rounds to -1e9 in fp32: every key gets weight 1, not 1 / N
+    torch.testing.assert_close(res.ref[1].detach(), v[1].detach().sum(-2, keepdim=True).expand(H, N, D))
+
+
+def lse_also_read(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    lse = torch.logsumexp(s, -1, keepdim=True)
+    return torch.exp(s - lse) @ v + lse
+
+
+def exp_lse_over_queries(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    return torch.exp(s - torch.logsumexp(s, -2, keepdim=True)) @ v  # normalised over the queries: not attention
+
+
+def exp_lse_of_other_scores(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    return torch.exp(s - torch.logsumexp(s * 2.0, -1, keepdim=True)) @ v  # not s's own normaliser
+
+
+def test_exp_minus_logsumexp_read_elsewhere_is_refused():
+    res = check(lse_also_read, qkv(), rewritten=0)
+    assert "the scores' logsumexp or the log-probabilities are also read by" in reasons(res)
+
+
+@pytest.mark.parametrize("fn", [exp_lse_over_queries, exp_lse_of_other_scores])
+def test_exp_minus_another_logsumexp_is_not_softmax(fn):
+    res = check(fn, qkv(), rewritten=0)
+    assert not res.reports  # no softmax found
+
+
+class BufferFill(nn.Module):
+    """Reformer: the mask value is a 0-d module buffer, torch.where(keep, s, self.mask_value)."""
+
+    def __init__(self, value=torch.finfo(torch.float32).min):
+        super().__init__()
+        self.register_buffer("mask_value", torch.tensor(value), persistent=False)
+
+    def forward(self, q, k, v):
+        s = torch.where(~causal_bool(), q @ k.transpose(-2, -1) * 0.25, self.mask_value)
+        return _exp_lse(s) @ v
+
+
+def test_a_fill_read_from_a_buffer_is_its_value():
+    res = check(BufferFill(), qkv(), rewritten=1)
+    assert res.rewritten[0].mask == "causal"
+
+
+def fill_from_data(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    return torch.softmax(s.masked_fill(causal_bool(), q.detach().amin() - 1e4), -1) @ v  # not a constant
+
+
+def fill_that_needs_a_gradient(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    return torch.softmax(torch.where(causal_bool(), q.sum() * 0.0 - 1e4, s), -1) @ v  # eager gives it a gradient
+
+
+def test_a_fill_read_from_a_tensor_that_is_not_a_constant_is_refused():
+    assert "mask fill value" in reasons(check(fill_from_data, qkv(), rewritten=0))
+    assert "torch.where on the scores without a constant fill" in reasons(check(fill_that_needs_a_gradient, qkv(),
+                                                                                rewritten=0))
+
+
+# --------------------------------------- probabilities set to 0 where the scores were filled (DeBERTa's XSoftmax)
+
+def query_key_padding(n=N, masked=2):
+    """DeBERTa's mask: keep[b, i] & keep[b, j] (True = kept); batch 1's last `masked` queries see no key."""
+    keep = keep_padding(masked)
+    return keep[:, None, :, None] & keep[:, None, None, :]
+
+
+def xsoftmax(q, k, v, keep):
+    """DeBERTa-v2 / SEW-D's XSoftmax.forward, inlined (eval, or no_grad)."""
+    rmask = ~keep
+    s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(rmask, torch.tensor(torch.finfo(q.dtype).min))
+    p = torch.softmax(s, -1)
+    p.masked_fill_(rmask, 0)
+    return p @ v
+
+
+def xsoftmax_where(q, k, v, keep):
+    s = torch.where(keep, q @ k.transpose(-2, -1) * 0.25, -math.inf)
+    p = torch.where(keep, F.dropout(torch.softmax(s, -1), 0.0), 0.0)
+    return p @ v
+
+
+def xsoftmax_bias(q, k, v, keep, bias):
+    """SEW-D's relative-position bias added before the fill."""
+    rmask = ~keep
+    s = torch.bmm((q * 0.25).flatten(0, 1), k.flatten(0, 1).transpose(1, 2)).view(B, H, N, N) + bias
+    p = torch.softmax(s.masked_fill(rmask, torch.finfo(s.dtype).min), -1).masked_fill(rmask, 0)
+    return torch.bmm(p.view(B * H, N, N), v.flatten(0, 1)).view(B, H, N, D)
+
+
+def xsoftmax_causal(q, k, v):
+    rmask = causal_bool()  # the diagonal is always kept: no empty row
+    p = torch.softmax((q @ k.transpose(-2, -1) * 0.25).masked_fill(rmask, -1e38), -1).masked_fill(rmask, 0.0)
+    return p @ v
+
+
+XSOFTMAX_FORMS = {
+    "where -inf, where 0": (xsoftmax_where, lambda: [query_key_padding()]),
+    "bias then fill, bmm": (xsoftmax_bias, lambda: [query_key_padding(), rand(B, H, N, N, seed=7, requires_grad=True)]),
+    "causal (no empty row)": (xsoftmax_causal, lambda: []),
+}
+
+
+@pytest.mark.parametrize("form", list(XSOFTMAX_FORMS))
+def test_probabilities_zeroed_where_the_scores_were_filled(form):
+    fn, extra = XSOFTMAX_FORMS[form]
+    res = check(fn, qkv() + extra(), rewritten=1)
+    if "causal" not in form:
+        assert res.ref[1, :, -2:].eq(0).all() and res.out[1, :, -2:].eq(0).all()  # the rows with no key
+
+
+def test_probabilities_zeroed_in_place_without_grad():
+    # eager's backward cannot run through the in-place write into softmax's output (why XSoftmax is an
+    # autograd.Function): the in-place form is inference code
+    res = check(xsoftmax, qkv(grad=False) + [query_key_padding()], rewritten=1)
+    assert res.ref[1, :, -2:].eq(0).all() and res.out[1, :, -2:].eq(0).all()
+
+
+def test_probabilities_zeroed_through_inductor():
+    check(xsoftmax_where, qkv() + [query_key_padding()], inner="inductor", rewritten=1)
+
+
+def zeroed_by_another_mask(q, k, v, keep):
+    s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, torch.finfo(q.dtype).min)
+    return torch.softmax(s, -1).masked_fill(~keep, 0) @ v  # a second ~keep: not proven the same mask
+
+
+def zeroed_at_other_keys(q, k, v, keep):
+    s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, torch.finfo(q.dtype).min)
+    return torch.softmax(s, -1).masked_fill(keep, 0) @ v  # zeroes the kept keys
+
+
+def zeroed_after_a_finite_fill(q, k, v, keep):
+    rmask = ~keep
+    s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(rmask, -1e4)  # the masked keys keep a weight
+    return torch.softmax(s, -1).masked_fill(rmask, 0) @ v
+
+
+def zeroed_without_a_fill(q, k, v, keep):
+    return torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1).masked_fill(~keep, 0) @ v
+
+
+def zeroed_with_another_mask_term(q, k, v, keep):
+    rmask = ~keep
+    s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(causal_bool(), -math.inf).masked_fill(rmask, -math.inf)
+    return torch.softmax(s, -1).masked_fill(rmask, 0) @ v  # rows the causal mask empties are not all zeroed
+
+
+def zeroed_after_a_view(q, k, v, keep):
+    rmask = ~keep
+    p = torch.softmax((q @ k.transpose(-2, -1) * 0.25).masked_fill(rmask, torch.finfo(q.dtype).min), -1)
+    return (p.view(H, B, N, N).masked_fill(rmask[0], 0)).view(B, H, N, N) @ v  # another tensor's positions
+
+
+ZEROED_REFUSALS = {
+    zeroed_by_another_mask: "which is not proven to be where a fill before the softmax masked the scores",
+    zeroed_at_other_keys: "which is not proven to be where a fill before the softmax masked the scores",
+    zeroed_after_a_finite_fill: "that fill does not absorb the scores",
+    zeroed_without_a_fill: "which is not proven to be where a fill before the softmax masked the scores",
+    zeroed_with_another_mask_term: "may leave a row with no admissible key that the zeroing does not cover",
+    zeroed_after_a_view: "which is not proven to be where a fill before the softmax masked the scores",
+}
+
+
+@pytest.mark.parametrize("fn", list(ZEROED_REFUSALS), ids=lambda f: f.__name__)
+def test_probabilities_zeroed_elsewhere_are_refused(fn):
+    res = check(fn, qkv() + [query_key_padding()], rewritten=0)
+    assert ZEROED_REFUSALS[fn] in reasons(res), reasons(res)
+
+
 class TestPinnedExpSum(expecttest.TestCase):
     def test_pinned_exp_over_row_sum(self):
         self.assertExpectedInline(pinned(EXP_SUM_FORMS["amax.sum"], *qkv()), """\
@@ -1131,6 +1357,19 @@ to(repeat_interleave, torch.float32)
 where(unsqueeze_2, to, getitem_4)
 reshape(where_1, 2, 15, 8)
 view(reshape_2, 2, 5, 24)""")
+
+    def test_pinned_exp_minus_logsumexp(self):
+        self.assertExpectedInline(pinned(EXP_LSE_FORMS["torch.logsumexp"], *qkv(grad=False)), """\
+fa3.attention(l_q_, l_k_, l_v_, 0.25, False, 0, -1, -1, None, None, 0.0, 0.0, None, None)
+getitem(attention_default, 0)
+contiguous(getitem)""")
+
+    def test_pinned_probabilities_zeroed_where_filled(self):
+        # fully masked rows: the op's own 0, no fix-up after it
+        self.assertExpectedInline(pinned(xsoftmax, *qkv(grad=False), query_key_padding()), """\
+fa3.attention(l_q_, l_k_, l_v_, 0.25, False, 0, -1, -1, l_keep_, None, 0.0, 0.0, None, None)
+getitem(attention_default, 0)
+contiguous(getitem)""")
 
     def test_pinned_exp_of_log_softmax(self):
         self.assertExpectedInline(pinned(LOG_SOFTMAX_FORMS["F.log_softmax.exp"], *qkv(grad=False)), """\

@@ -8,10 +8,22 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..canonicalize import dropout_args, exp_sum_of, is_finite_number, kind, log_softmax_of
+from ..canonicalize import (
+    arg, constant_value, dropout_args, exp_lse_of, exp_sum_of, is_finite_number, kind, log_softmax_of, tensor_of,
+)
 from ..layout import Contraction, contraction, identity
-from ..site import PassOptions
-from .scores import Miss, _describe, _regroups_batch
+from ..shapes import known_eq
+from ..site import MaskSpec, PassOptions
+from .scores import Miss, Scores, _describe, _regroups_batch
+
+
+@dataclass
+class ZeroFill:
+    """The probabilities set to 0 where `mask` is `where` (masked_fill(p, m, 0), where(m, 0, p), where(m, p, 0))."""
+    node: fx.Node
+    mask: fx.Node
+    where: bool
+    shape: tuple  # the probabilities' shape there, which the mask broadcasts to
 
 
 @dataclass
@@ -20,6 +32,25 @@ class Probs:
     pv: Contraction
     dropout_p: float = 0.0
     nodes: list = field(default_factory=list)  # softmax .. end
+    zeroed: Optional[ZeroFill] = None
+
+
+def _zero_fill(u: fx.Node, cur: fx.Node) -> Optional[ZeroFill]:
+    """u as a ZeroFill of the probabilities `cur`, or None. Only an exact 0 over a bool mask that keeps the
+    probabilities' shape (a broadcast to more dims would be another tensor)."""
+    k = kind(u)
+    if k == "masked_fill" and u.args and u.args[0] is cur and constant_value(arg(u, 2, "value")) == 0:
+        mask, where = arg(u, 1, "mask"), True
+    elif k == "where" and len(u.args) == 3 and cur in u.args[1:] and constant_value(
+            u.args[2] if u.args[1] is cur else u.args[1]) == 0:
+        mask, where = u.args[0], u.args[2] is cur
+    else:
+        return None
+    t, mt, ct = tensor_of(u), tensor_of(mask), tensor_of(cur)
+    if mt is None or mt.dtype != torch.bool or t is None or ct is None or t.dim() != ct.dim() or not all(
+            known_eq(a, b) for a, b in zip(t.shape, ct.shape)):
+        return None
+    return ZeroFill(u, mask, where, tuple(ct.shape))
 
 
 def _leaves_graph(gm: Optional[fx.GraphModule], node: fx.Node) -> str:
@@ -58,8 +89,15 @@ def walk_probs(sm: fx.Node, options: PassOptions, gm: Optional[fx.GraphModule] =
             names = ", ".join(u.name for n in (e, den) for u in n.users if u not in (den, sm))
             raise Miss(f"the exponentiated scores or their row sums are also read by {names}; only the softmax's own "
                        "division may read them")
-    pre = [lsm] if lsm is not None else (list(es) if es is not None else [])
-    cur, nodes, dropout_p = sm, pre + [sm], 0.0
+    el = exp_lse_of(sm)  # exp(s - logsumexp(s)): the subtraction and the logsumexp are the softmax
+    if el is not None:
+        d, lse = el
+        if set(d.users) != {sm} or set(lse.users) != {d}:
+            names = ", ".join(u.name for n in (d, lse) for u in n.users if u not in (d, sm))
+            raise Miss(f"the scores' logsumexp or the log-probabilities are also read by {names}; only the exp to the "
+                       "probabilities may read them")
+    pre = [lsm] if lsm is not None else (list(es) if es is not None else (list(reversed(el)) if el else []))
+    cur, nodes, dropout_p, zeroed = sm, pre + [sm], 0.0, None
     for _ in range(32):
         users = list(cur.users)
         if any(u.op == "output" for u in users):
@@ -73,6 +111,10 @@ def walk_probs(sm: fx.Node, options: PassOptions, gm: Optional[fx.GraphModule] =
             cur = u
         elif u is through:  # the sink column dropped (patterns/sinks.py)
             cur = u
+        elif (zf := _zero_fill(u, cur)) is not None:  # checked against the scores' mask by zeroed_rows
+            if zeroed is not None:
+                raise Miss("the probabilities are set to 0 twice after the softmax")
+            zeroed, cur = zf, u
         elif k == "dropout" and u.args[0] is cur:
             _, p, training = dropout_args(u)
             if training is False:  # the identity whatever p is (a module's p is a run-time value under dynamic=True)
@@ -108,6 +150,51 @@ def walk_probs(sm: fx.Node, options: PassOptions, gm: Optional[fx.GraphModule] =
             if c.lhs.perm != identity(c.lhs.rank):
                 raise Miss("probabilities enter the P·V contraction transposed")
             nodes.append(u)
-            return Probs(cur, c, dropout_p, nodes)
+            return Probs(cur, c, dropout_p, nodes, zeroed)
         nodes.append(cur)
     raise Miss("probabilities chain too long")
+
+
+def zeroed_rows(zf: ZeroFill, scores: Scores, spec: MaskSpec, gm: fx.GraphModule, st: torch.Tensor) -> str:
+    """The empty_rows of a site whose probabilities `zf` sets to 0 after the softmax (DeBERTa's XSoftmax), or Miss.
+    Setting to 0 the very scores a fill before the softmax absorbed changes no row that keeps a key (their weight
+    is already 0, and so is the gradient through them). A row with no admissible key it zeroes entirely when that
+    fill is the last mask term and the others mask no key: eager's output there is 0 and nothing gets a gradient
+    from it, which is the op's own value for an empty row ("zero")."""
+    from ..masks import adds_bias_only
+    from ..masks.combine import _absorbs
+
+    name = f"{zf.mask.name} is {zf.where}"
+    hits = [i for i, t in enumerate(scores.terms) if t.op in ("fill", "where") and t.tensor is zf.mask
+            and (t.op == "fill") == zf.where and _same_shape(tuple(scores.term_batches[i]) + tuple(st.shape[-2:]),
+                                                            zf.shape)]
+    if not hits:
+        raise Miss(f"the probabilities are set to 0 where {name} ({zf.node.name}), which is not proven to be where "
+                   "a fill before the softmax masked the scores (the same mask at the same positions): eager changes "
+                   "rows there that the op would compute in full")
+    i = hits[0]
+    term = scores.terms[i]
+    if isinstance(term.fill, fx.Node):
+        raise Miss(f"the probabilities are set to 0 where {name} after a fill read from a tensor ({term.fill.name}), "
+                   "which is not proven to absorb the scores")
+    if not _absorbs(term.fill, term.dtype if term.dtype is not None else st.dtype):
+        raise Miss(f"the scores are filled with {term.fill:g} where {name} and the probabilities set to 0 there after "
+                   "the softmax: that fill does not absorb the scores (the filled keys keep a weight), so the zeroing "
+                   "changes every row, which the op cannot do")
+    if scores.clamped:
+        raise Miss("probabilities set to 0 after a softmax of scores clamped by max(s, finfo.min): not analysed")
+    if spec.empty_rows == "impossible":
+        return "impossible"  # every row keeps a key: the zeroing changes nothing
+    others = [t for j, t in enumerate(scores.terms) if j != i]
+    if i != 0 or not all(adds_bias_only(gm, t, st.dtype, st.shape[-2], st.shape[-1]) for t in others):
+        raise Miss(f"the probabilities are set to 0 where {name} after the softmax, and other mask terms of the "
+                   "scores (applied after that fill, or masking keys themselves) may leave a row with no admissible "
+                   "key that the zeroing does not cover: eager keeps weights there, the op gives 0")
+    if spec.empty_rows not in ("nan", "mean_v"):
+        raise Miss(f"probabilities set to 0 after the softmax where eager's empty rows are {spec.empty_rows!r}: "
+                   "not analysed")
+    return "zero"
+
+
+def _same_shape(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(known_eq(x, y) for x, y in zip(a, b))

@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from .. import emit, sinks
 from ..aliasing import writes, written_args, written_in_place
-from ..canonicalize import kind, softmax_args, tensor_of
+from ..canonicalize import exp_lse_of, kind, softmax_args, tensor_of
 from ..effects import (
     GradFlow, chain_write, grad_flow, out_target, path_to, private_storage, read_path,
 )
@@ -25,7 +25,7 @@ from .build import (
     _Builder, _Out, _absorb_scale, _canon_out_shape, _choose_layout, _erase_dead, _materialize, _needs_contiguous,
     _padded_batch, _regroup, _same, _shape, _where,
 )
-from .probs import Probs, walk_probs
+from .probs import Probs, walk_probs, zeroed_rows
 from .scores import Miss, Scores, narrows, walk_scores
 
 
@@ -204,7 +204,9 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
         x, st = sink.scores, tensor_of(sink.scores)
     barrier = ("a sink column is concatenated to them (the shift does not reach it)" if sink is not None else
                "the sink gate's logsumexp reads them (the shift moves it)" if gate is not None else None)
-    scores = walk_scores(x, gm, shift_barrier=barrier, also_read_by=(gate.lse,) if gate is not None else ())
+    el = exp_lse_of(sm)  # exp(x - logsumexp(x)): the logsumexp reads x as part of the softmax
+    also = ((gate.lse,) if gate is not None else ()) + ((el[1],) if el is not None else ())
+    scores = walk_scores(x, gm, shift_barrier=barrier, also_read_by=also)
     probs = walk_probs(sm, options, gm, through=sink.drop if sink is not None else None)
     has_sinks = sink is not None or gate is not None
     if gate is not None:
@@ -302,6 +304,14 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
             terms = [t if _same(tb, bd) else MaskTerm(t.op, _regroup(o, t.tensor, tb, bd), t.fill, t.dtype)
                      for t, tb in zip(terms, scores.term_batches)]
         spec = _analyze_mask(gm, terms, bd, st, o_node)
+        if probs.zeroed is not None:
+            if has_sinks:
+                raise Miss("probabilities set to 0 after a softmax with attention sinks: not analysed")
+            spec.empty_rows = zeroed_rows(probs.zeroed, scores, spec, gm, st)
+        if el is not None and spec.empty_rows not in ("impossible", "nan", "zero"):
+            raise Miss("softmax written as exp(s - logsumexp(s)) over rows that may have every key masked by a finite "
+                       "fill: eager's logsumexp rounds at the fill's magnitude there, so its weights need not sum to 1 "
+                       "(a row of -1e9 gives each key weight 1)")
         if scores.clamped and spec.empty_rows == "nan":
             spec.empty_rows = "mean_v"  # -inf became finfo.min: a fully masked row is uniform
         clamp_tied = False

@@ -115,6 +115,20 @@ def _regroups_batch(node: fx.Node) -> bool:
         known_eq(a.shape[-1], b.shape[-1]) and known_eq(a.shape[-2], b.shape[-2])
 
 
+def _fill_value(value: Any) -> Any:
+    """A fill of the scores: a number (a literal, or a 0-d tensor built from one), or a 0-d float tensor of the graph
+    that needs no gradient (Reformer's mask-value buffer), whose value the mask analysis reads where the caller checks
+    it on every call (patterns/constants.py) and refuses otherwise; None for anything else."""
+    c = constant_value(value)
+    if c is not None:
+        return c
+    t = tensor_of(value)
+    if isinstance(value, fx.Node) and t is not None and t.dim() == 0 and t.dtype.is_floating_point and \
+            not t.requires_grad:
+        return value
+    return None
+
+
 def _outer_scaled(term: MaskTerm, phase: str, scale: float, factors: list, softcap: float, t: torch.Tensor) -> MaskTerm:
     """A mask applied before a Python-number scale c: eager scales it too, so the op gets fill * c
     (computed in the scores' dtype, as eager does) or bias * c; "scaled" terms are multiplied at rewrite.
@@ -126,6 +140,8 @@ def _outer_scaled(term: MaskTerm, phase: str, scale: float, factors: list, softc
     if factors or scale <= 0:
         raise Miss("a mask is applied to the scores before a tensor or non-positive scale")
     if term.op in ("fill", "where", "fill_zero"):
+        if isinstance(term.fill, fx.Node):
+            raise Miss(f"a mask fill read from a tensor ({term.fill.name}) is applied before the scale")
         return MaskTerm(term.op, term.tensor, float(torch.tensor(term.fill, dtype=t.dtype) * scale), t.dtype)
     return MaskTerm(term.op + "_scaled", term.tensor, scale, t.dtype)
 
@@ -159,8 +175,10 @@ def _shift_refusal(terms: list, softcap: float, shift_barrier: Optional[str]) ->
     from ..masks.combine import _absorbs
 
     for t in terms:
-        if t.op not in ("fill", "where", "fill_zero") or not isinstance(t.fill, (int, float)):
+        if t.op not in ("fill", "where", "fill_zero"):
             continue
+        if isinstance(t.fill, fx.Node):
+            return f"the scores are shifted before a fill read from a tensor ({t.fill.name}), not proven to absorb it"
         # a fill that absorbs any plausible score (-inf, finfo.min) gets weight 0 whatever the shift; a higher one
         # keeps a weight that the shift changes (the mask analysis' own rule for a constant added: analyze.py)
         if not _absorbs(t.fill, t.dtype if t.dtype is not None else torch.float32):
@@ -298,7 +316,7 @@ def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None, shift_barrier: 
             continue
         if k == "masked_fill":
             mask, value = arg(cur, 1, "mask"), arg(cur, 2, "value")
-            fill = constant_value(value)
+            fill = _fill_value(value)
             if fill is None:
                 raise Miss(f"masked_fill with a value that is not a constant ({cur.name})")
             terms.append(_outer_scaled(MaskTerm("fill", mask, fill), phase, scale, factors, softcap, t))
@@ -307,7 +325,7 @@ def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None, shift_barrier: 
             continue
         if k == "where" and len(cur.args) == 3:
             cond, a, b = cur.args
-            ca, cb = constant_value(a), constant_value(b)
+            ca, cb = _fill_value(a), _fill_value(b)
             if cb is not None and isinstance(a, fx.Node) and tensor_of(a) is not None and ca is None:
                 term, nxt = MaskTerm("where", cond, cb), a
             elif ca is not None and isinstance(b, fx.Node) and tensor_of(b) is not None and cb is None:

@@ -89,10 +89,10 @@ fp16 scores and such an untouched fp16 mask of huge negative values (e.g. BERT's
 (s + c rounds to c for |s| <= 16) but softmax(s) in the op, which adds in fp32; every other row matches.
 """
 from .analyze import analyze_mask
-from .combine import ABSORB_LIMIT
+from .combine import ABSORB_LIMIT, adds_bias_only
 from .concrete import CONCRETE_MAX_NUMEL, _band_of
 from .symbolic import _sym_true
 from .values import _Keep
 from .zero_one import zero_one
 
-__all__ = ["analyze_mask", "ABSORB_LIMIT", "CONCRETE_MAX_NUMEL", "zero_one"]
+__all__ = ["analyze_mask", "ABSORB_LIMIT", "adds_bias_only", "CONCRETE_MAX_NUMEL", "zero_one"]

@@ -53,6 +53,19 @@ def untouched_add(an: _Analyzer, node: fx.Node, applied: torch.dtype) -> _TermIn
     return _TermInfo("add", 0.0, keep=None, extra=(an.smallest(node),), converted=False)
 
 
+def adds_bias_only(gm: fx.GraphModule, term: MaskTerm, scores_dtype: torch.dtype, q_len: Size, k_len: Size) -> bool:
+    """Whether `term` adds to the scores without masking a key: a constant, or a float bias the op is passed as it is
+    (not proven to be 0-or-c; an fp16 one that rounds scores into fp16's finfo.min is a mask, see untouched_add)."""
+    if term.op != "add":
+        return False
+    info = _term_info(_Analyzer(gm), term, scores_dtype, q_len, k_len)
+    if isinstance(info, str):
+        return False
+    if info.converted:
+        return info.keep is _TRUE
+    return not any(isinstance(x, tuple) and x[:1] == ("absorb16",) for x in info.extra)
+
+
 def _negligible(c: float, dtype: torch.dtype) -> bool:
     """A fill c that gets weight exactly 0 next to any plausible admissible score: -inf, c <= ABSORB_LIMIT
     (e^(c - m) == 0 for every score m > -1e22), or fp16's finfo.min on fp16 scores (eager's fp16 scores
