@@ -102,6 +102,9 @@ class CheckedPatternsKey(CustomGraphPass):
         return repr((get_hash_for_files((__file__,)).hex(), chained)) if keyed else None
 
 
-def keyed(current: Any) -> CheckedPatternsKey:
-    """The joint-graph pre-pass to compile with: `current` (the user's, or None) inside the key."""
+def keyed(current: Any) -> Any:
+    """The joint-graph pre-pass to compile with: `current` (the user's, or None) inside the key; a list of passes
+    (which newer torch takes there) with the key appended."""
+    if isinstance(current, (list, tuple)):
+        return current if any(isinstance(p, CheckedPatternsKey) for p in current) else [*current, CheckedPatternsKey()]
     return current if isinstance(current, CheckedPatternsKey) else CheckedPatternsKey(current)

@@ -79,7 +79,12 @@ def test_plain_inductor_keeps_its_own_check():
     assert fuse_attention._sfdp_params_check is before
 
 
-def test_users_joint_pass_still_runs():
+@pytest.mark.parametrize("as_list", [False, True], ids=["pass", "list_of_passes"])
+def test_users_joint_pass_still_runs(as_list):
+    from torch._inductor import custom_graph_pass
+
+    if as_list and not hasattr(custom_graph_pass, "get_custom_graph_passes"):
+        pytest.skip("this torch takes one joint-graph pass, not a list")
     seen = []
 
     class Count(CustomGraphPass):
@@ -91,7 +96,7 @@ def test_users_joint_pass_still_runs():
 
     torch._dynamo.reset()
     q, k, v = _inputs(grad=True)
-    be = fa_compile.backend(options={"joint_custom_pre_pass": Count()})
+    be = fa_compile.backend(options={"joint_custom_pre_pass": [Count()] if as_list else Count()})
     out = torch.compile(_dim_1, backend=be)(q, k, v)
     out.sum().backward()
     assert seen, "the user's joint-graph pass did not run"
