@@ -39,9 +39,9 @@ class PassTimer:
         self._orig = compiler.run_pass
 
     def __enter__(self):
-        def timed(gm, kernel=None):
+        def timed(gm, *args, **kwargs):  # (run_pass's own arguments, whatever they are)
             t0 = time.perf_counter()
-            reports = self._orig(gm, kernel)
+            reports = self._orig(gm, *args, **kwargs)
             self.seconds += time.perf_counter() - t0
             self.sites += len(reports)
             self.rewritten += sum(r.rewritten for r in reports)
