@@ -6,6 +6,12 @@ goes (cProfile, top functions). Decode shapes are all host: their GPU work is a 
 
     python benchmarks/op_overhead.py              # both parts
     python benchmarks/op_overhead.py --compiled   # only host time inside Inductor's generated code
+    python benchmarks/op_overhead.py --fa3-parts  # where FA3's host time per call goes
+
+--fa3-parts: at the compiled prefill shape, enqueue time per call of SDPA's aten ops (flash, cuDNN) against
+FA3's C++ forward called directly with the template the lowering fills, with fixed splits / GQA packing, with
+scheduler metadata made once, and through `fa3_lowered::forward` (the lowering's op: one Python frame more);
+plus the kernels each launches per call (profiler).
 
 --compiled: a compiled one-layer model (attention alone, the layout glue of a model around it) per
 kernel family, prefill and decode shapes: microseconds per call of the compiled function (enqueue),
@@ -117,9 +123,78 @@ def compiled_rows() -> None:
                 print(f"   {label:34s} failed: {type(e).__name__}: {str(e)[:160]}")
 
 
+def fa3_parts() -> None:
+    from fa_compile.candidates import fa3 as fa3_cand
+    from fa_compile.lowering import fa3 as fa3_low  # noqa: F401  (registers fa3_lowered::forward)
+
+    b, h, n, d = 2, 16, 256, 64
+    scale = d ** -0.5
+    print(f"\n== FA3's host time per call, B{b} N{n} H{h} d{d} causal bf16 (torch {torch.__version__}, "
+          f"{torch.cuda.get_device_name()})")
+    direct = fa3_cand._direct_forward()
+    if direct is None:
+        print("   FA3's C++ forward is not importable or its schema is not usable here")
+        return
+    op, template, index = direct
+    qb, kb, vb = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (t.transpose(1, 2) for t in (qb, kb, vb))  # [B, H, N, D] views of BSHD storage
+
+    def fa3_args(**kw):
+        args = list(template)
+        args[index["q"]], args[index["k"]], args[index["v"]] = qb, kb, vb
+        kw = {"softmax_scale": scale, "causal": True, **kw}
+        for name, value in kw.items():
+            args[index[name]] = value
+        return args
+
+    plain, fixed = fa3_args(), fa3_args(num_splits=1)
+    if "pack_gqa" in index:
+        fixed[index["pack_gqa"]] = False
+    rows = {
+        "aten flash (SDPA's flash op)":
+            lambda: torch.ops.aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, True, False, scale=scale),
+        "aten cuDNN (SDPA's cuDNN op)":
+            lambda: torch.ops.aten._scaled_dot_product_cudnn_attention.default(q, k, v, None, True, 0.0, True,
+                                                                               False, scale=scale),
+        "F.scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "FA3 C++ forward, the lowering's arguments": lambda: op(*plain),
+        "FA3 C++ forward, 1 split, no GQA packing": lambda: op(*fixed),
+        "fa3_lowered::forward (the lowered node)":
+            lambda: torch.ops.fa3_lowered.forward.default(qb, kb, vb, None, scale, True, -1, 0, 0.0, 1),
+        "torch.empty_like x2 (allocation floor)": lambda: (torch.empty_like(qb), torch.empty_like(qb)),
+    }
+    try:
+        meta_op = torch.ops.flash_attn_3.get_scheduler_metadata.default
+        seqused = torch.full((b,), n, device="cuda", dtype=torch.int32)
+        meta = meta_op(b, n, n, h, h, d, d, torch.bfloat16, seqused, is_causal=True, num_splits=1)
+        with_meta = fa3_args(num_splits=1, scheduler_metadata=meta) if "scheduler_metadata" in index else None
+        if with_meta is not None:
+            ref = op(*plain)[0]
+            got = op(*with_meta)[0]
+            torch.cuda.synchronize()
+            print(f"   scheduler metadata made once: max |diff| {float((ref - got).abs().max()):.2e} against no metadata")
+            rows["FA3 C++ forward, scheduler metadata made once"] = lambda: op(*with_meta)
+    except Exception as e:
+        print(f"   scheduler metadata: {type(e).__name__}: {str(e)[:160]}")
+    for label, fn in rows.items():
+        try:
+            host = per_call_us(fn, n=1000, batches=10)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            short = "; ".join(sorted({name[:48] for name in kernels}))
+            print(f"   {label:46s} host {host:7.1f} us   {len(kernels)} launches: {short}")
+        except Exception as e:
+            print(f"   {label:46s} failed: {type(e).__name__}: {str(e)[:160]}")
+
+
 def main() -> None:
     import sys
 
+    if "--fa3-parts" in sys.argv:
+        fa3_parts()
+        return
     if "--compiled" in sys.argv:
         compiled_rows()
         return

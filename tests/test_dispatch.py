@@ -826,3 +826,32 @@ def test_kv_lens_zeroed_only_for_kernels_that_would_read_them():
 
     assert triton_family.TRITON.never_reads_past_kv_lens and decode.DECODE.never_reads_past_kv_lens
     assert not getattr(sdpa.CUDNN, "never_reads_past_kv_lens", False)
+
+
+@pytest.mark.parametrize("nq,nk,kw", FA3_PLUMBING)
+def test_fa3_lowered_forward_fills_the_cpp_call_by_position(monkeypatch, nq, nk, kw):
+    """The lowered node's body (lowering/fa3.py `_forward`) fills FA3's C++ forward by position from a plan made once;
+    against FA3's documented semantics through the CPU stand-in, which also checks that every other argument keeps
+    its default."""
+    from fa_compile.lowering import fa3 as fa3_lowered
+
+    fake = types.SimpleNamespace(_flash_attn_forward=_fa3_semantics_forward)
+    monkeypatch.setattr(fa3, "_module", lambda: (fake, {}, ""))
+    monkeypatch.setattr(fa3, "_direct_forward", lambda: fa3.direct_plan(torch.ops.fa_compile_test_fa3.fwd.default))
+    fa3_lowered._plan.cache_clear()
+    try:
+        torch.manual_seed(5)
+        b, hq, hkv, d = 3, 4, 2, 8
+        q, k, v = torch.randn(b, nq, hq, d), torch.randn(b, nk, hkv, d), torch.randn(b, nk, hkv, d)  # BSHD
+        kw = dict(kw)
+        if "kv_lens" in kw:
+            kw["kv_lens"] = torch.tensor(kw["kv_lens"])
+        args = AttentionArgs(q=q.transpose(1, 2), k=k.transpose(1, 2), v=v.transpose(1, 2), scale=0.35, **kw)
+        causal, wl, wr = fa3.FA3._window(args)
+        seqused = None if args.kv_lens is None else args.kv_lens.clamp(0, nk).to(torch.int32)
+        out, lse = fa3_lowered._forward(q, k, v, seqused, 0.35, causal, wl, wr, 0.0, 0)
+        exp, exp_lse = ref.attention_reference(args.q.double(), args.k.double(), args.v.double(), **args.mask_kwargs())
+        torch.testing.assert_close(out.transpose(1, 2), exp.float(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, exp_lse.float(), atol=1e-5, rtol=1e-5)
+    finally:
+        fa3_lowered._plan.cache_clear()

@@ -61,6 +61,9 @@ CASES = {
     "decode_gqa": (dict(hq=16, hkv=8, nq=1, nk=320, d=128), {}, None, False, None),
     "fa3_causal": ({}, dict(causal=True), "fa3", False, "fa3"),
     "fa3_decode_kv_lens": (dict(hq=16, hkv=8, nq=1, nk=320, d=128), dict(kv_lens="lens"), "fa3", False, "fa3"),
+    # a static cache's prefill: run-time positions over a longer cache (only the Triton family takes them)
+    "positions": (dict(hq=8, hkv=2, nq=200, nk=320), dict(q_pos="positions"), None, True, "triton"),
+    "segments": ({}, dict(causal=True, q_seg="segments", k_seg="segments"), None, True, "triton"),
 }
 
 
@@ -70,6 +73,13 @@ def _kwargs(spec, b, nk):
         kw["bias"] = _padding(b, nk)
     if kw.get("kv_lens") == "lens":
         kw["kv_lens"] = torch.tensor([nk - 50, 0], device="cuda")
+    if kw.get("q_pos") == "positions":  # sequence 0 from slot 0, sequence 1 from slot 100, one row with no key
+        pos = torch.stack([torch.arange(200), torch.arange(100, 300)]).to("cuda")
+        pos[1, 7] = -1
+        kw["q_pos"] = pos
+    if kw.get("q_seg") == "segments":  # packed sequences of 100, 1 and 155 tokens
+        seg = torch.tensor([0] * 100 + [1] + [2] * 155, dtype=torch.int32, device="cuda")
+        kw["q_seg"] = kw["k_seg"] = seg
     return kw
 
 

@@ -82,6 +82,14 @@ else:
         case.bias[..., 3, :] = False if case.bias.dtype == torch.bool else float("-inf")
         return case
 
+    def _positions(b, nq, nk):
+        g = torch.Generator().manual_seed(7)
+        pos = torch.stack([torch.randperm(nk, generator=g)[:nq].sort().values for _ in range(b)])
+        pos[0, 2] = -1
+        return pos
+
+    _SEG = torch.tensor([[0] * 9 + [1] * 3 + [2] * 11, [4] * 20 + [5] * 3], dtype=torch.int32)
+
     CASES = {
         "plain_bshd": lambda: make_case(b=2, hq=2, nq=21, nk=33, d=32, layout="bshd"),
         "causal_offset_gqa": lambda: make_case(b=1, hq=4, hkv=2, nq=19, nk=26, d=24, causal=True, diag_offset=5),
@@ -97,19 +105,24 @@ else:
                                                       dtype=torch.float32),
         "window_softcap": lambda: make_case(b=1, hq=2, nq=22, nk=22, d=16, window_left=5, window_right=2, softcap=2.0),
         "dropout_gqa": lambda: make_case(b=1, hq=4, hkv=2, nq=18, nk=21, d=16, dropout_p=0.3, kv_lens=[15]),
+        # run-time positions per sequence (a static cache's prefill), one row at -1 (no key: an empty row)
+        "positions_gqa": lambda: make_case(b=2, hq=4, hkv=2, nq=13, nk=37, d=16, q_pos=_positions(2, 13, 37)),
+        # packed sequences: segment ids per sequence and key, with causality
+        "segments_causal": lambda: make_case(b=2, hq=2, nq=23, nk=23, d=16, causal=True, q_seg=_SEG, k_seg=_SEG),
     }
 
     def _fwd(case, q=None, k=None, v=None):
         q, k, v = (case.q, case.k, case.v) if q is None else (q, k, v)
         return triton_ops.fwd(q, k, v, case.bias, case.kv_lens, case.dropout_seed, case.scale, case.causal,
                               case.diag_offset, case.window_left, case.window_right, case.softcap, case.dropout_p,
-                              TILE)
+                              TILE, None, 0, case.q_pos, case.q_seg, case.k_seg)
 
     def _bwd(case, dout, out, lse, fused_dq=False):
         want_ds = bool(case.bias_requires_grad)
         return triton_ops.bwd(dout, case.q, case.k, case.v, out, lse, case.bias, case.kv_lens, case.dropout_seed,
                               case.scale, case.causal, case.diag_offset, case.window_left, case.window_right,
-                              case.softcap, case.dropout_p, want_ds, TILE, TILE, 0, fused_dq)
+                              case.softcap, case.dropout_p, want_ds, TILE, TILE, 0, fused_dq, case.q_pos, case.q_seg,
+                              case.k_seg)
 
     @contextlib.contextmanager
     def _deterministic():
@@ -198,9 +211,9 @@ else:
     def _site(case, backward=False, dout=None, out=None, lse=None):
         """A graph holding one fa3 node forced to kernel "triton" (FakeTensor metadata on every node)."""
         kw = dict(bias=case.bias, kv_lens=case.kv_lens, softcap=case.softcap, dropout_p=case.dropout_p,
-                  dropout_seed=case.dropout_seed)
+                  dropout_seed=case.dropout_seed, q_pos=case.q_pos, q_seg=case.q_seg, k_seg=case.k_seg)
         scalars = (case.scale, case.causal, case.diag_offset, case.window_left, case.window_right)
-        names = [n for n in ("bias", "kv_lens", "dropout_seed") if kw[n] is not None]
+        names = [n for n in ("bias", "kv_lens", "dropout_seed", "q_pos", "q_seg", "k_seg") if kw[n] is not None]
 
         def fwd(q, k, v, *rest):
             t = dict(kw, **dict(zip(names, rest)))
@@ -229,7 +242,7 @@ else:
 
     @pytest.mark.parametrize("name", ["causal_offset_gqa", "float_bias_grad_empty_row", "bool_key_padding",
                                       "one_key_mask_for_the_batch", "causal_key_padding", "kv_lens_empty_batch_fp32",
-                                      "dropout_gqa"])
+                                      "dropout_gqa", "positions_gqa", "segments_causal"])
     @pytest.mark.parametrize("fused", [True, False], ids=["fused_dq", "dq_kernel"])
     def test_lowered_site_matches_reference(name, fused, cpu_lowering, poisoned, monkeypatch):
         # fused: the dK/dV kernel adds dQ by atomics (FA_COMPILE_FUSED_DQ=1); else the dQ kernel (the default)

@@ -37,6 +37,7 @@ What `wrap_triton` / the HOP take (torch 2.13 here, torch 2.11 read from source,
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -142,12 +143,17 @@ def _unused(device: torch.device) -> Tensor:
     return _empty((1,), (1,), torch.float32, device)
 
 
-def _no_positions(unused: Tensor) -> dict:
-    """The kernels' run-time position / segment parameters, unused (these ops take no q_pos or segment
-    ids: such sites keep the fa3 op). Every parameter is passed, defaults too: torch 2.11's wrap_triton
-    binds a kernel's arguments by position."""
-    return dict(QPOS=unused, stride_pb=0, stride_pm=0, HAS_QPOS=False, QSEG=unused, stride_qsb=0, stride_qsm=0,
-                KSEG=unused, stride_ksb=0, stride_ksn=0, HAS_SEG=False)
+def _positions(unused: Tensor, batch: int, q_pos: Optional[Tensor], q_seg: Optional[Tensor],
+               k_seg: Optional[Tensor]) -> dict:
+    """The kernels' run-time position / segment parameters: the op's q_pos and q_seg / k_seg where given
+    (triton_family.structure_kwargs: [N] or [B | 1, N], broadcast dims read with stride 0), `unused` otherwise.
+    Every parameter is passed, defaults too: torch 2.11's wrap_triton binds a kernel's arguments by position."""
+    if (q_seg is None) != (k_seg is None):
+        raise ValueError("q_seg / k_seg: give both segment id tensors or neither")
+    kw = dict(QPOS=unused, stride_pb=0, stride_pm=0, HAS_QPOS=False, QSEG=unused, stride_qsb=0, stride_qsm=0,
+              KSEG=unused, stride_ksb=0, stride_ksn=0, HAS_SEG=False)
+    kw.update(tf.structure_kwargs(SimpleNamespace(q_pos=q_pos, q_seg=q_seg, k_seg=k_seg), batch))
+    return kw
 
 
 @torch.library.triton_op(f"{NAMESPACE}::fwd", mutates_args=())
@@ -155,11 +161,13 @@ def fwd(
     q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], kv_lens: Optional[Tensor],
     dropout_seed: Optional[Tensor], scale: float, causal: bool, diag_offset: int, window_left: int,
     window_right: int, softcap: float, dropout_p: float, config: list[int], sinks: Optional[Tensor] = None,
-    empty_fill: int = 0,
+    empty_fill: int = 0, q_pos: Optional[Tensor] = None, q_seg: Optional[Tensor] = None,
+    k_seg: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) of attn_fwd_kernel; `config` = [block_m, block_n, num_warps, num_stages]; `sinks` [Hq]
     (ops.py: each head's logit in the softmax denominator; lse includes it). `empty_fill` (EMPTY_FILLS):
-    out on rows that admit no key is 0 (the op's), NaN, or the mean of V over all keys; lse stays -inf."""
+    out on rows that admit no key is 0 (the op's), NaN, or the mean of V over all keys; lse stays -inf.
+    `q_pos`, `q_seg` / `k_seg`: the op's run-time positions and segment ids (ops.py), or None."""
     from .triton_fwd import attn_fwd_kernel
 
     check_config("config", config)
@@ -188,7 +196,7 @@ def fwd(
         BLOCK_D=block_d, BLOCK_DV=block_dv, EVEN_D=(d == block_d and dv == block_dv), REVERSE_M=bool(causal),
         BIAS_FMA=bias_kind in (1, 3) and softcap == 0 and scale > 0, **consts, **_tile_kwargs(config),
         SINKS=sinks.contiguous() if sinks is not None else unused, HAS_SINKS=sinks is not None,
-        **_no_positions(unused),
+        **_positions(unused, b, q_pos, q_seg, k_seg),
         EMPTY_FILL=int(empty_fill),
     )
     return out, lse
@@ -200,6 +208,7 @@ def bwd(
     kv_lens: Optional[Tensor], dropout_seed: Optional[Tensor], scale: float, causal: bool, diag_offset: int,
     window_left: int, window_right: int, softcap: float, dropout_p: float, write_ds: bool,
     dkdv_config: list[int], dq_config: list[int], empty_grad: int = 0, fused_dq: bool = False,
+    q_pos: Optional[Tensor] = None, q_seg: Optional[Tensor] = None, k_seg: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, ds): dq/dk/dv dense in q/k/v's dimension order; ds the fp32 [B, Hq, Nq, Nk] score
     gradient when `write_ds` (the caller reduces it to the bias' shape), else an empty tensor.
@@ -208,7 +217,8 @@ def bwd(
     `where` does, and for "mean_v" / "uniform" a last kernel adds the rest of its backward when some row
     is empty (fa_compile/kernels/triton_empty_rows_bwd.py). With `fused_dq` (not with `write_ds`), the dK/dV kernel
     also adds each key tile's share of dQ into an fp32 buffer by atomics (no dQ kernel; `dq_config` unused), so the
-    sums arrive in varying order: the lowering asks for it only outside deterministic mode."""
+    sums arrive in varying order: the lowering asks for it only outside deterministic mode. `q_pos`, `q_seg` /
+    `k_seg` as for `fwd`."""
     from .triton_bwd import attn_bwd_dkdv_kernel, attn_bwd_preprocess_kernel
 
     check_config("dkdv_config", dkdv_config)
@@ -249,25 +259,26 @@ def bwd(
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
     # fp32 sums of the key tiles' dQ shares (the fused form; zeros it starts from), [B, Hq, Nq, D] contiguous
     dqa = torch.zeros((b, hq, nq, d), device=q.device, dtype=torch.float32) if fused_dq else _unused(q.device)
+    positions = _positions(unused, b, q_pos, q_seg, k_seg)
     _launcher(attn_bwd_dkdv_kernel)[(tf.triton_cdiv(nk, int(dkdv_config[1])) * b * hkv, 1, 1)](
         q, k, v, dout, lse, delta, dk, dvv, bias_arg, kvl, seed, unused, unused, unused, unused, *strides,
         dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
         *bstr, hq, hkv, hq // hkv, nq, nk, d, dv, *common,
         BLOCK_D=block_d, BLOCK_DV=block_dv, USE_TMA=False, **consts, **_tile_kwargs(dkdv_config),
-        **_no_positions(unused), ZERO_EMPTY=empty_grad != 0, DQA=dqa, FUSED_DQ=bool(fused_dq),
+        **positions, ZERO_EMPTY=empty_grad != 0, DQA=dqa, FUSED_DQ=bool(fused_dq),
     )
     if fused_dq:
         dq.copy_(dqa * scale)
     else:
         _launch_dq(q, k, v, dout, lse, delta, dq, ds_arg, bias_arg, kvl, seed, unused, strides, bstr, common,
-                   consts, dq_config, write_ds, causal, empty_grad)
+                   consts, dq_config, write_ds, causal, empty_grad, positions)
     if empty_grad in (EMPTY_GRADS["mean_v"], EMPTY_GRADS["uniform"]):
         _empty_rows_grads(dout, q, k, v, lse, dq, dk, dvv, scale, empty_grad == EMPTY_GRADS["uniform"])
     return dq, dk, dvv, ds
 
 
 def _launch_dq(q, k, v, dout, lse, delta, dq, ds_arg, bias_arg, kvl, seed, unused, strides, bstr, common, consts,
-               dq_config, write_ds: bool, causal: bool, empty_grad: int) -> None:
+               dq_config, write_ds: bool, causal: bool, empty_grad: int, positions: dict) -> None:
     from .triton_bwd import attn_bwd_dq_kernel
 
     b, hq, nq, d = q.shape
@@ -278,7 +289,7 @@ def _launch_dq(q, k, v, dout, lse, delta, dq, ds_arg, bias_arg, kvl, seed, unuse
         dq.stride(0), dq.stride(1), dq.stride(2),
         *bstr, hq, hq // hkv, nq, nk, d, dv, *common,
         BLOCK_D=block_d, BLOCK_DV=block_dv, WRITE_DS=bool(write_ds), REVERSE_M=bool(causal), USE_TMA=False,
-        **consts, **_tile_kwargs(dq_config), **_no_positions(unused), ZERO_EMPTY=empty_grad != 0,
+        **consts, **_tile_kwargs(dq_config), **positions, ZERO_EMPTY=empty_grad != 0,
     )
 
 

@@ -184,7 +184,7 @@ def _filling_kernel(args: dispatch.AttentionArgs, name: str, forced: Optional[st
     if cap is None or cap[0] != FILL_PREFERRED_ARCH:  # measured on Hopper only
         return None
     if dynamic_dims(args) or any(getattr(args, n, None) is not None for n in ("q_pos", "q_seg", "k_seg")):
-        return None  # (the Triton family's lowering takes no run-time positions or segment ids)
+        return None  # (measured without run-time positions or segment ids)
     nq, nk = int(args.q.shape[2]), int(args.k.shape[2])
     if nq * nk > FILL_PREFERRED_SCORES or max(int(args.q.shape[3]), int(args.v.shape[3])) > FILL_PREFERRED_HEAD_DIM:
         return None
@@ -236,9 +236,9 @@ def decide(args: dispatch.AttentionArgs, forced: Optional[str], direction: str, 
                         "them; the op keeps its run-time dispatch", refused=refused)
     if (args.q_pos is not None or args.q_seg is not None) and not getattr(
             LOWERINGS.get((args.q.device.type, name)), "takes_structure", False):
-        # Only the decode kernel's lowering and the reference math take run-time positions (the SDPA ops, the CPU
-        # flash op and the lowered Triton ops have none): the op and its run-time dispatch keep the site, unless
-        # the kernel's fallback lowering takes it.
+        # Only the decode kernel's lowering, the lowered Triton ops and the reference math take run-time positions
+        # (the SDPA ops and the CPU flash op have none): the op and its run-time dispatch keep the site, unless the
+        # kernel's fallback lowering takes it.
         why = [f"q_pos / segment ids: the lowering of kernel {name!r} does not take them"]
         fb = _fallback(args, name, forced, direction, why, refused)
         if fb is not None:

@@ -12,6 +12,7 @@ backward, so a backward node is lowered, or kept, by its own decision.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -36,9 +37,30 @@ _LIBRARY.define("forward(Tensor q, Tensor k, Tensor v, Tensor? seqused_k, float 
 def _forward(q: Tensor, k: Tensor, v: Tensor, seqused_k: Optional[Tensor], scale: float, causal: bool,
              window_left: int, window_right: int, softcap: float, num_splits: int) -> tuple[Tensor, Tensor]:
     """q, k, v: [B, N, H, D] with a unit last stride; returns (out [B, Nq, Hq, Dv], lse [B, Hq, Nq] fp32)."""
-    return fa3_cand._forward_call(q, k, v, seqused_k=seqused_k, softmax_scale=scale, causal=causal,
-                                  window_size_left=window_left, window_size_right=window_right,
-                                  softcap=softcap, num_splits=num_splits)
+    plan = _plan()
+    if plan is None:  # (the lowering is only chosen where the direct call exists; the wrapper otherwise)
+        return fa3_cand._forward_call(q, k, v, seqused_k=seqused_k, softmax_scale=scale, causal=causal,
+                                      window_size_left=window_left, window_size_right=window_right,
+                                      softcap=softcap, num_splits=num_splits)
+    op, template, slots = plan
+    args = list(template)
+    for i, value in zip(slots, (q, k, v, seqused_k, scale, causal, window_left, window_right, softcap, num_splits)):
+        args[i] = value
+    res = op(*args)
+    return res[0], res[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _plan() -> Optional[tuple]:
+    """(FA3's C++ forward, its argument template, the positions of _forward's arguments in it): the call is
+    filled by position, one frame and no keyword dict per call (host time is what this lowering is for)."""
+    direct = fa3_cand._direct_forward()
+    if direct is None:
+        return None
+    op, template, index = direct
+    names = ("q", "k", "v", "seqused_k", "softmax_scale", "causal", "window_size_left", "window_size_right",
+             "softcap", "num_splits")
+    return op, template, tuple(index[n] for n in names)
 
 
 _LIBRARY.impl("forward", _forward, "CUDA")

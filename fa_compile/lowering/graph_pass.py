@@ -87,7 +87,7 @@ def _lower_node(graph: fx.Graph, node: fx.Node, limits: dict) -> Optional[choice
     if getattr(lowering, "takes_sinks", False) and b["sinks"] is not None:
         names.append("sinks")  # after the seed
     if getattr(lowering, "takes_structure", False):
-        names += [n for n in ("sinks", "q_pos", "q_seg", "k_seg") if b[n] is not None]
+        names += [n for n in ("sinks", "q_pos", "q_seg", "k_seg") if b[n] is not None and n not in names]
     if not getattr(lowering, "fills_empty_rows", False):
         fixup = None
     elif fixup is None and not backward and getattr(lowering, "fills_saved_empty_rows", False):

@@ -26,6 +26,9 @@ only the lse when no row is empty. A padded BERT training step had run them as g
 The backward runs the dK/dV and dQ kernels, or adds dQ inside the dK/dV kernel where the family's `fuses_dq`
 says so (FA_COMPILE_FUSED_DQ=1; never with a bias gradient or in deterministic mode, which the pass's cache key
 and the tiles' signature include; explain() names it, FUSED_DQ_TEXT).
+Run-time positions and segment ids (q_pos, q_seg / k_seg; a static cache's prefill reads its positions from
+`cache_position`) lower too (`takes_structure`): the pointer kernels read them, as the family's run-time path
+does, which runs its pointer forward for such a site whatever its length.
 A site with a key-padding mask (one value per sequence and key) also gets that mask's key limit as kv_lens
 (`cuts_padded_keys`, graph_pass and key_limit.for_site): the kernels' key loops end at each sequence's last kept
 key, and the dK/dV programs past it write zeros.
@@ -100,7 +103,7 @@ def _signature(args: dispatch.AttentionArgs, direction: str) -> tuple:
     return (direction, meta(args.q), meta(args.k), meta(args.v), meta(args.bias), meta(args.kv_lens),
             bool(args.causal), int(args.diag_offset), int(args.window_left), int(args.window_right),
             float(args.softcap), float(args.scale), bool(args.bias_requires_grad), overrides,
-            direction == "backward" and fuses_dq(args))
+            direction == "backward" and fuses_dq(args), meta(args.q_pos), meta(args.q_seg), meta(args.k_seg))
 
 
 def _wants_dbias(args: dispatch.AttentionArgs) -> bool:
@@ -180,6 +183,9 @@ class TritonLowering:
     # kv_lens beside a bias ends each sequence's key loops (and its dK/dV programs) there: graph_pass gives a
     # key-padding mask's limit to the site (key_limit.for_site) where it has more keys than one tile
     cuts_padded_keys = True
+    # graph_pass passes the node's q_pos, q_seg, k_seg (those present) after the sinks: the pointer forward and
+    # the pointer backward read them (a static cache's prefill: positions from cache_position)
+    takes_structure = True
 
     def key_tile(self, args: dispatch.AttentionArgs, direction: str) -> int:
         """The smallest key tile of the site's kernels (the family's tile table; nothing is run)."""
@@ -216,7 +222,10 @@ class TritonLowering:
             return [f"{what} is off (FA_COMPILE_TRITON_LOWER=0)"]
         cap = _capability(args.q)
         nq, nk = int(args.q.shape[2]), int(args.k.shape[2])
-        if _descriptor_path(_site_meta(args), cap) and mode != "1" and nq * nk > SHORT_SCORES:
+        structure = args.q_pos is not None or args.q_seg is not None
+        # (with run-time positions or segment ids the family runs its pointer forward anyway)
+        descriptors = _descriptor_path(_site_meta(args), cap) and not (structure and direction == "forward")
+        if descriptors and mode != "1" and nq * nk > SHORT_SCORES:
             r.append(f"{what}: on this GPU the family runs its TMA-descriptor / Gluon kernels for these strides "
                      f"and lengths (Nq x Nk = {nq} x {nk} > 1024 x 1024), which wrap_triton cannot launch "
                      "(FA_COMPILE_TRITON_LOWER=1 lowers the pointer kernels anyway)")
@@ -258,8 +267,8 @@ class TritonLowering:
         unpack = _optional_inputs(args)
 
         def fn(q, k, v, *rest):
-            bias, kv_lens, seed, sinks = unpack(q, rest)
-            out, lse = ops.fwd(q, k, v, bias, kv_lens, seed, *s, config, sinks, fill)
+            bias, kv_lens, seed, sinks, q_pos, q_seg, k_seg = unpack(q, rest)
+            out, lse = ops.fwd(q, k, v, bias, kv_lens, seed, *s, config, sinks, fill, q_pos, q_seg, k_seg)
             out, lse = conventions.finish(out, lse, None)  # the kernel writes empty rows itself
             return (out if out_strides is None else conventions.with_strides(out, out_strides)), lse
 
@@ -284,7 +293,7 @@ class TritonLowering:
         reduce_dbias = _family()._reduce_dbias
 
         def fn(dout, q, k, v, out, lse, *rest):
-            bias, kv_lens, seed, _sinks = unpack(q, rest)  # lse includes the sinks: P is exp(s - lse)
+            bias, kv_lens, seed, _sinks, q_pos, q_seg, k_seg = unpack(q, rest)  # lse includes the sinks
             if gluon:  # no softcap, and no bias but a boolean key-padding mask, here (gluon_backward)
                 from ..kernels import gluon_ops
 
@@ -299,7 +308,7 @@ class TritonLowering:
                 ds = None
             else:
                 dq, dk, dv, ds = bwd(dout, q, k, v, out, lse, bias, kv_lens, seed, *s, want_ds, dkdv_config,
-                                     dq_config, grad_code, fused)
+                                     dq_config, grad_code, fused, q_pos, q_seg, k_seg)
             if want_ds:
                 db = reduce_dbias(ds, bias)
                 db = conventions.with_strides(db, tuple(make_contiguous_strides_for(bias.shape)))
@@ -330,19 +339,20 @@ def _site_scalars(args: dispatch.AttentionArgs) -> tuple:
 
 
 def _optional_inputs(args: dispatch.AttentionArgs) -> Callable:
-    """unpack(q, rest) -> (bias, kv_lens, dropout seed, sinks) from the replacement's trailing inputs
-    (graph_pass passes those the node has, in that order): kv_lens contiguous (the kernels index it by
+    """unpack(q, rest) -> (bias, kv_lens, dropout seed, sinks, q_pos, q_seg, k_seg) from the replacement's trailing
+    inputs (graph_pass passes those the node has, in that order): kv_lens contiguous (the kernels index it by
     batch), the seed on q's device (the kernels load it); the seed only with dropout."""
-    has = [args.bias is not None, args.kv_lens is not None, args.dropout_seed is not None, args.sinks is not None]
+    has = [args.bias is not None, args.kv_lens is not None, args.dropout_seed is not None, args.sinks is not None,
+           args.q_pos is not None, args.q_seg is not None, args.k_seg is not None]
     dropout = float(args.dropout_p) > 0
 
     def unpack(q: Tensor, rest: tuple) -> tuple:
         it = iter(rest)
-        bias, kv_lens, seed, sinks = (next(it) if h else None for h in has)
+        bias, kv_lens, seed, sinks, q_pos, q_seg, k_seg = (next(it) if h else None for h in has)
         if kv_lens is not None:
             kv_lens = kv_lens.contiguous()
         seed = seed.to(q.device) if (dropout and seed is not None) else None
-        return bias, kv_lens, seed, sinks
+        return bias, kv_lens, seed, sinks, q_pos, q_seg, k_seg
 
     return unpack
 
@@ -363,8 +373,9 @@ def _verify(args: dispatch.AttentionArgs, direction: str, cfgs: list):
     tf, ops = _family(), _ops()
     s = _site_scalars(args)
     with unset_fake_temporarily():
-        real = dataclasses.replace(args, **{n: choice._real_like(getattr(args, n)) for n in ("q", "k", "v", "bias",
-                                                                                            "kv_lens", "dropout_seed")})
+        real = dataclasses.replace(args, **{n: choice._real_like(getattr(args, n)) for n in (
+            "q", "k", "v", "bias", "kv_lens", "dropout_seed", "q_pos", "q_seg", "k_seg")})
+        structure = (real.q_pos, real.q_seg, real.k_seg)
         if real.kv_lens is not None:
             real = dataclasses.replace(real, kv_lens=real.kv_lens.contiguous().clamp_(0, int(args.k.shape[2])))
         seed = real.dropout_seed.to(real.q.device) if float(args.dropout_p) > 0 else None
@@ -373,12 +384,14 @@ def _verify(args: dispatch.AttentionArgs, direction: str, cfgs: list):
             try:
                 with torch.cuda.device(real.q.device):
                     if direction == "forward":
-                        ops.fwd(real.q, real.k, real.v, real.bias, real.kv_lens, seed, *s, _tile(cfgs[0]))
+                        ops.fwd(real.q, real.k, real.v, real.bias, real.kv_lens, seed, *s, _tile(cfgs[0]), None, 0,
+                                *structure)
                     else:
                         out, lse = ops.fwd(real.q, real.k, real.v, real.bias, real.kv_lens, seed, *s,
                                            _tile(tf.pick_config("fwd", 16, False, (0, 0))))
                         ops.bwd(torch.randn_like(out), real.q, real.k, real.v, out, lse, real.bias, real.kv_lens,
-                                seed, *s, _wants_dbias(args), _tile(cfgs[0]), _tile(cfgs[1]), 0, fuses_dq(args))
+                                seed, *s, _wants_dbias(args), _tile(cfgs[0]), _tile(cfgs[1]), 0, fuses_dq(args),
+                                *structure)
                     torch.cuda.synchronize(real.q.device)
                 return cfgs
             except OutOfResources as e:  # the message does not name the kernel: shrink every tile that can
