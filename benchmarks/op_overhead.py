@@ -9,8 +9,8 @@ goes (cProfile, top functions). Decode shapes are all host: their GPU work is a 
     python benchmarks/op_overhead.py --fa3-parts  # where FA3's host time per call goes
 
 --fa3-parts: at the compiled prefill shape, enqueue time per call of SDPA's aten ops (flash, cuDNN) against
-FA3's C++ forward called directly with the template the lowering fills, with fixed splits / GQA packing, with
-scheduler metadata made once, and through `fa3_lowered::forward` (the lowering's op: one Python frame more);
+FA3's C++ forward called directly with the template the lowering fills, with fixed splits / GQA packing, and
+through `fa3_lowered::forward` (the lowering's op: one Python frame more);
 plus the kernels each launches per call (profiler).
 
 --compiled: a compiled one-layer model (attention alone, the layout glue of a model around it) per
@@ -163,19 +163,6 @@ def fa3_parts() -> None:
             lambda: torch.ops.fa3_lowered.forward.default(qb, kb, vb, None, scale, True, -1, 0, 0.0, 1),
         "torch.empty_like x2 (allocation floor)": lambda: (torch.empty_like(qb), torch.empty_like(qb)),
     }
-    try:
-        meta_op = torch.ops.flash_attn_3.get_scheduler_metadata.default
-        seqused = torch.full((b,), n, device="cuda", dtype=torch.int32)
-        meta = meta_op(b, n, n, h, h, d, d, torch.bfloat16, seqused, is_causal=True, num_splits=1)
-        with_meta = fa3_args(num_splits=1, scheduler_metadata=meta) if "scheduler_metadata" in index else None
-        if with_meta is not None:
-            ref = op(*plain)[0]
-            got = op(*with_meta)[0]
-            torch.cuda.synchronize()
-            print(f"   scheduler metadata made once: max |diff| {float((ref - got).abs().max()):.2e} against no metadata")
-            rows["FA3 C++ forward, scheduler metadata made once"] = lambda: op(*with_meta)
-    except Exception as e:
-        print(f"   scheduler metadata: {type(e).__name__}: {str(e)[:160]}")
     for label, fn in rows.items():
         try:
             host = per_call_us(fn, n=1000, batches=10)
