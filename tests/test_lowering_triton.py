@@ -314,20 +314,26 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1, arg7_1
     empty = torch.ops.aten.empty.memory_format([0], dtype = torch.float16, layout = torch.strided, device = device(type='cpu'), pin_memory = False)
     return (convert_element_type_2, getitem_5, getitem_6, empty)""")
 
-    def test_lowered_site_with_sinks_matches_reference(cpu_lowering, poisoned):
+    @pytest.mark.parametrize("positions", [False, True], ids=["causal", "q_pos"])
+    def test_lowered_site_with_sinks_matches_reference(positions, cpu_lowering, poisoned):
         # Sinks lower with the forward kernel's sink step; the backward kernels take the lse that includes
         # them (so P is the probability beside the sink), and a row without keys attends to the sink alone.
-        case = make_case(b=2, hq=4, hkv=2, nq=19, nk=19, d=16, causal=True, diag_offset=-3)
+        # q_pos: the same mask as run-time positions (a static cache's prefill of a model with sinks), so the
+        # replacement takes the sinks and the positions both, each once.
+        case = make_case(b=2, hq=4, hkv=2, nq=19, nk=19, d=16, causal=not positions, diag_offset=-3)
+        if positions:
+            case.q_pos = (torch.arange(19) - 3).expand(2, 19).contiguous()  # key j for query i iff j <= i - 3
         sinks = torch.randn(4, generator=torch.Generator().manual_seed(3)).to(case.q.dtype) * 2
         scalars = (case.scale, case.causal, case.diag_offset, case.window_left, case.window_right)
+        extra = (sinks, case.q_pos) if positions else (sinks,)
 
-        def fwd(q, k, v, s):
-            return torch.ops.fa3.attention(q, k, v, *scalars, force_kernel="triton", sinks=s)
+        def fwd(q, k, v, s, *p):
+            return torch.ops.fa3.attention(q, k, v, *scalars, force_kernel="triton", sinks=s, q_pos=(p or [None])[0])
 
-        gm = make_fx(fwd, tracing_mode="fake")(case.q, case.k, case.v, sinks)
+        gm = make_fx(fwd, tracing_mode="fake")(case.q, case.k, case.v, *extra)
         assert [str(d) for d in _lower(gm)] == ["triton -> fa3_triton.fwd"]
         assert site_args.FORWARD not in [n.target for n in gm.graph.nodes]
-        out, lse = gm(case.q, case.k, case.v, sinks)
+        out, lse = gm(case.q, case.k, case.v, *extra)
         (fa, fr), (ga, gr) = tolerances(case.q.dtype, "cpu")
         r_out, r_lse = ref.attention_reference(case.q, case.k, case.v, sinks=sinks, **case.mask_kwargs())
         torch.testing.assert_close(out, r_out, atol=fa, rtol=fr)
@@ -336,13 +342,14 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1, arg7_1
         torch.testing.assert_close(lse[:, :, :3], sinks.float().view(1, 4, 1).expand(2, 4, 3), atol=1e-6, rtol=1e-6)
         assert (out[:, :, :3] == 0).all()
 
-        def bwd(dout, q, k, v, o, l, s):
-            return torch.ops.fa3.attention_backward(dout, q, k, v, o, l, *scalars, force_kernel="triton", sinks=s)
+        def bwd(dout, q, k, v, o, l, s, *p):
+            return torch.ops.fa3.attention_backward(dout, q, k, v, o, l, *scalars, force_kernel="triton", sinks=s,
+                                                    q_pos=(p or [None])[0])
 
         dout = _dout(out)
-        gm = make_fx(bwd, tracing_mode="fake")(dout, case.q, case.k, case.v, out, lse, sinks)
+        gm = make_fx(bwd, tracing_mode="fake")(dout, case.q, case.k, case.v, out, lse, *extra)
         assert [str(d) for d in _lower(gm)] == ["triton -> fa3_triton.bwd"]
-        dq, dk, dv, _ = gm(dout, case.q, case.k, case.v, out, lse, sinks)
+        dq, dk, dv, _ = gm(dout, case.q, case.k, case.v, out, lse, *extra)
         r = ref.attention_backward_reference(dout, case.q, case.k, case.v, bias_requires_grad=False, sinks=sinks,
                                              **case.mask_kwargs())
         for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), r):
