@@ -171,7 +171,8 @@ def build(prog: Program) -> Callable:
         if prog.softmax == "F.softmax":
             return F.softmax(s, dim=-1)
         if prog.softmax == "softmax_f32":
-            return torch.softmax(s, -1, dtype=torch.float32).to(s.dtype)
+            # an upcast to fp32 at least: the fp64 program keeps fp64 (its finfo.min fill is -inf in fp32)
+            return torch.softmax(s, -1, dtype=torch.promote_types(s.dtype, torch.float32)).to(s.dtype)
         e = torch.exp(s - s.amax(-1, keepdim=True))
         return e / e.sum(-1, keepdim=True)
 
