@@ -157,3 +157,12 @@ def test_a_failure_of_another_kind_without_the_pass_excuses_nothing(monkeypatch)
     with pytest.raises(AssertionError, match="output: NaN positions differ"):
         me.check(prog)
     assert me._failure_kind(RuntimeError("x")) != me._failure_kind(AssertionError("call 0: output: y"))
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="known (README, Numerics): an fp16 finfo.min mask tensor over a row whose every score is "
+                          "below about -16 overflows to -inf in eager's fp16 sum (a NaN row); the site's row is uniform")
+def test_known_difference_fp16_mask_tensor_over_large_negative_scores() -> None:
+    check(Program(qk="at", scale="mul", softmax="Tensor.softmax", pv="at", mask="window", mask_form="additive_input",
+                  fill="finfo.min", dtype=F16, shape=(2, 4, 8, 4, 16), values="crossing", scale_value=0.5,
+                  inner="aot_eager"))
