@@ -37,12 +37,7 @@ _LIBRARY.define("forward(Tensor q, Tensor k, Tensor v, Tensor? seqused_k, float 
 def _forward(q: Tensor, k: Tensor, v: Tensor, seqused_k: Optional[Tensor], scale: float, causal: bool,
              window_left: int, window_right: int, softcap: float, num_splits: int) -> tuple[Tensor, Tensor]:
     """q, k, v: [B, N, H, D] with a unit last stride; returns (out [B, Nq, Hq, Dv], lse [B, Hq, Nq] fp32)."""
-    plan = _plan()
-    if plan is None:  # (the lowering is only chosen where the direct call exists; the wrapper otherwise)
-        return fa3_cand._forward_call(q, k, v, seqused_k=seqused_k, softmax_scale=scale, causal=causal,
-                                      window_size_left=window_left, window_size_right=window_right,
-                                      softcap=softcap, num_splits=num_splits)
-    op, template, slots = plan
+    op, template, slots = _plan()
     args = list(template)
     for i, value in zip(slots, (q, k, v, seqused_k, scale, causal, window_left, window_right, softcap, num_splits)):
         args[i] = value
@@ -51,12 +46,13 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, seqused_k: Optional[Tensor], scale
 
 
 @functools.lru_cache(maxsize=None)
-def _plan() -> Optional[tuple]:
+def _plan() -> tuple:
     """(FA3's C++ forward, its argument template, the positions of _forward's arguments in it): the call is
-    filled by position, one frame and no keyword dict per call (host time is what this lowering is for)."""
+    filled by position, one frame and no keyword dict per call (host time is what this lowering is for). The
+    lowering is only chosen where that direct call exists (FA3Lowering.reasons)."""
     direct = fa3_cand._direct_forward()
     if direct is None:
-        return None
+        raise RuntimeError("fa3_lowered::forward: FA3's C++ forward is not importable with a schema it can fill")
     op, template, index = direct
     names = ("q", "k", "v", "seqused_k", "softmax_scale", "causal", "window_size_left", "window_size_right",
              "softcap", "num_splits")
