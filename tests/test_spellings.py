@@ -377,6 +377,84 @@ def test_a_reshaped_view_read_elsewhere_is_left_alone():
     assert "Q·Kᵀ" in reasons(res)
 
 
+# ----------------------------------------------------------------- terms added to a slice and written back
+# MViTv2: a relative-position bias on the spatial block only; the class token's row and column keep their scores.
+NS = 1 + 2 * 3  # a class token and a 2 × 3 grid
+
+
+def slice_iadd(q, k, v, rel):
+    s = (q * 0.35) @ k.transpose(-2, -1)
+    s[:, :, 1:, 1:] += rel  # torchvision's MViT
+    return s.softmax(dim=-1) @ v
+
+
+def slice_written_back_through_a_view(q, k, v, rh, rw):
+    s = (q * 0.35) @ k.transpose(-2, -1)
+    s[:, :, 1:, 1:] = (s[:, :, 1:, 1:].view(B, H, 2, 3, 2, 3) + rh[..., None] + rw[..., None, :]
+                       ).view(B, H, NS - 1, NS - 1)  # timm's MViTv2
+    return s.softmax(dim=-1) @ v
+
+
+def slice_minus_a_term(q, k, v, rel):
+    s = q @ k.transpose(-2, -1) * 0.35
+    s[:, 1:, 1:, :-1] = s[:, 1:, 1:, :-1] - rel[:, 1:]  # a block of the second head
+    return torch.softmax(s, -1) @ v
+
+
+def _grid(grad=True):
+    return qkv(shape=(B, H, NS, D), grad=grad)
+
+
+def _slice_rel(grad=True):
+    return [rand(B, H, NS - 1, NS - 1, seed=13, requires_grad=grad)]
+
+
+def _slice_rel_hw(grad=True):
+    return [rand(B, H, 2, 3, 2, seed=14, requires_grad=grad), rand(B, H, 2, 3, 3, seed=15, requires_grad=grad)]
+
+
+@pytest.mark.parametrize("fn,extra", [(slice_iadd, _slice_rel), (slice_written_back_through_a_view, _slice_rel_hw),
+                                      (slice_minus_a_term, _slice_rel)], ids=["iadd", "view", "sub"])
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_terms_added_to_a_slice_of_the_scores_are_a_bias(fn, extra, inner):
+    res = check(fn, _grid() + extra(), rewritten=1, inner=inner)
+    assert res.rewritten[0].mask == "bias"
+
+
+def slice_term_minus_scores(q, k, v, rel):
+    s = (q * 0.35) @ k.transpose(-2, -1)
+    s[:, :, 1:, 1:] = rel - s[:, :, 1:, 1:]  # the slice's sign flips: not a term of the scores
+    return s.softmax(dim=-1) @ v
+
+
+def slice_read_between(q, k, v, rel):
+    s = (q * 0.35) @ k.transpose(-2, -1)
+    part = s[:, :, 1:, 1:]
+    part += rel
+    peek = s.sum()  # the scores read after the slice was written in place, before the write back
+    s[:, :, 1:, 1:] = part
+    return (s.softmax(dim=-1) @ v) + peek
+
+
+def slice_other_index(q, k, v, rel):
+    s = (q * 0.35) @ k.transpose(-2, -1)
+    s[:, :, 1:, :-1] = s[:, :, 1:, 1:] + rel  # written to another block than it was read from
+    return s.softmax(dim=-1) @ v
+
+
+def slice_promoting_term(q, k, v, rel):
+    s = (q * 0.35) @ k.transpose(-2, -1)
+    s[:, :, 1:, 1:] = s[:, :, 1:, 1:] + rel.double()  # the sum is float64, written back as float32
+    return s.softmax(dim=-1) @ v
+
+
+@pytest.mark.parametrize("fn", [slice_term_minus_scores, slice_read_between, slice_other_index, slice_promoting_term],
+                         ids=lambda f: f.__name__)
+def test_a_slice_update_that_is_not_a_term_of_the_scores_is_left_alone(fn):
+    res = check(fn, _grid() + _slice_rel(), rewritten=0)
+    assert "modified in place" in reasons(res)
+
+
 # ------------------------------------------------- query rows folded for a batched product, split back
 
 class FoldedRowsMQA(nn.Module):
@@ -1310,6 +1388,26 @@ expand(unsqueeze_3, 2, -1, -1, -1)
 fa3.attention(l_q_, expand, expand_1, 0.25, False, 0, -1, -1, None, None, 0.0, 0.0, None, None)
 getitem(attention_default, 0)
 contiguous(getitem)""")
+
+    def test_pinned_terms_of_a_slice(self):
+        args = _grid(grad=False) + _slice_rel_hw(grad=False)
+        self.assertExpectedInline(pinned(slice_written_back_through_a_view, *args), """\
+getitem(l_rh_, (Ellipsis, None))
+getitem(l_rw_, (Ellipsis, None, slice(None, None, None)))
+expand(getitem_1, 2, 2, 2, 3, 2, 3)
+reshape(expand, 2, 2, 6, 6)
+pad(reshape, [1, 0, 1, 0, 0, 0, 0, 0])
+expand(getitem_2, 2, 2, 2, 3, 2, 3)
+reshape(expand_1, 2, 2, 6, 6)
+pad(reshape_1, [1, 0, 1, 0, 0, 0, 0, 0])
+add(pad, pad_1)
+fa3.attention(l_q_, l_k_, l_v_, 0.35, False, 0, -1, -1, add_4, None, 0.0, 0.0, None, None)
+getitem(attention_default, 0)
+getitem(attention_default, 1)
+isneginf(getitem_4)
+unsqueeze(isneginf, -1)
+full_like(getitem_3, nan)
+where(unsqueeze, full_like, getitem_3)""")
 
     def test_pinned_terms_of_a_reshaped_view(self):
         rh, rw = (t.detach() for t in _rel())
