@@ -87,6 +87,12 @@ PINNED = [
     # must keep fp64 there (fp64's finfo.min fill is -inf in fp32, which made its row NaN, eager's and ours finite)
     Program(softmax="softmax_f32", mask="padding", mask_form="masked_fill_", fill="finfo.min", write="slice_assign",
             grad_mode="autocast", gqa="repeat_interleave", shape=(2, 2, 3, 4, 16), values="crossing"),
+    # bf16 gradients under autocast: one element of q.grad where eager landed within 2.5e-4 of the fp64 value and
+    # the site's sum 0.021 from it, while eager's own largest error in that tensor is 0.045 (a rounding, held to
+    # eager's worst error rather than to eager's luck at each element)
+    Program(qk="baddbmm", scale="mul", softmax="exp_sum", pv="at", mask="padding", mask_form="additive_input",
+            fill="-inf", write="slice_assign", grad_mode="autocast", gqa="repeat_kv", dropout="p0_eval",
+            shape=(2, 4, 5, 4, 16), scale_value=0.5),
 ]
 
 
