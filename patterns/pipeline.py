@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from .aliasing import writes
 from .canonicalize import canonicalize
+from .concat_keys import fold_concat_keys
 from .fused_calls import rewrite_fused_calls
 from .find_sites import rewrite_softmax_sites
 from .paged import rewrite_paged_caches
@@ -115,7 +116,8 @@ def rewrite_graph(gm: fx.GraphModule, options: PassOptions) -> list[SiteReport]:
     try:
         canonicalized = canonicalize(gm)
         step = "tentative edits"
-        tentative = fold_split_rows(gm) + fold_transposed_pv(gm)  # undone below where no rewrite took them
+        # undone below where no rewrite took them
+        tentative = fold_split_rows(gm) + fold_transposed_pv(gm) + fold_concat_keys(gm)
         canonicalized = canonicalized or bool(tentative)
         for step, run in STEPS:
             reports += run(gm, options)

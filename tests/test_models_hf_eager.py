@@ -245,3 +245,35 @@ def test_hf_reformer_masked_local_attention_is_left_alone_with_reason(how):
         torch.testing.assert_close(_first(c(ids, **kwargs)), _first(model(ids, **kwargs)), **TOL[torch.float32])
     assert len(c.missed) == LAYERS and not c.rewritten
     assert all("eager's logsumexp rounds at the fill's magnitude" in r.reason for r in c.missed)
+
+
+def pegasus_x():
+    """Global-local attention: each block of queries scores the global tokens and its own block apart, one softmax over
+    the concatenation, the two slices of the probabilities applied to their values apart and summed."""
+    cfg = transformers.PegasusXConfig(vocab_size=100, d_model=32, encoder_layers=LAYERS, decoder_layers=1,
+                                      encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                                      decoder_ffn_dim=64, num_global_tokens=4, block_size=8,
+                                      max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                                      activation_dropout=0.0, attn_implementation="eager")
+    am = torch.ones(2, 20, dtype=torch.long)
+    am[1, 14:] = 0  # the last block of row 1 is partly padding (the sequence is padded to 24 inside the model)
+    return transformers.PegasusXModel(cfg).get_encoder(), (torch.randint(0, 100, (2, 20)),), dict(attention_mask=am)
+
+
+def test_hf_pegasus_x_global_local_attention_is_rewritten_and_trains():
+    torch.manual_seed(0)
+    model, args, kwargs = pegasus_x()
+    model.train()
+    c = Compiled(model, inner="aot_eager", fullgraph=False)
+    out = _first(c(*args, **kwargs))
+    assert len(c.reports) == 2 * LAYERS and len(c.rewritten) == 2 * LAYERS, [r.reason for r in c.missed]
+    assert c.op_calls() == 2 * LAYERS - 1  # the encoder drops the global tokens' states: the last layer's are dead
+    ref = _first(model(*args, **kwargs))
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    params = list(model.parameters())
+    for (pname, p), a, b in zip(model.named_parameters(), torch.autograd.grad(out, params, g, allow_unused=True),
+                                torch.autograd.grad(ref, params, g, allow_unused=True)):
+        a = torch.zeros_like(p) if a is None else a
+        b = torch.zeros_like(p) if b is None else b
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=pname)

@@ -455,6 +455,71 @@ def test_a_slice_update_that_is_not_a_term_of_the_scores_is_left_alone(fn):
     assert "modified in place" in reasons(res)
 
 
+# ----------------------------------------------------- key blocks scored apart, normalised together
+# PEGASUS-X: each block of queries attends to the global tokens and to its own block.
+NB, BL, G = 3, 4, 2  # blocks, block length, global tokens
+
+
+def global_local(q, kg, vg, kl, vl, m):  # q, kl, vl [B, H, NB·BL, D]; kg, vg [B, H, G, D]; m [B, NB, G + BL]
+    qb, kb, vb = (t.view(B, H, NB, BL, D) for t in (q, kl, vl))
+    s = torch.cat([torch.einsum("BHNKF,BHGF->BHNKG", qb, kg), torch.einsum("BHNKF,BHNXF->BHNKX", qb, kb)], dim=-1)
+    p = F.softmax(s * D ** -0.5 + m[:, None, :, None, :], dim=-1)
+    return torch.einsum("BHNKG,BHGF->BHNKF", p[:, :, :, :, :G], vg) + \
+        torch.einsum("BHNKX,BHNXF->BHNKF", p[:, :, :, :, G:], vb)
+
+
+def global_local_values_last(q, kg, vg, kl, vl, m):  # other letters, the values first, the sum the other way round
+    qb, kb, vb = (t.view(B, H, NB, BL, D) for t in (q, kl, vl))
+    s = torch.cat([torch.einsum("bhnid,bhjd->bhnij", qb, kg), torch.einsum("bhnid,bhnjd->bhnij", qb, kb)], -1)
+    p = torch.softmax(s + m[:, None, :, None, :], -1)
+    local = torch.einsum("bhnje,bhnij->bhnie", vb, p[..., G:])
+    return local + torch.einsum("bhje,bhnij->bhnie", vg, p[:, :, :, :, :G])
+
+
+def global_local_crossed(q, kg, vg, kl, vl, m):  # the slices applied to the other block's values
+    qb, kb, vb = (t.view(B, H, NB, BL, D) for t in (q, kl, vl))
+    s = torch.cat([torch.einsum("BHNKF,BHNXF->BHNKX", qb, kb), torch.einsum("BHNKF,BHNXF->BHNKX", qb, kb)], dim=-1)
+    p = F.softmax(s + m[:, None, :, None, :].expand(B, 1, NB, 1, 2 * BL)[..., :2 * BL], dim=-1)
+    return torch.einsum("BHNKX,BHNXF->BHNKF", p[..., :BL], vb.flip(-2)) + \
+        torch.einsum("BHNKX,BHNXF->BHNKF", p[..., BL:], vb)
+
+
+def _global_local_args(grad=True, width=G + BL):
+    q, kl, vl = qkv(shape=(B, H, NB * BL, D), grad=grad)
+    kg, vg = (rand(B, H, G, D, seed=20 + i, requires_grad=grad) for i in range(2))
+    m = torch.zeros(B, NB, width)
+    m[1, -1, -2:] = -math.inf  # padding in the last block of the second sequence
+    return [q, kg, vg, kl, vl, m]
+
+
+@pytest.mark.parametrize("fn", [global_local, global_local_values_last], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_key_blocks_normalised_together_are_one_attention(fn, inner):
+    check(fn, _global_local_args(), rewritten=1, inner=inner)
+
+
+def test_probabilities_applied_to_other_values_than_their_keys_are_left_alone():
+    res = check(global_local_crossed, _global_local_args(width=2 * BL), rewritten=0)
+    assert "Q·Kᵀ" in reasons(res)
+
+
+def global_local_capped_by_a_tensor(q, kg, vg, kl, vl, m, t):
+    qb, kb, vb = (x.view(B, H, NB, BL, D) for x in (q, kl, vl))
+    s = torch.cat([torch.einsum("BHNKF,BHGF->BHNKG", qb, kg), torch.einsum("BHNKF,BHNXF->BHNKX", qb, kb)], dim=-1)
+    p = F.softmax(torch.tanh(s / t) * t, dim=-1)  # a soft cap by a tensor: not a softcap the op takes
+    o = torch.einsum("BHNKG,BHGF->BHNKF", p[..., :G], vg) + torch.einsum("BHNKX,BHNXF->BHNKF", p[..., G:], vb)
+    return o.reshape(B, H, NB * BL, D) + torch.softmax(q @ kl.transpose(-2, -1), -1) @ vl  # a site rewritten
+
+
+def test_key_blocks_no_rewrite_takes_are_put_back_as_written():
+    c = Compiled(global_local_capped_by_a_tensor)
+    args = _global_local_args(grad=False) + [rand(1, H, 1, 1, 1, seed=30)]
+    torch.testing.assert_close(c(*args), global_local_capped_by_a_tensor(*args))
+    assert [r.rewritten for r in c.reports] == [False, True] and "tanh" in c.reports[0].reason
+    code = c.graphs[0].code
+    assert code.count("einsum(") == 4 and code.count("cat(") == 1 and "expand" not in code, code
+
+
 # ------------------------------------------------- query rows folded for a batched product, split back
 
 class FoldedRowsMQA(nn.Module):
@@ -1408,6 +1473,33 @@ isneginf(getitem_4)
 unsqueeze(isneginf, -1)
 full_like(getitem_3, nan)
 where(unsqueeze, full_like, getitem_3)""")
+
+    def test_pinned_key_blocks(self):
+        args = _global_local_args(grad=False)
+        self.assertExpectedInline(pinned(global_local, *args), """\
+view(l_q_, 2, 2, 3, 4, 8)
+view(l_kl_, 2, 2, 3, 4, 8)
+view(l_vl_, 2, 2, 3, 4, 8)
+unsqueeze(l_kg_, 2)
+expand(unsqueeze, 2, 2, 3, -1, -1)
+cat([expand, kb], 3)
+getitem(l_m_, (slice(None, None, None), None, slice(None, None, None), None, slice(None, None, None)))
+unsqueeze(l_vg_, 2)
+expand(unsqueeze_1, 2, 2, 3, -1, -1)
+cat([expand_1, vb], 3)
+flatten(qb, 0, 1)
+flatten(cat_1, 0, 1)
+flatten(cat_2, 0, 1)
+expand(getitem, -1, 2, -1, -1, -1)
+flatten(expand_2, 0, 1)
+fa3.attention(flatten, flatten_1, flatten_2, 0.3535533905932738, False, 0, -1, -1, flatten_3, None, 0.0, 0.0, None, None)
+getitem(attention_default, 0)
+getitem(attention_default, 1)
+isneginf(getitem_4)
+unsqueeze(isneginf, -1)
+full_like(getitem_3, nan)
+where(unsqueeze_2, full_like, getitem_3)
+unflatten(where, 0, (2, 2))""")
 
     def test_pinned_terms_of_a_reshaped_view(self):
         rh, rw = (t.detach() for t in _rel())
