@@ -1164,6 +1164,31 @@ def test_exp_minus_logsumexp_over_a_row_of_finite_fills_is_refused():
     torch.testing.assert_close(res.ref[1].detach(), v[1].detach().sum(-2, keepdim=True).expand(H, N, D))
 
 
+def _chunked_causal(first_chunk_row_empty: bool):
+    """Reformer's decoder mask, compile-time index arithmetic: chunks of 3 positions, each looking one chunk back
+    (the first one at the last chunk, whose positions all lie ahead), query position >= key position."""
+    def fn(q, k, v):  # q, k, v [B, H, 2 chunks, 3, D]
+        pos = torch.arange(6).view(2, 3)
+        kpos = torch.cat([pos.roll(1, 0), pos], dim=-1)  # [2 chunks, 6 keys]: the previous chunk, then its own
+        keep = pos.unsqueeze(-1) >= kpos.unsqueeze(-2)
+        if first_chunk_row_empty:
+            keep = keep & (pos.unsqueeze(-1) > 0)  # position 0 admits no key
+        kk = torch.cat([k.roll(1, 2), k], dim=-2)
+        vv = torch.cat([v.roll(1, 2), v], dim=-2)
+        return _exp_lse(torch.where(keep, q @ kk.transpose(-2, -1) * 0.25, -1e9)) @ vv
+    return fn
+
+
+def test_exp_minus_logsumexp_with_a_finite_fill_over_a_constant_mask_that_leaves_every_row_a_key():
+    res = check(_chunked_causal(False), qkv(shape=(B, H, 2, 3, D)), rewritten=1)
+    assert res.rewritten[0].mask == "bool-mask"
+
+
+def test_exp_minus_logsumexp_with_a_finite_fill_over_a_constant_mask_with_an_empty_row_is_refused():
+    res = check(_chunked_causal(True), qkv(shape=(B, H, 2, 3, D)), rewritten=0)
+    assert "eager's logsumexp rounds at the fill's magnitude" in reasons(res)
+
+
 def lse_also_read(q, k, v):
     s = q @ k.transpose(-2, -1) * 0.25
     lse = torch.logsumexp(s, -1, keepdim=True)

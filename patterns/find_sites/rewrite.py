@@ -308,7 +308,7 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
             if has_sinks:
                 raise Miss("probabilities set to 0 after a softmax with attention sinks: not analysed")
             spec.empty_rows = zeroed_rows(probs.zeroed, scores, spec, gm, st)
-        if el is not None and spec.empty_rows not in ("impossible", "nan", "zero"):
+        if el is not None and spec.empty_rows not in ("impossible", "nan", "zero") and not spec.rows_admit:
             raise Miss("softmax written as exp(s - logsumexp(s)) over rows that may have every key masked by a finite "
                        "fill: eager's logsumexp rounds at the fill's magnitude there, so its weights need not sum to 1 "
                        "(a row of -1e9 gives each key weight 1)")

@@ -189,6 +189,34 @@ def _never_empty(lo: Optional[Size], hi: Optional[Size], q_len: Size, k_len: Siz
     return _sym_true(k_len >= 1)
 
 
+def _constant_rows_admit(an: _Analyzer, lo: Optional[Size], hi: Optional[Size], data: list, q_len: Size,
+                         k_len: Size) -> bool:
+    """Every query row admits some key under bool factors that are compile-time constants (index arithmetic of
+    static shapes, as Reformer's chunked causal mask: `query_indices >= key_indices` over chunks that look one
+    back), evaluated here, and the band lo <= j - i <= hi."""
+    if type(q_len) is not int or type(k_len) is not int or not data or \
+            any(b is not None and type(b) is not int for b in (lo, hi)):
+        return False
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():
+        keep = torch.ones(q_len, k_len, dtype=torch.bool)
+        d = torch.arange(k_len).view(1, k_len) - torch.arange(q_len).view(q_len, 1)
+        if lo is not None:
+            keep &= d >= lo
+        if hi is not None:
+            keep &= d <= hi
+        for node, negated in data:
+            if not isinstance(node, fx.Node) or not an.ev.can_fold(node):
+                return False
+            val = an.ev.evaluate(node)
+            if not isinstance(val, torch.Tensor) or val.dim() < 2 or val.shape[-2] not in (1, q_len) or \
+                    val.shape[-1] not in (1, k_len):
+                return False
+            m = val != 0
+            keep = keep & (~m if negated else m)
+        return bool(keep.any(-1).all())
+
+
 def _combine(infos: list, an: _Analyzer, q_len, k_len, sdpa: bool) -> Union[str, dict]:
     """The structure and empty-row semantics of converted / untouched terms, or a refusal reason."""
     conv = [t for t in infos if t.converted]
@@ -210,10 +238,14 @@ def _combine(infos: list, an: _Analyzer, q_len, k_len, sdpa: bool) -> Union[str,
         data.extend(k.data)
     masking = [t for t in conv if t.keep is not None and (t.keep.structural or t.keep.data)]
     cs = {t.c for t in masking}
+    no_empty = lens is None and qpos is None and seg is None and not untouched and not any(
+        t.extra for t in infos) and (_never_empty(lo, hi, q_len, k_len) if not data else
+                                     _constant_rows_admit(an, lo, hi, data, q_len, k_len))
     if any(t.finite for t in masking):
-        return _finite_plan(infos, masking, lo, hi, lens, data, extras, qpos, seg)
-    no_empty = not data and lens is None and qpos is None and seg is None and not untouched and not any(
-        t.extra for t in infos) and _never_empty(lo, hi, q_len, k_len)
+        plan = _finite_plan(infos, masking, lo, hi, lens, data, extras, qpos, seg)
+        if isinstance(plan, dict):
+            plan["rows_admit"] = no_empty
+        return plan
     if not masking:
         empty = "zero" if sdpa else "nan"
     elif cs == {-math.inf}:
@@ -247,7 +279,8 @@ def _combine(infos: list, an: _Analyzer, q_len, k_len, sdpa: bool) -> Union[str,
         empty = "impossible"
     if no_empty and masking:
         empty = "impossible"
-    return dict(lo=lo, hi=hi, lens=lens, data=data, extras=extras, empty=empty, qpos=qpos, seg=seg)
+    return dict(lo=lo, hi=hi, lens=lens, data=data, extras=extras, empty=empty, qpos=qpos, seg=seg,
+                rows_admit=no_empty)
 
 
 def _finite_plan(infos: list, masking: list, lo, hi, lens, data: list, extras: list, qpos=None,
