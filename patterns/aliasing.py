@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import operator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
@@ -182,9 +182,12 @@ def _alias_inputs(node: fx.Node) -> list:
     return _nodes_in(_first_arg(node))
 
 
-def written_in_place(node: fx.Node, limit: int = 4096) -> bool:
+def written_in_place(node: fx.Node, limit: int = 4096, after: Optional[fx.Node] = None) -> bool:
     """Is the memory of `node`'s value written in place anywhere in the graph: through `node`, the tensors it is
-    a view of, or any view of those? True as well when more than `limit` nodes would have to be walked."""
+    a view of, or any view of those? True as well when more than `limit` nodes would have to be walked. With
+    `after`, writes that stand before it into memory the graph allocated itself (no input's, no module
+    attribute's) do not count: they made the value a reader at `after` sees (a mask built by writing slices
+    of a `torch.full`), and functionalization gives that reader the finished value."""
     bases, seen, todo = [], set(), [node]
     while todo:  # up to the tensors whose memory `node` may be a view of
         n = todo.pop()
@@ -197,13 +200,19 @@ def written_in_place(node: fx.Node, limit: int = 4096) -> bool:
         if not up:
             bases.append(n)
         todo.extend(up)
+    before: set = set()
+    if after is not None and all(b.op in ("call_function", "call_method") for b in bases):
+        for n in after.graph.nodes:
+            if n is after:
+                break
+            before.add(n)
     seen, todo = set(bases), list(bases)
     while todo:  # down through every view of them (a view in any argument position: the wider reading)
         n = todo.pop()
-        if len(seen) > limit or is_inplace(n):
+        if len(seen) > limit or (is_inplace(n) and n not in before):
             return True
         for u in n.users:
-            if writes_into(u, n):
+            if writes_into(u, n) and u not in before:
                 return True
             if u not in seen and may_alias(u) and _may_hold_tensor(u):
                 seen.add(u)

@@ -228,6 +228,13 @@ def emit_attention(
         if _key_shaped(causal, window_left, window_right, bias, kv_lens) and all(x is None for x in runtime.values()):
             k, bias = _fill_masked_keys(graph, q, k, bias, kv_lens, fill)
             kv_lens, empty_rows = None, "impossible"  # the op now computes eager's own softmax
+    extra: tuple = (sinks,) if sinks is not None else ()
+    if any(x is not None for x in runtime.values()):
+        extra = (sinks, q_pos, q_seg, k_seg)
+    node = call(
+        graph, fa3_attention_op(), q, k, v, float(scale), bool(causal), diag_offset, int(window_left),
+        int(window_right), bias, kv_lens, float(softcap), float(dropout_p), seed, kernel, *extra,
+    )
     if any(isinstance(t, torch.Tensor) and t.requires_grad for t in map(example_value, (q, k, v, bias, sinks))) \
             and not _runs_without_grad(graph):
         # The op saves its inputs for the backward, and a copy would not help: AOTAutograd saves a mutated
@@ -237,17 +244,11 @@ def emit_attention(
 
         written = [name for name, x in (("q", q), ("k", k), ("v", v), ("bias", bias), ("kv_lens", kv_lens),
                                         ("sinks", sinks), *runtime.items())
-                   if isinstance(x, fx.Node) and written_in_place(x)]
+                   if isinstance(x, fx.Node) and written_in_place(x, after=node)]
         if written:
+            graph.erase_node(node)
             raise ValueError(f"{', '.join(written)}: written in place later in the graph, while the op would "
                              "save it for the backward")
-    extra: tuple = (sinks,) if sinks is not None else ()
-    if any(x is not None for x in runtime.values()):
-        extra = (sinks, q_pos, q_seg, k_seg)
-    node = call(
-        graph, fa3_attention_op(), q, k, v, float(scale), bool(causal), diag_offset, int(window_left),
-        int(window_right), bias, kv_lens, float(softcap), float(dropout_p), seed, kernel, *extra,
-    )
     if limited:
         note_fixup(node, "key limit read from the mask at run time")
     out = call(graph, operator.getitem, node, 0)

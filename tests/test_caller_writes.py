@@ -441,3 +441,34 @@ def test_inputs_made_under_no_grad_then_written_with_a_bias_gradient():
 
     res = check(fn, [rand(B, H, N, D, seed=3), rand(B, H, N, N, seed=4, requires_grad=True)], rewritten=0)
     assert any("written in place later" in r for r in res.reasons), res.reasons
+
+
+# ------------------------------------------------------------------- a mask the graph builds by writing slices
+
+def block_mask_built_by_slice_writes(q, k, v):
+    """Pixtral's block-diagonal mask: a finfo.min matrix with one block of zeros written per image."""
+    m = torch.full((N, N), torch.finfo(q.dtype).min)
+    m[0:2, 0:2] = 0
+    m[2:, 2:] = 0
+    return torch.softmax(q @ k.transpose(-1, -2) * 0.25 + m[None, None].expand(B, 1, -1, -1), -1) @ v
+
+
+def block_mask_written_again_after(q, k, v):
+    m = torch.full((N, N), torch.finfo(q.dtype).min)
+    m[0:2, 0:2] = 0
+    m[2:, 2:] = 0
+    o = torch.softmax(q @ k.transpose(-1, -2) * 0.25 + m, -1) @ v
+    m[:, 0] = 0  # the op would have saved m for the backward
+    return o + m.sum()
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_a_mask_built_by_writes_before_the_site_trains_rewritten(inner):
+    """The writes made the value the site reads; functionalization gives the op the finished mask to save."""
+    res = check(block_mask_built_by_slice_writes, qkv(requires_grad=True), inner=inner)
+    assert len(res.rewritten) == 1, res.reasons
+
+
+def test_a_mask_built_by_writes_and_written_after_the_site_is_left_alone_in_training():
+    res = check(block_mask_written_again_after, qkv(requires_grad=True), rewritten=0)
+    assert any("written in place later" in r for r in res.reasons), res.reasons
