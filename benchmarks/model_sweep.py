@@ -373,14 +373,16 @@ def _grad_diff(model: torch.nn.Module, compiled: Callable, kwargs: dict) -> tupl
     except AssertionError:
         pass
     # Large gradients (sums over every position) differ in fp32 rounding beyond 1e-4: the fp64 eager
-    # model arbitrates; the rewrite passes when its error is no worse than twice eager's own.
+    # model arbitrates; the rewrite passes when its error is no worse than twice eager's own, plus four fp32 ulps
+    # of the gradient's largest element (where eager happens to land within an ulp, twice its error is no bound).
     model.double()
     kw64 = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kwargs.items()}
     truth = [torch.zeros_like(p) if t is None else t for p, t in zip(params, grads_of(model, kw64))]
     for i, (a, b, t) in enumerate(zip(got, ref, truth)):
         err_c, err_e = float((a.double() - t).abs().max()), float((b.double() - t).abs().max())
-        if err_c > 2 * err_e + 1e-6:
-            raise AssertionError(f"gradient {i}: |compiled - fp64| {err_c:.2e} > 2 x |eager - fp64| {err_e:.2e}")
+        if err_c > 2 * err_e + max(1e-6, 4 * torch.finfo(torch.float32).eps * float(t.abs().max())):
+            raise AssertionError(f"gradient {i}: |compiled - fp64| {err_c:.2e} > 2 x |eager - fp64| {err_e:.2e} "
+                                 f"(max |fp64| {float(t.abs().max()):.2e})")
     return d, "grads within fp32 rounding (fp64 check)"
 
 
