@@ -71,6 +71,19 @@ def set_example_value(node: fx.Node) -> None:
     node.meta["example_value"] = val
 
 
+def example_values_or_undo(graph: fx.Graph, made: list) -> bool:
+    """Give the new nodes `made` (in order) their example values; where one cannot be computed, remove them all
+    and say so (an edit that would not trace is not made)."""
+    try:
+        for n in made:
+            set_example_value(n)
+    except Exception:
+        for n in reversed(made):
+            graph.erase_node(n)
+        return False
+    return True
+
+
 def call(graph: fx.Graph, target: Any, *args: Any, method: bool = False, **kwargs: Any) -> fx.Node:
     """Insert a call (at the graph's current insertion point) and give it an example value."""
     node = graph.call_method(target, args, kwargs) if method else graph.call_function(target, args, kwargs)

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from .canonicalize import SCORE_STEPS, is_inplace, kind, reaches_softmax, tensor_of
-from .emit import set_example_value
+from .emit import example_values_or_undo
 from .layout import contraction
 from .regions import Regions
 
@@ -128,12 +128,7 @@ def fold_reshaped_terms(gm: fx.GraphModule) -> bool:
                 args[link], args[1 - link] = cur, other
                 cur = graph.create_node(step.op, step.target, tuple(args), {})
                 made.append(cur)
-        try:
-            for n in made:
-                set_example_value(n)
-        except Exception:
-            for n in reversed(made):
-                graph.erase_node(n)
+        if not example_values_or_undo(graph, made):
             continue
         old, new = tensor_of(out), tensor_of(cur)
         if new is None or old is None or list(new.shape) != list(old.shape) or new.dtype != old.dtype or \

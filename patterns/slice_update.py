@@ -33,7 +33,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .canonicalize import SCORE_STEPS, is_inplace, kind, reaches_softmax, reads_only_metadata, tensor_of
-from .emit import set_example_value
+from .emit import example_values_or_undo
 from .functionalize import owns_storage
 from .regions import Regions
 
@@ -163,12 +163,7 @@ def fold_slice_updates(gm: fx.GraphModule) -> bool:
                 padded = graph.call_function(F.pad, (full, pads))
                 cur = graph.call_function(operator.sub if _is_sub(step) else operator.add, (cur, padded))
                 made += [padded, cur]
-        try:
-            for n in made:
-                set_example_value(n)
-        except Exception:
-            for n in reversed(made):
-                graph.erase_node(n)
+        if not example_values_or_undo(graph, made):
             continue
         new = tensor_of(cur)
         if new is None or list(new.shape) != shape or new.dtype != t_x.dtype or \
