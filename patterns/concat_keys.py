@@ -15,7 +15,9 @@ is the sum over all keys of probability times value, split in two sums. So with 
     s = einsum("BHNKF,BHNYF->BHNKY", q, cat([k_glob broadcast over N, k_loc], -2))
     o = einsum("BHNKY,BHNYF->BHNKF", p, cat([v_glob broadcast over N, v_loc], -2))
 
-computes the same dot products and the same sum in another order: a result differs by rounding at most. The
+(of several query letters that no block has, the one nearest the key axis stays the query rows and the others are
+batch letters too) computes the same dot products and the same sum in another order: a result differs by
+rounding at most. The
 site finder then reads one attention. The edits are made only where that holds:
 - two-operand einsums without "...", each letter once per operand; every score block has the same query operand
   and the same output letters up to its key letter, which is last; one contracted letter; no letter summed over
@@ -142,7 +144,12 @@ def _score_blocks(cat: fx.Node) -> Optional[dict]:
             return None
         pattern, c_letter = zp, c
         keys.append((k, y, n, ks[n]))
-    kb = [ch for ch in pattern if ch != "#" and any(ch in y for _, y, _, _ in keys)]
+    # one query row letter (the one nearest the key axis among those no block has); every other letter of the
+    # scores is a batch letter of the concatenated keys, broadcast where a block lacks it
+    rows = [ch for ch in pattern if ch != "#" and not any(ch in y for _, y, _, _ in keys)]
+    if not rows:
+        return None
+    kb = [ch for ch in pattern if ch not in ("#", rows[-1])]
     return dict(q=q, x=x, keys=keys, pattern=pattern, c=c_letter, kb=kb, qi=qi, blocks=list(blocks))
 
 
