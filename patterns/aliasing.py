@@ -200,19 +200,28 @@ def written_in_place(node: fx.Node, limit: int = 4096, after: Optional[fx.Node] 
         if not up:
             bases.append(n)
         todo.extend(up)
-    before: set = set()
-    if after is not None and all(b.op in ("call_function", "call_method") for b in bases):
-        for n in after.graph.nodes:
-            if n is after:
-                break
-            before.add(n)
+    own = after is not None and all(b.op in ("call_function", "call_method") for b in bases)
+    earlier: Optional[set] = None
+
+    def counts(write: fx.Node) -> bool:  # the nodes before `after` are listed only once a write is found
+        nonlocal earlier
+        if not own:
+            return True
+        if earlier is None:
+            earlier = set()
+            for n in after.graph.nodes:
+                if n is after:
+                    break
+                earlier.add(n)
+        return write not in earlier
+
     seen, todo = set(bases), list(bases)
     while todo:  # down through every view of them (a view in any argument position: the wider reading)
         n = todo.pop()
-        if len(seen) > limit or (is_inplace(n) and n not in before):
+        if len(seen) > limit or (is_inplace(n) and counts(n)):
             return True
         for u in n.users:
-            if writes_into(u, n) and u not in before:
+            if writes_into(u, n) and counts(u):
                 return True
             if u not in seen and may_alias(u) and _may_hold_tensor(u):
                 seen.add(u)

@@ -41,7 +41,7 @@ import torch.fx as fx
 from .canonicalize import PROB_STEPS, SCORE_STEPS, arg, is_inplace, kind, tensor_of
 from .emit import set_example_value
 from .shapes import known_eq
-from .tentative import Edit, LazyRegions, attempt, commit
+from .tentative import Edit, LazyRegions, attempt_each, commit
 
 _CATS = tuple(f for f in (torch.cat, getattr(torch, "concat", None), getattr(torch, "concatenate", None)) if f)
 _ADDS = (operator.add, torch.add, torch.Tensor.add)
@@ -153,7 +153,7 @@ def _score_blocks(cat: fx.Node) -> Optional[dict]:
     return dict(q=q, x=x, keys=keys, pattern=pattern, c=c_letter, kb=kb, qi=qi, blocks=list(blocks))
 
 
-def _probs_after(softmax: fx.Node) -> Optional[fx.Node]:
+def _probs_after(softmax: fx.Node) -> fx.Node:
     p = softmax
     for _ in range(4):
         if len(p.users) != 1:
@@ -185,27 +185,29 @@ def _last_slice(node: fx.Node, rank: int, total: int) -> Optional[tuple[int, int
     return (lo, hi) if step == 1 and hi > lo else None
 
 
-def _sum_leaves(node: fx.Node, leaves: set, top: bool) -> Optional[list]:
-    """The leaves of an add tree over `leaves` in order, every inner node read by its parent only; or None."""
+def _sum_tree(node: fx.Node, leaves: list, top: bool) -> Optional[tuple[Any, list]]:
+    """(the add tree over `leaves` as nested pairs of leaf indices, its add nodes top first) when `node` sums each
+    leaf once and every add below the top is read by its parent only; or None."""
     if node in leaves:
-        return [node]
+        return leaves.index(node), []
     if not (node.op == "call_function" and node.target in _ADDS or node.op == "call_method" and
             node.target in ("add", "__add__")) or node.kwargs or len(node.args) != 2:
         return None
     if not top and len(node.users) != 1:
         return None
-    out: list = []
-    for a in node.args:
-        sub = _sum_leaves(a, leaves, False) if isinstance(a, fx.Node) else None
-        if sub is None:
-            return None
-        out += sub
-    return out if len(set(out)) == len(out) else None
+    parts = [_sum_tree(a, leaves, False) if isinstance(a, fx.Node) else None for a in node.args]
+    if parts[0] is None or parts[1] is None:
+        return None
+    return (parts[0][0], parts[1][0]), [node] + parts[0][1] + parts[1][1]
 
 
-def _value_blocks(p: fx.Node, info: dict) -> Optional[tuple[fx.Node, list, str]]:
+def _tree_leaves(tree: Any) -> list:
+    return [tree] if isinstance(tree, int) else _tree_leaves(tree[0]) + _tree_leaves(tree[1])
+
+
+def _value_blocks(p: fx.Node, info: dict) -> Optional[tuple[fx.Node, list, str, Any, list]]:
     """(the sum replaced, [(V, letters with the block's letters renamed to the scores', slice, product)] per block,
-    output letters renamed alike), or None."""
+    output letters renamed alike, the sum as a tree of block indices, its add nodes), or None."""
     t_p = tensor_of(p)
     rank, total = t_p.dim(), t_p.shape[-1]
     if type(total) is not int:
@@ -252,18 +254,15 @@ def _value_blocks(p: fx.Node, info: dict) -> Optional[tuple[fx.Node, list, str]]
         products.append(pv)
     if len(outs) != 1:
         return None
-    leaves = set(products)
     top = next(iter(products[0].users))
     for _ in range(len(products)):
-        found = _sum_leaves(top, leaves, True)
-        if found is not None and set(found) == leaves:
-            break
+        found = _sum_tree(top, products, True)
+        if found is not None and sorted(_tree_leaves(found[0])) == list(range(len(products))):
+            return top, values, next(iter(outs)), found[0], found[1]
         if len(top.users) != 1:
             return None
         top = next(iter(top.users))
-    else:
-        return None
-    return top, values, next(iter(outs))
+    return None
 
 
 def _fresh(used: str, n: int) -> list[str]:
@@ -285,7 +284,7 @@ def _concat_keys(gm: fx.GraphModule, softmax: fx.Node, regions: LazyRegions) -> 
     found = _value_blocks(p, info)
     if found is None:
         return None
-    top, values, out_letters = found
+    top, values, out_letters, tree, adds = found
     nodes = [cat, *info["blocks"], softmax, p, top] + [n for v in values for n in v[2:]]
     if len({regions.of(n) for n in nodes}) != 1:
         return None
@@ -325,52 +324,35 @@ def _concat_keys(gm: fx.GraphModule, softmax: fx.Node, regions: LazyRegions) -> 
             f"{pattern.replace('#', N)},{''.join(kb) + N + F}->{out_letters.replace('#', N).replace('@', F)}",
             p, v_cat))
         made2 += [v_cat, out]
-    old_sum = _sum_leaves(top, {v[3] for v in values}, True)
-    inner = [n for n in _inner_adds(top) if n is not top]
-    products = [(v[3].args, dict(v[3].kwargs), v[2]) for v in values]
-    slices = [(v[2].args, v[2]) for v in values]
-    order = [next(i for i, v in enumerate(values) if v[3] is leaf) for leaf in old_sum]
-    if not commit(graph, made2, top, dead=(*inner, *[v[3] for v in values], *[v[2] for v in values])):
+    products = [(v[2].args, v[3].args, dict(v[3].kwargs), v[2]) for v in values]
+    if not commit(graph, made2, top, dead=(*adds[1:], *[v[3] for v in values], *[v[2] for v in values])):
         return edits
 
-    def rebuild_values(graph: fx.Graph) -> list:  # the slices, their products and one sum (leaves in order)
+    def rebuild_values(graph: fx.Graph) -> list:  # the slices, their products and the sum, as written
         new: list = []
         outs = []
-        for (s_args, _), (pv_args, pv_kwargs, sl) in zip(slices, products):
+        for s_args, pv_args, pv_kwargs, sl in products:
             s = graph.call_function(operator.getitem, s_args)
             set_example_value(s)
             pv = graph.call_function(torch.einsum, tuple(s if a is sl else a for a in pv_args), pv_kwargs)
             set_example_value(pv)
             new += [s, pv]
             outs.append(pv)
-        acc = outs[order[0]]
-        for i in order[1:]:
-            acc = graph.call_function(operator.add, (acc, outs[i]))
-            new.append(acc)
+
+        def add(t: Any) -> fx.Node:
+            if isinstance(t, int):
+                return outs[t]
+            node = graph.call_function(operator.add, (add(t[0]), add(t[1])))
+            new.append(node)
+            return node
+
+        add(tree)
         return new
 
     edits.append(Edit(made2, out, rebuild_values, inputs=[p] + [v for v, _, _, _ in values]))
     return edits
 
 
-def _inner_adds(top: fx.Node) -> list:
-    out, todo = [], [top]
-    while todo:
-        n = todo.pop()
-        if kind(n) == "add" and n.op in ("call_function", "call_method"):
-            out.append(n)
-            todo += [a for a in n.args if isinstance(a, fx.Node)]
-    return out
-
-
 def fold_concat_keys(gm: fx.GraphModule) -> list[Edit]:
     """Apply the edits of the module docstring wherever they hold; the edits made."""
-    regions = LazyRegions(gm)
-    edits: list[Edit] = []
-    for node in list(gm.graph.nodes):
-        if getattr(node, "_erased", False) or kind(node) != "softmax":
-            continue
-        made = attempt(_concat_keys, gm, node, regions)
-        if made:
-            edits += made
-    return edits
+    return attempt_each(gm, "softmax", _concat_keys)

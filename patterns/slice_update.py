@@ -114,13 +114,14 @@ def _chain(read: fx.Node, write: fx.Node, dtype: torch.dtype) -> Optional[tuple[
 def fold_slice_updates(gm: fx.GraphModule) -> bool:
     """Apply the edit of the module docstring wherever it is exact; True when any was made."""
     graph = gm.graph
+    writes = [n for n in graph.nodes if n.op == "call_function" and n.target is operator.setitem and
+              len(n.args) == 3 and not n.kwargs]
+    if not writes:  # (most graphs: no walk over positions and regions)
+        return False
     pos = {n: i for i, n in enumerate(graph.nodes)}
     regions: Optional[Regions] = None
     changed = False
-    for write in list(graph.nodes):
-        if write.op != "call_function" or write.target is not operator.setitem or len(write.args) != 3 or \
-                write.kwargs:
-            continue
+    for write in writes:
         x, idx, _ = write.args
         t_x = tensor_of(x) if isinstance(x, fx.Node) else None
         shape = _static(t_x.shape) if t_x is not None else None

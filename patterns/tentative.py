@@ -113,6 +113,22 @@ def attempt(edit_fn: Callable, gm: fx.GraphModule, node: fx.Node, regions: LazyR
         return None
 
 
+def attempt_each(gm: fx.GraphModule, node_kind: str, edit_fn: Callable) -> list[Edit]:
+    """`attempt` at every node of `node_kind` that an earlier edit did not remove; the edits made (`edit_fn` gives
+    one Edit, a list of them, or None)."""
+    regions = LazyRegions(gm)
+    edits: list[Edit] = []
+    for node in list(gm.graph.nodes):
+        if getattr(node, "_erased", False) or kind(node) != node_kind:
+            continue
+        made = attempt(edit_fn, gm, node, regions)
+        if isinstance(made, Edit):
+            edits.append(made)
+        elif made:
+            edits += made
+    return edits
+
+
 def swaps_last_two(node: Any) -> bool:
     """node is a (functional) transpose of its input's last two axes."""
     if not isinstance(node, fx.Node) or kind(node) != "transpose" or is_inplace(node) or not node.args:

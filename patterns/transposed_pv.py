@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from .canonicalize import PROB_STEPS, kind, reaches_softmax, tensor_of
 from .emit import set_example_value
-from .tentative import Edit, LazyRegions, attempt, commit, swaps_last_two
+from .tentative import Edit, LazyRegions, attempt_each, commit, swaps_last_two
 
 
 def _swapped(gm: fx.GraphModule, node: fx.Node, regions: LazyRegions) -> Optional[Edit]:
@@ -62,12 +62,4 @@ def _swapped(gm: fx.GraphModule, node: fx.Node, regions: LazyRegions) -> Optiona
 
 def fold_transposed_pv(gm: fx.GraphModule) -> list[Edit]:
     """Apply the edit of the module docstring wherever it is exact; the edits made."""
-    regions = LazyRegions(gm)
-    edits: list[Edit] = []
-    for node in list(gm.graph.nodes):
-        if getattr(node, "_erased", False) or kind(node) != "matmul":
-            continue
-        edit = attempt(_swapped, gm, node, regions)
-        if edit is not None:
-            edits.append(edit)
-    return edits
+    return attempt_each(gm, "matmul", _swapped)

@@ -511,6 +511,27 @@ def global_local_capped_by_a_tensor(q, kg, vg, kl, vl, m, t):
     return o.reshape(B, H, NB * BL, D) + torch.softmax(q @ kl.transpose(-2, -1), -1) @ vl  # a site rewritten
 
 
+def three_blocks_summed_right_first_capped(q, kg, vg, kl, vl, m, t):
+    qb, kb, vb = (x.view(B, H, NB, BL, D) for x in (q, kl, vl))
+    s = torch.cat([torch.einsum("BHNKF,BHGF->BHNKG", qb, kg), torch.einsum("BHNKF,BHNXF->BHNKX", qb, kb),
+                   torch.einsum("BHNKF,BHNXF->BHNKX", qb, kb * 0.5)], dim=-1)
+    p = F.softmax(torch.tanh(s / t) * t, dim=-1)
+    local = torch.einsum("BHNKX,BHNXF->BHNKF", p[..., G:G + BL], vb)
+    o = torch.einsum("BHNKG,BHGF->BHNKF", p[..., :G], vg) + (local + torch.einsum("BHNKX,BHNXF->BHNKF",
+                                                                                    p[..., G + BL:], vb))
+    return o, torch.softmax(q @ kl.transpose(-2, -1), -1) @ vl  # a site rewritten
+
+
+def test_key_blocks_put_back_keep_the_sum_as_written():
+    c = Compiled(three_blocks_summed_right_first_capped)
+    args = _global_local_args(grad=False) + [rand(1, H, 1, 1, 1, seed=30)]
+    got = c(*args)[0]
+    assert [r.rewritten for r in c.reports] == [False, True]
+    assert "expand" not in c.graphs[0].code and c.graphs[0].code.count("einsum(") == 6
+    # the blocks' products summed a + (b + c) as written, not (a + b) + c: eager's own ops, bit for bit
+    assert torch.equal(got, three_blocks_summed_right_first_capped(*args)[0])
+
+
 def test_key_blocks_no_rewrite_takes_are_put_back_as_written():
     c = Compiled(global_local_capped_by_a_tensor)
     args = _global_local_args(grad=False) + [rand(1, H, 1, 1, 1, seed=30)]
