@@ -1189,7 +1189,7 @@ def _chunked_causal(first_chunk_row_empty: bool):
     """Reformer's decoder mask, compile-time index arithmetic: chunks of 3 positions, each looking one chunk back
     (the first one at the last chunk, whose positions all lie ahead), query position >= key position."""
     def fn(q, k, v):  # q, k, v [B, H, 2 chunks, 3, D]
-        pos = torch.arange(6).view(2, 3)
+        pos = torch.arange(6, device=q.device).view(2, 3)
         kpos = torch.cat([pos.roll(1, 0), pos], dim=-1)  # [2 chunks, 6 keys]: the previous chunk, then its own
         keep = pos.unsqueeze(-1) >= kpos.unsqueeze(-2)
         if first_chunk_row_empty:

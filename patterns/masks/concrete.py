@@ -152,7 +152,10 @@ class _Evaluator:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily(), torch.no_grad():
-            return self.value(node)
+            val = self.value(node)
+            # Analysed on the host: the readers compare it with index tensors they build there, and a mask
+            # must be recognised alike whatever device the model runs on.
+            return val.cpu() if isinstance(val, torch.Tensor) else val
 
 
 def _band_of(m: torch.Tensor) -> Optional[_Keep]:
