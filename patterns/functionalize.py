@@ -58,9 +58,10 @@ def _twin(node: fx.Node) -> Optional[tuple[str, Any]]:
         # x[mask] = c with a bool mask of x's own shape is x.masked_fill_(mask, c)
         x, idx, val = node.args
         tx, ti = tensor_of(x), tensor_of(idx)
+        # (indexing takes a host mask for a CUDA tensor, masked_fill_ does not)
         if tx is not None and ti is not None and ti.dtype == torch.bool and ti.dim() == tx.dim() and \
-                all(known_eq(a, b) for a, b in zip(ti.shape, tx.shape)) and isinstance(val, (int, float)) and \
-                not isinstance(val, bool):
+                ti.device == tx.device and all(known_eq(a, b) for a, b in zip(ti.shape, tx.shape)) and \
+                isinstance(val, (int, float)) and not isinstance(val, bool):
             return "call_method", "masked_fill"
         return None
     name = getattr(node.target, "__name__", "")
