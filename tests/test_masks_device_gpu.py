@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import fa_compile
@@ -33,6 +32,26 @@ def window_from_arange(q, k, v):
     return (q @ k.transpose(-2, -1)).masked_fill((j > i) | (i - j > 2), float("-inf")).softmax(-1) @ v
 
 
+def setitem_causal(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    n = s.shape[-1]
+    s[torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1).expand(s.shape)] = -math.inf
+    return torch.softmax(s, -1) @ v
+
+
+class BufferFillValue(nn.Module):
+    """Reformer: the fill is a 0-d module buffer, torch.where(keep, s, self.mask_value)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mask_value", torch.tensor(torch.finfo(torch.float32).min), persistent=False)
+
+    def forward(self, q, k, v):
+        n = q.shape[-2]
+        keep = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        return torch.softmax(torch.where(keep, q @ k.transpose(-2, -1) * 0.25, self.mask_value), -1) @ v
+
+
 CASES = [
     ("nanogpt tril buffer", NanoGPT, (2, 2, 6, 8)),
     ("multiplicative tril buffer", lambda: TrilBufferMask(-1e9), (2, 2, 6, 8)),
@@ -41,6 +60,8 @@ CASES = [
     ("arange where", lambda: _fn_arange_where, (2, 2, 6, 8)),
     ("square subsequent mask", lambda: square_subsequent_mask, (2, 2, 6, 8)),
     ("window from arange", lambda: window_from_arange, (2, 2, 6, 8)),
+    ("0-d buffer fill", BufferFillValue, (2, 2, 6, 8)),
+    ("setitem of a causal mask", lambda: setitem_causal, (2, 2, 6, 8)),
 ]
 
 
@@ -76,3 +97,4 @@ def test_compiled_on_cuda_equals_eager(name, make, shape):
     g = torch.randn_like(ref)
     for a, b in zip(torch.autograd.grad(out, got_args, g), torch.autograd.grad(ref, ref_args, g)):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+
