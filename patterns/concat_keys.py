@@ -39,6 +39,7 @@ import torch
 import torch.fx as fx
 
 from .canonicalize import PROB_STEPS, SCORE_STEPS, arg, is_inplace, kind, tensor_of
+from .effects import out_target
 from .emit import set_example_value
 from .shapes import known_eq
 from .tentative import Edit, LazyRegions, attempt_each, commit
@@ -265,6 +266,19 @@ def _value_blocks(p: fx.Node, info: dict) -> Optional[tuple[fx.Node, list, str, 
     return None
 
 
+def _written_between(graph: fx.Graph, firsts: list, last: fx.Node) -> bool:
+    """Whether a node from the earliest of `firsts` up to `last` writes into a tensor (in place or by out=)."""
+    first = set(firsts)
+    seen = False
+    for n in graph.nodes:
+        seen = seen or n in first
+        if n is last:
+            return False
+        if seen and (is_inplace(n) or out_target(n) is not None):
+            return True
+    return False
+
+
 def _fresh(used: str, n: int) -> list[str]:
     return [c for c in string.ascii_letters if c not in used][:n]
 
@@ -287,6 +301,10 @@ def _concat_keys(gm: fx.GraphModule, softmax: fx.Node, regions: LazyRegions) -> 
     top, values, out_letters, tree, adds = found
     nodes = [cat, *info["blocks"], softmax, p, top] + [n for v in values for n in v[2:]]
     if len({regions.of(n) for n in nodes}) != 1:
+        return None
+    # The new products stand at the concatenation and at the sum (and so would the blocks put back): their reads
+    # of q, the keys, the probabilities and the values move there, past any write in between.
+    if _written_between(graph, info["blocks"], cat) or _written_between(graph, [v[2] for v in values], top):
         return None
     kb, c, x, pattern = info["kb"], info["c"], info["x"], info["pattern"]
     N, F = _fresh(x + pattern + out_letters, 2)

@@ -95,7 +95,8 @@ class MaskSpec:
     bias: Any = None  # fx.Node producing the residual float/bool mask
     empty_rows: str = "impossible"
     fill: Optional[float] = None  # empty_rows "fill": the finite value eager writes over every masked score
-    rows_admit: bool = False  # proven that every row admits a key (empty_rows may still say what a fill gives)
+    # proven that every row admits a key and no fill lies above 0 (empty_rows may still say what a fill gives)
+    rows_admit: bool = False
     # bool node: scores a fill (<= -1e30) replaced before an additive mask, passed inside `bias`; eager
     # gives them no gradient, so emit removes the op's (emit_attention's `filled`)
     filled: Any = None

@@ -91,6 +91,8 @@ def _chain(read: fx.Node, write: fx.Node, dtype: torch.dtype) -> Optional[tuple[
         link = [i for i, a in enumerate(nxt.args) if a is cur]
         if len(link) != 1 or (_is_sub(nxt) and link[0] != 0):
             return None  # `t - s`: the slice's sign flips, which zero padding does not keep outside it
+        if is_inplace(nxt) and link[0] != 0:
+            return None  # `t += s[...]` writes the term, which the edit would drop
         term = nxt.args[1 - link[0]]
         t_term, t_step = tensor_of(term) if isinstance(term, fx.Node) else None, tensor_of(nxt)
         if t_term is None or t_step is None or t_term.dtype != dtype or t_step.dtype != dtype or \

@@ -448,10 +448,18 @@ def slice_promoting_term(q, k, v, rel):
     return s.softmax(dim=-1) @ v
 
 
-@pytest.mark.parametrize("fn", [slice_term_minus_scores, slice_read_between, slice_other_index, slice_promoting_term],
-                         ids=lambda f: f.__name__)
+def slice_added_into_the_term(q, k, v, rel):
+    s = (q * 0.35) @ k.transpose(-2, -1)
+    r = rel[:, :, :, :]  # a view of the caller's tensor
+    r += s[:, :, 1:, 1:]  # the term is written (the slice added into it), then written back as the slice
+    s[:, :, 1:, 1:] = r
+    return s.softmax(dim=-1) @ v + rel.mean()
+
+
+@pytest.mark.parametrize("fn", [slice_term_minus_scores, slice_read_between, slice_other_index, slice_promoting_term,
+                                slice_added_into_the_term], ids=lambda f: f.__name__)
 def test_a_slice_update_that_is_not_a_term_of_the_scores_is_left_alone(fn):
-    res = check(fn, _grid() + _slice_rel(), rewritten=0)
+    res = check(fn, _grid() + _slice_rel(grad=fn is not slice_added_into_the_term), rewritten=0)
     assert "modified in place" in reasons(res)
 
 
@@ -520,6 +528,39 @@ def three_blocks_summed_right_first_capped(q, kg, vg, kl, vl, m, t):
     o = torch.einsum("BHNKG,BHGF->BHNKF", p[..., :G], vg) + (local + torch.einsum("BHNKX,BHNXF->BHNKF",
                                                                                     p[..., G + BL:], vb))
     return o, torch.softmax(q @ kl.transpose(-2, -1), -1) @ vl  # a site rewritten
+
+
+def global_local_keys_written_between(q, kg, vg, kl, vl, m):
+    qb, kb, vb = (t.view(B, H, NB, BL, D) for t in (q, kl, vl))
+    a = torch.einsum("BHNKF,BHGF->BHNKG", qb, kg)
+    kg.mul_(2)  # the global keys updated after their block was scored
+    s = torch.cat([a, torch.einsum("BHNKF,BHNXF->BHNKX", qb, kb)], dim=-1)
+    p = F.softmax(s * D ** -0.5 + m[:, None, :, None, :], dim=-1)
+    return torch.einsum("BHNKG,BHGF->BHNKF", p[..., :G], vg) + torch.einsum("BHNKX,BHNXF->BHNKF", p[..., G:], vb)
+
+
+def global_local_values_written_between(q, kg, vg, kl, vl, m):
+    qb, kb, vb = (t.view(B, H, NB, BL, D) for t in (q, kl, vl))
+    s = torch.cat([torch.einsum("BHNKF,BHGF->BHNKG", qb, kg), torch.einsum("BHNKF,BHNXF->BHNKX", qb, kb)], dim=-1)
+    p = F.softmax(s * D ** -0.5 + m[:, None, :, None, :], dim=-1)
+    first = torch.einsum("BHNKG,BHGF->BHNKF", p[..., :G], vg)
+    vg.mul_(2)  # the global values updated after their product
+    o = first + torch.einsum("BHNKX,BHNXF->BHNKF", p[..., G:], vb)
+    return o.reshape(B, H, NB * BL, D) + torch.softmax(q @ kl.transpose(-2, -1), -1) @ vl  # a site rewritten
+
+
+@pytest.mark.parametrize("fn", [global_local_keys_written_between, global_local_values_written_between],
+                         ids=lambda f: f.__name__)
+def test_key_blocks_with_a_write_before_their_concatenation_or_sum_are_left_alone(fn):
+    # the edit would read the keys at the concatenation and the values at the sum, after the write
+    args = _global_local_args()
+    # eager's backward refuses a tensor its product saved and the program then wrote: those take no gradient
+    frozen = ("q", "kg") if fn is global_local_keys_written_between else ("q", "kg", "vg", "kl")
+    for i, name in enumerate(("q", "kg", "vg", "kl", "vl")):
+        args[i].requires_grad_(name not in frozen)
+    res = check(fn, args)
+    assert [r.form for r in res.rewritten] == ([] if fn is global_local_keys_written_between else
+                                               ["matmul-softmax-matmul"]), res.reports
 
 
 def test_key_blocks_put_back_keep_the_sum_as_written():
@@ -1207,6 +1248,19 @@ def test_exp_minus_logsumexp_with_a_finite_fill_over_a_constant_mask_that_leaves
 
 def test_exp_minus_logsumexp_with_a_finite_fill_over_a_constant_mask_with_an_empty_row_is_refused():
     res = check(_chunked_causal(True), qkv(shape=(B, H, 2, 3, D)), rewritten=0)
+    assert "eager's logsumexp rounds at the fill's magnitude" in reasons(res)
+
+
+def exp_lse_positive_fill(q, k, v):
+    """A constant chunked mask that leaves every row a key, filled with +1e9: the masked scores set the logsumexp,
+    which eager rounds at 1e9 (each masked key gets weight about 1, not 1 / count)."""
+    s = q @ k.transpose(-2, -1) * 0.25
+    i = torch.arange(s.shape[-1], device=s.device)
+    return _exp_lse(s.masked_fill((i[:, None] // 2) < (i[None, :] // 2), 1e9)) @ v
+
+
+def test_exp_minus_logsumexp_with_a_positive_fill_is_refused():
+    res = check(exp_lse_positive_fill, qkv(), rewritten=0)
     assert "eager's logsumexp rounds at the fill's magnitude" in reasons(res)
 
 

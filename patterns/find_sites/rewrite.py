@@ -309,9 +309,9 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
                 raise Miss("probabilities set to 0 after a softmax with attention sinks: not analysed")
             spec.empty_rows = zeroed_rows(probs.zeroed, scores, spec, gm, st)
         if el is not None and spec.empty_rows not in ("impossible", "nan", "zero") and not spec.rows_admit:
-            raise Miss("softmax written as exp(s - logsumexp(s)) over rows that may have every key masked by a finite "
-                       "fill: eager's logsumexp rounds at the fill's magnitude there, so its weights need not sum to 1 "
-                       "(a row of -1e9 gives each key weight 1)")
+            raise Miss("softmax written as exp(s - logsumexp(s)) where a finite fill may set the logsumexp (a row "
+                       "with every key masked, or a fill above 0): eager's logsumexp rounds at the fill's magnitude "
+                       "there, so its weights need not sum to 1 (a row of -1e9 gives each key weight 1)")
         if scores.clamped and spec.empty_rows == "nan":
             spec.empty_rows = "mean_v"  # -inf became finfo.min: a fully masked row is uniform
         clamp_tied = False

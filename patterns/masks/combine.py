@@ -241,10 +241,13 @@ def _combine(infos: list, an: _Analyzer, q_len, k_len, sdpa: bool) -> Union[str,
     no_empty = lens is None and qpos is None and seg is None and not untouched and not any(
         t.extra for t in infos) and (_never_empty(lo, hi, q_len, k_len) if not data else
                                      _constant_rows_admit(an, lo, hi, data, q_len, k_len))
+    # rows_admit lets exp(s - logsumexp(s)) be read as softmax: every row keeps a key, and no fill lies above 0,
+    # where the masked scores would set eager's logsumexp and it would round at the fill's magnitude
+    rows_admit = no_empty and all(t.c <= 0 for t in masking)
     if any(t.finite for t in masking):
         plan = _finite_plan(infos, masking, lo, hi, lens, data, extras, qpos, seg)
         if isinstance(plan, dict):
-            plan["rows_admit"] = no_empty
+            plan["rows_admit"] = rows_admit
         return plan
     if not masking:
         empty = "zero" if sdpa else "nan"
@@ -280,7 +283,7 @@ def _combine(infos: list, an: _Analyzer, q_len, k_len, sdpa: bool) -> Union[str,
     if no_empty and masking:
         empty = "impossible"
     return dict(lo=lo, hi=hi, lens=lens, data=data, extras=extras, empty=empty, qpos=qpos, seg=seg,
-                rows_admit=no_empty)
+                rows_admit=rows_admit)
 
 
 def _finite_plan(infos: list, masking: list, lo, hi, lens, data: list, extras: list, qpos=None,
