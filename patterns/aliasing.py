@@ -38,6 +38,10 @@ MAY_ALIAS = frozenset({
     "view_as_real", "view_as_complex", "conj", "_conj", "resolve_conj", "resolve_neg", "positive", "getitem",
     "getattr", "T", "mT", "H", "mH", "align_as", "align_to", "rename", "refine_names", "_unsafe_view",
     "_reshape_alias", "lift_fresh", "atleast_1d", "atleast_2d", "atleast_3d", "broadcast_tensors", "meshgrid",
+    # ... and calls that return their input itself in some cases: dropout of p 0 or in eval, a sum to the size the
+    # tensor has, a dense tensor made dense; unsafe_split / unsafe_chunk are views; `t.data` is t's memory
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_dropout", "feature_alpha_dropout",
+    "unsafe_split", "unsafe_chunk", "unsafe_split_with_sizes", "sum_to_size", "to_dense", "_get_data_attr", "data",
 })
 # Of those, the ops that may return a view of any of their tensor arguments, not only of the first.
 _ALIAS_EVERY_ARG = frozenset({"atleast_1d", "atleast_2d", "atleast_3d", "broadcast_tensors", "meshgrid"})
@@ -82,8 +86,21 @@ def is_inplace(node: fx.Node) -> bool:
 
 
 def may_alias(node: fx.Node) -> bool:
-    """Whether `node`'s result may share memory with an argument (see MAY_ALIAS)."""
-    return node.op in _CALLS and op_name(node) in MAY_ALIAS
+    """Whether `node`'s result may share memory with an argument (see MAY_ALIAS; an einsum of one operand may
+    return a view of it)."""
+    if node.op not in _CALLS:
+        return False
+    name = op_name(node)
+    if name == "einsum":
+        return len([a for a in _einsum_operands(node) if _maybe_tensor(a)]) == 1
+    return name in MAY_ALIAS
+
+
+def _einsum_operands(node: fx.Node) -> list:
+    ops = list(node.args[1:])
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = list(ops[0])
+    return ops
 
 
 def _may_hold_tensor(node: fx.Node) -> bool:
@@ -175,6 +192,8 @@ def _alias_inputs(node: fx.Node) -> list:
     broadcast_tensors-like ops), what a write wrote into (`x.add_(1)` is x, `torch.mul(a, 2, out=b)` is b)."""
     if not may_alias(node):
         return written_args(node)
+    if op_name(node) == "einsum":
+        return [a for a in _einsum_operands(node) if isinstance(a, fx.Node)]
     if op_name(node) in _ALIAS_EVERY_ARG:
         found: list = []
         fx.node.map_arg(node.args, found.append)

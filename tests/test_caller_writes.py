@@ -399,6 +399,34 @@ def mt_slice_write_after(q, k, v):
     return o
 
 
+def dropout_alias_written_after(q, k, v):
+    o = _attend(q, torch.nn.functional.dropout(k, 0.1, training=False), v)  # dropout in eval returns k itself
+    k.mul_(2.0)
+    return o
+
+
+def einsum_alias_written_after(x, y, wk, wv):
+    k, v = y @ wk, y @ wv
+    q = torch.einsum("bhnd->bhnd", x)  # an einsum of one operand may return a view of it
+    o = torch.softmax((q * 0.25) @ k.transpose(-1, -2), -1) @ v  # eager saves the scaled copy, not q
+    x.mul_(2.0)
+    return o
+
+
+def unsafe_split_view_written_after(x, v):
+    q, k = torch.unsafe_split(x, D, -1)
+    o = _attend(q, k, v)
+    x.mul_(2.0)
+    return o
+
+
+def data_alias_written_after(q, k, v):
+    q2 = q * 1.0
+    o = _attend(q2, k, v)
+    q2.data.mul_(2.0)  # q2's memory, written without autograd seeing it
+    return o
+
+
 def _v_grad_only() -> list:
     q, k, v = qkv()
     return [q, k, v.requires_grad_()]
@@ -413,6 +441,12 @@ WRITES_AFTER = {
     "out": (out_write_after, _v_grad_only), "relu_inplace": (relu_inplace_after, _v_grad_only),
     "aten_add_": (aten_add_after, _v_grad_only), "mT_slice": (mt_slice_write_after, _v_grad_only),
     "deep_view": (deep_view_write_after, _v_grad_only), "aten_add_Tensor": (aten_add_overload_after, _v_grad_only),
+    "dropout_alias": (dropout_alias_written_after, _v_grad_only),
+    "einsum_alias": (einsum_alias_written_after, lambda: [rand(B, H, N, D, seed=5), rand(B, H, N, D, seed=6)] + [
+        rand(D, D, seed=7 + i, requires_grad=True) for i in range(2)]),
+    "unsafe_split": (unsafe_split_view_written_after,
+                     lambda: [rand(B, H, N, 2 * D, seed=5), rand(B, H, N, D, seed=6, requires_grad=True)]),
+    "data_alias": (data_alias_written_after, _v_grad_only),
 }
 
 
@@ -472,3 +506,45 @@ def test_a_mask_built_by_writes_before_the_site_trains_rewritten(inner):
 def test_a_mask_built_by_writes_and_written_after_the_site_is_left_alone_in_training():
     res = check(block_mask_written_again_after, qkv(requires_grad=True), rewritten=0)
     assert any("written in place later" in r for r in res.reasons), res.reasons
+
+
+# ----------------------------------------------- a constant mask written through a view or by out= before the site
+# The mask's value at the site is not its definition's: the writes (through another view of its memory, or as an
+# op's out=) must be seen, or the site would get the structure of the mask as first built.
+
+def tril_written_through_a_view(q, k, v):
+    m = torch.ones(N, N).tril()
+    m.view(-1)[1] = 1.0  # row 0 now keeps key 1: not causal
+    return torch.softmax((q @ k.mT * 0.25).masked_fill(m == 0, float("-inf")), -1) @ v
+
+
+def tril_overwritten_by_out(q, k, v):
+    m = torch.ones(N, N).tril()
+    torch.ones(N, N, out=m)  # every key kept
+    return torch.softmax((q @ k.mT * 0.25).masked_fill(m == 0, float("-inf")), -1) @ v
+
+
+def min_mask_written_through_a_view(q, k, v):
+    m = torch.full((N, N), torch.finfo(q.dtype).min)
+    m4 = m[None, None]
+    m4[..., :4, :4] = 0
+    m4[..., 4:, :] = 0
+    return torch.softmax(q @ k.mT * 0.25 + m, -1) @ v
+
+
+class BufferWrittenThroughAView(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("bias", torch.tril(torch.ones(N, N)).view(1, 1, N, N))
+
+    def forward(self, q, k, v):
+        self.bias.view(N, N)[0, 1] = 1.0
+        return torch.softmax((q @ k.mT * 0.25).masked_fill(self.bias == 0, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("fn", [tril_written_through_a_view, tril_overwritten_by_out, min_mask_written_through_a_view,
+                                BufferWrittenThroughAView()], ids=lambda f: getattr(f, "__name__", type(f).__name__))
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_constant_mask_written_before_the_site_is_read_as_written(fn, grad):
+    res = check(fn, qkv(requires_grad=grad), grad=grad)
+    assert all(r.mask not in ("causal", "none") for r in res.rewritten), [(r.mask, r.reason) for r in res.reports]

@@ -157,8 +157,8 @@ class _Analyzer:
         return x
 
     def _value(self, n: fx.Node) -> AbsVal:
-        if any(is_inplace(u) for u in n.users) or is_inplace(n):
-            return _Opaque(n)  # its value depends on where it is read; never reason about it
+        if is_inplace(n) or written_in_place(n):
+            return _Opaque(n)  # its value depends on where it is read (a write through any alias): not reasoned about
         if self.ev.can_fold(n) and isinstance(example_value(n), torch.Tensor):
             try:
                 r = _classify(n, self.ev.evaluate(n))

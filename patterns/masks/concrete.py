@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from .. import constants
-from ..aliasing import is_inplace, op_name
+from ..aliasing import is_inplace, op_name, written_in_place
 from ..emit import example_value
 from .symbolic import _shape, _static, _static_value, _sym_true
 from .values import AbsVal, _Keep, _Konst, _Lin, _Opaque, _TRUE, _Two
@@ -99,7 +99,8 @@ class _Evaluator:
         if node in self.foldable:
             return self.foldable[node]
         self.foldable[node] = False  # cycles cannot happen; this also bounds recursion on failure
-        ok = _static(node) and not any(is_inplace(u) for u in node.users)
+        # a value written anywhere (through a view of it, a tensor it views, or out=) is not its definition's
+        ok = _static(node) and not written_in_place(node)
         if ok:
             if node.op == "placeholder":
                 ok = _real_buffer(node) is not None
