@@ -556,3 +556,37 @@ def test_hf_packed_sequences_from_restarting_position_ids(impl):
 
     res = check(Wrap(), [ids, pos], inner="aot_eager")
     assert res.rewritten and masks_of(res) == ["causal+segments"] * 2, res.reports
+
+
+# ------------------------------------------------------------------ key lengths: the value eager's mask read
+
+def lengths_advanced_after_the_mask(q, k, v, lens):
+    keep = (torch.arange(k.shape[2])[None, :] < lens[:, None])[:, None, None, :]
+    lens.add_(2)  # a server advancing its lengths: eager's mask holds the old ones
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+def int8_lengths(q, k, v, lens):
+    keep = (torch.arange(k.shape[2])[None, :] < lens.to(torch.int8)[:, None])[:, None, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+def uint8_lengths_inclusive(q, k, v, lens):
+    keep = (torch.arange(k.shape[2])[None, :] <= lens[:, None])[:, None, None]  # 255: every key
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+@pytest.mark.parametrize("fn,lens", [
+    (lengths_advanced_after_the_mask, torch.tensor([5, 9])),
+    (int8_lengths, torch.tensor([1, 12])),
+    (uint8_lengths_inclusive, torch.tensor([255, 3], dtype=torch.uint8)),
+], ids=["written_after_the_mask", "int8", "uint8_255_inclusive"])
+def test_key_lengths_keep_eagers_value(fn, lens):
+    """The op reads key lengths at the site in int32: not after a write eager's mask did not see, and widened
+    before the mask's offset and the clamp (an int8 length clamped to 2**31 - 1 in int8, 255 + 1 in uint8 wrap)."""
+    res = check(fn, qkv(1) + [lens], grad=True)
+    assert fa_compile.explain(fn, *[x.detach() for x in qkv(1)], lens.clone()).sites  # explain runs as well
+    if fn is lengths_advanced_after_the_mask:
+        assert all(r.mask != "key-padding" for r in res.reports), masks_of(res)
+    else:
+        assert masks_of(res) == ["key-padding"]

@@ -144,14 +144,18 @@ def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len, bias_rank: int =
         node, _, add = lens
         if not em.before(node):
             raise _Fail("key lengths are computed after the site")
+        if written_in_place(node):  # the op reads them at the site (and its backward later), eager at the mask
+            raise _Fail(f"key lengths {node.name} are written in place")
         kv = em.call(torch.reshape, node, (-1,))
-        if add:
-            kv = em.call(operator.add, kv, add)
-        if _dtype(kv) != torch.int32:
+        if add or _dtype(kv) != torch.int32:
             # int32 is what FA3 (seqused_k) takes; converting here lets Inductor fuse it into the
             # lengths' own arithmetic instead of a kernel launch per call (decode is host-bound).
-            # Clamped first so that no length wraps: every value keeps its meaning (<= 0: no keys,
-            # >= Nk: every key).
+            # Widened, offset and clamped first so that no length wraps (int8 lengths, 255 + 1 in uint8): every
+            # value keeps its meaning (<= 0: no keys, >= Nk: every key).
+            if _dtype(kv) != torch.int64:
+                kv = em.call("to", kv, torch.int64, method=True)
+            if add:
+                kv = em.call(operator.add, kv, add)
             kv = em.call("clamp", kv, 0, 2**31 - 1, method=True)
             kv = em.call("to", kv, torch.int32, method=True)
         spec.kv_lens = kv
