@@ -39,9 +39,10 @@ MAY_ALIAS = frozenset({
     "getattr", "T", "mT", "H", "mH", "align_as", "align_to", "rename", "refine_names", "_unsafe_view",
     "_reshape_alias", "lift_fresh", "atleast_1d", "atleast_2d", "atleast_3d", "broadcast_tensors", "meshgrid",
     # ... and calls that return their input itself in some cases: dropout of p 0 or in eval, a sum to the size the
-    # tensor has, a dense tensor made dense; unsafe_split / unsafe_chunk are views; `t.data` is t's memory
+    # tensor has, a dense tensor made dense; unsafe_split / unsafe_chunk are views; `t.data` (Dynamo's
+    # _get_data_attr) is t's memory
     "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_dropout", "feature_alpha_dropout",
-    "unsafe_split", "unsafe_chunk", "unsafe_split_with_sizes", "sum_to_size", "to_dense", "_get_data_attr", "data",
+    "unsafe_split", "unsafe_chunk", "unsafe_split_with_sizes", "sum_to_size", "to_dense", "_get_data_attr",
 })
 # Of those, the ops that may return a view of any of their tensor arguments, not only of the first.
 _ALIAS_EVERY_ARG = frozenset({"atleast_1d", "atleast_2d", "atleast_3d", "broadcast_tensors", "meshgrid"})

@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from .canonicalize import PROB_STEPS, SCORE_STEPS, arg, is_inplace, kind, tensor_of
-from .effects import out_target
+from .aliasing import writes
 from .emit import set_example_value
 from .shapes import known_eq
 from .tentative import Edit, LazyRegions, attempt_each, commit
@@ -267,14 +267,14 @@ def _value_blocks(p: fx.Node, info: dict) -> Optional[tuple[fx.Node, list, str, 
 
 
 def _written_between(graph: fx.Graph, firsts: list, last: fx.Node) -> bool:
-    """Whether a node from the earliest of `firsts` up to `last` writes into a tensor (in place or by out=)."""
+    """Whether a node from the earliest of `firsts` up to `last` writes into a tensor (aliasing.writes)."""
     first = set(firsts)
     seen = False
     for n in graph.nodes:
         seen = seen or n in first
         if n is last:
             return False
-        if seen and (is_inplace(n) or out_target(n) is not None):
+        if seen and writes(n):
             return True
     return False
 

@@ -157,7 +157,7 @@ class _Analyzer:
         return x
 
     def _value(self, n: fx.Node) -> AbsVal:
-        if is_inplace(n) or written_in_place(n):
+        if is_inplace(n) or self.ev.written(n):
             return _Opaque(n)  # its value depends on where it is read (a write through any alias): not reasoned about
         if self.ev.can_fold(n) and isinstance(example_value(n), torch.Tensor):
             try:

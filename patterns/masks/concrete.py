@@ -92,6 +92,7 @@ class _Evaluator:
         self.gm = gm
         self.foldable: dict = {}
         self.values: dict = {}
+        self._written: dict = {}
 
     def can_fold(self, node: Any) -> bool:
         if not isinstance(node, fx.Node):
@@ -100,7 +101,7 @@ class _Evaluator:
             return self.foldable[node]
         self.foldable[node] = False  # cycles cannot happen; this also bounds recursion on failure
         # a value written anywhere (through a view of it, a tensor it views, or out=) is not its definition's
-        ok = _static(node) and not written_in_place(node)
+        ok = _static(node) and not self.written(node)
         if ok:
             if node.op == "placeholder":
                 ok = _real_buffer(node) is not None
@@ -127,6 +128,12 @@ class _Evaluator:
             ok = not isinstance(v, torch.Tensor) or v.numel() <= CONCRETE_MAX_NUMEL
         self.foldable[node] = ok
         return ok
+
+    def written(self, node: fx.Node) -> bool:
+        """aliasing.written_in_place, once per node (the analyzer and can_fold both ask)."""
+        if node not in self._written:
+            self._written[node] = written_in_place(node)
+        return self._written[node]
 
     def value(self, node: fx.Node) -> Any:
         if node in self.values:
