@@ -28,6 +28,12 @@ MASKS = ["none", "causal", "padding", "window"]
 MASK_FORMS = ["masked_fill", "masked_fill_", "where", "additive", "additive_bert", "additive_input"]
 FILLS = ["-inf", "finfo.min", "-1e4", "-1e9", "-10000.0"]
 WRITES = ["none", "out_kw", "copy_", "add_", "slice_assign", "scores_copy"]
+# Writes the pass must see through aliases: into k after the site (through a view, `.data`, `out=`, an op that may
+# return its input itself), into the bool mask through a view of it before the site, or into the returned output by
+# the caller after the call and before the backward.
+LATE = ["none", "k_view_after", "k_data_after", "k_out_after", "k_dropout_alias_after", "mask_view_before",
+        "out_after_call"]
+GRADS = ["qkv", "v"]  # which of q, k, v require grad: with only v, the op may save q and k where eager saves P
 GRAD_MODES = ["none", "scores_no_grad", "scores_set_grad_false", "probs_no_grad", "enable_grad_in_no_grad",
               "body_no_grad", "call_no_grad", "call_inference_mode", "autocast", "scores_autocast"]
 GQAS = ["none", "repeat_interleave", "repeat_kv"]
@@ -48,6 +54,8 @@ class Program:
     mask_form: str = "masked_fill"
     fill: str = "-inf"
     write: str = "none"
+    late: str = "none"
+    grads: str = "qkv"
     grad_mode: str = "none"
     gqa: str = "none"
     dropout: str = "none"
@@ -66,9 +74,12 @@ class Program:
         return self.shape[1] // self.groups
 
     @property
-    def requires_grad(self) -> bool:
-        # out= refuses autograd in eager ("out=... arguments don't support automatic differentiation").
-        return self.write != "out_kw"
+    def requires_grad(self) -> tuple:
+        """Whether q, k, v require grad. out= refuses autograd in eager ("out=... arguments don't support automatic
+        differentiation")."""
+        if self.write == "out_kw":
+            return (False, False, False)
+        return (True, True, True) if self.grads == "qkv" else (False, False, True)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -138,22 +149,25 @@ def build(prog: Program) -> Callable:
             s = s / (1.0 / c)
         return s
 
-    def keep_of(s, key_keep):
-        nq, nk = s.shape[-2], s.shape[-1]
+    def keep_of(nq, nk, device, key_keep):
         if prog.mask == "causal":
-            return torch.ones(nq, nk, dtype=torch.bool, device=s.device).tril()
-        if prog.mask == "window":
-            i = torch.arange(nq, device=s.device)[:, None]
-            j = torch.arange(nk, device=s.device)[None, :]
-            return (j <= i) & (j > i - WINDOW)
-        return key_keep[:, None, None, :]
+            keep = torch.ones(nq, nk, dtype=torch.bool, device=device).tril()
+        elif prog.mask == "window":
+            i = torch.arange(nq, device=device)[:, None]
+            j = torch.arange(nk, device=device)[None, :]
+            keep = (j <= i) & (j > i - WINDOW)
+        else:
+            keep = key_keep[:, None, None, :]
+        if prog.late == "mask_view_before" and keep.numel() > 1:
+            keep.view(-1)[1] = ~keep.view(-1)[1]  # one element flipped through a view: no longer the mask first built
+        return keep
 
-    def masked(s, key_keep, amask):
+    def masked(s, key_keep, amask, keep=None):
         if prog.mask == "none":
             return s
         if prog.mask_form == "additive_input":
             return s + amask
-        keep = keep_of(s, key_keep)
+        keep = keep_of(s.shape[-2], s.shape[-1], s.device, key_keep) if keep is None else keep
         fill = _fill(prog, s.dtype)
         if prog.mask_form == "masked_fill":
             return s.masked_fill(~keep, fill)
@@ -198,6 +212,8 @@ def build(prog: Program) -> Callable:
 
     def probs(q, k, key_keep, amask, sbuf):
         mode = prog.grad_mode
+        # the mask written before the scores exist (a mask built and edited up front, as models build theirs)
+        keep = keep_of(q.shape[2], k.shape[2], q.device, key_keep) if prog.late == "mask_view_before" else None
         if mode == "scores_no_grad":
             with torch.no_grad():
                 s = scores(q, k)
@@ -216,12 +232,21 @@ def build(prog: Program) -> Callable:
             sbuf.copy_(s)
         if mode == "probs_no_grad":
             with torch.no_grad():
-                return softmax(masked(s, key_keep, amask))
-        return softmax(masked(s, key_keep, amask))
+                return softmax(masked(s, key_keep, amask, keep))
+        return softmax(masked(s, key_keep, amask, keep))
 
     def attention(q, k, v, key_keep, amask, buf, sbuf, x):
+        k_in = k
+        if prog.late == "k_dropout_alias_after":
+            k = F.dropout(k, 0.5, training=False)  # k itself
         k, v = repeat_kv(k, prog.gqa, g), repeat_kv(v, prog.gqa, g)
         o = pv(dropout(probs(q, k, key_keep, amask, sbuf)), v, buf)
+        if prog.late in ("k_view_after", "k_dropout_alias_after") and k_in.numel():
+            k_in.view(-1)[: max(1, k_in.numel() // 2)].mul_(2.0)
+        elif prog.late == "k_data_after":
+            k_in.data.mul_(2.0)
+        elif prog.late == "k_out_after":
+            torch.mul(k_in, 2.0, out=k_in)
         if prog.write == "copy_":
             return buf.copy_(o)
         if prog.write == "add_":
@@ -231,7 +256,14 @@ def build(prog: Program) -> Callable:
             return buf
         return o
 
+    def merged(o):
+        # the caller writes into what it gets: heads merged, a view of the op's [B, N, H, D] output where rewritten
+        return o.transpose(1, 2).flatten(2) if prog.late == "out_after_call" else o
+
     def fn(q, k, v, key_keep, amask, buf, sbuf, x):
+        return merged(body(q, k, v, key_keep, amask, buf, sbuf, x))
+
+    def body(q, k, v, key_keep, amask, buf, sbuf, x):
         mode = prog.grad_mode
         if mode == "body_no_grad":
             with torch.no_grad():
@@ -346,13 +378,15 @@ def _call(fn: Callable, prog: Program, ins: dict, dtype: Optional[torch.dtype] =
     args = [ins[n].clone() for n in ARG_NAMES]
     if dtype is not None:
         args = [a.to(dtype) if a.is_floating_point() else a for a in args]
-    for a in args[:3]:
-        a.requires_grad_(prog.requires_grad)
+    for a, rg in zip(args[:3], prog.requires_grad):
+        a.requires_grad_(rg)
     # torch.inference_mode inside a compiled function fails in Dynamo itself (and leaves the process
     # unusable): it is drawn around the call, as model.generate() uses it.
     ctx = {"call_no_grad": torch.no_grad, "call_inference_mode": torch.inference_mode}.get(prog.grad_mode, nullcontext)
     with ctx():
         out = fn(*args)
+        if prog.late == "out_after_call":
+            out.add_(torch.ones((), dtype=out.dtype))  # the caller's residual, before the backward
     return out, args
 
 
@@ -444,6 +478,9 @@ def check_program(prog: Program, seed: int, use_pass: bool = True) -> list:
         _same(args[5].detach(), buf_want.detach(), tol, f"{where}: caller's buf after the call",
               exact if holds_out and low_precision else None)
         _same(args[6].detach(), ref_args[6].detach(), tol, f"{where}: caller's sbuf after the call")
+        for i, name in enumerate(("q", "k", "v", "key_keep")):
+            assert torch.equal(args[i].detach().isnan(), ref_args[i].detach().isnan()) and torch.equal(
+                args[i].detach().nan_to_num(), ref_args[i].detach().nan_to_num()), f"{where}: caller's {name} after the call"
         for name, a, r in zip(ARG_NAMES, args, ref_args):
             if r.numel():
                 assert (out.data_ptr() == a.data_ptr()) == (ref.data_ptr() == r.data_ptr()), \
@@ -519,8 +556,16 @@ def programs():
         # Under autocast P is bf16 or fp32 by spelling and out= insists on one dtype.
         write = pick([w for w in WRITES if w != "out_kw"] if grad_mode == "autocast" else WRITES)
         softmax = pick(SOFTMAXES if shape[3] else SOFTMAXES[:-1])  # amax() refuses an empty key axis
+        # A mask written before the site changes which keys each row keeps: not with the poisons, whose reach
+        # keep_matrix states. Writes into k after the site mostly with only v needing grad (eager refuses an
+        # in-place write into a leaf that requires grad, and its backward one into a tensor it saved).
+        # The output with heads merged (out_after_call) is not the [B, H, Nq, D] the poisons' reach and the caller's
+        # buffer are compared in.
+        late = pick([x for x in LATE if not (x in ("mask_view_before", "out_after_call") and values in POISONS)
+                     and not (x == "out_after_call" and write in ("out_kw", "copy_", "slice_assign"))])
+        grads = pick(["v"] * 3 + ["qkv"] if late.startswith("k_") else ["qkv"] * 3 + ["v"])
         return Program(qk=pick(QKS), scale=pick(SCALES), softmax=softmax, pv=pick(PVS), mask=mask,
-                       mask_form=form, fill=fill, write=write, grad_mode=grad_mode, gqa=pick(GQAS),
+                       mask_form=form, fill=fill, write=write, late=late, grads=grads, grad_mode=grad_mode, gqa=pick(GQAS),
                        dropout=pick(DROPOUTS), dtype=dtype, shape=shape, values=values, scale_value=scale,
                        inner="aot_eager" if values == "fp16_overflow" else pick(INNERS))  # Inductor upcasts fp16 too
 

@@ -3,7 +3,8 @@
 Where tests/test_patterns_fuzz.py draws spellings the recognizer must rewrite, this draws programs a
 rewrite must not get wrong: every axis of tests/adversarial_programs.py at once (Q·Kᵀ / scale /
 softmax / P·V spellings, masks with -inf, finfo.min and finite fills crossed by large logits, writes
-into caller tensors, grad-mode and autocast regions, zero-size dimensions, NaN/inf inputs, fp16
+into caller tensors (also through views, `.data`, `out=` and aliasing ops, after the site or into its mask before
+it; into the output by the caller), grad-mode and autocast regions, zero-size dimensions, NaN/inf inputs, fp16
 overflow, GQA, dropout 0, fp32 / fp16 / bf16). Each program is compiled with the fa3 backend (mostly
 aot_eager inside, some Inductor) and compared with eager on fresh inputs: output, caller buffers,
 aliasing, gradients of q, k, v (None exactly where eager's is None), every element. A site the pass
@@ -46,6 +47,19 @@ PINNED = [
     Program(write="add_", mask="causal"),
     Program(write="slice_assign", qk="einsum", pv="einsum"),
     Program(write="scores_copy"),
+    # writes the pass must see through aliases: into k after the site, where the op would save k and eager saves P
+    Program(late="k_view_after", grads="v", mask="causal"),
+    Program(late="k_data_after", grads="v", qk="einsum"),
+    Program(late="k_data_after", mask="padding"),
+    Program(late="k_out_after", grads="v", gqa="repeat_interleave"),
+    Program(late="k_dropout_alias_after", grads="v", qk="bmm", pv="bmm"),
+    # ... and into the mask through a view of it before the site
+    Program(late="mask_view_before", mask="causal"),
+    Program(late="mask_view_before", mask="window", mask_form="where", grads="v"),
+    Program(late="mask_view_before", mask="padding", mask_form="additive", fill="-1e4"),
+    # ... and into the output by the caller, before the backward (a view of the op's saved output)
+    Program(late="out_after_call", mask="causal"),
+    Program(late="out_after_call", qk="bmm", pv="bmm", inner="inductor"),
     Program(grad_mode="scores_no_grad", mask="causal"),
     Program(grad_mode="scores_set_grad_false", softmax="F.softmax"),
     Program(grad_mode="probs_no_grad"),
