@@ -247,3 +247,38 @@ def written_in_place(node: fx.Node, limit: int = 4096, after: Optional[fx.Node] 
                 seen.add(u)
                 todo.append(u)
     return False
+
+
+def escapes(node: fx.Node, limit: int = 4096) -> bool:
+    """Whether `node`'s memory may leave the graph: `node` itself or a view of it (an in-place op's result is its
+    input) is a graph output. The caller may then write into it (`o += x` after the call, or in the next graph after
+    a graph break); True as well when more than `limit` nodes would have to be walked."""
+    seen, todo = {node}, [node]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u.op == "output":
+                return True
+            if u not in seen and (may_alias(u) or is_inplace(u)) and _may_hold_tensor(u):
+                if len(seen) > limit:
+                    return True
+                seen.add(u)
+                todo.append(u)
+    return False
+
+
+def may_be_view_of(node: fx.Node, base: fx.Node, limit: int = 256) -> bool:
+    """Whether `node`'s value may share memory with `base`'s: `base` is reached from `node` up through views (and
+    the tensors in-place ops wrote into). True as well when more than `limit` nodes would have to be walked."""
+    seen, todo = {node}, [node]
+    while todo:
+        n = todo.pop()
+        if n is base:
+            return True
+        for a in _alias_inputs(n):
+            if a not in seen:
+                if len(seen) > limit:
+                    return True
+                seen.add(a)
+                todo.append(a)
+    return False

@@ -22,11 +22,12 @@ import torch
 import torch.fx as fx
 
 from . import emit
-from .aliasing import written_in_place
+from .aliasing import escapes, may_be_view_of, written_in_place
 from .fused_common import (
     Builder, Refuse, check_scalars, const, default_scale, emit_attention, guarded_rewrite, options_allow_dropout,
     runtime_scale, same_size, shape_of, structured_mask, tensor_value,
 )
+from .layout import eager_layout, fresh_copy_kwargs
 from .site import PassOptions, SiteReport
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
@@ -212,8 +213,17 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, c
     elif nd > 4:
         lead = [b.size(q, i) for i in range(nd - 3)]
         out = b.m("unflatten", out4, 0, tuple(lead))
+    ov = example_value_of(node)
     if written_in_place(node):
-        out = b.m("clone", out)  # `o += x` must not write into the op's output, which autograd saved
+        # `o += x` must not write into the op's output, which autograd saved; with eager's strides (layout.eager_layout)
+        layout = eager_layout(ov, tensor_value(out, "output")) if ov is not None else None
+        if layout is None:
+            raise Refuse("the output is written in place and eager's layout of it is neither contiguous nor the op's")
+        out = b.m("clone", out, **layout)
+    elif ov is not None and ov.requires_grad and escapes(node) and may_be_view_of(out, call):
+        # nor the caller's after the call: a copy Inductor keeps (find_sites/rewrite.py)
+        copy = fresh_copy_kwargs(tensor_value(out, "output"))
+        out = b.m("clone", out, **copy) if copy is not None else b.m("mul", out, 1.0)
     b.replace(node, out)
     rep.rewritten, rep.call = True, call
     cache.update(b.pending_cache)

@@ -203,3 +203,24 @@ def _einsum(node: fx.Node, out: torch.Tensor) -> Optional[Contraction]:
     out_perm = tuple(canon.index(ch) for ch in z)
     return Contraction(node, "einsum", View(a.node, lp, a.dtype), View(b.node, rp, b.dtype), out_perm,
                        batch_rank=len(zb))
+
+
+def eager_layout(eager: torch.Tensor, ours: torch.Tensor) -> Optional[dict]:
+    """clone() arguments that give a replacement `ours` the strides of eager's value, so that `.contiguous()`,
+    `.reshape()`, `.flatten()` downstream give a view or a copy as they did in eager (and a write through them lands
+    where it did): nothing where the strides already match, contiguous where eager's value was (a product's
+    usually is); None for another layout."""
+    if eager.is_contiguous():
+        return {} if ours.is_contiguous() else dict(memory_format=torch.contiguous_format)
+    if tuple(eager.stride()) == tuple(ours.stride()):
+        return {}
+    return None
+
+
+def fresh_copy_kwargs(ours: torch.Tensor) -> Optional[dict]:
+    """clone() arguments for a copy of `ours` that Inductor keeps: a contiguous one where `ours` has other strides
+    (a clone that keeps the strides is a no-op to Inductor's joint-graph passes, which drop it); None where `ours`
+    is already contiguous (the caller copies another way)."""
+    if tuple(ours.stride()) == tuple(torch.empty(ours.shape, device="meta").stride()):
+        return None
+    return dict(memory_format=torch.contiguous_format)

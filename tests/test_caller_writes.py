@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fa_compile
 from eager_diff import check, rand
+from fa_compile.compiler import run_pass
 
 B, H, N, D = 2, 2, 8, 16
 
@@ -548,3 +550,105 @@ class BufferWrittenThroughAView(torch.nn.Module):
 def test_a_constant_mask_written_before_the_site_is_read_as_written(fn, grad):
     res = check(fn, qkv(requires_grad=grad), grad=grad)
     assert all(r.mask not in ("causal", "none") for r in res.rewritten), [(r.mask, r.reason) for r in res.reports]
+
+
+# ------------------------------------------------------------------------------- the result written by the caller
+
+
+def returned_as_is(q, k, v):
+    return _attend(q, k, v)
+
+
+def returned_heads_merged(q, k, v):
+    return _attend(q, k, v).transpose(1, 2).reshape(B, N, H * D)  # a view of the op's [B, N, H, D] output
+
+
+def sdpa_returned_heads_merged(q, k, v):
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return o.transpose(1, 2).reshape(B, N, H * D)
+
+
+def residual_after_graph_break(q, k, v, x):
+    o = _attend(q, k, v).transpose(1, 2).reshape(B, N, H * D)
+    torch._dynamo.graph_break()
+    o += x  # the next graph writes into the first one's output
+    return o
+
+
+RETURNED = {"as_is": returned_as_is, "heads_merged": returned_heads_merged,
+            "sdpa_heads_merged": sdpa_returned_heads_merged}
+
+
+def _written_by_caller(fn, inputs: list, compiled) -> tuple:
+    args = [a.detach().clone().requires_grad_(a.requires_grad) for a in inputs]
+    out = compiled(*args)
+    out.add_(rand(*out.shape, seed=31))  # the caller's residual, in place, before the backward
+    grads = torch.autograd.grad((out * out).sum(), [a for a in args if a.requires_grad])
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("form", list(RETURNED) + ["graph_break"])
+def test_output_written_by_the_caller_leaves_the_saved_output_alone(form, inner):
+    # The op saves its output for the backward; eager's products save P and V. A result the graph returns, or a view
+    # of it, that the caller (or the next graph) then writes into must not be the memory the backward reads.
+    fn = residual_after_graph_break if form == "graph_break" else RETURNED[form]
+    inputs = qkv(requires_grad=True) + ([rand(B, N, H * D, seed=7)] if form == "graph_break" else [])
+    torch._dynamo.reset()
+    reports: list = []
+    be = fa_compile.backend(inner)
+
+    def backend(gm, example_inputs):
+        reports.extend(run_pass(gm))
+        return be(gm, example_inputs)
+
+    got, got_grads = _written_by_caller(fn, inputs, torch.compile(fn, backend=backend))
+    want, want_grads = _written_by_caller(fn, inputs, fn)
+    assert [r.rewritten for r in reports] == [True]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for name, g, w in zip("qkv", got_grads, want_grads):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}.grad: {m}")
+
+
+# ------------------------------------------------------------------------------- view or copy by strides
+
+
+def contiguous_written(q, k, v):
+    o = _attend(q, k, v)
+    o.contiguous().mul_(2.0)  # eager's o is contiguous: .contiguous() is o itself
+    return o + 0.0
+
+
+def reshape_written(q, k, v):
+    o = _attend(q, k, v)
+    o.reshape(B * H, N, D).add_(1.0)  # a view of eager's o
+    return o + 0.0
+
+
+def flatten_written(q, k, v):
+    o = _attend(q, k, v)
+    o.flatten(2).zero_()
+    return o + 0.0
+
+
+def merged_heads_written(q, k, v):
+    o = _attend(q, k, v)
+    o.transpose(1, 2).reshape(B, N, H * D).zero_()  # a copy in eager: o keeps its values
+    return o + 0.0
+
+
+def reshaped_then_written(q, k, v):
+    o = _attend(q, k, v)
+    y = o.reshape(B * H, N, D)
+    o.mul_(3.0)  # reaches y in eager, where y is a view
+    return y + 0.0
+
+
+@pytest.mark.parametrize("fn", [contiguous_written, reshape_written, flatten_written, merged_heads_written,
+                                reshaped_then_written], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_writes_through_a_view_or_a_copy_land_as_in_eager(fn, inner):
+    # .contiguous(), .reshape(), .flatten() give a view or a copy by the strides of their input: the op's output
+    # has its own ([B, N, H, D]), so a write through their result reached o where eager's did not, or missed it
+    # (1.0-3.6 off). A written output now takes eager's strides.
+    check(fn, qkv(requires_grad=True), inner=inner, rewritten=1)

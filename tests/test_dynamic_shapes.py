@@ -249,3 +249,45 @@ def test_run_time_diagonal_offset_keeps_the_op_without_a_failed_lowering():
         wq, = torch.autograd.grad(want.sum(), q)
         torch.testing.assert_close(gq, wq, **TOL)
     assert counters["fa_compile"]["sites_rewritten"] >= 1
+
+
+# ------------------------------------------------------------------ bounds decided at every size, not the first
+
+
+def _window3(q, k, v):
+    i, j = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+    s = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~((i >= j) & (i - j < 3)), -1e4)
+    return s.softmax(-1) @ v
+
+
+def _causal_offset2(q, k, v):
+    m = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril(2)
+    return (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~m, float("-inf")).softmax(-1) @ v
+
+
+def _lower_band(q, k, v):
+    m = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).triu(-2)
+    return (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~m, float("-inf")).softmax(-1) @ v
+
+
+def _sdpa_band(q, k, v):
+    m = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril().triu(-2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+
+@pytest.mark.parametrize("fn", [_window3, _causal_offset2, _lower_band, _sdpa_band], ids=lambda f: f.__name__)
+def test_a_band_that_admits_every_key_at_the_first_length_is_kept_for_the_next(fn):
+    # Compiled with dynamic=True at 3 queries, the window (or the offset causal bound) admits every key, and the
+    # lowering dropped it by the size of that call: the same graph ran at 8 and 13 queries without it (1.0-2.2 off),
+    # and Inductor's cache handed it to other processes. A bound is vacuous only when it is at every size.
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="fa3", dynamic=True)
+    for n in (3, 8, 13):
+        q, k, v = qkv(n, seed=n)
+        mine = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        got, want = compiled(*mine), fn(*ref)
+        assert_same(got, want)
+        g = torch.randn(got.shape, generator=torch.Generator().manual_seed(n))
+        for a, b in zip(torch.autograd.grad(got, mine, g), torch.autograd.grad(want, ref, g)):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

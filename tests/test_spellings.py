@@ -1347,9 +1347,11 @@ def xsoftmax_where(q, k, v, keep):
     return p @ v
 
 
-def xsoftmax_bias(q, k, v, keep, bias):
-    """SEW-D's relative-position bias added before the fill."""
+def xsoftmax_bias(q, k, v, keep, pos):
+    """SEW-D's relative-position bias (a product of the queries and position embeddings) added before the fill. (A bias
+    from the inputs is refused there: it may hold finfo.min itself, test_mask_values.py.)"""
     rmask = ~keep
+    bias = (q @ pos.transpose(-1, -2)) * 0.25
     s = torch.bmm((q * 0.25).flatten(0, 1), k.flatten(0, 1).transpose(1, 2)).view(B, H, N, N) + bias
     p = torch.softmax(s.masked_fill(rmask, torch.finfo(s.dtype).min), -1).masked_fill(rmask, 0)
     return torch.bmm(p.view(B * H, N, N), v.flatten(0, 1)).view(B, H, N, D)
@@ -1363,7 +1365,7 @@ def xsoftmax_causal(q, k, v):
 
 XSOFTMAX_FORMS = {
     "where -inf, where 0": (xsoftmax_where, lambda: [query_key_padding()]),
-    "bias then fill, bmm": (xsoftmax_bias, lambda: [query_key_padding(), rand(B, H, N, N, seed=7, requires_grad=True)]),
+    "bias then fill, bmm": (xsoftmax_bias, lambda: [query_key_padding(), rand(B, H, N, D, seed=7, requires_grad=True)]),
     "causal (no empty row)": (xsoftmax_causal, lambda: []),
 }
 
@@ -1440,7 +1442,7 @@ class TestPinnedExpSum(expecttest.TestCase):
         self.assertExpectedInline(pinned(EXP_SUM_FORMS["amax.sum"], *qkv()), """\
 fa3.attention(l_q_, l_k_, l_v_, 0.25, False, 0, -1, -1, None, None, 0.0, 0.0, None, None)
 getitem(attention_default, 0)
-contiguous(getitem)""")
+clone(getitem)""")
 
 
 # ------------------------------------------------------------------------------------ multiplicative masks

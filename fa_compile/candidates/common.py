@@ -50,19 +50,31 @@ def shapes(args) -> tuple:
     return tuple(static_int(s) for s in (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3]))
 
 
+def known_true(cond) -> bool:
+    """A condition on sizes that holds for every size the graph may run at: a bool, or a SymBool decided from the
+    symbols alone. Never from a dynamic size's hint (the sizes of the call that compiled it): a mask bound that
+    admits every key at that length may cut keys at the next (a window dropped, silently, in a graph compiled with
+    dynamic=True and reused at other lengths, or read back from Inductor's cache). Adds no guard."""
+    if isinstance(cond, bool):
+        return cond
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    try:
+        return bool(statically_known_true(cond))
+    except Exception:  # noqa: BLE001 - not decidable: not known
+        return False
+
+
 def causal_vacuous(args) -> bool:
-    """True when the causal bound admits every key of every row: j - i <= Nk - 1 <= diag_offset."""
-    nk = static_int(args.k.shape[2])
-    off = static_int(args.diag_offset)
-    return nk is not None and off is not None and off >= nk - 1
+    """True when the causal bound admits every key of every row, at every size: j - i <= Nk - 1 <= diag_offset."""
+    return known_true(args.diag_offset >= args.k.shape[2] - 1)
 
 
 def window_vacuous(args) -> tuple[bool, bool]:
-    """(left, right) window bounds that admit every key anyway (or are unbounded)."""
-    nq, nk = static_int(args.q.shape[2]), static_int(args.k.shape[2])
-    off = static_int(args.diag_offset)
-    left = args.window_left < 0 or (nq is not None and off is not None and args.window_left >= nq - 1 + off)
-    right = args.window_right < 0 or (nk is not None and off is not None and args.window_right >= nk - 1 - off)
+    """(left, right) window bounds that admit every key anyway, at every size (or are unbounded)."""
+    nq, nk, off = args.q.shape[2], args.k.shape[2], args.diag_offset
+    left = args.window_left < 0 or known_true(args.window_left >= nq - 1 + off)
+    right = args.window_right < 0 or known_true(args.window_right >= nk - 1 - off)
     return left, right
 
 
@@ -81,8 +93,7 @@ def may_have_empty_rows(args) -> bool:
         return True
     if getattr(args, "q_pos", None) is not None or getattr(args, "q_seg", None) is not None:
         return True
-    off = static_int(args.diag_offset)
-    if effective_causal(args) and (off is None or off < 0):
+    if effective_causal(args) and not known_true(args.diag_offset >= 0):
         return True
     if has_window(args):
         return True

@@ -185,7 +185,7 @@ class FA3Candidate:
         if bounded:
             if nq is None or nk is None or off is None:
                 r.append(f"{what}: symbolic sequence lengths or diagonal")
-            elif off != nk - nq:
+            elif not c.known_true(args.diag_offset == args.k.shape[2] - args.q.shape[2]):
                 r.append(f"{what} aligns causal/window bounds bottom-right (diag_offset Nk - Nq = {nk - nq}), "
                          f"this site's diagonal is at {off}")
             if args.kv_lens is not None:

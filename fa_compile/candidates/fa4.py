@@ -65,7 +65,8 @@ class FA4Candidate:
         nq, nk = c.static_int(args.q.shape[2]), c.static_int(args.k.shape[2])
         off = c.static_int(args.diag_offset)
         if c.effective_causal(args) or c.has_window(args):
-            if nq is None or nk is None or off is None or off != nk - nq:
+            if nq is None or nk is None or off is None or \
+                    not c.known_true(args.diag_offset == args.k.shape[2] - args.q.shape[2]):
                 r.append(f"{what} aligns causal/window bounds bottom-right (diag_offset Nk - Nq), this site's is {args.diag_offset}")
         if args.needs_backward:
             r += c.deterministic_reasons(args, what, deterministic_backward=False)

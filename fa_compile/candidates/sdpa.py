@@ -87,9 +87,9 @@ class SdpaCandidate:
             r.append(f"{what} needs as many K/V heads as Q heads; GQA {hq}/{hkv} would repeat K and V "
                      f"{hq // hkv}x in memory")
         if c.effective_causal(args):
-            off = c.static_int(args.diag_offset)
-            want = 0 if CAUSAL_ALIGN[self.kind] == "top_left" else nk - nq
-            if off != want:
+            off = args.diag_offset
+            want = 0 if CAUSAL_ALIGN[self.kind] == "top_left" else args.k.shape[2] - args.q.shape[2]
+            if not c.known_true(off == want):  # at every size, not at the compiling call's (common.known_true)
                 side = "top-left (diag_offset 0)" if CAUSAL_ALIGN[self.kind] == "top_left" else f"bottom-right (diag_offset Nk - Nq = {want})"
                 r.append(f"{what}: is_causal is aligned {side}, this site's diagonal is at {args.diag_offset}")
             elif nq != nk and args.needs_backward:

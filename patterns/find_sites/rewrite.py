@@ -10,14 +10,14 @@ import torch
 import torch.fx as fx
 
 from .. import emit, sinks
-from ..aliasing import writes, written_args, written_in_place
+from ..aliasing import escapes, may_be_view_of, writes, written_args, written_in_place
 from ..canonicalize import exp_lse_of, kind, softmax_args, tensor_of
 from ..effects import (
     GradFlow, chain_write, grad_flow, out_target, path_to, private_storage, read_path,
 )
 from ..emit import example_value
 from ..gqa import unrepeat
-from ..layout import View, fold, identity
+from ..layout import View, eager_layout, fold, fresh_copy_kwargs, identity
 from ..regions import Regions
 from ..shapes import known_eq, known_one
 from ..site import MaskSpec, MaskTerm, PassOptions, SiteReport
@@ -435,7 +435,21 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
             if tensor_of(res).dtype != o_val.dtype:
                 res = o.call("to", res, o_val.dtype, method=True)
             if o_out is None and written_in_place(o_node):
-                res = o.call("clone", res, method=True)  # `o += x` must not write into the op's saved output
+                # `o += x` must not write into the op's saved output; and eager's strides, so that `.contiguous()`,
+                # `.reshape()`, `.flatten()` give a view or a copy as in eager and a write through them lands there too
+                layout = eager_layout(o_val, tensor_of(res))
+                if layout is None:
+                    raise Miss("the output is written in place and eager's layout of it is neither contiguous nor the "
+                               "op's: a view of it may alias where eager's is a copy")
+                res = o.call("clone", res, method=True, **layout)
+            elif o_out is None and o_val.requires_grad and escapes(o_node) and may_be_view_of(res, call):
+                # Nor the caller's `o += x` after the call, where the graph returns o or a view of it (eager's
+                # products save P and V, not o). Inductor drops a clone that keeps the strides as a no-op in the
+                # joint graph (where the saved output is not yet an output it would alias): a contiguous one, or
+                # `* 1.0` (exact for every value) where the result is contiguous already.
+                copy = fresh_copy_kwargs(tensor_of(res))
+                res = o.call("clone", res, method=True, **copy) if copy is not None else \
+                    o.call("mul", res, 1.0, method=True)
             if _needs_contiguous(o_node, tensor_of(res)):
                 res = o.call("contiguous", res, method=True)
             if o_out is not None:

@@ -67,7 +67,11 @@ HF's old (1 - m) * -10000) is passed untouched as the op's float bias, which is 
   bf16 finfo.min; fp16 finfo.min for |s| <= 16)                -> empty_rows "mean_v_add" (the
   addition passes the gradient to the absorbed scores: eager's backward is softmax's at uniform P).
 Negligible fills of one value c applied after every other term (s + bias, then masked_fill) overwrite
-it: a fully masked row is all c -> empty_rows "mean_v", the bias passed as the op's.
+it: a fully masked row is all c -> empty_rows "mean_v", the bias passed as the op's. That needs the bias
+to stay far above c on kept keys (combine._moderate: a constant evaluated, or built from products and
+learned parameters, as plausible as the scores); a float mask from the inputs may hold finfo.min or -inf
+there, where eager weighs the filled keys too, and is refused. Likewise an additive 0-or-c term whose
+float parts are not proven moderate is passed whole as the op's bias, not as structure.
 Mixes whose fully masked rows eager computes differently (negligible fills of different values, a
 fill and a separate additive float mask added after it) are refused unless proven to have no empty row, or
 unless every fill is -inf, or <= ABSORB_LIMIT (fp32/bf16 finfo.min) and the very first term:

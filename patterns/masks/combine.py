@@ -9,6 +9,7 @@ from typing import Optional, Union
 import torch
 import torch.fx as fx
 
+from ..aliasing import op_name
 from ..emit import example_value, op_accepts
 from ..site import MaskTerm
 from .symbolic import Size, _dtype, _same, _shape, _sym_true
@@ -66,6 +67,60 @@ def adds_bias_only(gm: fx.GraphModule, term: MaskTerm, scores_dtype: torch.dtype
     return not any(isinstance(x, tuple) and x[:1] == ("absorb16",) for x in info.extra)
 
 
+MODERATE = -1e22  # a float mask above this (and finite) never absorbs a score beside a fill c <= ABSORB_LIMIT
+# Products: their values are scores' kin, held to the plausibility every absorbing fill already assumes of the scores
+# (|s| < 1e22). baddbmm's first argument is added, not multiplied, and is followed.
+_PRODUCTS = frozenset({"matmul", "bmm", "einsum", "linear", "mm", "mv", "conv1d", "conv2d", "baddbmm", "addmm",
+                       "__matmul__", "embedding"})
+_LIMIT = 400
+
+
+def _moderate(an: _Analyzer, x) -> bool:
+    """Whether a float mask part never comes near an absorbing fill: a 0/1 bool mask added as a float; a compile-time
+    constant (an ALiBi bias built from positions) evaluated here; or a bias computed from products and learned
+    parameters (relative-position attention, T5's bias embedding), as plausible as the scores themselves. Not a
+    tensor from the inputs or a buffer that is not read here (a padding mask of finfo.min or -inf), nor anything
+    built with a constant beyond MODERATE (masked_fill(m, finfo.min), (1 - m) * finfo.min)."""
+    if isinstance(x, tuple):
+        return x[0] == "to"  # ("to", bool mask, dtype): 0 or 1; ("absorb16", ...) holds fp16's finfo.min
+    if not isinstance(x, fx.Node):
+        return False
+    if an.ev.can_fold(x):
+        try:
+            val = an.ev.evaluate(x)
+        except Exception:  # noqa: BLE001 - not evaluable: judged by how it is built below
+            val = None
+        if isinstance(val, torch.Tensor):
+            return val.dtype == torch.bool or val.numel() == 0 or bool((val.isfinite() & (val > MODERATE)).all())
+    seen, todo = {x}, [x]
+    while todo:
+        n = todo.pop()
+        if len(seen) > _LIMIT:
+            return False
+        if n.op == "placeholder":
+            v = example_value(n)
+            learned = "_dynamo_static_input_type" in n.meta.get("tensor_dict", {}) and \
+                getattr(v, "requires_grad", False)
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and not learned:
+                return False
+            continue
+        if n.op not in ("call_function", "call_method"):
+            return False
+        scalars: list = []
+        fx.node.map_aggregate((n.args, n.kwargs), lambda a: scalars.append(a) if isinstance(a, float) else a)
+        if any(not math.isfinite(c) or abs(c) >= -MODERATE for c in scalars):
+            return False
+        name = op_name(n)
+        ins = n.all_input_nodes
+        if name in _PRODUCTS:
+            ins = [n.args[0]] if name in ("baddbmm", "addmm") and isinstance(n.args[0], fx.Node) else []
+        for a in ins:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return True
+
+
 def _negligible(c: float, dtype: torch.dtype) -> bool:
     """A fill c that gets weight exactly 0 next to any plausible admissible score: -inf, c <= ABSORB_LIMIT
     (e^(c - m) == 0 for every score m > -1e22), or fp16's finfo.min on fp16 scores (eager's fp16 scores
@@ -101,8 +156,11 @@ def _term_info(an: _Analyzer, t: MaskTerm, scores_dtype: torch.dtype, q_len: Siz
         # is exact, whatever the scores (a row whose admissible scores lie below c + s_masked)
         if isinstance(v, _Two):
             v = replace(v, keep=_lens_as_positions(v.keep, t.tensor, q_len))
+        # Its float parts (extra) must stay well above c: one that may reach c itself (a padding mask of -inf or
+        # finfo.min from the inputs, added to a finfo.min causal mask) weighs keys as no structure does. Then the
+        # whole term is the op's bias, eager's own sum.
         if isinstance(v, _Two) and v.on == 0 and _absorbs(v.c, eager_dt) and _band_fits(
-                v.keep, t.tensor, q_len, k_len):
+                v.keep, t.tensor, q_len, k_len) and all(_moderate(an, x) for x in v.extra):
             return _TermInfo("add", v.c, keep=v.keep, extra=v.extra, absorbs=True, applied=eager_dt)
         return untouched_add(an, t.tensor, eager_dt)
     if t.op not in ("fill", "where", "bool"):
@@ -260,6 +318,9 @@ def _combine(infos: list, an: _Analyzer, q_len, k_len, sdpa: bool) -> Union[str,
         first = next(i for i, t in enumerate(infos) if any(t is m for m in masking))
         fills_last = fills_only and all(any(t is m for m in masking) for t in infos[first:])
         if fills_last and all(t.absorbs for t in masking) and (untouched or extras):
+            if not all(_moderate(an, x) for x in extras):
+                return ("fully masked rows: a float mask added before an absorbing fill may itself absorb every kept "
+                        "key of a row (where eager's row is uniform over all keys), which the op cannot reproduce")
             empty = "mean_v"
         elif untouched or not (len(masking) == 1 or fills_only) or not all(t.absorbs for t in masking):
             if no_empty:

@@ -171,7 +171,9 @@ def _band_of(m: torch.Tensor) -> Optional[_Keep]:
     nq, nk = m.shape
     if bool(m.all()):
         return _TRUE
-    if not bool(m.any()):
+    if not bool(m.any()) or nq == 1 or nk == 1:
+        # a band relates query and key positions: over a size-1 axis it would be relative to row (or key) 0 only,
+        # and the mask broadcast along that axis is no band (`j <= 3` over [1, Nk] is not j - i <= 3)
         return None
     d = torch.arange(nk).view(1, nk) - torch.arange(nq).view(nq, 1)
     lo, hi = int(d[m].min()), int(d[m].max())

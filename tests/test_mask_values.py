@@ -1,0 +1,123 @@
+"""Masks whose values, not only their pattern, decide eager's result on some rows: a constant mask that varies
+along one axis only, and float masks from the inputs that may hold values as low as the fill beside them. Each case
+compares the compiled program with eager (outputs and gradients, every element) and states whether the site may be
+rewritten: a rewrite that cannot be proven for every value of an input mask is not made, or the mask is passed to
+the op as eager adds it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eager_diff import check, rand
+
+B, H, N, D = 2, 2, 7, 8
+FMIN = torch.finfo(torch.float32).min
+
+
+def qkv(grad: bool = True) -> list:
+    return [rand(B, H, N, D, seed=i, requires_grad=grad) for i in range(3)]
+
+
+def _ij():
+    return torch.arange(N)[:, None], torch.arange(N)[None, :]
+
+
+# ------------------------------------------------------------------------ constant masks along one axis
+
+
+def keys_only_and_causal(q, k, v):
+    i, j = _ij()
+    keep = (j <= 3) & (j <= i)  # [1, N] & [N, N]: the first four keys, causally
+    return torch.softmax((q @ k.mT * 0.35).masked_fill(~keep, float("-inf")), -1) @ v
+
+
+def keys_only_expanded(q, k, v):
+    _, j = _ij()
+    keep = (j <= 4).expand(N, N)  # a key mask, not j - i <= 4
+    return torch.softmax((q @ k.mT * 0.35).masked_fill(~keep, float("-inf")), -1) @ v
+
+
+def queries_only_expanded(q, k, v):
+    i, _ = _ij()
+    keep = (i >= 2).expand(N, N)  # rows 0 and 1 masked entirely: a finite fill makes them uniform
+    return torch.softmax((q @ k.mT * 0.35).masked_fill(~keep, -1e9), -1) @ v
+
+
+def keys_only_buffers_multiplied(q, k, v):
+    i, j = _ij()
+    keep = (j <= 4).float() * (j <= i).float()
+    return torch.softmax((q @ k.mT * 0.35).masked_fill(keep == 0, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("fn", [keys_only_and_causal, keys_only_expanded, queries_only_expanded,
+                                keys_only_buffers_multiplied], ids=lambda f: f.__name__)
+def test_a_constant_mask_along_one_axis_is_no_band(fn):
+    # Such a mask evaluated over its size-1 axis looked like a band relative to row (or key) 0, and broadcast it
+    # became causal or causal with an offset: outputs 0.9-2.0 off.
+    res = check(fn, qkv(), rewritten=1)
+    assert "causal" not in res.rewritten[0].mask or "bool-mask" in res.rewritten[0].mask, res.rewritten[0].mask
+
+
+# ------------------------------------------------------------------------ float masks from the inputs
+
+
+def _left_padded_additive(fill: float) -> torch.Tensor:
+    keep = torch.ones(B, N)
+    keep[1, :3] = 0  # the first queries of batch 1 keep only padded keys under causality
+    return (1.0 - keep[:, None, None, :]) * fill if fill != float("-inf") else \
+        torch.zeros(B, 1, 1, N).masked_fill(keep[:, None, None, :] == 0, fill)
+
+
+def added_then_filled(q, k, v, pad):
+    s = (q @ k.mT * 0.35 + pad).masked_fill(~torch.ones(N, N, dtype=torch.bool).tril(), FMIN)
+    return torch.softmax(s, -1) @ v
+
+
+def xsoftmax_over_added(q, k, v, pad):
+    # DeBERTa's XSoftmax over scores that carry the caller's additive mask
+    rmask = ~torch.ones(N, N, dtype=torch.bool).tril()
+    p = torch.softmax((q @ k.mT * 0.35 + pad).masked_fill(rmask, FMIN), -1)
+    return p.masked_fill(rmask, 0.0) @ v
+
+
+def causal_finfo_plus_padding(q, k, v, pad):
+    causal = torch.zeros(N, N).masked_fill(~torch.ones(N, N, dtype=torch.bool).tril(), FMIN)
+    return torch.softmax(q @ k.mT * 0.35 + (causal + pad), -1) @ v
+
+
+def sdpa_causal_finfo_plus_padding(q, k, v, pad):
+    causal = torch.zeros(N, N).masked_fill(~torch.ones(N, N, dtype=torch.bool).tril(), FMIN)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal + pad)
+
+
+@pytest.mark.parametrize("fill", [FMIN, float("-inf")], ids=["finfo_min", "neg_inf"])
+@pytest.mark.parametrize("fn,rewritten", [(added_then_filled, 0), (xsoftmax_over_added, 0),
+                                          (causal_finfo_plus_padding, 1), (sdpa_causal_finfo_plus_padding, 1)],
+                         ids=lambda x: getattr(x, "__name__", str(x)))
+def test_a_float_mask_from_the_inputs_may_reach_the_fill(fn, rewritten, fill):
+    # A left-padded row keeps only padded keys under causality: with the padding at finfo.min (or -inf) they sit at
+    # (or below) the causal fill, so eager weighs every key (or only the causally masked ones) where structure plus
+    # an empty-row fix-up averaged the kept keys only (0.2-1.8 off). A fill after such a mask is refused; a sum of
+    # the two masks is passed to the op as eager adds it.
+    # (SDPA's gradients are not compared: on rows the mask absorbs entirely, eager's CPU flash backward is not that of
+    # its own forward, while the op's agrees with SDPA's math backend in fp64.)
+    sdpa = fn is sdpa_causal_finfo_plus_padding
+    res = check(fn, qkv(grad=not sdpa) + [_left_padded_additive(fill)], rewritten=rewritten)
+    if rewritten:
+        assert res.rewritten[0].mask == "bias", res.rewritten[0].mask
+    else:
+        assert any("may itself absorb" in r for r in res.reasons), res.reasons
+
+
+def alibi_then_filled(q, k, v):
+    # MPT: a constant ALiBi bias, then an absorbing fill: the bias is proven moderate, the fill stays structure
+    i, j = _ij()
+    alibi = -(i - j).abs().float() * torch.tensor([0.5, 0.25]).view(H, 1, 1)
+    s = (q @ k.mT * 0.35 + alibi).masked_fill(~torch.ones(N, N, dtype=torch.bool).tril(), FMIN)
+    return torch.softmax(s, -1) @ v
+
+
+def test_a_constant_bias_before_an_absorbing_fill_keeps_the_structure():
+    res = check(alibi_then_filled, qkv(), rewritten=1)
+    assert res.rewritten[0].mask == "causal+bias", res.rewritten[0].mask
