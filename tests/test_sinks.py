@@ -293,7 +293,7 @@ class TestPinnedSinkGraph(expecttest.TestCase):
 reshape(l_self_parameters_sinks_, (-1,))
 fa3.attention(l_q_, l_k_, l_v_, 0.3535533905932738, False, 0, -1, -1, None, None, 0.0, 0.0, None, None, reshape_1)
 getitem(attention_default, 0)
-contiguous(getitem_3)""")
+clone(getitem_3)""")
 
 
 class _LastHidden(nn.Module):
