@@ -208,18 +208,10 @@ def written_in_place(node: fx.Node, limit: int = 4096, after: Optional[fx.Node] 
     `after`, writes that stand before it into memory the graph allocated itself (no input's, no module
     attribute's) do not count: they made the value a reader at `after` sees (a mask built by writing slices
     of a `torch.full`), and functionalization gives that reader the finished value."""
-    bases, seen, todo = [], set(), [node]
-    while todo:  # up to the tensors whose memory `node` may be a view of
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if len(seen) > limit:
-            return True
-        up = _alias_inputs(n)
-        if not up:
-            bases.append(n)
-        todo.extend(up)
+    up = _views_up(node, limit)
+    if up is None:
+        return True
+    bases = [n for n in up if not _alias_inputs(n)]  # the tensors whose memory `node` may be a view of
     own = after is not None and all(b.op in ("call_function", "call_method") for b in bases)
     earlier: Optional[set] = None
 
@@ -267,18 +259,23 @@ def escapes(node: fx.Node, limit: int = 4096) -> bool:
     return False
 
 
-def may_be_view_of(node: fx.Node, base: fx.Node, limit: int = 256) -> bool:
-    """Whether `node`'s value may share memory with `base`'s: `base` is reached from `node` up through views (and
-    the tensors in-place ops wrote into). True as well when more than `limit` nodes would have to be walked."""
-    seen, todo = {node}, [node]
+def _views_up(node: fx.Node, limit: int) -> Optional[list]:
+    """`node` and every node whose memory it may share, up through views and what in-place ops wrote into (in the
+    order reached); None when more than `limit` nodes would have to be walked."""
+    seen, order, todo = set(), [], [node]
     while todo:
         n = todo.pop()
-        if n is base:
-            return True
-        for a in _alias_inputs(n):
-            if a not in seen:
-                if len(seen) > limit:
-                    return True
-                seen.add(a)
-                todo.append(a)
-    return False
+        if n in seen:
+            continue
+        seen.add(n)
+        order.append(n)
+        if len(seen) > limit:
+            return None
+        todo.extend(_alias_inputs(n))
+    return order
+
+
+def may_be_view_of(node: fx.Node, base: fx.Node, limit: int = 256) -> bool:
+    """Whether `node`'s value may share memory with `base`'s (see _views_up); True as well past `limit` nodes."""
+    up = _views_up(node, limit)
+    return up is None or base in up

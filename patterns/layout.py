@@ -221,6 +221,6 @@ def fresh_copy_kwargs(ours: torch.Tensor) -> Optional[dict]:
     """clone() arguments for a copy of `ours` that Inductor keeps: a contiguous one where `ours` has other strides
     (a clone that keeps the strides is a no-op to Inductor's joint-graph passes, which drop it); None where `ours`
     is already contiguous (the caller copies another way)."""
-    if tuple(ours.stride()) == tuple(torch.empty(ours.shape, device="meta").stride()):
+    if ours.is_contiguous():  # (contiguous with other strides on a size-1 dim: the copy by `* 1.0` serves as well)
         return None
     return dict(memory_format=torch.contiguous_format)
