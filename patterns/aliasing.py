@@ -43,6 +43,8 @@ MAY_ALIAS = frozenset({
     # _get_data_attr) is t's memory
     "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_dropout", "feature_alpha_dropout",
     "unsafe_split", "unsafe_chunk", "unsafe_split_with_sizes", "sum_to_size", "to_dense", "_get_data_attr",
+    # torch.as_tensor / torch.asarray of a tensor, and unary + (operator.pos), return the tensor itself
+    "as_tensor", "asarray", "pos",
 })
 # Of those, the ops that may return a view of any of their tensor arguments, not only of the first.
 _ALIAS_EVERY_ARG = frozenset({"atleast_1d", "atleast_2d", "atleast_3d", "broadcast_tensors", "meshgrid"})

@@ -146,7 +146,9 @@ def emit_attention(
 
     sinks ([Hq] logits in the denominator, patterns/sinks.py): a fully masked row then attends to the
     sink alone, so eager's value there is 0 (its -inf, finfo.min or clamped keys get weight 0 beside a
-    finite sink), the op's own; "fill" is refused with a ValueError (the filled keys keep a share).
+    finite sink), the op's own; a head whose sink is -inf has no sink, and its fully masked rows get the
+    fix-ups of `empty_rows` (the op's lse stays -inf there). "fill" is refused with a ValueError (the
+    filled keys keep a share).
 
     q_pos ([Nq] / [B, Nq]: query i admits keys j <= q_pos[b, i]) and q_seg / k_seg (same ids only) are
     run-time structure, ANDed with the rest; the fix-ups above build their keep-mask from them too.
@@ -220,10 +222,11 @@ def emit_attention(
         if mode is not None:
             with mode:
                 seed.meta["example_value"] = torch.randint(0, DROPOUT_SEED_HIGH, (), dtype=torch.int64, device=dev)
-    if sinks is not None:
-        if empty_rows == "fill":
-            raise ValueError("empty_rows: 'fill' with sinks (the filled keys share the row with the sink)")
-        empty_rows = "impossible"  # the op's 0 on a fully masked row is eager's: the sink takes the row
+    if sinks is not None and empty_rows == "fill":
+        raise ValueError("empty_rows: 'fill' with sinks (the filled keys share the row with the sink)")
+    # With sinks the op's lse on a fully masked row is the row's sink: a finite sink takes the row (eager's 0, the
+    # op's), and a sink of -inf leaves lse at -inf, where eager's row is that of a mask without sinks (uniform under
+    # a finite fill, NaN under -inf): the fix-ups below, keyed on lse = -inf, then apply as they are.
     if kv_lens is not None and _one_for_all(kv_lens, q):  # one length for every batch row (decode)
         kv_lens = call(graph, "expand", kv_lens, size_arg(graph, q, 0), method=True)
     runtime = dict(q_pos=q_pos, q_seg=q_seg, k_seg=k_seg)

@@ -429,6 +429,24 @@ def data_alias_written_after(q, k, v):
     return o
 
 
+def as_tensor_alias_written_after(q, k, v):
+    o = _attend(q, k, v)
+    torch.as_tensor(k).mul_(2.0)  # as_tensor of a tensor returns the tensor itself
+    return o
+
+
+def asarray_alias_written_after(q, k, v):
+    o = _attend(q, k, v)
+    torch.asarray(q).mul_(2.0)
+    return o
+
+
+def unary_plus_alias_written_after(q, k, v):
+    o = _attend(q, k, v)
+    (+k).mul_(2.0)  # operator.pos returns its operand
+    return o
+
+
 def _v_grad_only() -> list:
     q, k, v = qkv()
     return [q, k, v.requires_grad_()]
@@ -449,6 +467,9 @@ WRITES_AFTER = {
     "unsafe_split": (unsafe_split_view_written_after,
                      lambda: [rand(B, H, N, 2 * D, seed=5), rand(B, H, N, D, seed=6, requires_grad=True)]),
     "data_alias": (data_alias_written_after, _v_grad_only),
+    "as_tensor": (as_tensor_alias_written_after, _v_grad_only),
+    "asarray": (asarray_alias_written_after, _v_grad_only),
+    "unary_plus": (unary_plus_alias_written_after, _v_grad_only),
 }
 
 

@@ -218,6 +218,33 @@ def test_gpt_oss_sink_column_with_an_additive_causal_mask():
     check(GptOssAttention(), [q, k, v, mask], rewritten=1)
 
 
+def _sink_column_with_key_padding(additive: bool):
+    def f(q, k, v, s, keep):
+        sc = q @ k.transpose(-1, -2) * D ** -0.5
+        lo = torch.finfo(sc.dtype).min
+        if additive:
+            sc = sc + torch.zeros(B, 1, 1, N, dtype=sc.dtype).masked_fill(~keep[:, None, None, :], lo)
+        else:
+            sc = sc.masked_fill(~keep[:, None, None, :], lo)
+        c = torch.cat([sc, s.reshape(1, H, 1, 1).expand(B, H, N, 1)], -1)
+        p = torch.softmax(c - c.max(-1, keepdim=True).values, -1)[..., :-1]
+        return p @ v
+
+    return f
+
+
+@pytest.mark.parametrize("additive", [False, True], ids=["masked_fill", "additive"])
+def test_a_sink_of_minus_inf_leaves_a_fully_masked_row_to_the_finite_fill(additive):
+    # A head whose sink is -inf has no sink: on a row whose keys are all finfo.min, eager weighs them alike (the mean
+    # of V), where a finite sink would take the row (0). Both kinds of heads in one call, outputs and gradients.
+    q, k, v = (rand(B, H, N, D, seed=i, requires_grad=True) for i in (1, 2, 3))
+    s = torch.tensor([float("-inf"), 0.0, 1.5, float("-inf")], requires_grad=True)
+    keep = torch.ones(B, N, dtype=torch.bool)
+    keep[0, 4:] = False
+    keep[1] = False  # every key of the second sequence padded
+    check(_sink_column_with_key_padding(additive), [q, k, v, s, keep], rewritten=1)
+
+
 class CastColumn(nn.Module):
     """A sink column cast after its expand (`.to(scores.dtype)`, or a rounding round trip): the casts
     move to the logits, so the op sees the values eager's softmax sees."""
