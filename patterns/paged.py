@@ -380,6 +380,23 @@ def _writes(n: fx.Node) -> list:
     return [w for w in out if tensor_of(w) is not None]
 
 
+def _index_chain(g: "Gather", table: Any, depth: int = 8) -> list:
+    """The nodes between `table` and the gather's first node along the index argument's first-argument chain (the
+    casts and flattenings `_int_source` / `_flat_table` looked through)."""
+    out: list = []
+    for x in g.nodes[0].all_input_nodes:
+        path: list = []
+        for _ in range(depth):
+            if x is table:
+                out += path
+                break
+            if not isinstance(x, fx.Node) or x.op not in ("call_function", "call_method") or not x.args:
+                break
+            path.append(x)
+            x = x.args[0]
+    return out
+
+
 def _written_between(graph: fx.Graph, first: fx.Node, last: fx.Node, tensors: list) -> Optional[str]:
     """The name of a node after `first` and before `last` that writes into a storage of `tensors`."""
     stores = [_storage(t) for t in tensors]
@@ -608,8 +625,11 @@ def _rewrite_one(gm: fx.GraphModule, att: fx.Node, rep: SiteReport, options: Pas
             if tensor_of(g.pool).dtype != tensor_of(q).dtype:
                 raise NotPaged("the pool's dtype differs from q's")
         order = {n: i for i, n in enumerate(graph.nodes)}
-        first = min(gk.nodes[0], gv.nodes[0], key=order.__getitem__)
-        who = _written_between(graph, first, att, [gk.pool, gv.pool, gk.table])
+        # the op reads the table itself at the attention: the casts and flattenings between it and the gathers
+        # (a widening cast is a copy) must see no write from where they read it on, nor their results
+        chain = _index_chain(gk, gk.table) + _index_chain(gv, gk.table)
+        first = min([gk.nodes[0], gv.nodes[0], *chain], key=order.__getitem__)
+        who = _written_between(graph, first, att, [gk.pool, gv.pool, gk.table, *chain])
         if who is not None:
             raise NotPaged(f"{who} may write into the pool or the table between the gather and the attention")
         getitems = list(att.users)

@@ -178,6 +178,15 @@ if not IN_CHILD:
         assert torch.isneginf(lse[0]).all() and (out[0] == 0).all()
         assert torch.isneginf(lse[1, :, :2]).all() and torch.isfinite(lse[1, :, 2:]).all()  # causal: rows 0, 1 empty
 
+    @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+    def test_a_pool_of_no_blocks_with_empty_sequences(layout):
+        # every length 0: no page is read, whatever the table holds; out 0 and lse -inf, as with a pool of pages
+        q = torch.randn(2, 1, 4, 8)
+        pool = torch.randn(0, 4, 2, 8) if layout == "bshd" else torch.randn(0, 2, 4, 8)
+        table, lens = torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+        out, lse = fa_compile.paged_attention(q, pool, pool, lens, table, layout=layout, return_softmax_lse=True)
+        assert out.shape == (2, 1, 4, 8) and (out == 0).all() and torch.isneginf(lse).all()
+
     def test_wrapper_conventions():
         c = make_cache(lens=[9, 9], nq=1, dtype=torch.float32)
         out, lse = fa_compile.paged_attention(c.q, c.k, c.v, 9, c.table, causal=True, return_softmax_lse=True)

@@ -231,6 +231,45 @@ def test_pool_written_between_gather_and_attention_is_kept():
     assert "may write into the pool or the table" in site.cache, site.cache
 
 
+def _table_source_written_after_its_cast(table):
+    t = table.long()  # a copy of the int32 table, which the gathers read
+    table[:, 0] = table[:, 1]
+    return t
+
+
+def _table_copy_written_before_the_gather(table):
+    t = table.long()
+    t[:, 0] = t[:, 1]
+    return t
+
+
+def _table_copied_then_source_zeroed(table):
+    t = table.to(torch.int64, copy=True)
+    table.zero_()
+    return t
+
+
+@pytest.mark.parametrize("spelling", ["index", "index_select"])
+@pytest.mark.parametrize("edit", [_table_source_written_after_its_cast, _table_copy_written_before_the_gather,
+                                  _table_copied_then_source_zeroed], ids=lambda f: f.__name__.strip("_"))
+def test_a_table_cast_is_a_copy_the_writes_around_it_keep_the_gather(edit, spelling):
+    # The paged op would read the table itself at the attention, while eager's gather read the cast's copy: a write
+    # into either, from the cast on, keeps the gathered K/V.
+    def fn(q, kc, vc, table, lens):
+        t = edit(table)
+        k, v = gather(kc, t, spelling, "bshd"), gather(vc, t, spelling, "bshd")
+        keep = (torch.arange(k.shape[2])[None, :] < lens[:, None])[:, None, None, :]
+        return attend(q, k, v, keep)
+
+    args = inputs(lens=[20, 30], fill_unused=True)
+    if edit is _table_copied_then_source_zeroed:
+        args[3] = args[3].long()
+    res = check(fn, args, grad=False)
+    (site,) = res.reports
+    assert site.rewritten and site.call.target is torch.ops.fa3.attention.default, site
+    assert "may write into" in site.cache, site.cache
+
+
 @pytest.mark.parametrize("mask", ["lens", "causal"])
 def test_dynamic_shapes(mask):
     # a serving loop: the pools keep their size, the batch and the table's width change from call to

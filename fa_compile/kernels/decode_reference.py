@@ -52,7 +52,9 @@ def gather_cache(cache: Tensor, page_table: Optional[Tensor], batch: int) -> Ten
     if page_table is None:
         return cache
     nblocks, page = cache.shape[0], cache.shape[1]
-    idx = page_table.to(torch.int64).clamp(0, max(nblocks - 1, 0))
+    if nblocks == 0:  # no page to read (the lengths are then 0): keys that every row masks
+        return cache.new_zeros((batch, page_table.shape[1] * page, cache.shape[2], cache.shape[3]))
+    idx = page_table.to(torch.int64).clamp(0, nblocks - 1)
     g = cache[idx]  # [B, max_pages, page, Hkv, D]
     return g.reshape(batch, idx.shape[1] * page, cache.shape[2], cache.shape[3])
 
