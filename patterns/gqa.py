@@ -17,7 +17,8 @@ from .shapes import known_eq
 
 
 def _unsqueezed_at(node: fx.Node) -> Optional[tuple[fx.Node, int]]:
-    """(x, axis) when node is x.unsqueeze(axis) or x[:, :, None] (a None index and full slices only)."""
+    """(x, axis) when node is x.unsqueeze(axis) or x[:, :, None] (a None index, full slices and at most one
+    Ellipsis after the None only)."""
     k = kind(node)
     src = node.args[0] if node.args else None
     if not isinstance(src, fx.Node) or tensor_of(src) is None:
@@ -37,13 +38,15 @@ def _unsqueezed_at(node: fx.Node) -> Optional[tuple[fx.Node, int]]:
         idx = node.args[1]
         if not isinstance(idx, tuple) or sum(i is None for i in idx) != 1:
             return None
-        ax = 0
-        for i in idx:
-            if i is None:
-                return src, ax
-            if i is Ellipsis or not (isinstance(i, slice) and i == slice(None, None, None)):
-                return None
-            ax += 1
+        full = slice(None, None, None)
+        ax = idx.index(None)
+        head, tail = idx[:ax], idx[ax + 1:]
+        # every other entry keeps its axis whole (an index after the None, a permutation say, would be lost)
+        if not all(isinstance(i, slice) and i == full for i in head) or \
+                not all(i is Ellipsis or (isinstance(i, slice) and i == full) for i in tail) or \
+                sum(i is Ellipsis for i in tail) > 1:
+            return None
+        return src, ax
     return None
 
 

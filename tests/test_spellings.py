@@ -1711,3 +1711,42 @@ full_like(getitem, nan)
 where(unsqueeze_4, full_like, getitem)
 squeeze(where, 1)
 view(squeeze, 2, 2, 6, 8)""")
+
+
+# ------------------------------------------------------- K/V head repeats with an index after the inserted axis
+
+def _repeat_after_index(x: torch.Tensor, g: int, index: tuple) -> torch.Tensor:
+    b, hk, n, d = x.shape
+    return x[(slice(None), slice(None), None) + index].expand(b, hk, g, n, d).reshape(b, hk * g, n, d)
+
+
+def _perm(n: int) -> torch.Tensor:
+    return torch.arange(n).roll(2)
+
+
+def keys_permuted_in_the_repeat(q, k, v):
+    g = q.shape[1] // k.shape[1]
+    k, v = _repeat_after_index(k, g, (_perm(k.shape[2]),)), _repeat_after_index(v, g, (Ellipsis,))
+    return (q @ k.transpose(-1, -2) * k.shape[-1] ** -0.5).softmax(-1) @ v
+
+
+def key_dims_permuted_in_the_repeat_sdpa(q, k, v):
+    g = q.shape[1] // k.shape[1]
+    k = _repeat_after_index(k, g, (Ellipsis, _perm(k.shape[3])))
+    return F.scaled_dot_product_attention(q, k, _repeat_after_index(v, g, ()))
+
+
+def values_permuted_in_the_repeat_sdpa(q, k, v):
+    g = q.shape[1] // k.shape[1]
+    v = _repeat_after_index(v, g, (_perm(v.shape[2]), slice(None)))
+    return F.scaled_dot_product_attention(q, _repeat_after_index(k, g, ()), v)
+
+
+@pytest.mark.parametrize("fn", [keys_permuted_in_the_repeat, key_dims_permuted_in_the_repeat_sdpa,
+                                values_permuted_in_the_repeat_sdpa], ids=lambda f: f.__name__)
+def test_an_index_after_the_inserted_head_axis_is_kept(fn):
+    # x[:, :, None, perm] repeats the heads of a permuted x: the repeat may go, the permutation stays (the site is
+    # rewritten over the indexed K/V, or left alone, and equals eager either way).
+    q = rand(B, 4, N, D, seed=1, requires_grad=True)
+    k, v = (rand(B, 2, N, D, seed=s, requires_grad=True) for s in (2, 3))
+    check(fn, [q, k, v])
