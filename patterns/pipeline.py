@@ -107,8 +107,23 @@ def _same(t):
     return t
 
 
+def functorch_transform(gm: fx.GraphModule) -> Optional[str]:
+    """The name of a torch.func transform that runs inside the graph (torch.func.grad / vjp / jvp / vmap traced by
+    Dynamo: a `torch._C._functorch._*_increment_nesting` call opens its level), or None."""
+    for n in gm.graph.nodes:
+        name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+        if name.endswith("_increment_nesting"):
+            return name[1:].split("_")[0]
+    return None
+
+
 def rewrite_graph(gm: fx.GraphModule, options: PassOptions) -> list[SiteReport]:
     """The pass on the nodes of one graph (the bodies it calls through get_attr are not entered)."""
+    transform = functorch_transform(gm)
+    if transform is not None:  # the op's autograd has no functorch rules (grad's levels, jvp's tangents, vmap)
+        return [SiteReport(form="pass", rewritten=False,
+                           reason=f"a torch.func transform ({transform}) runs inside the graph, and fa3.attention "
+                                  "has no functorch rule: the graph is left as traced")]
     record = GraphRecord(gm.graph)
     reports: list[SiteReport] = []
     unread = {n for n in gm.graph.nodes if not n.users and n.op not in ("placeholder", "output")}

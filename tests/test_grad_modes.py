@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import fa_compile
 from eager_diff import check, rand
 
 B, H, N, D = 2, 2, 8, 16
@@ -415,3 +416,39 @@ def test_fused_modules_under_autocast_are_left_alone(encoder):
         res = check(m, [rand(B, N, D, seed=7)], dtype=torch.bfloat16, rewritten=0, inner="eager")
     assert res.out.dtype == torch.bfloat16
     assert any("autocast" in r for r in res.reasons), res.reasons
+
+
+# ------------------------------------------------------------------- torch.func transforms inside the graph
+
+def _sdpa_loss(q, k, v, go):
+    return (F.scaled_dot_product_attention(q, k, v, is_causal=True) * go).sum()
+
+
+def _biased(q, k, v, bias):
+    return torch.softmax(torch.einsum("bhqd,bhkd->bhqk", q, k) * 0.3 + bias, -1) @ v
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jvp"])
+def test_a_torch_func_transform_inside_the_graph_leaves_it_as_traced(transform):
+    # Dynamo traces torch.func.grad / vjp / jvp into the graph (its levels open and close there); the op has no
+    # functorch rule, so such a graph is not rewritten, and the compiled program equals eager's.
+    q, k, v, t = (torch.randn(2, 4, 7, 8, generator=torch.Generator().manual_seed(i)) for i in range(4))
+    bias = torch.randn(7, 7, generator=torch.Generator().manual_seed(9))
+    if transform == "grad":
+        fn, args = torch.func.grad(_sdpa_loss, argnums=(0, 1, 2)), (q, k, v, t)
+    elif transform == "vjp":
+        def fn(q, k, v, go):
+            return torch.func.vjp(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), q, k, v)[1](go)
+        args = (q, k, v, t)
+    else:
+        def fn(q, k, v, bias, t):
+            return torch.func.jvp(lambda a, b, c: _biased(a, b, c, bias), (q, k, v), (t, t, t))
+        args = (q, k, v, bias, t)
+    want = fn(*args)
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="fa3", fullgraph=True)(*args)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=2e-6)
+    torch._dynamo.reset()
+    (site,) = fa_compile.explain(fn, *args).sites
+    assert not site.rewritten and "torch.func transform" in site.reason, site
