@@ -185,20 +185,23 @@ _CPU_FLASH_FORWARD = torch.ops.fa3.cpu_flash_forward.default
 EMPTY_GRADS = ("none", "mean_v", "uniform")  # the empty-row fix-up's backward the op computes (empty_rows_backward.py)
 
 _LIB.define("cpu_flash_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, "
-            "float scale, bool causal, int groups, str empty_grad) -> (Tensor, Tensor, Tensor)", tags=_TAGS)
+            "float scale, bool causal, int groups, str empty_grad, Tensor? k_all=None, Tensor? v_all=None) "
+            "-> (Tensor, Tensor, Tensor)", tags=_TAGS)
 
 
 def cpu_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        mask: Optional[Tensor], scale: float, causal: bool, groups: int,
-                       empty_grad: str) -> tuple[Tensor, Tensor, Tensor]:
+                       empty_grad: str, k_all: Optional[Tensor] = None,
+                       v_all: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of aten's CPU flash kernel (additive `mask`, top-left `causal`) together with the backward
     of emit's empty-row fix-up, `dout` being the gradient of the fix-up's output: rows with lse -inf (no
     admissible key) get no gradient through the kernel (their dout is zeroed, as the fix-up's `where`
     does); with empty_grad "mean_v" also the mean of V's gradient (those rows' dout / Nk on every key of
     dv, summed over the query heads of a group), with "uniform" also eager's q / k gradient at uniform
-    weights (row_fixups._uniform_grads). Whether any row is empty is decided once, on the lse; with none,
-    dout goes to the kernel as it is and nothing else is computed. Gradients have the strides
-    `torch.empty_like` gives q, k and v."""
+    weights (row_fixups._uniform_grads) over every key: `k_all` / `v_all` where k / v had the keys past the
+    key lengths zeroed (eager's uniform row weighs those too). Whether any row is empty is decided once, on
+    the lse; with none, dout goes to the kernel as it is and nothing else is computed. Gradients have the
+    strides `torch.empty_like` gives q, k and v."""
     if empty_grad not in EMPTY_GRADS:
         raise ValueError(f"empty_grad: expected one of {EMPTY_GRADS}, got {empty_grad!r}")
     from .row_fixups import _laid_out_like, _uniform_grads
@@ -233,7 +236,8 @@ def cpu_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
         dv = dv + s / nk
         if empty_grad == "uniform":
             acc = torch.promote_types(q.dtype, torch.float32)
-            uq, uk = _uniform_grads(dg, q, k, v, scale, acc, True, True)
+            uq, uk = _uniform_grads(dg, q, k if k_all is None else k_all, v if v_all is None else v_all, scale, acc,
+                                    True, True)
             dq, dk = dq + uq, dk + uk
     if dq_nan is not None:
         from .lowering import conventions
@@ -242,7 +246,8 @@ def cpu_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     return _laid_out_like(dq, q), _laid_out_like(dk, k), _laid_out_like(dv, v)
 
 
-def _cpu_flash_backward_fake(dout, q, k, v, out, lse, mask, scale, causal, groups, empty_grad):
+def _cpu_flash_backward_fake(dout, q, k, v, out, lse, mask, scale, causal, groups, empty_grad, k_all=None,
+                             v_all=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 

@@ -16,6 +16,7 @@ from fa_compile.lowering import LoweringPass, capture_graphs, records
 from fa_compile.lowering import cpu_flash
 
 from conftest import TOL
+from eager_diff import check, rand
 from test_backend import run_python
 
 
@@ -979,3 +980,24 @@ def test_uniform_row_grad_backward_on_cuda_becomes_graph_arithmetic(read):
                 assert o.meta["val"].stride() == torch.empty_like(want[i]).stride(), gm.code
             mms = sum(t in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default) for t in targets)
             assert mms == 2 * len(read), gm.code  # two products per gradient read
+
+
+def _lengths_under_an_additive_fill(q, k, v, lens, keep):
+    m = (torch.arange(k.shape[2])[None, :] < lens[:, None])[:, None, None, :] & keep
+    s = q @ k.transpose(-1, -2) * k.shape[-1] ** -0.5 + (1.0 - m.float()) * torch.finfo(torch.float32).min
+    return torch.softmax(s, -1) @ v
+
+
+@pytest.mark.parametrize("lens,hole", [([0, 8], False), ([4, 6], True)], ids=["a_length_of_0", "lengths_and_a_hole"])
+def test_uniform_rows_beside_key_lengths_weigh_every_key_in_the_cpu_backward(lens, hole):
+    # On a row the additive finfo.min mask absorbs entirely, eager's gradient is softmax's at uniform weights over
+    # every key, those past the lengths too; the CPU lowering's backward zeroes the keys past the lengths for its
+    # kernel, and must not for that gradient.
+    b, h, n, d = 2, 2, 8, 8
+    q, k, v = (rand(b, h, n, d, seed=s, requires_grad=True) for s in (1, 2, 3))
+    keep = torch.ones(b, 1, n, n, dtype=torch.bool)
+    if hole:
+        keep[0, 0, 2, :4] = False
+        keep[1, 0, 5, :] = False
+    res = check(_lengths_under_an_additive_fill, [q, k, v, torch.tensor(lens), keep], inner="inductor", rewritten=1)
+    assert "key-padding" in res.reports[0].mask, res.reports[0]

@@ -160,7 +160,9 @@ class CpuFlash:
             if excludes and empty_grad is None:  # (the op below decides on the data itself)
                 k, dq_nan = conventions.nan_keys_for_backward(k)
             if empty_grad is not None:
-                grads = _CPU_FLASH_BACKWARD(dout, q, k, v, out, lse, mask, scale, causal, groups, empty_grad)
+                # eager's uniform row on an empty row weighs every key, those past kv_lens too
+                full = (k0, v0) if has_lens and empty_grad == "uniform" else (None, None)
+                grads = _CPU_FLASH_BACKWARD(dout, q, k, v, out, lse, mask, scale, causal, groups, empty_grad, *full)
                 grads = [g if s is None else conventions.with_strides(g, s)
                          for g, s in zip(grads, out_strides or (None,) * 3)]
                 return (*grads, q.new_empty((0,)))
