@@ -576,17 +576,28 @@ def uint8_lengths_inclusive(q, k, v, lens):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
 
 
+def positions_two_ahead(q, k, v, cp):
+    keep = (torch.arange(k.shape[2])[None, :] - 2 <= cp[:, None])[None, None]  # key j for query i: j - 2 <= cp[i]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+INT64_MAX = torch.iinfo(torch.int64).max
+
+
 @pytest.mark.parametrize("fn,lens", [
     (lengths_advanced_after_the_mask, torch.tensor([5, 9])),
     (int8_lengths, torch.tensor([1, 12])),
     (uint8_lengths_inclusive, torch.tensor([255, 3], dtype=torch.uint8)),
-], ids=["written_after_the_mask", "int8", "uint8_255_inclusive"])
+    (uint8_lengths_inclusive, torch.tensor([INT64_MAX, 3])),
+    (positions_two_ahead, torch.tensor([INT64_MAX, 1, 5, INT64_MAX - 1, 0, -3, 2, 9])),
+], ids=["written_after_the_mask", "int8", "uint8_255_inclusive", "int64_max_inclusive", "int64_max_positions"])
 def test_key_lengths_keep_eagers_value(fn, lens):
     """The op reads key lengths at the site in int32: not after a write eager's mask did not see, and widened
     before the mask's offset and the clamp (an int8 length clamped to 2**31 - 1 in int8, 255 + 1 in uint8 wrap)."""
-    res = check(fn, qkv(1) + [lens], grad=True)
-    assert fa_compile.explain(fn, *[x.detach() for x in qkv(1)], lens.clone()).sites  # explain runs as well
+    nq = len(lens) if fn is positions_two_ahead else 1
+    res = check(fn, qkv(nq) + [lens], grad=True)
+    assert fa_compile.explain(fn, *[x.detach() for x in qkv(nq)], lens.clone()).sites  # explain runs as well
     if fn is lengths_advanced_after_the_mask:
         assert all(r.mask != "key-padding" for r in res.reports), masks_of(res)
     else:
-        assert masks_of(res) == ["key-padding"]
+        assert masks_of(res) == ["query-positions" if fn is positions_two_ahead else "key-padding"]

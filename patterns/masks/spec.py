@@ -108,7 +108,8 @@ def _emit_positions(em: "_Emitter", qp: _QPos) -> fx.Node:
             p = em.call_after(p, torch.remainder, p, qp.wrap)
     else:
         p = _emit_vector(em, qp.node, qp.own_q, qp.own_b)
-    if qp.add:
+    if qp.add:  # positions only meet key indices in [0, Nk): bounded first, so that no int64 position wraps
+        p = em.call_after(p, "clamp", p, -2**32, 2**32, method=True)
         p = em.call_after(p, operator.add, p, qp.add)
     return p
 
@@ -154,8 +155,8 @@ def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len, bias_rank: int =
             # value keeps its meaning (<= 0: no keys, >= Nk: every key).
             if _dtype(kv) != torch.int64:
                 kv = em.call("to", kv, torch.int64, method=True)
-            if add:
-                kv = em.call(operator.add, kv, add)
+            if add:  # int64 lengths near the dtype's end ("no limit") would wrap: bounded first
+                kv = em.call(operator.add, em.call("clamp", kv, -2**32, 2**32, method=True), add)
             kv = em.call("clamp", kv, 0, 2**31 - 1, method=True)
             kv = em.call("to", kv, torch.int32, method=True)
         spec.kv_lens = kv
