@@ -246,15 +246,17 @@ def sweep_one(name: str, fam: Family, args) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| family | B × N | peer | sites | max abs vs eager | forward ms: fa3 / peer | ratio | train ms: fa3 / peer | ratio |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| family | B × N | peer | sites | max abs vs eager | forward ms: fa3 / peer | ratio "
+             "| train ms: fa3 / peer | ratio |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['family']} | {r['B']} × {r['N']} | {r.get('peer', '-')} | error: {r['error'][:80]} | | | | | |")
+            lines.append(f"| {r['family']} | {r['B']} × {r['N']} | {r.get('peer', '-')} "
+                         f"| error: {r['error'][:80]} | | | | | |")
             continue
         f, t = r["fwd_ms"], r.get("train_ms")
         tr = f"{t['fa3']} / {t['peer']} | {r['train_ratio']:.3f}×" if t else "- | -"
-        lines.append(f"| {r['family']} | {r['B']} × {r['N']} | {r['peer']} | {r['sites']} | {r['max_abs_vs_eager']:.3g} "
+        lines.append(f"| {r['family']} | {r['B']} × {r['N']} | {r['peer']} | {r['sites']} "
+                     f"| {r['max_abs_vs_eager']:.3g} "
                      f"| {f['fa3']} / {f['peer']} | {r['fwd_ratio']:.3f}× | {tr} |")
     return "\n".join(lines)
 

@@ -486,10 +486,13 @@ def _attention_autograd(
     k_seg: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """The Autograd-key kernel: the autograd Function when a gradient is wanted, else the kernel; the reference
-    math when an input carries a forward-AD tangent (forward_ad.py: kernels would drop it)."""
-    if _fwad._current_level >= 0:
+    math when an input carries a forward-AD tangent (forward_ad.py: kernels would drop it) or a torch.func
+    transform is active (the Function has no functorch rule)."""
+    in_functorch = torch._C._functorch.peek_interpreter_stack() is not None
+    if _fwad._current_level >= 0 or in_functorch:
         tensors = (q, k, v, bias, kv_lens, dropout_seed, sinks, q_pos, q_seg, k_seg)
-        if forward_ad.has_tangent(tensors):
+        # inside a torch.func transform (grad, vjp, jvp, vmap) too: the reference's torch ops have its rules
+        if in_functorch or forward_ad.has_tangent(tensors):
             check_scalars(scale, softcap, dropout_p, dropout_seed, window_left, window_right)
             check_tensors(*tensors)
             return forward_ad.reference_attention(

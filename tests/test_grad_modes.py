@@ -438,7 +438,8 @@ def test_a_torch_func_transform_inside_the_graph_leaves_it_as_traced(transform):
         fn, args = torch.func.grad(_sdpa_loss, argnums=(0, 1, 2)), (q, k, v, t)
     elif transform == "vjp":
         def fn(q, k, v, go):
-            return torch.func.vjp(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), q, k, v)[1](go)
+            _, pull = torch.func.vjp(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), q, k, v)
+            return pull(go)
         args = (q, k, v, t)
     else:
         def fn(q, k, v, bias, t):
@@ -452,3 +453,31 @@ def test_a_torch_func_transform_inside_the_graph_leaves_it_as_traced(transform):
     torch._dynamo.reset()
     (site,) = fa_compile.explain(fn, *args).sites
     assert not site.rewritten and "torch.func transform" in site.reason, site
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(bias="bias"), dict(kv_lens="lens")],
+                         ids=["causal", "bias", "lens"])
+def test_the_eager_op_under_torch_func_transforms(kw):
+    # torch.func.grad / jvp / vmap of fa_compile.attention: the reference math (its torch ops have functorch rules),
+    # equal to the op's own autograd gradient and output
+    q, k, v, go = (torch.randn(2, 4, 7, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+                   for i in range(4))
+    extra = {"bias": torch.randn(7, 7, dtype=torch.float64), "lens": torch.tensor([0, 5])}
+    kw = {name: extra.get(val, val) if isinstance(val, str) else val for name, val in kw.items()}
+
+    def loss(q, k, v):
+        return (fa_compile.attention(q, k, v, **kw) * go).sum()
+
+    got = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    a = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(loss(*a), a)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, atol=1e-12, rtol=1e-12)
+    out, tangent = torch.func.jvp(lambda q: fa_compile.attention(q, k, v, **kw), (q,), (go,))
+    torch.testing.assert_close(out, fa_compile.attention(q, k, v, **kw), atol=1e-12, rtol=1e-12)
+    eps = 1e-6
+    fd = (fa_compile.attention(q + eps * go, k, v, **kw) - fa_compile.attention(q - eps * go, k, v, **kw)) / (2 * eps)
+    torch.testing.assert_close(tangent, fd, atol=1e-6, rtol=1e-6)
+    if "kv_lens" not in kw:  # per-sample lengths would need their own batch axis
+        per = torch.vmap(lambda q, k, v: fa_compile.attention(q[None], k[None], v[None], **kw)[0])(q, k, v)
+        torch.testing.assert_close(per, fa_compile.attention(q, k, v, **kw), atol=1e-12, rtol=1e-12)
