@@ -108,11 +108,12 @@ def _same(t):
 
 
 def functorch_transform(gm: fx.GraphModule) -> Optional[str]:
-    """The name of a torch.func transform that runs inside the graph (torch.func.grad / vjp / jvp / vmap traced by
-    Dynamo: a `torch._C._functorch._*_increment_nesting` call opens its level), or None."""
+    """The name of a differentiating torch.func transform that runs inside the graph (torch.func.grad / vjp / jvp
+    traced by Dynamo: `torch._C._functorch._grad_increment_nesting` or `_jvp_increment_nesting` opens its level), or
+    None. (A vmap level is not one: the op's batching falls back to a loop, and attention beside a vmap is common.)"""
     for n in gm.graph.nodes:
         name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
-        if name.endswith("_increment_nesting"):
+        if name in ("_grad_increment_nesting", "_jvp_increment_nesting"):
             return name[1:].split("_")[0]
     return None
 
