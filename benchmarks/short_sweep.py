@@ -20,12 +20,15 @@ import json
 import os
 import statistics
 import sys
-import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_diff import cuda_kernels  # noqa: E402
+from models import bench  # noqa: E402
 
 # Encoders: B32 x 256, the last half of half the batch padded; hidden 768, 12 heads (d64), 4 layers.
 ENC = dict(hidden_size=768, num_hidden_layers=4, num_attention_heads=12, intermediate_size=3072)
@@ -115,38 +118,9 @@ def first_tensor(out) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out.last_hidden_state
 
 
-def timed(fn: Callable, device: str, reps: int) -> float:
-    """Median ms of `reps` calls (CUDA events on the GPU)."""
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def kernels(fn: Callable, calls: int = 5) -> dict[str, tuple[float, int]]:
-    """{CUDA kernel: (GPU µs per call of fn, launches per call)} over `calls` profiled calls."""
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return {e.key: (e.self_device_time_total / calls, e.count // calls) for e in prof.key_averages()
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0}
-
-
 def show_kernels(name: str, what: str, variants: dict[str, Callable]) -> None:
     for k, f in variants.items():
-        tab = kernels(f)
+        tab = cuda_kernels(f, 5)
         total = sum(t for t, _ in tab.values())
         print(f"--- {name} {what}, {k}: {total:.1f} GPU us per call; kernels other than GEMMs:", flush=True)
         for key, (t, calls) in sorted(tab.items(), key=lambda x: -x[1][0]):
@@ -205,7 +179,7 @@ def sweep_one(name: str, fam: Family, args) -> dict:
             per = {k: [] for k in variants}
             for _ in range(args.rounds):
                 for k, f in variants.items():
-                    per[k].append(timed(f, device, args.reps))
+                    per[k].append(bench(f, device, args.reps))
         row["fwd_ms"] = {k: round(statistics.median(v), 3) for k, v in per.items()}
         row["fwd_ratio"] = round(row["fwd_ms"]["fa3"] / row["fwd_ms"]["peer"], 3)
         if args.profile:
@@ -226,7 +200,7 @@ def sweep_one(name: str, fam: Family, args) -> dict:
             per = {k: [] for k in steps}
             for _ in range(args.rounds):
                 for k, f in steps.items():
-                    per[k].append(timed(f, device, max(args.reps // 2, 2)))
+                    per[k].append(bench(f, device, max(args.reps // 2, 2)))
             row["train_ms"] = {k: round(statistics.median(v), 3) for k, v in per.items()}
             row["train_ratio"] = round(row["train_ms"]["fa3"] / row["train_ms"]["peer"], 3)
             if args.profile:
