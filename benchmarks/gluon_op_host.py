@@ -6,12 +6,14 @@ Shape: a padded BERT layer's backward (B32 x 512, 16 heads, d64, bf16, a boolean
 lengths, dropout 0.1). Each line is the least and the median of seven means over 20 calls, in µs, measured
 without synchronizing (the GPU work of these calls is ~0.4 ms, so the queue never fills). The parts are those of
 `triton_family.backward_gluon` and of Triton's launch of the Gluon kernel (`kernel[grid](...)`: the binder, which
-specializes the arguments, then the compiled kernel's launcher, which encodes the TMA descriptors).
+specializes the arguments, then the compiled kernel's launcher, which encodes the TMA descriptors). The op's calls
+after its first replay the first launch (fa_compile/kernels/replay.py); FA_COMPILE_REPLAY=0 is timed beside it.
 
 Run on a Hopper GPU:  python benchmarks/gluon_op_host.py
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from unittest import mock
@@ -60,10 +62,29 @@ def main() -> None:
     grid, pos, kw = launch["grid"], launch["args"], launch["kw"]
     binder = attn_bwd_gluon_kernel.device_caches[torch.cuda.current_device()][4]
     bound = list(binder(*pos, **kw)[0].values())
+    op_args = (do, q, k, v, out, lse, delta, keep, kvl, seed, 0.125, False, 0, -1, -1, 0.1, True, *cfgs)
+    key_args = (do, q, k, v, lse, delta, keep, kvl, seed, 0.125, False, 0, -1, -1, 0.1)
+    key = gluon_ops._replay_key(*key_args)
+    torch.ops.fa3_gluon.bwd(*op_args)  # records the launch that later calls replay
+    assert key in gluon_ops._REPLAYS, "the launch was not recorded"
+    rep = gluon_ops._REPLAYS[key][0]
+    dqa = dqs.view(1, b * h, n, d)
+
+    def through_triton():
+        os.environ["FA_COMPILE_REPLAY"] = "0"
+        try:
+            torch.ops.fa3_gluon.bwd(*op_args)
+        finally:
+            del os.environ["FA_COMPILE_REPLAY"]
+
     parts = {
-        "fa3_gluon.bwd": lambda: torch.ops.fa3_gluon.bwd(do, q, k, v, out, lse, delta, keep, kvl, seed, 0.125, False,
-                                                         0, -1, -1, 0.1, True, *cfgs),
-        "its body": lambda: gluon_ops._bwd(do, q, k, v, out, lse, delta, keep, kvl, seed, 0.125, False, 0, -1, -1,
+        "fa3_gluon.bwd (replayed launch)": lambda: torch.ops.fa3_gluon.bwd(*op_args),
+        "  its Python body (no dispatcher)": lambda: gluon_ops._impl(*op_args),
+        "  its replay key": lambda: gluon_ops._replay_key(*key_args),
+        "  Replay.launch": lambda: rep.launch((q, k, v, do, lse, delta, dqa, dk, dvv, kvl, seed,
+                                               keep.view(torch.uint8)), q.get_device()),
+        "fa3_gluon.bwd, FA_COMPILE_REPLAY=0": through_triton,
+        "its body, through Triton": lambda: gluon_ops._bwd(do, q, k, v, out, lse, delta, keep, kvl, seed, 0.125, False, 0, -1, -1,
                                            0.1, True, *cfgs),
         "  output allocation": lambda: gluon_ops._outputs(q, k, v),
         "  backward_gluon": lambda: tf.backward_gluon(args, q, k, v, do, lse, delta, dqs, dk, dvv, cap, 2,

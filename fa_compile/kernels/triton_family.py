@@ -593,7 +593,8 @@ def gluon_key_mask(bias: Tensor) -> Optional[tuple[Tensor, int, int]]:
 
 
 def _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d: int, block_dv: int,
-                    cfg: BlockConfig, dq_sums: bool = False) -> None:
+                    cfg: BlockConfig, dq_sums: bool = False, record: Optional[dict] = None) -> None:
+    """`record`, when given, receives the launch (kernel, grid, args, kwargs, handle) for replay.Replay."""
     from .gluon_bwd import attn_bwd_gluon_kernel
 
     b, hq, nq, d = q.shape
@@ -613,7 +614,8 @@ def _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d: int, 
     km = gluon_key_mask(args.bias) if args.bias is not None else None
     kmask, s_kmb, s_kmn = km if km is not None else (lse, 0, 0)
     n_kblk = triton_cdiv(nk, cfg.block_n)
-    handle = attn_bwd_gluon_kernel[(n_kblk * b * hkv,)](
+    grid = (n_kblk * b * hkv,)
+    pos = (
         _gluon_desc(q, cfg.block_m, block_d), _gluon_desc(k, cfg.block_n, block_d),
         _gluon_desc(v, cfg.block_n, block_dv), _gluon_desc(dout, cfg.block_m, block_dv),
         lse, delta, _gluon_desc(dqa, cfg.block_m, block_d), dk, dvv, kvl if kvl is not None else lse,
@@ -621,10 +623,15 @@ def _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d: int, 
         hq, hkv, hq // hkv, nq, nk, d, dv, float(args.scale) * LOG2E, float(args.scale), int(args.diag_offset),
         int(args.window_left), int(args.window_right), seed, sc["drop_threshold"], sc["drop_scale"],
         kmask, s_kmb, s_kmn, launch_groups(n_kblk, b * hkv, q.device, _uneven_work(args)),
+    )
+    kw = dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, STAGES=cfg.num_stages,
         IS_CAUSAL=bool(args.causal), HAS_WL=int(args.window_left) >= 0, HAS_WR=int(args.window_right) >= 0,
         HAS_KVLEN=kvl is not None, DROPOUT=dropout, KEY_MASK=km is not None, num_warps=8,
     )
+    handle = attn_bwd_gluon_kernel[grid](*pos, **kw)
+    if record is not None:
+        record.update(kernel=attn_bwd_gluon_kernel, grid=grid, args=pos, kwargs=kw, handle=handle)
     if not dq_sums:
         dq.copy_(dqa.view(b, hq, nq, d))
     LAST_COMPILED["attn_bwd_gluon_kernel"] = (cfg, handle)
@@ -759,12 +766,13 @@ def _reduce_dbias(ds: Tensor, bias: Tensor) -> Tensor:
 
 
 def backward_gluon(args, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, dq: Tensor,
-                   dk: Tensor, dvv: Tensor, cap: tuple[int, int], bias_kind: int, dq_sums: bool = False) -> bool:
+                   dk: Tensor, dvv: Tensor, cap: tuple[int, int], bias_kind: int, dq_sums: bool = False,
+                   record: Optional[dict] = None) -> bool:
     """dq, dk, dv by the Gluon kernel where it takes the inputs (gluon_backward_applies, strides TMA accepts) and
     builds: True when it wrote them. q, k, v, dout with unit last strides, lse fp32 contiguous, delta computed
     (bwd_delta), on q's device; with `dq_sums`, dq is an fp32 [B, Hq, Nq, D] contiguous buffer that receives dQ
     uncast. A failed build warns once per kind and returns False (FA_COMPILE_GLUON=1 raises), having written
-    nothing the caller's `tl` kernels do not rewrite."""
+    nothing the caller's `tl` kernels do not rewrite. `record`: as _backward_gluon's, of the launch that wrote them."""
     block_d, block_dv = _pow2(q.shape[-1]), _pow2(v.shape[-1])
     block = max(block_d, block_dv)
     gkey = ("bwd", block_d, block_dv, q.dtype, bool(args.causal), float(args.dropout_p) > 0, bias_kind)
@@ -775,7 +783,7 @@ def backward_gluon(args, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Ten
         cfg = _tuned("bwd_gluon", block, cfg, q, bool(args.causal), bias_kind, cap,
                      lambda c: _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d, block_dv, c,
                                                dq_sums))
-        _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d, block_dv, cfg, dq_sums)
+        _backward_gluon(args, q, k, v, dout, lse, delta, dq, dk, dvv, block_d, block_dv, cfg, dq_sums, record)
         return True
     except Exception as e:  # compile-time failure
         if os.environ.get("FA_COMPILE_GLUON") == "1":
