@@ -376,25 +376,47 @@ def reads_only_metadata(user: fx.Node, node: fx.Node) -> bool:
 def dropout_args(node: fx.Node) -> tuple[fx.Node, Any, Any]:
     """(input, p, training) of F.dropout(input, p=0.5, training=True, inplace=False) / torch.dropout(input, p, train)."""
     if node.target is torch.dropout:
-        return node.args[0], arg(node, 1, "p", 0.5), arg(node, 2, "train", True)
-    return node.args[0], arg(node, 1, "p", 0.5), arg(node, 2, "training", True)
+        return first_input(node), arg(node, 1, "p", 0.5), arg(node, 2, "train", True)
+    return first_input(node), arg(node, 1, "p", 0.5), arg(node, 2, "training", True)
+
+
+def first_input(node: fx.Node) -> Any:
+    """The first argument, positional or given as `input=` (`F.dropout(input=p)`); None without one."""
+    return node.args[0] if node.args else node.kwargs.get("input")
 
 
 _CONST_MAKERS = (torch.tensor, torch.scalar_tensor, torch.as_tensor)
 
 
 def constant_value(x: Any) -> Optional[float]:
-    """A Python number that `x` is (a literal, or a node building a 0-d tensor of a literal), else None."""
+    """A Python number that `x` is (a literal, or a node building a 0-d tensor of a literal), else None. A tensor's
+    number is the value it holds in its dtype: `torch.tensor(1/3, dtype=torch.bfloat16)` is 0.333984375, and
+    `torch.tensor(-1e9, dtype=torch.float16)` is -inf, as eager computes with them."""
     if isinstance(x, bool):
         return None
     if isinstance(x, (int, float)):
         return float(x)
     if isinstance(x, fx.Node) and x.op == "call_function":
+        lit = None
         if x.target in _CONST_MAKERS and x.args and isinstance(x.args[0], (int, float)) and not isinstance(x.args[0], bool):
-            return float(x.args[0])
-        if x.target in (torch.full,) and len(x.args) >= 2 and x.args[0] in ((), []) and isinstance(x.args[1], (int, float)):
-            return float(x.args[1])
+            lit = x.args[0]
+        elif x.target in (torch.full,) and len(x.args) >= 2 and x.args[0] in ((), []) and isinstance(x.args[1], (int, float)) \
+                and not isinstance(x.args[1], bool):
+            lit = x.args[1]
+        if lit is not None:
+            return _held(lit, tensor_of(x))
     return None
+
+
+def _held(lit: float, t: Optional[torch.Tensor]) -> Optional[float]:
+    """`lit` as a tensor like `t` holds it (its dtype's rounding, overflow to inf); None for a dtype that holds no
+    real number like it (bool, complex) or a tensor not known."""
+    if t is None or t.dtype == torch.bool or t.dtype.is_complex:
+        return None
+    try:
+        return float(torch.tensor(lit, dtype=t.dtype))
+    except (RuntimeError, OverflowError, TypeError):
+        return None
 
 
 def is_finite_number(x: Any) -> bool:

@@ -38,7 +38,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from .canonicalize import PROB_STEPS, SCORE_STEPS, arg, is_inplace, kind, tensor_of
+from .canonicalize import PROB_STEPS, SCORE_STEPS, arg, first_input, is_inplace, kind, tensor_of
 from .aliasing import writes
 from .emit import set_example_value
 from .shapes import known_eq
@@ -160,7 +160,7 @@ def _probs_after(softmax: fx.Node) -> fx.Node:
         if len(p.users) != 1:
             return p
         u = next(iter(p.users))
-        if kind(u) not in PROB_STEPS or is_inplace(u) or u.args[0] is not p:
+        if kind(u) not in PROB_STEPS or is_inplace(u) or first_input(u) is not p:
             return p
         p = u
     return p

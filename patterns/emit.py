@@ -93,6 +93,9 @@ def call(graph: fx.Graph, target: Any, *args: Any, method: bool = False, **kwarg
 
 # The MaskSpec.empty_rows values emit_attention reproduces exactly (everything but "unknown").
 EMPTY_ROWS_KEPT = ("impossible", "zero", "nan", "mean_v", "mean_v_add", "mean_v_add_tied")
+# Eager's fully masked rows weigh every key alike there: the fix-ups give the mean of V, which eager's dropout of
+# those weights would make random (refused with dropout)
+EMPTY_ROWS_UNIFORM = ("mean_v", "mean_v_add", "mean_v_add_tied")
 # "fill" is kept too, but only by callers that pass MaskSpec.fill along: it is not in the tuple above,
 # so a caller that forwards empty_rows alone falls back to its exact bias instead.
 
@@ -236,6 +239,9 @@ def emit_attention(
     if limited:
         kv_lens = key_limit.limit_keys(graph, q, k, v, bias, kv_lens, causal=causal, diag_offset=diag_offset,
                                        window_left=window_left, window_right=window_right, **runtime)
+    if empty_rows in EMPTY_ROWS_UNIFORM and dropout_p > 0:
+        raise ValueError(f"empty_rows: {empty_rows!r} cannot keep eager's dropout of a fully masked row's uniform "
+                         "weights")
     if empty_rows == "fill":
         if fill is None or not math.isfinite(fill):
             raise ValueError(f"fill: empty_rows 'fill' needs the finite fill value, got {fill!r}")

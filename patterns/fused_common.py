@@ -240,11 +240,13 @@ _SPEC_FIELDS = ("causal", "diag_offset", "window_left", "window_right", "kv_lens
 
 
 def structured_mask(b: Builder, node: fx.Node, terms: list, q4v: torch.Tensor, k4v: torch.Tensor, *, sdpa: bool,
-                    fallback: dict, fallback_kind: str, cache: dict) -> tuple[dict, str]:
+                    fallback: dict, fallback_kind: str, cache: dict, dropout_p: float = 0.0) -> tuple[dict, str]:
     """The op's mask arguments for masks entering the scores as `terms` [(op, tensor node, fill)]:
     what masks.analyze_mask proves (causal / window / key lengths + residual bias), else `fallback`
     (the masks combined into one bias, eager's own arithmetic). Analyses are shared through `cache`
-    by the sites of one graph (models reuse one mask in every layer)."""
+    by the sites of one graph (models reuse one mask in every layer). With dropout, a proof whose fully
+    masked rows need the mean-of-V fix-up is not used: eager drops some of that row's uniform weights, which
+    the fix-up cannot do, while the exact bias keeps the row's lse finite and the op's dropout applies."""
     try:
         from .masks import analyze_mask
         from .site import MaskSpec, MaskTerm
@@ -267,5 +269,7 @@ def structured_mask(b: Builder, node: fx.Node, terms: list, q4v: torch.Tensor, k
         if isinstance(spec, MaskSpec):
             b.pending_cache[key] = spec
     if not isinstance(spec, MaskSpec) or spec.empty_rows not in emit.EMPTY_ROWS_KEPT:
+        return fallback, fallback_kind
+    if dropout_p > 0 and spec.empty_rows in emit.EMPTY_ROWS_UNIFORM:
         return fallback, fallback_kind
     return {f: getattr(spec, f) for f in _SPEC_FIELDS}, spec.kind

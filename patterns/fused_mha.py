@@ -233,7 +233,7 @@ def _rewrite_mha(b: Builder, node: fx.Node, options: PassOptions, rep: SiteRepor
         terms = [("fill", m, float("-inf")) if is_bool else ("add", m, None) for m, is_bool in masks]
         mask_args, rep.mask = structured_mask(
             b, node, terms, tensor_value(q4, "q"), tensor_value(k4, "k"), sdpa=not need_weights,
-            fallback=mask_args, fallback_kind=kind, cache=cache)
+            fallback=mask_args, fallback_kind=kind, cache=cache, dropout_p=dropout_p)
     rep.q_shape, rep.k_shape, rep.v_shape = (shape_of(tensor_value(t, n)) for t, n in ((q4, "q"), (k4, "k"), (v4, "v")))
     rep.scale, rep.dropout_p = scale, dropout_p
 

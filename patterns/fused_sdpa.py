@@ -199,7 +199,7 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, c
             raise Refuse(f"a {mv.dim()}-D attn_mask with {nd}-D inputs (would need a copy to fold)")
         elif mv.dim() > 4:
             raise Refuse(f"a {mv.dim()}-D attn_mask with {nd}-D inputs")
-        mask_args, rep.mask = _mask_structure(b, node, bias, mv.dtype, q4v, k4v, cache)
+        mask_args, rep.mask = _mask_structure(b, node, bias, mv.dtype, q4v, k4v, cache, dropout_p)
     elif is_causal:
         rep.mask = "causal"
 
@@ -230,10 +230,11 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, c
 
 
 def _mask_structure(b: Builder, node: fx.Node, bias: fx.Node, dtype: torch.dtype, q4v: torch.Tensor,
-                    k4v: torch.Tensor, cache: dict) -> tuple[dict, str]:
+                    k4v: torch.Tensor, cache: dict, dropout_p: float) -> tuple[dict, str]:
     """attn_mask -> the op's mask arguments: structure proven by masks.analyze_mask (causal, window,
     key lengths), else the mask itself as the bias, which is SDPA's own arithmetic (exact)."""
     fallback = dict(causal=False, diag_offset=0, bias=bias, empty_rows="zero")  # SDPA: 0 on empty rows
     kind = "bool-mask" if dtype == torch.bool else "bias"
     term = ("bool", bias, None) if dtype == torch.bool else ("add", bias, None)
-    return structured_mask(b, node, [term], q4v, k4v, sdpa=True, fallback=fallback, fallback_kind=kind, cache=cache)
+    return structured_mask(b, node, [term], q4v, k4v, sdpa=True, fallback=fallback, fallback_kind=kind, cache=cache,
+                           dropout_p=dropout_p)

@@ -9,7 +9,8 @@ import torch
 import torch.fx as fx
 
 from ..canonicalize import (
-    arg, constant_value, dropout_args, exp_lse_of, exp_sum_of, is_finite_number, kind, log_softmax_of, tensor_of,
+    arg, constant_value, dropout_args, exp_lse_of, exp_sum_of, first_input, is_finite_number, kind, log_softmax_of,
+    tensor_of,
 )
 from ..layout import Contraction, contraction, identity
 from ..shapes import known_eq
@@ -107,7 +108,7 @@ def walk_probs(sm: fx.Node, options: PassOptions, gm: Optional[fx.GraphModule] =
             raise Miss(f"probabilities have {len(users)} users ({names}); only a P·V contraction may read them")
         u = users[0]
         k = kind(u)
-        if (k in ("cast", "identity") or (k == "reshape" and _regroups_batch(u))) and u.args[0] is cur:
+        if (k in ("cast", "identity") or (k == "reshape" and _regroups_batch(u))) and first_input(u) is cur:
             cur = u
         elif u is through:  # the sink column dropped (patterns/sinks.py)
             cur = u
@@ -115,7 +116,7 @@ def walk_probs(sm: fx.Node, options: PassOptions, gm: Optional[fx.GraphModule] =
             if zeroed is not None:
                 raise Miss("the probabilities are set to 0 twice after the softmax")
             zeroed, cur = zf, u
-        elif k == "dropout" and u.args[0] is cur:
+        elif k == "dropout" and first_input(u) is cur:
             _, p, training = dropout_args(u)
             if training is False:  # the identity whatever p is (a module's p is a run-time value under dynamic=True)
                 cur = u

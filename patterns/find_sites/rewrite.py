@@ -273,10 +273,13 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
         raise Miss(f"the scores' scale is not finite ({scale})")
     flow, written = _effects(ctx, scores, probs, q, k, v, own)
 
-    # dtypes: drop lossless upcasts when all three agree; otherwise compute in their common dtype
+    # dtypes: eager's products run in their operands' (logical) dtype. An upcast of q and k is lossless for Q·Kᵀ
+    # (a product of two bf16 / fp16 numbers is exact in fp32, where the kernels accumulate), so where P·V comes out
+    # in the inputs' own dtype the site runs in it. Where P·V runs wider (V upcast with the probabilities kept wide)
+    # the site runs wide too: rounding P and the output to the narrow dtype would lose what eager keeps.
     base = [tensor_of(t.node).dtype for t in (q, k, v)]
     logical = [t.dtype for t in (q, k, v)]
-    if len(set(base)) == 1:
+    if len(set(base)) == 1 and o_val.dtype == base[0]:
         dtype = base[0]
     elif len(set(logical)) == 1:
         dtype = logical[0]
@@ -304,6 +307,10 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
             terms = [t if _same(tb, bd) else MaskTerm(t.op, _regroup(o, t.tensor, tb, bd), t.fill, t.dtype)
                      for t, tb in zip(terms, scores.term_batches)]
         spec = _analyze_mask(gm, terms, bd, st, o_node)
+        bt = tensor_of(spec.bias) if spec.bias is not None else None
+        if bt is not None and bt.is_floating_point() and st.dtype == torch.float64 and dtype != torch.float64:
+            raise Miss(f"a float64 mask widens the {dtype} scores to float64: eager adds it and takes the softmax in "
+                       "float64, the kernels in float32 (a large mask value would round the scores away)")
         if probs.zeroed is not None:
             if has_sinks:
                 raise Miss("probabilities set to 0 after a softmax with attention sinks: not analysed")
@@ -339,6 +346,10 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
         if has_sinks and spec.empty_rows == "fill":
             raise Miss(f"attention sinks with a finite mask fill {spec.fill}: eager's fully masked rows share "
                        "their weight between the filled keys and the sink, which the rewrite cannot keep")
+        if spec.empty_rows in emit.EMPTY_ROWS_UNIFORM and probs.dropout_p:
+            raise Miss("a finite mask value that can absorb every score of a row (finfo.min), with dropout: eager "
+                       "weighs such a row's keys alike and drops some of those weights, which the rewrite's fix-up "
+                       "(the mean of V) cannot keep")
         if spec.empty_rows == "fill" and probs.dropout_p:
             raise Miss(f"a finite fill {spec.fill} with dropout: eager drops the masked keys' weights too, "
                        "which the rewrite cannot keep")

@@ -1,0 +1,100 @@
+"""Sites whose dtypes change along the way: inputs the model upcasts, 0-d constants built in another dtype, a mask
+wider than the scores. The rewrite computes what eager computes, in eager's dtypes, or leaves the site alone and says
+why (outputs and gradients against eager, fresh random inputs)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from eager_diff import check, rand
+
+B, H, N, D = 2, 2, 9, 16
+
+
+def qkv(dtype: torch.dtype = torch.float32, seed: int = 0, requires_grad: bool = True) -> list:
+    return [rand(B, H, N, D, dtype=dtype, seed=seed + i, requires_grad=requires_grad) for i in range(3)]
+
+
+def upcast_all(q, k, v):  # the whole attention in fp32 from bf16 / fp16 inputs
+    s = q.float() @ k.float().transpose(-1, -2) / math.sqrt(D)
+    return s.softmax(-1) @ v.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_inputs_upcast_for_the_whole_attention_compute_wide(dtype):
+    # Eager's output is fp32-accurate: P is never rounded to the inputs' dtype, nor is the output. The site runs in
+    # fp32: the output within fp32 tolerances (rounding P and the output to bf16 was off by ~3e-3), the gradients
+    # (of bf16 / fp16 leaves) within theirs.
+    res = check(upcast_all, qkv(dtype, requires_grad=False), dtype=torch.float32, rewritten=1, grad=False, seed=1)
+    assert res.out.dtype == torch.float32
+    assert res.rewritten[0].dtype in ("torch.float32", "float32")
+    check(upcast_all, qkv(dtype), dtype=dtype, rewritten=1, seed=1)
+
+
+def scale_bf16(q, k, v):  # 1/3 as bf16 holds it: 0.333984375
+    return (q @ k.transpose(-1, -2) * torch.tensor(1 / 3, dtype=torch.bfloat16)).softmax(-1) @ v
+
+
+def div_fp16(q, k, v):
+    return (q @ k.transpose(-1, -2) / torch.tensor(math.sqrt(10), dtype=torch.float16)).softmax(-1) @ v
+
+
+def full_bf16(q, k, v):
+    return (q @ k.transpose(-1, -2) * torch.full((), 1 / 3, dtype=torch.bfloat16)).softmax(-1) @ v
+
+
+def fill_bf16(q, k, v):  # a fill that absorbs nothing: its bf16 value (-0.69921875) weighs the masked keys
+    m = torch.ones(N, N, dtype=torch.bool).triu(1)
+    return (q @ k.transpose(-1, -2) * 0.25).masked_fill(m, torch.tensor(-0.7, dtype=torch.bfloat16)).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("fn", [scale_bf16, div_fp16, full_bf16, fill_bf16], ids=lambda f: f.__name__)
+def test_constants_are_the_values_their_dtype_holds(fn):
+    # fp32 tolerances: reading the Python literal instead of the bf16 value was off by ~3e-3.
+    check(fn, qkv(), rewritten=1, seed=3)
+
+
+def fill_overflow(q, k, v):  # -1e9 as fp16 holds it is -inf: row 0, which masks every key, is NaN in eager
+    m = torch.ones(N, N, dtype=torch.bool).triu(0)
+    return (q @ k.transpose(-1, -2) * 0.25).masked_fill(m, torch.tensor(-1e9, dtype=torch.float16)).softmax(-1) @ v
+
+
+def where_overflow(q, k, v):
+    keep = torch.ones(N, N, dtype=torch.bool).tril(-1)
+    return torch.where(keep, q @ k.transpose(-1, -2) * 0.25, torch.tensor(-1e9, dtype=torch.float16)).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("fn", [fill_overflow, where_overflow], ids=lambda f: f.__name__)
+def test_a_fill_that_overflows_its_dtype_is_minus_infinity(fn):
+    # The rewrite took -1e9 as a finite fill and gave row 0 the mean of V; eager's row is NaN (the fill is -inf).
+    res = check(fn, qkv(requires_grad=False), rewritten=1, grad=False, seed=4)
+    assert torch.isnan(res.ref[:, :, 0]).all() and not torch.isnan(res.ref[:, :, 1:]).any()
+
+
+def hf_mask_fp64(q, k, v, m):  # a Hugging Face-style extended mask built in fp64
+    ext = (1.0 - m[:, None, None, :].double()) * -1e9
+    return (q @ k.transpose(-1, -2) / math.sqrt(D) + ext).softmax(-1).to(q.dtype) @ v
+
+
+def bias_fp64(q, k, v, b):
+    return (q @ k.transpose(-1, -2) / math.sqrt(D) + b).softmax(-1).to(q.dtype) @ v
+
+
+def test_a_float64_mask_over_narrower_scores_is_left_alone():
+    # Eager adds it and takes the softmax in fp64: a fully padded sequence keeps its scores under -1e9 there, and
+    # 3e4 + x keeps x to fp64's precision. The kernels add masks in fp32 (off by 1.4 and 1.4e-3 before).
+    mask = torch.ones(B, N, dtype=torch.long)
+    mask[1] = 0
+    res = check(hf_mask_fp64, qkv() + [mask], rewritten=0, seed=5)
+    assert any("float64 mask" in r for r in res.reasons), res.reasons
+    big = 3e4 + rand(N, N, seed=9).double()
+    res = check(bias_fp64, qkv() + [big], rewritten=0, seed=6)
+    assert any("float64 mask" in r for r in res.reasons), res.reasons
+
+
+def test_a_float64_mask_over_float64_scores_is_rewritten():
+    res = check(bias_fp64, qkv(torch.float64) + [3e4 + rand(N, N, seed=9).double()], dtype=torch.float64,
+                rewritten=1, seed=7)
+    assert res.out.dtype == torch.float64
