@@ -11,6 +11,8 @@ other tests select the pointer kernels with FA_COMPILE_TRITON_TMA=0, so that the
 dispatch they compare with runs the same kernels."""
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 from torch import nn
@@ -203,19 +205,19 @@ def test_dropout_lowers_with_the_ops_mask():
 
 class PaddedEncoderAttention(nn.Module):
     """An encoder's eager attention: scores plus an additive key-padding mask, finfo.min where the mask is 0
-    (the masked_fill form; a mask the pass passes to the kernel as bool key padding); with `dropout`, dropout on
-    the probabilities in training, as BERT's eager code has it."""
+    (the masked_fill form; a mask the pass passes to the kernel as bool key padding), or `fill`; with `dropout`,
+    dropout on the probabilities in training, as BERT's eager code has it."""
 
-    def __init__(self, hidden: int, heads: int, dropout: float = 0.0):
+    def __init__(self, hidden: int, heads: int, dropout: float = 0.0, fill: Optional[float] = None):
         super().__init__()
-        self.h, self.d, self.dropout = heads, hidden // heads, dropout
+        self.h, self.d, self.dropout, self.fill = heads, hidden // heads, dropout, fill
         self.qkv = nn.Linear(hidden, 3 * hidden)
 
     def forward(self, x, mask):
         b, n, _ = x.shape
         q, k, v = (t.view(b, n, self.h, self.d).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
-        add = torch.zeros(b, 1, 1, n, dtype=x.dtype, device=x.device).masked_fill(mask[:, None, None, :] == 0,
-                                                                                 torch.finfo(x.dtype).min)
+        fill = torch.finfo(x.dtype).min if self.fill is None else self.fill
+        add = torch.zeros(b, 1, 1, n, dtype=x.dtype, device=x.device).masked_fill(mask[:, None, None, :] == 0, fill)
         p = torch.softmax(q @ k.transpose(-1, -2) * self.d ** -0.5 + add, dim=-1)
         if self.dropout:
             p = nn.functional.dropout(p, self.dropout, training=self.training)
@@ -383,19 +385,21 @@ def test_hopper_training_backward_calls_the_gluon_kernel(heads, monkeypatch):
     # On Hopper, with the descriptor path on (the default), a padded encoder's training backward with dropout is
     # lowered to fa3_gluon.bwd: one pass of the Gluon kernel, the key-padding mask read per key, the forward's
     # dropout bits. Against the same compiled model with the Gluon backward switched off (the pointer kernels,
-    # the same counter hash): output and every gradient; and the Gluon kernel is what ran.
+    # the same counter hash): output and every gradient; and the Gluon kernel is what ran. The mask is -inf: a
+    # finfo.min mask with dropout is left alone (tests/test_dropout_masked_rows.py), and a sequence with no key
+    # would be NaN, so every sequence keeps a key.
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon backward runs on Hopper only")
     from fa_compile.kernels import triton_family as tf
 
     monkeypatch.delenv("FA_COMPILE_TRITON_TMA")
     torch.manual_seed(0)
-    model = PaddedEncoderAttention(256, heads, dropout=0.1).to("cuda", torch.bfloat16).train()
+    model = PaddedEncoderAttention(256, heads, dropout=0.1, fill=float("-inf")).to("cuda", torch.bfloat16).train()
     x = torch.randn(4, 300, 256, device="cuda", dtype=torch.bfloat16)
     mask = torch.ones(4, 300, device="cuda", dtype=torch.long)
     mask[1, 150:] = 0
     mask[2, 7:] = 0
-    mask[3] = 0  # a sequence with no key: eager's uniform rows (the fix-up and its backward)
+    mask[3, 1:] = 0
     g = torch.randn(4, 300, 256, device="cuda", dtype=torch.bfloat16)
 
     def step(env: str):
