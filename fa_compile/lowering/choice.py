@@ -67,6 +67,16 @@ def register(device_type: str, kernel: str, lowering: Lowering, fallback_for: Op
         FALLBACKS[(device_type, fallback_for)] = kernel
 
 
+def group_count(args: dispatch.AttentionArgs) -> Optional[int]:
+    """Hq / Hkv as an int, without a guard: from the heads' ints, or from a ratio the shape environment knows as a
+    constant (one symbol for both: 1); None where it is known only as a symbol."""
+    g = args.q.shape[1] // args.k.shape[1]
+    if isinstance(g, int):
+        return g
+    v = g.node.maybe_as_int() if isinstance(g, torch.SymInt) else None
+    return None if v is None else int(v)
+
+
 def _symbolic(x) -> bool:
     return isinstance(x, torch.SymInt) and x.node.maybe_as_int() is None
 
@@ -202,6 +212,11 @@ def decide(args: dispatch.AttentionArgs, forced: Optional[str], direction: str, 
     With tuning on, `measure` times the candidates on real tensors of these shapes (explain() never does).
     `empty_fix` ("nan" / "mean_v"): the site's output carries emit's empty-row fix-up, which a kernel that
     writes those rows itself takes (see `_filling_kernel`)."""
+    if group_count(args) is None:
+        # The lowerings take the group Hq / Hkv as an int: from two unrelated symbols it would need a guard, which
+        # fails the compile where the dims were marked dynamic (mark_dynamic, export's Dim).
+        return Decision(direction, "none", reason="the query and key/value head counts are unrelated symbols: the "
+                        "op keeps its run-time dispatch (a lowering would specialize them)")
     try:
         tuned = _tuned_kernel(args, forced, direction) if measure else None
     except Exception:  # a measurement that fails leaves the static order

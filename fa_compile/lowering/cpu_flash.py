@@ -120,7 +120,7 @@ class CpuFlash:
         rows that admit no key and has `out_strides` where given (the fix-up's output it stands for)."""
         scale, causal = float(args.scale), self._causal(args)
         has_bias, has_lens = args.bias is not None, args.kv_lens is not None
-        groups = int(args.q.shape[1]) // int(args.k.shape[1])
+        groups = choice.group_count(args)
         nq = c.static_int(args.q.shape[2])
         checked = nq is None or nq > GRAPH_OPS_MAX_QUERIES  # the op; else graph ops
 
@@ -147,7 +147,7 @@ class CpuFlash:
         scale, causal = float(args.scale), self._causal(args)
         has_bias, has_lens = args.bias is not None, args.kv_lens is not None
         excludes = has_lens or (has_bias and args.bias.dtype == torch.bool)  # the forward's NaN keys were zeroed
-        groups = int(args.q.shape[1]) // int(args.k.shape[1])
+        groups = choice.group_count(args)
         native = groups > 1 and native_gqa()  # the kernel reads each kv head for its group itself
 
         def fn(dout, q, k0, v0, out, lse, *rest):

@@ -102,7 +102,7 @@ def _lower_node(graph: fx.Graph, node: fx.Node, limits: dict) -> Optional[choice
     bfix = plan = None
     if backward and getattr(lowering, "folds_empty_row_grads", False):
         # the fix-up's backward around the node: dout is its incoming gradient, its adds are the node's outputs
-        bfix = empty_rows_backward.find_backward_fixup(node, b, int(args.q.shape[1]) // int(args.k.shape[1]))
+        bfix = empty_rows_backward.find_backward_fixup(node, b, choice.group_count(args))
         plan = None if bfix is None else empty_rows_backward.output_plan(bfix, list(node.meta["val"]))
         if plan is None:
             bfix = None

@@ -74,7 +74,7 @@ class SdpaLowering:
         has_bias, has_lens = args.bias is not None, args.kv_lens is not None
         # masks the op applies by exclusion, which cuDNN / mem-efficient receive added (conventions.without_nan_keys)
         excludes = kind != "flash" and (has_lens or (has_bias and args.bias.dtype == torch.bool))
-        groups = int(args.q.shape[1]) // int(args.k.shape[1]) if excludes else 1
+        groups = choice.group_count(args) if excludes else 1
 
         def fn(q, k, v, *rest):
             bias = rest[0] if has_bias else None
