@@ -70,7 +70,10 @@ def register(device_type: str, kernel: str, lowering: Lowering, fallback_for: Op
 def group_count(args: dispatch.AttentionArgs) -> Optional[int]:
     """Hq / Hkv as an int, without a guard: from the heads' ints, or from a ratio the shape environment knows as a
     constant (one symbol for both: 1); None where it is known only as a symbol."""
-    g = args.q.shape[1] // args.k.shape[1]
+    hkv = args.k.shape[1]
+    if isinstance(hkv, int) and hkv == 0:
+        return 1  # no key/value heads (nor query heads): nothing to group; the kernels refuse the zero size
+    g = args.q.shape[1] // hkv
     if isinstance(g, int):
         return g
     v = g.node.maybe_as_int() if isinstance(g, torch.SymInt) else None
