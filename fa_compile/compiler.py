@@ -306,6 +306,10 @@ def backend(
         return guard_constants(compiled, gm, example_inputs)
 
     fa3_backend.fa_compile_config = cfg  # type: ignore[attr-defined]
+    # The registered backend's name (torch.compile takes a callable's __name__ as its compiler_name): Dynamo then
+    # clears, after each compile, the weak references its fake-tensor converter keeps to the real inputs, as it
+    # does for registered backends only (torch.utils.swap_tensors refuses a tensor with one).
+    fa3_backend.__name__ = fa3_backend.compiler_name = "fa3"  # type: ignore[attr-defined]
     return fa3_backend
 
 

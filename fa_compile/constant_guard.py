@@ -13,7 +13,6 @@ buffer (and a device sync on a GPU).
 from __future__ import annotations
 
 import warnings
-import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch.fx as fx
@@ -30,8 +29,10 @@ def guard_constants(compiled: Callable, gm: fx.GraphModule, example_inputs: Sequ
     if not reads or pristine is None:
         return compiled
     # (index among the inputs or None, the tensor, its version, its memory); None: compiled against another object
-    # than the one read, never assumed to be it
-    checks: Optional[list] = [(r.index, weakref.ref(r.tensor), r.version, r.tensor.data_ptr()) for r in reads.values()]
+    # than the one read, never assumed to be it. The tensor is held, not weakly referenced: torch.utils.swap_tensors
+    # refuses a tensor with a weakref (module.to() under swap_module_params_on_conversion), and an id compared
+    # instead could be a later tensor's over reused memory. A swap changes the memory or version the check reads.
+    checks: Optional[list] = [(r.index, r.tensor, r.version, r.tensor.data_ptr()) for r in reads.values()]
     if any(r.index is not None and (r.index >= len(example_inputs) or example_inputs[r.index] is not r.tensor)
            for r in reads.values()):
         checks = None
@@ -39,9 +40,8 @@ def guard_constants(compiled: Callable, gm: fx.GraphModule, example_inputs: Sequ
     state: dict = {}  # "gm": the traced graph, once a check failed
 
     def unchanged(args: tuple) -> bool:
-        for index, ref, version, ptr in checks:
-            t = ref()
-            if t is None or (index is not None and args[index] is not t) or t._version != version or t.data_ptr() != ptr:
+        for index, t, version, ptr in checks:
+            if (index is not None and args[index] is not t) or t._version != version or t.data_ptr() != ptr:
                 return False
         return True
 
@@ -64,5 +64,7 @@ def guard_constants(compiled: Callable, gm: fx.GraphModule, example_inputs: Sequ
 def record(gm: fx.GraphModule, reads: dict, original: Optional[fx.Graph]) -> None:
     """Keep what `guard_constants` needs on `gm` (reads made by a rewrite that changed the graph)."""
     if reads and original is not None:
+        for n in original.nodes:  # Dynamo deletes these from its own nodes after compiling (OutputGraph.cleanup):
+            n.meta.pop("grapharg", None)  # their weakref to the real input makes torch.utils.swap_tensors refuse it
         gm.meta[CONSTANT_READS] = dict(reads)
         gm.meta[PRISTINE] = original

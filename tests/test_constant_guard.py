@@ -92,7 +92,7 @@ def test_unchanged_buffers_keep_the_compiled_graph(inner):
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("change", ["in_place", "new_tensor", "new_data"])
+@pytest.mark.parametrize("change", ["in_place", "new_tensor", "new_data", "swap_tensors"])
 def test_a_changed_buffer_runs_the_traced_graph(inner, change):
     model = _model()
     torch._dynamo.reset()
@@ -104,6 +104,8 @@ def test_a_changed_buffer_runs_the_traced_graph(inner, change):
             model[0].bias.copy_(window.view(1, 1, T, T))
         elif change == "new_data":
             model[0].bias.data = window.view(1, 1, T, T).clone()
+        elif change == "swap_tensors":  # what module.to() does under swap_module_params_on_conversion
+            torch.utils.swap_tensors(model[0].bias, window.view(1, 1, T, T).clone())
         else:
             model[0].bias = window.view(1, 1, T, T).clone()
         want = model(_x(1))
