@@ -116,8 +116,8 @@ def choice(args: argparse.Namespace, device: str) -> list[str]:
     import torch
 
     b, h, n, d = args.shape
-    hkv = args.kv_heads or h
-    nk = args.kv_len or n
+    hkv = h if args.kv_heads is None else args.kv_heads  # (0 is refused below, not read as the default)
+    nk = n if args.kv_len is None else args.kv_len
     if hkv <= 0 or h % hkv:
         raise SystemExit(_usage_error(f"--kv-heads: must divide H={h}, got {hkv}"))
     if nk <= 0:
@@ -158,6 +158,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _usage_error(f"--device: must be cuda or cpu, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         return _usage_error("--device: cuda, but no CUDA GPU is visible")
+    if args.shape is None:  # options that describe a shape mean nothing without one: say so, not ignore them
+        given = [f for f, v in (("--kv-heads", args.kv_heads), ("--kv-len", args.kv_len), ("--causal", args.causal),
+                                ("--backward", args.backward)) if v]
+        if given:
+            return _usage_error(f"{', '.join(given)}: describe the shape given by --shape, which is missing")
     print("\n".join(environment()))
     print("\n".join(kernels(device)))
     if args.shape is not None:

@@ -151,6 +151,11 @@ def attention(
 
     quantized = q.dtype in FP8_DTYPES or k.dtype in FP8_DTYPES or v.dtype in FP8_DTYPES
     descales = (q_descale, k_descale, v_descale, out_dtype)
+    for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):  # before the op's schema check
+        if d is not None and not isinstance(d, Tensor):
+            raise TypeError(f"{name}: expected a float32 Tensor [batch, heads] or None, got {type(d).__name__}")
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"out_dtype: expected a torch.dtype or None, got {type(out_dtype).__name__} {out_dtype!r}")
     if quantized or (fp8 and _fp8_applies(q, k, v, bias, softcap, dropout_p, sinks, q_pos, q_seg, k_seg, kernel)):
         if quantized:
             for name, bad in (("softcap", softcap != 0), ("dropout_p", dropout_p != 0), ("sinks", sinks is not None),

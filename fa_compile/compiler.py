@@ -254,6 +254,14 @@ def _compile_inductor(cfg: BackendConfig, gm: fx.GraphModule, example_inputs: Se
         return compile_fx(gm, example_inputs, config_patches=patches)
 
 
+def check_flag(value: Any, name: str, optional: bool = False) -> None:
+    """A switch is a bool (or None where that means "follow the environment"): a string such as "false" would
+    otherwise read as True."""
+    if not (isinstance(value, bool) or (optional and value is None)):
+        raise TypeError(f"{name}: expected a bool{' or None' if optional else ''}, got {type(value).__name__} "
+                        f"{value!r}")
+
+
 def backend(
     inner: str = "inductor",
     *,
@@ -282,8 +290,11 @@ def backend(
         from .dispatch import check_kernel_name
 
         check_kernel_name(kernel, "kernel")
-    cfg = BackendConfig(inner=inner, kernel=kernel, mode=mode, options=dict(options or {}), tune=bool(tune),
-                        lower=bool(lower), fp8=None if fp8 is None else bool(fp8))
+    check_flag(tune, "tune")
+    check_flag(lower, "lower")
+    check_flag(fp8, "fp8", optional=True)
+    cfg = BackendConfig(inner=inner, kernel=kernel, mode=mode, options=dict(options or {}), tune=tune, lower=lower,
+                        fp8=fp8)
 
     def fa3_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str] = None, options: Optional[dict] = None):
         """The torch.compile backend: rewrite attention in `gm`, then compile it with the inner compiler."""
@@ -302,8 +313,9 @@ def backend(
                 compiled = _inner_compile(cfg, gm, example_inputs, mode, options)
         record_reports(reports)  # not reached for a graph the inner compile made Dynamo discard
         from .constant_guard import guard_constants
+        from .distributed.context import warn_sites_left_alone
 
-        return guard_constants(compiled, gm, example_inputs)
+        return warn_sites_left_alone(guard_constants(compiled, gm, example_inputs), reports)
 
     fa3_backend.fa_compile_config = cfg  # type: ignore[attr-defined]
     # The registered backend's name (torch.compile takes a callable's __name__ as its compiler_name): Dynamo then

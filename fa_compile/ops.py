@@ -120,7 +120,10 @@ def check_tensors(
         if t.dim() != 4:
             raise ValueError(f"{name}: expected 4 dims [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
         if t.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"{name}: dtype {t.dtype} is not a floating type (float16, bfloat16, float32, float64)")
+            fp8 = " or float8_e4m3fn (FP8, with descales; no other float8 format)" if t.dtype.itemsize == 1 and \
+                t.dtype.is_floating_point else ""
+            raise ValueError(f"{name}: dtype {t.dtype} is not a floating type (float16, bfloat16, float32, float64)"
+                             f"{fp8}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"k, v: dtypes must match q ({q.dtype}); got k {k.dtype}, v {v.dtype}")
     if k.device != q.device or v.device != q.device:

@@ -175,8 +175,9 @@ def explain(model_or_fn: Callable, *args: Any, kernel: Optional[str] = None, fp8
 
     The call runs once (the rewritten graph, eagerly); nothing the user compiled elsewhere is reset.
     """
-    from .compiler import run_pass
+    from .compiler import check_flag, run_pass
 
+    check_flag(fp8, "fp8", optional=True)
     reports: list = []
 
     def capture(gm, example_inputs):

@@ -162,6 +162,13 @@ def test_forced_kernel_and_bad_options_name_the_argument():
         fa_compile.backend("eager", mode="max-autotune")
     with pytest.raises(ValueError, match="^kernel: unknown kernel 'nope'"):
         fa_compile.backend("eager", kernel="nope")
+    # switches are bools: a string such as "false" would read as True (fp8 would round every site to e4m3)
+    for kw in (dict(fp8="false"), dict(fp8=0), dict(lower="no"), dict(tune=1), dict(lower=None)):
+        name = next(iter(kw))
+        with pytest.raises(TypeError, match=f"^{name}: expected a bool"):
+            fa_compile.backend(**kw)
+    with pytest.raises(TypeError, match="^fp8: expected a bool or None"):
+        fa_compile.explain(attn, q, k, v, fp8="0")
 
 
 VIEW_OF_OUTPUT = """

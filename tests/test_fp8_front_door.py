@@ -219,6 +219,24 @@ def test_float8_argument_errors_name_the_argument(bad, match):
         fa_compile.attention(q8, k8, v8, **bad)
 
 
+@pytest.mark.parametrize("bad, match", [
+    (dict(q_descale=0.5), r"q_descale: expected a float32 Tensor \[batch, heads\] or None, got float"),
+    (dict(out_dtype="bfloat16"), "out_dtype: expected a torch.dtype or None, got str"),
+])
+def test_float8_argument_types_name_the_argument(bad, match):
+    # these reached the op's schema check first: a RuntimeError that named no argument of fa_compile.attention
+    (q8, k8, v8), _ = _quantized()
+    with pytest.raises(TypeError, match=match):
+        fa_compile.attention(q8, k8, v8, **bad)
+
+
+def test_other_float8_formats_say_which_one_is_taken():
+    (q8, _, _), _ = _quantized()
+    e5 = q8.float().to(torch.float8_e5m2)
+    with pytest.raises(ValueError, match="q: dtype torch.float8_e5m2 is not .* or float8_e4m3fn"):
+        fa_compile.attention(e5, e5, e5)
+
+
 def test_descales_on_bf16_inputs_are_an_error():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="q_descale: applies to float8_e4m3fn inputs only"):

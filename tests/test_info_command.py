@@ -29,3 +29,9 @@ def test_bad_arguments_exit_2_naming_the_argument():
     assert out.returncode == 2 and "--shape: expected B,H,N,D" in out.stderr
     out = info("--shape", "2,16,1024,128", "--kv-heads", "5")
     assert out.returncode == 2 and "--kv-heads: must divide H=16" in out.stderr
+    out = info("--shape", "2,16,1024,128", "--kv-heads", "0")  # was read as "not given"
+    assert out.returncode == 2 and "--kv-heads: must divide H=16, got 0" in out.stderr
+    out = info("--shape", "2,16,1024,128", "--kv-len", "0")
+    assert out.returncode == 2 and "--kv-len: must be positive, got 0" in out.stderr
+    out = info("--kv-heads", "4", "--causal")  # was ignored without a shape
+    assert out.returncode == 2 and "--kv-heads, --causal: describe the shape given by --shape" in out.stderr

@@ -180,6 +180,37 @@ def unshard_chunks(pieces: Sequence[Tensor], dim: int, balanced: bool) -> Tensor
     return torch.cat(order, dim)
 
 
+def _tensor_list(buffers: Any, name: str) -> list:
+    if isinstance(buffers, Tensor):  # iterating it would take its rows for the buffers
+        raise TypeError(f"{name}: expected a sequence of tensors, got a Tensor (pass ({name[:-1]},) for one)")
+    try:
+        buffers = list(buffers)
+    except TypeError:
+        raise TypeError(f"{name}: expected a sequence of tensors, got {type(buffers).__name__}") from None
+    for i, b in enumerate(buffers):
+        if not isinstance(b, Tensor):
+            raise TypeError(f"{name}[{i}]: expected a Tensor, got {type(b).__name__}")
+    return buffers
+
+
+def _seq_dims(dims: Any, buffers: list, name: str) -> list[int]:
+    """One sequence dim per buffer, each an int within its buffer's dims (negative from the end)."""
+    if isinstance(dims, (int, Tensor)) or not hasattr(dims, "__iter__"):
+        raise TypeError(f"{name}: expected a sequence of ints, one per buffer, got {type(dims).__name__}")
+    dims = list(dims)
+    if len(buffers) != len(dims):
+        raise ValueError(f"{name}: {len(dims)} dims for {len(buffers)} buffers")
+    out = []
+    for i, (b, d) in enumerate(zip(buffers, dims)):
+        if isinstance(d, bool) or not isinstance(d, int):
+            raise TypeError(f"{name}[{i}]: expected an int, got {type(d).__name__} {d!r}")
+        nd = b.dim()
+        if not -nd <= d < nd:
+            raise ValueError(f"{name}[{i}]: dim {d} is out of range for a {nd}-D buffer")
+        out.append(d % nd)
+    return out
+
+
 @contextlib.contextmanager
 def context_parallel(
     mesh: Any,
@@ -193,9 +224,10 @@ def context_parallel(
     call inside: ring attention on the local Q/K/V sequence shards, forward and backward.
 
     buffers: tensors whose dim `buffer_seq_dims[i]` is the sequence (input ids, labels, position ids,
-    rotary tables): sharded in place on entry (their shape changes), restored on exit unless in
-    `no_restore_buffers`. No nn.Parameter among them. load_balance: None or True, the head-tail layout
-    (rank r holds chunks r and 2W-1-r of 2W; torch's default); False, contiguous W pieces.
+    rotary tables): on entry each tensor object is pointed at its shard (its shape changes; `Tensor.set_`, so a
+    view's base and other views of it are not written), and on exit back at its own memory, unchanged, unless
+    in `no_restore_buffers` (those keep their shard). No nn.Parameter among them. load_balance: None or True,
+    the head-tail layout (rank r holds chunks r and 2W-1-r of 2W; torch's default); False, contiguous W pieces.
     """
     import torch.distributed as dist
 
@@ -204,28 +236,25 @@ def context_parallel(
     if _ACTIVE is not None:
         raise RuntimeError("context_parallel: already active (contexts do not nest)")
     group = _group_of(mesh)
-    buffers = list(buffers)
-    buffer_seq_dims = list(buffer_seq_dims)
+    buffers = _tensor_list(buffers, "buffers")
+    buffer_seq_dims = _seq_dims(buffer_seq_dims, buffers, "buffer_seq_dims")
     no_restore = no_restore_buffers or set()
-    if len(buffers) != len(buffer_seq_dims):
-        raise ValueError(f"buffer_seq_dims: {len(buffer_seq_dims)} dims for {len(buffers)} buffers")
     for b in no_restore:
         if not any(b is x for x in buffers):
             raise ValueError("no_restore_buffers: must be a subset of buffers")
     for i, b in enumerate(buffers):
-        if not isinstance(b, Tensor):
-            raise TypeError(f"buffers[{i}]: expected a Tensor, got {type(b).__name__}")
         if isinstance(b, torch.nn.Parameter):
             raise TypeError(f"buffers[{i}]: an nn.Parameter cannot be sharded in place")
     balanced = _load_balanced(load_balance)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     shards = [shard(b, d, world, rank, balanced, f"buffers[{i}]")
               for i, (b, d) in enumerate(zip(buffers, buffer_seq_dims))]  # all checked before any is changed
-    originals = [None if any(b is x for x in no_restore) else b.clone() for b in buffers]
+    # each buffer's own memory, kept as it is and given back on exit (resize_ and copy_ would write a view's base)
+    originals = [None if any(b is x for x in no_restore) else
+                 (b.untyped_storage(), b.storage_offset(), b.size(), b.stride()) for b in buffers]
     with torch.no_grad():
         for b, s in zip(buffers, shards):
-            b.resize_(s.shape)
-            b.copy_(s)
+            b.set_(s)
     _set_hook(_RingHook(Layout(world, rank, balanced, group)))
     mode = _CompileGuardMode()
     try:
@@ -236,8 +265,7 @@ def context_parallel(
         with torch.no_grad():
             for b, o in zip(buffers, originals):
                 if o is not None:
-                    b.resize_(o.shape)
-                    b.copy_(o)
+                    b.set_(*o)
 
 
 @torch.no_grad()
@@ -248,8 +276,8 @@ def context_parallel_unshard(mesh: Any, buffers: Sequence[Tensor], seq_dims: Seq
     import torch.distributed as dist
 
     group = _group_of(mesh)
-    if len(buffers) != len(seq_dims):
-        raise ValueError(f"seq_dims: {len(seq_dims)} dims for {len(buffers)} buffers")
+    buffers = _tensor_list(buffers, "buffers")
+    seq_dims = _seq_dims(seq_dims, buffers, "seq_dims")
     balanced = _load_balanced(load_balance)
     world = dist.get_world_size(group)
     result = []
@@ -262,6 +290,29 @@ def context_parallel_unshard(mesh: Any, buffers: Sequence[Tensor], seq_dims: Seq
 
 
 _WARNED: set = set()
+
+
+def warn_sites_left_alone(compiled: Callable, reports: Sequence[Any]) -> Callable:
+    """`compiled`, which warns once when it first runs under context_parallel if the pass left softmax sites alone
+    in it: such a site runs as written, on this rank's shard of the sequence only (only fa3.attention calls take
+    the ring), so an attention among them attends to the local keys alone."""
+    left = [f"{r.where or r.form} ({r.reason})" for r in reports if not r.rewritten]
+    if not left:
+        return compiled
+    warned: list = []
+
+    def run(*args):
+        if _ACTIVE is not None and not warned:
+            warned.append(True)
+            shown = "; ".join(left[:3]) + (f"; and {len(left) - 3} more" if len(left) > 3 else "")
+            warnings.warn(f"fa_compile: under context_parallel, {len(left)} softmax site(s) that the pass left alone "
+                          f"run as written, on this rank's shard of the sequence only: an attention among them "
+                          f"attends to the local keys alone (explain() says why each was left): {shown}",
+                          RuntimeWarning, stacklevel=2)
+        return compiled(*args)
+
+    run.__dict__.update(getattr(compiled, "__dict__", {}))  # what Dynamo and AOTAutograd attach to it
+    return run
 
 
 def guard_compiled(compiled: Callable, gm: torch.fx.GraphModule) -> Callable:
