@@ -98,3 +98,25 @@ def test_a_float64_mask_over_float64_scores_is_rewritten():
     res = check(bias_fp64, qkv(torch.float64) + [3e4 + rand(N, N, seed=9).double()], dtype=torch.float64,
                 rewritten=1, seed=7)
     assert res.out.dtype == torch.float64
+
+
+def upcast_scores_narrow_probs(q, k, v):  # GPT-2's reorder_and_upcast_attn: fp32 scores, P cast to V's dtype
+    s = torch.baddbmm(torch.empty(B * H, N, N), q.reshape(-1, N, D).float(), k.mT.reshape(-1, D, N).float(),
+                      beta=0, alpha=1 / math.sqrt(D)).view(B, H, N, N)
+    s = torch.where(torch.ones(N, N, dtype=torch.bool).tril(), s, torch.finfo(torch.float32).min)
+    return s.softmax(-1).type(v.dtype) @ v
+
+
+def narrow_probs_back_to_wide(q, k, v):  # P rounded to bf16 and back, P·V in fp32: a rounding the op does not make
+    s = q.float() @ k.float().mT / math.sqrt(D)
+    return s.softmax(-1).bfloat16().float() @ v.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_probabilities_cast_to_the_inputs_dtype_are_the_ops_rounding(dtype):
+    # fp32 scores of upcast q and k (exact products), P rounded to the inputs' dtype for P·V: what a bf16 / fp16 site
+    # computes. It was left alone ("probabilities cast narrower than the scores").
+    res = check(upcast_scores_narrow_probs, qkv(dtype), dtype=dtype, rewritten=1, seed=4)
+    assert res.rewritten[0].dtype in (str(dtype), str(dtype).replace("torch.", ""))
+    res = check(narrow_probs_back_to_wide, qkv(dtype), dtype=torch.float32, rewritten=0, seed=4)
+    assert "narrower than the torch.float32 of the scores" in res.reasons[0], res.reasons

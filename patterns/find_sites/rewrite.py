@@ -216,10 +216,13 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
             raise Miss("the P·V product is read besides the sink gate that multiplies it")
         scores.nodes[:0] = gate.nodes
     ref = tensor_of(scores.contraction.node).dtype
+    narrowed = []  # casts of the probabilities narrower than the scores: exact only as the op's own rounding of P
     for n in [sm] + [n for n in probs.nodes if kind(n) == "cast"]:
         if tensor_of(n) is not None and narrows(tensor_of(n).dtype, ref):
-            raise Miss(f"the probabilities are {'computed' if n is sm else 'cast'} in {tensor_of(n).dtype} ({n.name}), "
-                       f"narrower than the {ref} of the scores: a rounding the op would not make")
+            if n is sm:
+                raise Miss(f"the probabilities are computed in {tensor_of(n).dtype} ({n.name}), narrower than the "
+                           f"{ref} of the scores: a rounding the op would not make")
+            narrowed.append(n)
     if sink is not None:
         scores.nodes[:0] = sink.nodes
     qk, pv = scores.contraction, probs.pv
@@ -291,6 +294,13 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
         if qk_dt != o_val.dtype:
             raise Miss(f"the Q·Kᵀ and P·V products compute in different dtypes ({qk_dt}, {o_val.dtype}: autocast)")
         dtype = qk_dt
+    # A bf16 / fp16 site computes fp32 scores and rounds P to its dtype for P·V: eager's fp32 scores of upcast q and k
+    # (exact products) with P cast to the site's dtype just before P·V (GPT-2's reorder_and_upcast_attn) is that.
+    for n in narrowed:
+        if not (tensor_of(n).dtype == dtype == pv.lhs.dtype and dtype in (torch.bfloat16, torch.float16)
+                and ref == torch.float32):
+            raise Miss(f"the probabilities are cast in {tensor_of(n).dtype} ({n.name}), narrower than the {ref} of "
+                       "the scores: a rounding the op would not make")
     o_out = out_target(o_node)
 
     graph = gm.graph
