@@ -115,8 +115,8 @@ def _head_logits(col: Any, shape: tuple) -> Optional[tuple[fx.Node, list, tuple]
     return cur, nodes, tuple(casts)
 
 
-def _drops_last_column(n: fx.Node, probs: torch.Tensor) -> bool:
-    """n is probs[..., :-1] (or [..., :Nk], or with explicit leading full slices)."""
+def _drops_sink_column(n: fx.Node, probs: torch.Tensor, first: bool) -> bool:
+    """n is probs[..., :-1] (or [..., :Nk], or with explicit leading full slices); with `first`, probs[..., 1:]."""
     if n.op != "call_function" or n.target is not operator.getitem or n.args[0] is None:
         return False
     idx = n.args[1]
@@ -131,7 +131,11 @@ def _drops_last_column(n: fx.Node, probs: torch.Tensor) -> bool:
     if any(x != full for x in lead) or not isinstance(last, slice):
         return False
     nk1 = probs.shape[-1]
-    if last.start not in (None, 0) or last.step not in (None, 1):
+    if last.step not in (None, 1):
+        return False
+    if first:
+        return last.start == 1 and (last.stop is None or (isinstance(last.stop, int) and known_eq(last.stop, nk1)))
+    if last.start not in (None, 0):
         return False
     stop = last.stop
     return isinstance(stop, int) and (stop == -1 or known_eq(stop, nk1 - 1))
@@ -165,12 +169,16 @@ def peel(sm: fx.Node, x: fx.Node) -> Optional[SinkColumn]:
     parts = _cat_parts(cur)
     if parts is None:
         return None
-    scores, col = parts
-    st, ct = _tensor(scores), _tensor(cur)
-    if st is None or ct is None or st.dim() != 4 or not isinstance(scores, fx.Node):
-        return None
-    found = _head_logits(col, tuple(st.shape))
-    if found is None:
+    ct = _tensor(cur)
+    for first in (False, True):  # the sink column after the scores (GPT-OSS) or before them
+        col, scores = parts if first else parts[::-1]
+        st = _tensor(scores)
+        if st is None or ct is None or st.dim() != 4 or not isinstance(scores, fx.Node):
+            continue
+        found = _head_logits(col, tuple(st.shape))
+        if found is not None:
+            break
+    else:
         return None
     head_logits, col_nodes, col_casts = found
     # The cat (and the shift) must feed only the softmax (and the shift's own max).
@@ -179,7 +187,7 @@ def peel(sm: fx.Node, x: fx.Node) -> Optional[SinkColumn]:
         if any(u not in inner and u is not sm for u in n.users):
             return None
     users = list(sm.users)
-    if len(users) != 1 or not _drops_last_column(users[0], ct):
+    if len(users) != 1 or not _drops_sink_column(users[0], ct, first):
         return None
     return SinkColumn(scores, head_logits, users[0], nodes + [cur] + col_nodes, col_casts)
 
@@ -252,6 +260,26 @@ def _head_vector(n: Any, heads: Any) -> Optional[fx.Node]:
     return None
 
 
+def _appends_axis(u: fx.Node, cur: fx.Node) -> bool:
+    """`u` is `cur` with a trailing axis of size 1: unsqueeze(-1), `[..., None]` / `[:, :, :, None]`, or a view or
+    reshape to cur's shape + (1,)."""
+    name = op_name(u)
+    if name == "unsqueeze":
+        return len(u.args) == 2 and u.args[1] in (-1, 3)
+    a, b = _tensor(cur), _tensor(u)
+    if a is None or b is None or b.dim() != a.dim() + 1 or not known_one(b.shape[-1]) or \
+            not all(known_eq(x, y) for x, y in zip(a.shape, b.shape)):
+        return False
+    if name == "getitem":
+        idx = u.args[1] if len(u.args) == 2 else None
+        if not isinstance(idx, tuple) or not idx or idx[-1] is not None:
+            return False
+        full = slice(None, None, None)
+        head = idx[:-1]
+        return head == (Ellipsis,) or (len(head) == a.dim() and all(i == full for i in head))
+    return name in ("view", "reshape")
+
+
 def peel_gate(sm: fx.Node, x: fx.Node) -> Optional[SinkGate]:
     """The sink gate of the softmax `sm` over the 4-d scores `x`, or None. The P·V product the gate multiplies is
     checked by the caller (it is found after this)."""
@@ -278,7 +306,7 @@ def peel_gate(sm: fx.Node, x: fx.Node) -> Optional[SinkGate]:
             seen.add("sub")
         elif name in ("sigmoid", "expit") and "sub" in seen and "sigmoid" not in seen and len(u.args) == 1:
             seen.add("sigmoid")
-        elif name == "unsqueeze" and "sigmoid" in seen and len(u.args) == 2 and u.args[1] in (-1, 3):
+        elif "sigmoid" in seen and "unsqueeze" not in seen and _appends_axis(u, cur):
             seen.add("unsqueeze")
         elif name in ("mul", "__mul__") and "unsqueeze" in seen and len(u.args) == 2 and not u.kwargs \
                 and cur in u.args:

@@ -281,6 +281,31 @@ def test_sink_column_cast_after_its_expand(casts):
     torch.testing.assert_close(out, m(q, k, v), atol=1e-12, rtol=1e-12)
 
 
+class SinkFirst(nn.Module):
+    """The sink column concatenated before the scores and dropped as [..., 1:] (`wrong_drop`: the last column dropped
+    instead, which leaves the sink's weight in P·V and drops a key's: not a sink)."""
+
+    def __init__(self, wrong_drop: bool = False):
+        super().__init__()
+        self.sinks = nn.Parameter(torch.randn(H, generator=torch.Generator().manual_seed(12)))
+        self.wrong_drop = wrong_drop
+
+    def forward(self, q, k, v):
+        k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        col = self.sinks.view(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)
+        p = torch.softmax(torch.cat([col, s], -1), -1)
+        return (p[..., :-1] if self.wrong_drop else p[..., 1:]) @ v
+
+
+def test_sink_column_before_the_scores():
+    # refused before: "scores are not a Q·Kᵀ contraction (reached cat)"
+    q, k, v, _ = _inputs(torch.float32)
+    res = check(SinkFirst(), [q, k, v], rewritten=1)
+    assert res.rewritten[0].call.args[-1] is not None
+    check(SinkFirst(wrong_drop=True), [q, k, v], rewritten=0)
+
+
 def test_sink_column_that_varies_per_query_is_not_a_sink():
     class PerQuery(nn.Module):
         def forward(self, q, k, v):
@@ -363,10 +388,11 @@ class GateSinkAttention(nn.Module):
     """GraniteSWA's eager attention: the sink as a gate sigmoid(logsumexp(S) - sink) on the P·V product. fill: a
     causal mask with a negative offset (so some rows have no admissible key) built in the graph with that value."""
 
-    def __init__(self, fill: Optional[float] = None, shift_inside: bool = False, gate_other: bool = False):
+    def __init__(self, fill: Optional[float] = None, shift_inside: bool = False, gate_other: bool = False,
+                 axis: str = "unsqueeze"):
         super().__init__()
         self.sinks = nn.Parameter(torch.randn(H, generator=torch.Generator().manual_seed(13)))
-        self.fill, self.shift_inside, self.gate_other = fill, shift_inside, gate_other
+        self.fill, self.shift_inside, self.gate_other, self.axis = fill, shift_inside, gate_other, axis
 
     def forward(self, q, k, v):
         g = q.shape[1] // k.shape[1]
@@ -382,7 +408,22 @@ class GateSinkAttention(nn.Module):
         out = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
         if self.gate_other:
             out = out + 0.0  # the gate then multiplies another tensor than the product
-        return out * gate.unsqueeze(-1).to(out.dtype)
+        if self.axis == "index":
+            gate = gate[..., None]
+        elif self.axis == "slices":
+            gate = gate[:, :, :, None]
+        elif self.axis == "view":
+            gate = gate.view(*gate.shape, 1)
+        else:
+            gate = gate.unsqueeze(-1)
+        return out * gate.to(out.dtype)
+
+
+@pytest.mark.parametrize("axis", ["index", "slices", "view"])
+def test_sink_gate_spellings_of_its_trailing_axis(axis):
+    # `[..., None]` (the form GraniteSWA-style code also takes) was refused: "the scores are also used outside"
+    q, k, v, _ = _inputs(torch.float32)
+    check(GateSinkAttention(axis=axis), [q, k, v], rewritten=1)
 
 
 def test_sink_gate_is_the_ops_sinks():
