@@ -32,9 +32,13 @@ def guard_constants(compiled: Callable, gm: fx.GraphModule, example_inputs: Sequ
     # than the one read, never assumed to be it. The tensor is held, not weakly referenced: torch.utils.swap_tensors
     # refuses a tensor with a weakref (module.to() under swap_module_params_on_conversion), and an id compared
     # instead could be a later tensor's over reused memory. A swap changes the memory or version the check reads.
-    checks: Optional[list] = [(r.index, r.tensor, r.version, r.tensor.data_ptr()) for r in reads.values()]
+    checks: Optional[list] = [(r.index, r.tensor, r.version, r.tensor.data_ptr()) for r in reads.values()
+                              if r.value is None]
+    # floats Dynamo passes as inputs (a new 0-d tensor each call): (index, value), compared by value
+    values = [(r.index, r.value) for r in reads.values() if r.value is not None]
     if any(r.index is not None and (r.index >= len(example_inputs) or example_inputs[r.index] is not r.tensor)
-           for r in reads.values()):
+           for r in reads.values() if r.value is None) or \
+            any(i is None or i >= len(example_inputs) or not _same_float(example_inputs[i], v) for i, v in values):
         checks = None
     names = sorted(reads)
     state: dict = {}  # "gm": the traced graph, once a check failed
@@ -43,7 +47,7 @@ def guard_constants(compiled: Callable, gm: fx.GraphModule, example_inputs: Sequ
         for index, t, version, ptr in checks:
             if (index is not None and args[index] is not t) or t._version != version or t.data_ptr() != ptr:
                 return False
-        return True
+        return all(_same_float(args[i], v) for i, v in values)
 
     def run(*args):
         if "gm" not in state and checks is not None and unchanged(args):
@@ -59,6 +63,15 @@ def guard_constants(compiled: Callable, gm: fx.GraphModule, example_inputs: Sequ
 
     run.__dict__.update(getattr(compiled, "__dict__", {}))  # what Dynamo and AOTAutograd attach to it
     return run
+
+
+def _same_float(x: Any, value: float) -> bool:
+    """Whether the input `x` (a 0-d tensor Dynamo wrapped a Python float in, or the float) holds `value`."""
+    try:
+        v = x.item() if hasattr(x, "item") else float(x)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return v == value or (v != v and value != value)
 
 
 def record(gm: fx.GraphModule, reads: dict, original: Optional[fx.Graph]) -> None:

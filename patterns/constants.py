@@ -16,9 +16,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
+import torch.fx as fx
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class ConstantRead:
     version: int
     index: Optional[int]
     name: str
+    # A Python float that Dynamo passes as a graph input (dynamic shapes): checked by value, not by object (each call
+    # wraps the float in a new 0-d tensor).
+    value: Optional[float] = None
 
 
 _READS: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("fa_compile_constant_reads", default=None)
@@ -64,3 +68,36 @@ def note(name: str, tensor: torch.Tensor, index: Optional[int]) -> bool:
         return False
     reads.setdefault(name, ConstantRead(tensor, version, index, name))
     return True
+
+
+def read_float(node: Any) -> Optional[float]:
+    """The value of a Python float that Dynamo made a graph input (`x.item()` of the 0-d tensor it wraps a global,
+    a module attribute or a config value in, as it does under dynamic shapes), read as a constant: the backend's
+    check compares it on every call (fa_compile/constant_guard.py). None for anything else, and outside
+    `reading()` (FA_COMPILE=1's pre-grad pass cannot check it: the site keeps it as data)."""
+    reads = _READS.get()
+    if reads is None or not isinstance(node, fx.Node) or node.op != "call_method" or node.target != "item" \
+            or len(node.args) != 1 or node.kwargs:
+        return None
+    ph = node.args[0]
+    if not isinstance(ph, fx.Node) or ph.op != "placeholder":
+        return None
+    ga = ph.meta.get("grapharg")
+    ex = getattr(ga, "example_strong_ref", None)
+    if not getattr(ga, "pass_arg_as_tensor", False) or not isinstance(ex, torch.Tensor) or ex.dim() != 0 \
+            or not ex.dtype.is_floating_point:
+        return None
+    value = float(ex)
+    index = 0  # among the placeholders, which come first in the graph
+    for n in ph.graph.nodes:
+        if n is ph:
+            break
+        index += n.op == "placeholder"
+    try:
+        name = ga.source.name
+        name = name() if callable(name) else name  # a method before torch 2.13, a property since
+    except AttributeError:
+        name = ph.name
+    reads.setdefault(ph.name, ConstantRead(ex, 0, index, name if isinstance(name, str) and name else ph.name,
+                                           value))
+    return value

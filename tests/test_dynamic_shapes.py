@@ -325,3 +325,51 @@ def test_heads_marked_dynamic_compile_and_match_eager(fn, dims, q_heads, kv_head
         go = torch.randn(want.shape, generator=g)
         for a, b in zip(torch.autograd.grad(got, args, go), torch.autograd.grad(want, (q, k, v), go)):
             assert_same(a, b, **TOL)
+
+
+class FloatAttributes(nn.Module):
+    """A softcap (Gemma 2's spelling) and a padding fill kept as Python floats: under dynamic=True Dynamo passes each
+    as a graph input (a 0-d tensor read with .item()), not as a constant."""
+
+    def __init__(self, softcap: float = 5.0, fill: float = torch.finfo(torch.float32).min):
+        super().__init__()
+        self.softcap, self.fill = softcap, fill
+
+    def forward(self, q, k, v, lens):
+        s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        s = torch.tanh(s / self.softcap) * self.softcap
+        keep = torch.arange(k.shape[2])[None, :] < lens[:, None]
+        return torch.softmax(s.masked_fill(~keep[:, None, None], self.fill), -1) @ v
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+def test_float_attributes_under_dynamic_true_are_checked_constants(inner):
+    # Both were refused under dynamic=True: Dynamo passes such floats as graph inputs (Gemma 2's generate() rewrote
+    # none of its sites there). The pass reads them as constants that the backend's check compares on every call; a
+    # changed value runs the graph as traced ("eager"). Under AOTAutograd ("aot_eager", as under Inductor) Dynamo is
+    # asked to trace again with the floats specialized, and its guards recompile for a new value.
+    import warnings
+
+    g = torch.Generator().manual_seed(0)
+    m = FloatAttributes()
+    cap = Capture(inner)
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend=cap, dynamic=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # unchanged values: the compiled graph runs
+        for n in (6, 9):  # the second sequence fully padded: the finfo.min fill gives the mean of V there
+            args = [torch.randn(2, 2, n, 8, generator=g, requires_grad=True) for _ in range(3)] + [torch.tensor([n, 0])]
+            want, got = m(*args), compiled(*args)
+            assert_same(got, want)
+            grads = torch.autograd.grad(want.sum(), args[:3])
+            for a, w in zip(torch.autograd.grad(got.sum(), args[:3]), grads):
+                assert_same(a, w)
+    last = cap.reports[-1]
+    assert count_attention(cap.graphs[-1]) == 1 and last.rewritten and last.softcap == 5.0, cap.reports
+    assert last.mask == "key-padding", last
+    for softcap, fill in ((2.0, m.fill), (5.0, -1.0)):  # a new softcap; a fill that no longer absorbs
+        m.softcap, m.fill = softcap, fill
+        args = [torch.randn(2, 2, 7, 8, generator=g, requires_grad=True) for _ in range(3)] + [torch.tensor([7, 0])]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # ("eager": the check's fallback warns)
+            assert_same(compiled(*args), m(*args))

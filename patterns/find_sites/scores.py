@@ -13,6 +13,7 @@ from ..canonicalize import (
     arg, constant_value, is_finite_number, is_inplace, is_symbolic_scalar, kind, reads_only_metadata, tensor_of,
 )
 from ..canonicalize import row_max_of as _row_max_of
+from ..constants import read_float
 from ..layout import Contraction, contraction, identity
 from ..mult_mask import match_mult_mask
 from ..shapes import known_eq, known_one
@@ -84,22 +85,39 @@ def _scale_factor(x: Any, scores_shape) -> Optional[tuple[str, Any]]:
     return None
 
 
+def _number(x: Any) -> Any:
+    """x itself when a finite number, else the value of a float Dynamo made a graph input (read as a constant, checked
+    on every call: patterns/constants.py), else None."""
+    if is_finite_number(x):
+        return x
+    v = read_float(x)
+    return v if v is not None and math.isfinite(v) else None
+
+
+def _is_item(x: Any) -> bool:
+    return isinstance(x, fx.Node) and x.op == "call_method" and x.target == "item"
+
+
 def _softcap_at(node: fx.Node) -> Optional[tuple[float, fx.Node, list]]:
-    """mul(tanh(div(y, c)), c) (either operand order, or y * (1/c) inside) -> (c, y, [tanh, inner])."""
+    """mul(tanh(div(y, c)), c) (either operand order, or y * (1/c) inside) -> (c, y, [tanh, inner]). c may be a float
+    Dynamo passes as a graph input (dynamic shapes: Gemma 2's config value), read as a checked constant."""
     if kind(node) != "mul":
         return None
     a, b = node.args[0], arg(node, 1, "other")
     t, c = (a, b) if kind(a) == "tanh" else (b, a)
-    if kind(t) != "tanh" or not is_finite_number(c) or c <= 0:
+    if kind(t) != "tanh":
         return None
     inner = t.args[0]
     ki = kind(inner)
     if ki not in ("mul", "div"):
         return None
     x, y = inner.args[0], arg(inner, 1, "other")
-    if ki == "mul" and is_finite_number(x):
+    if ki == "mul" and (is_finite_number(x) or _is_item(x)):
         x, y = y, x
-    if not isinstance(x, fx.Node) or not is_finite_number(y) or y == 0:
+    if not isinstance(x, fx.Node) or tensor_of(x) is None:
+        return None
+    c, y = _number(c), _number(y)
+    if c is None or c <= 0 or y is None or y == 0:
         return None
     d = float(y) if ki == "div" else 1.0 / float(y)
     if not math.isclose(d, float(c), rel_tol=1e-6):
@@ -122,6 +140,8 @@ def _fill_value(value: Any) -> Any:
     c = constant_value(value)
     if c is not None:
         return c
+    if _is_item(value):  # a float Dynamo made a graph input (dynamic shapes), read as a checked constant
+        return read_float(value)
     t = tensor_of(value)
     if isinstance(value, fx.Node) and t is not None and t.dim() == 0 and t.dtype.is_floating_point and \
             not t.requires_grad:
