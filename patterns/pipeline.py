@@ -17,6 +17,7 @@ import torch.fx as fx
 from .aliasing import writes
 from .canonicalize import canonicalize
 from .concat_keys import fold_concat_keys
+from .einsum_groups import fold_einsum_groups
 from .fused_calls import rewrite_fused_calls
 from .find_sites import rewrite_softmax_sites
 from .paged import rewrite_paged_caches
@@ -133,7 +134,7 @@ def rewrite_graph(gm: fx.GraphModule, options: PassOptions) -> list[SiteReport]:
         canonicalized = canonicalize(gm)
         step = "tentative edits"
         # undone below where no rewrite took them
-        tentative = fold_split_rows(gm) + fold_transposed_pv(gm) + fold_concat_keys(gm)
+        tentative = fold_split_rows(gm) + fold_transposed_pv(gm) + fold_concat_keys(gm) + fold_einsum_groups(gm)
         canonicalized = canonicalized or bool(tentative)
         for step, run in STEPS:
             reports += run(gm, options)

@@ -634,6 +634,47 @@ def test_einsum_reads_bshd_directly():
     assert c.rewritten[0].q_shape == (B, H, N, D)
 
 
+def mqa_einsum(q, k, v):  # one K / V for every head, not repeated (PaLM-style multi-query code)
+    s = torch.einsum("bhid,bjd->bhij", q, k) * 0.25
+    return torch.einsum("bhij,bjd->bhid", s.softmax(-1), v)
+
+
+def gqa_einsum(q, k, v):  # q grouped as [B, N, Hkv, G, D] against a [B, N, Hkv, D] cache
+    b, n, h, d = q.shape
+    qg = q.view(b, n, HKV, h // HKV, d)
+    s = torch.einsum("bqhgd,bkhd->bhgqk", qg, k) * 0.25
+    return torch.einsum("bhgqk,bkhd->bqhgd", s.softmax(-1), v).reshape(b, n, h, d)
+
+
+def heads_mixed(q, k, v):  # the extra letter summed away after the softmax: not attention per head
+    s = torch.einsum("bhid,bjd->bhij", q, k) * 0.25
+    return torch.einsum("bhij,bjd->bid", s.softmax(-1), v)
+
+
+@pytest.mark.parametrize("fn", [mqa_einsum, gqa_einsum, heads_mixed], ids=lambda f: f.__name__)
+def test_einsum_with_query_heads_the_keys_lack(fn):
+    # were refused: "scores are not a Q·Kᵀ contraction (reached einsum)" (a second row letter)
+    if fn is mqa_einsum:
+        args = [rand(B, H, N, D), rand(B, N, D, seed=1), rand(B, N, D, seed=2)]
+    else:
+        args = [rand(B, N, H, D), rand(B, N, HKV, D, seed=1), rand(B, N, HKV, D, seed=2)]
+    if fn is heads_mixed:
+        args = [rand(B, H, N, D), rand(B, N, D, seed=1), rand(B, N, D, seed=2)]
+    diff_check(fn, [a.requires_grad_(True) for a in args], rewritten=0 if fn is heads_mixed else 1)
+
+
+class TestPinnedEinsumGroups(expecttest.TestCase):
+    def test_pinned_mqa_einsum(self):
+        # K and V reach the op as one kv head (a view), which it shares among the query heads: no repeat
+        args = [rand(B, H, N, D), rand(B, N, D, seed=1), rand(B, N, D, seed=2)]
+        self.assertExpectedInline(pinned(mqa_einsum, *args), """\
+unsqueeze(l_k_, 1)
+unsqueeze(l_v_, 1)
+fa3.attention(l_q_, unsqueeze, unsqueeze_1, 0.25, False, 0, -1, -1, None, None, 0.0, 0.0, None, None)
+getitem(attention_default, 0)
+contiguous(getitem)""")
+
+
 # ------------------------------------------------------------------------------------------- training
 
 @pytest.mark.parametrize("form", ["repeat_kv", "bshd", "per_head_temperature"])

@@ -1,0 +1,86 @@
+"""An einsum whose left operand has head letters the right one lacks, read with those letters broadcast.
+
+Multi-query and grouped-query code written with einsum leaves the shared keys and values without the query's extra
+head letters:
+
+    s = torch.einsum("bhid,bjd->bhij", q, k)                  # one K for every head h
+    s = torch.einsum("bqhgd,bkhd->bhgqk", q, k)               # K per kv head h, shared by the group g
+    o = torch.einsum("bhgqk,bkhd->bqhgd", p, v)
+
+The site finder reads a contraction with one row letter; h (g) is a second. torch.einsum broadcasts a letter of
+size 1, so the edit
+
+    s = torch.einsum("bhid,bhjd->bhij", q, k.unsqueeze(1))
+
+gives the same dot products of the same terms (at most the GEMM's summation order changes), with h now a batch
+letter whose size-1 operand is a broadcast, as `k[:, None]` is in matmul code. The row letter kept is the query's:
+the output's second-to-last letter for the scores, the probabilities' second-to-last for P·V (whose left operand
+comes from a softmax). It is tentative (tentative.py): put back where no rewrite takes it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from .canonicalize import PROB_STEPS, reaches_softmax, tensor_of
+from .tentative import Edit, LazyRegions, attempt_each, commit
+
+
+def _equation(node: fx.Node) -> Optional[tuple[str, str, str, fx.Node, fx.Node]]:
+    if node.kwargs or len(node.args) not in (2, 3) or not isinstance(node.args[0], str):
+        return None
+    ops = node.args[1:] if len(node.args) == 3 else node.args[1]
+    if not isinstance(ops, (list, tuple)) or len(ops) != 2 or not all(isinstance(o, fx.Node) for o in ops):
+        return None
+    eq = node.args[0].replace(" ", "")
+    if "..." in eq or "->" not in eq or eq.count(",") != 1:
+        return None
+    lhs, z = eq.split("->")
+    x, y = lhs.split(",")
+    a, b = ops
+    ta, tb = tensor_of(a), tensor_of(b)
+    if ta is None or tb is None or len(x) != ta.dim() or len(y) != tb.dim():
+        return None
+    if any(len(set(s)) != len(s) for s in (x, y, z)):
+        return None
+    return x, y, z, a, b
+
+
+def _broadcast(gm: fx.GraphModule, node: fx.Node, regions: LazyRegions) -> Optional[Edit]:
+    parsed = _equation(node)
+    if parsed is None:
+        return None
+    x, y, z, a, b = parsed
+    rows = [ch for ch in z if ch in x and ch not in y]
+    if len(rows) < 2 or len(x) < 2:
+        return None
+    keep = x[-2] if reaches_softmax(a, PROB_STEPS, forward=False) else z[-2]
+    if keep not in rows:
+        return None
+    graph = gm.graph
+    made, rhs, yy = [], b, y
+    with graph.inserting_before(node):
+        for ch in (c for c in z if c in rows and c != keep):
+            # after the letters of y that come before ch in z (k[:, None] for "bhid,bjd->bhij")
+            before = [i for i, c in enumerate(yy) if c in z and z.index(c) < z.index(ch)]
+            pos = max(before) + 1 if before else 0
+            rhs = graph.call_method("unsqueeze", (rhs, pos))
+            made.append(rhs)
+            yy = yy[:pos] + ch + yy[pos:]
+        product = graph.call_function(torch.einsum, (f"{x},{yy}->{z}", a, rhs))
+    made.append(product)
+    if not commit(graph, made, node):
+        return None
+    eq = node.args[0]
+
+    def rebuild(graph: fx.Graph) -> list:  # the einsum as written
+        return [graph.call_function(torch.einsum, (eq, a, b))]
+
+    return Edit(made, product, rebuild, inputs=[a, b])
+
+
+def fold_einsum_groups(gm: fx.GraphModule) -> list[Edit]:
+    """Apply the edit of the module docstring wherever its letters allow; the edits made."""
+    return attempt_each(gm, "einsum", _broadcast)
