@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -63,7 +64,10 @@ _NOT_PROVEN = {
 }
 
 _DONE = "fa_compile_subgraph_rewritten"
-_UNDO = "fa_compile_subgraph_undo"  # (GraphRecord before the rewrite, HOP name, the body's reports)
+# body -> (GraphRecord before the rewrite, HOP name, the body's reports). Kept beside the body, not in its meta: the
+# record's nodes refer back to each other, and Inductor's cache key pickles the bodies' meta (a cyclic object there
+# logged a traceback and bypassed the AOTAutograd cache).
+_UNDO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 GraphRewrite = Callable[[fx.GraphModule, PassOptions], "list[SiteReport]"]
 
@@ -217,7 +221,7 @@ def _rewrite_body(body: fx.GraphModule, options: PassOptions, rewrite_graph: Gra
     except Exception as e:  # cannot tell: treat as changed
         changed = f"something it could not compare ({type(e).__name__})"
     if changed is None:
-        body.meta[_UNDO] = (record, name, reports)
+        _UNDO[body] = (record, name, reports)
         return reports
     record.restore()
     body.recompile()
@@ -280,7 +284,7 @@ def undo_subgraph_rewrites(gm: fx.GraphModule, error: Exception) -> bool:
     compiler rejected the graph with our op inside a HOP body). True when there was one to put back."""
     undone = False
     for body in [m for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm]:
-        entry = body.meta.pop(_UNDO, None)
+        entry = _UNDO.pop(body, None)
         if entry is None:
             continue
         record, name, reports = entry

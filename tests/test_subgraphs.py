@@ -89,6 +89,17 @@ def test_checkpoint_under_inductor():
     check(Checkpointed(layers=1), [x_input(4)], inner="inductor", rewritten=1, seed=4)
 
 
+def test_checkpoint_under_inductor_keeps_the_compile_cache(caplog):
+    # The undo record of a rewritten body was kept in its meta, which Inductor's cache key pickles: a cyclic object
+    # there logged "Failed to pickle cache key" with a traceback and bypassed the AOTAutograd cache.
+    import logging
+
+    torch.manual_seed(0)
+    with caplog.at_level(logging.WARNING):
+        check(Checkpointed(layers=1), [x_input(5)], inner="inductor", rewritten=1, seed=5)
+    assert not [r for r in caplog.records if "pickle" in r.getMessage()], [r.getMessage() for r in caplog.records]
+
+
 def test_nested_checkpoint_both_levels_rewritten():
     torch.manual_seed(0)
     c = Compiled(NestedCheckpoint(), inner="aot_eager")
