@@ -752,7 +752,7 @@ MISSES = {
     "output_attentions": (returns_probs, "probabilities are also returned to the caller (output_attentions)"),
     "scores_returned": (returns_scores, "also used outside the attention"),
     "probs_used_twice": (probs_used_twice, "probabilities have 2 users"),
-    "softmax_dim_1": (softmax_dim_1, "softmax is over dim 1, not the key axis"),
+    "softmax_dim_1": (softmax_dim_1, "softmax is over dim 1, not the last dim"),
     "mask_before_softcap": (mask_before_softcap, "a mask is applied to the scores before the softcap"),
     "elementwise_tensor_mul": (elementwise_tensor_mul, "multiplied elementwise by a tensor"),
     "inplace_scale": (inplace_scale_elsewhere, "modified in place"),

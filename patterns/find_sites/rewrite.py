@@ -197,7 +197,8 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
     if st.dim() < 2:
         raise Miss(f"softmax over a {st.dim()}-d tensor")
     if dim != st.dim() - 1:
-        raise Miss(f"softmax is over dim {dim}, not the key axis (the last dim {st.dim() - 1})")
+        raise Miss(f"softmax is over dim {dim}, not the last dim ({st.dim() - 1}): the pass reads the keys on the "
+                   "last axis of the scores")
     sink = sinks.peel(sm, x)
     gate = sinks.peel_gate(sm, x) if sink is None else None
     if sink is not None:
