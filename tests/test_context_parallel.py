@@ -425,6 +425,14 @@ def _buffers_and_warnings(rank: int, world: int) -> dict:
     except TypeError as e:
         errors.append(str(e))
     got["errors"] = errors
+    only_rank0 = torch.distributed.new_group([0])  # every rank takes part in making it
+    got["member"] = None
+    if rank != 0:
+        try:
+            with fa_compile.context_parallel(only_rank0):
+                pass
+        except ValueError as e:
+            got["member"] = str(e)
 
     def rounded_scores(q, k, v):  # left alone by the pass: the scores are rounded to bf16
         s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).to(torch.bfloat16).float()
@@ -450,3 +458,5 @@ def test_views_bad_dims_and_sites_left_alone_under_context_parallel():
         assert [e.split(":")[0] for e in got["errors"]] == [
             "buffer_seq_dims[0]", "buffer_seq_dims[0]", "buffer_seq_dims", "buffers"], got["errors"]
         assert len(got["warnings"]) == 1 and "this rank's shard of the sequence only" in got["warnings"][0], got
+        assert (got["member"] is None) == (rank == 0), got  # a rank outside the group: named, not "got -100"
+        assert rank == 0 or got["member"].startswith("mesh: this process (global rank 1) is not a member"), got["member"]

@@ -56,6 +56,9 @@ def _group_of(mesh: Any):
 
     if isinstance(mesh, dist.ProcessGroup):
         return mesh
+    if isinstance(mesh, int) and mesh == dist.GroupMember.NON_GROUP_MEMBER:  # what new_group gives non-members
+        raise ValueError(f"mesh: this process (global rank {dist.get_rank()}) is not a member of the group it names "
+                         "(new_group gives the ranks outside it GroupMember.NON_GROUP_MEMBER)")
     if getattr(mesh, "ndim", None) != 1:
         raise ValueError(f"mesh: expected a 1-D DeviceMesh (e.g. mesh['cp']) or a ProcessGroup, got {mesh!r}")
     return mesh.get_group()
@@ -247,6 +250,8 @@ def context_parallel(
             raise TypeError(f"buffers[{i}]: an nn.Parameter cannot be sharded in place")
     balanced = _load_balanced(load_balance)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if rank < 0:  # a group this process is not in (get_rank gives -1)
+        raise ValueError(f"mesh: this process (global rank {dist.get_rank()}) is not a member of the group it names")
     shards = [shard(b, d, world, rank, balanced, f"buffers[{i}]")
               for i, (b, d) in enumerate(zip(buffers, buffer_seq_dims))]  # all checked before any is changed
     # each buffer's own memory, kept as it is and given back on exit (resize_ and copy_ would write a view's base)
