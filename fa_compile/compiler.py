@@ -315,7 +315,8 @@ def backend(
         from .constant_guard import guard_constants
         from .distributed.context import warn_sites_left_alone
 
-        return warn_sites_left_alone(guard_constants(compiled, gm, example_inputs), reports)
+        warn_sites_left_alone(reports)
+        return guard_constants(compiled, gm, example_inputs)
 
     fa3_backend.fa_compile_config = cfg  # type: ignore[attr-defined]
     # The registered backend's name (torch.compile takes a callable's __name__ as its compiler_name): Dynamo then

@@ -88,16 +88,26 @@ def read_float(node: Any) -> Optional[float]:
             or not ex.dtype.is_floating_point:
         return None
     value = float(ex)
-    index = 0  # among the placeholders, which come first in the graph
+    if ph.name not in reads:  # (every layer's site reads the same input)
+        reads[ph.name] = ConstantRead(ex, 0, placeholder_index(ph), source_name(ph), value)
+    return value
+
+
+def placeholder_index(ph: fx.Node) -> int:
+    """`ph`'s position among the graph's placeholders (which come first in the graph)."""
+    index = 0
     for n in ph.graph.nodes:
         if n is ph:
             break
         index += n.op == "placeholder"
+    return index
+
+
+def source_name(node: fx.Node) -> str:
+    """Where Dynamo took a placeholder's value from (`L['self']._buffers['bias']`), else its name."""
     try:
-        name = ga.source.name
+        name = node.meta["grapharg"].source.name
         name = name() if callable(name) else name  # a method before torch 2.13, a property since
-    except AttributeError:
-        name = ph.name
-    reads.setdefault(ph.name, ConstantRead(ex, 0, index, name if isinstance(name, str) and name else ph.name,
-                                           value))
-    return value
+        return name if isinstance(name, str) and name else node.name
+    except (KeyError, AttributeError):
+        return node.name

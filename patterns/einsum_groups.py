@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .canonicalize import PROB_STEPS, reaches_softmax, tensor_of
+from .canonicalize import PROB_STEPS, SCORE_STEPS, reaches_softmax, tensor_of
 from .tentative import Edit, LazyRegions, attempt_each, commit
 
 
@@ -56,7 +56,12 @@ def _broadcast(gm: fx.GraphModule, node: fx.Node, regions: LazyRegions) -> Optio
     rows = [ch for ch in z if ch in x and ch not in y]
     if len(rows) < 2 or len(x) < 2:
         return None
-    keep = x[-2] if reaches_softmax(a, PROB_STEPS, forward=False) else z[-2]
+    if reaches_softmax(a, PROB_STEPS, forward=False):  # P·V: the probabilities' rows
+        keep = x[-2]
+    elif reaches_softmax(node, SCORE_STEPS, forward=True):  # the scores: their rows
+        keep = z[-2]
+    else:  # no attention here: no edit to make and undo
+        return None
     if keep not in rows:
         return None
     graph = gm.graph

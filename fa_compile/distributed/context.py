@@ -297,27 +297,18 @@ def context_parallel_unshard(mesh: Any, buffers: Sequence[Tensor], seq_dims: Seq
 _WARNED: set = set()
 
 
-def warn_sites_left_alone(compiled: Callable, reports: Sequence[Any]) -> Callable:
-    """`compiled`, which warns once when it first runs under context_parallel if the pass left softmax sites alone
-    in it: such a site runs as written, on this rank's shard of the sequence only (only fa3.attention calls take
-    the ring), so an attention among them attends to the local keys alone."""
+def warn_sites_left_alone(reports: Sequence[Any]) -> None:
+    """Warn when a graph compiled under context_parallel (the context's mode makes Dynamo compile its frames again
+    inside it) has softmax sites the pass left alone: such a site runs as written, on this rank's shard of the
+    sequence only (only fa3.attention calls take the ring), so an attention among them attends to the local keys
+    alone."""
     left = [f"{r.where or r.form} ({r.reason})" for r in reports if not r.rewritten]
-    if not left:
-        return compiled
-    warned: list = []
-
-    def run(*args):
-        if _ACTIVE is not None and not warned:
-            warned.append(True)
-            shown = "; ".join(left[:3]) + (f"; and {len(left) - 3} more" if len(left) > 3 else "")
-            warnings.warn(f"fa_compile: under context_parallel, {len(left)} softmax site(s) that the pass left alone "
-                          f"run as written, on this rank's shard of the sequence only: an attention among them "
-                          f"attends to the local keys alone (explain() says why each was left): {shown}",
-                          RuntimeWarning, stacklevel=2)
-        return compiled(*args)
-
-    run.__dict__.update(getattr(compiled, "__dict__", {}))  # what Dynamo and AOTAutograd attach to it
-    return run
+    if _ACTIVE is None or not left:
+        return
+    shown = "; ".join(left[:3]) + (f"; and {len(left) - 3} more" if len(left) > 3 else "")
+    warnings.warn(f"fa_compile: under context_parallel, {len(left)} softmax site(s) that the pass left alone run as "
+                  f"written, on this rank's shard of the sequence only: an attention among them attends to the local "
+                  f"keys alone (explain() says why each was left): {shown}", RuntimeWarning, stacklevel=2)
 
 
 def guard_compiled(compiled: Callable, gm: torch.fx.GraphModule) -> Callable:

@@ -58,25 +58,11 @@ def _real_buffer(node: fx.Node) -> Optional[torch.Tensor]:
                 # parameters (even frozen ones) are weights that training or the user may change
                 if isinstance(real, torch.nn.Parameter) or real.requires_grad:
                     return None
-                index = 0  # among the placeholders, which come first in the graph
-                for n in node.graph.nodes:
-                    if n is node:
-                        break
-                    index += n.op == "placeholder"
-                return real if constants.note(_source_name(node), real, index) else None
+                return real if constants.note(constants.source_name(node), real,
+                                              constants.placeholder_index(node)) else None
     except Exception:
         return None
     return None
-
-
-def _source_name(node: fx.Node) -> str:
-    """Where Dynamo took a placeholder's value from (`L['self']._buffers['bias']`), else its name."""
-    try:
-        name = node.meta["grapharg"].source.name
-        name = name() if callable(name) else name  # a method before torch 2.13, a property since
-        return name if isinstance(name, str) and name else node.name
-    except (KeyError, AttributeError):
-        return node.name
 
 
 def _exact_positions(n: fx.Node) -> bool:
