@@ -566,6 +566,8 @@ def _sink_grad(sinks: Tensor, lse: Tensor, dout: Optional[Tensor], out: Tensor, 
 # The zero-valued ops that carry eager's gradient on fully masked rows (fa3::uniform_row_grad,
 # fa3::filled_scores_grad) live in row_fixups.py; importing it registers them on this library.
 from . import row_fixups  # noqa: E402,F401
+# fa3::dropped_uniform_rows, eager's value and gradients on such rows under dropout.
+from . import dropped_rows  # noqa: E402,F401
 # fa3::cpu_flash_forward, which lowered CPU graphs call (also where Inductor's cached code runs in a process
 # that has lowered nothing).
 from . import cpu_flash_op  # noqa: E402,F401

@@ -93,8 +93,8 @@ def call(graph: fx.Graph, target: Any, *args: Any, method: bool = False, **kwarg
 
 # The MaskSpec.empty_rows values emit_attention reproduces exactly (everything but "unknown").
 EMPTY_ROWS_KEPT = ("impossible", "zero", "nan", "mean_v", "mean_v_add", "mean_v_add_tied")
-# Eager's fully masked rows weigh every key alike there: the fix-ups give the mean of V, which eager's dropout of
-# those weights would make random (refused with dropout)
+# Eager's fully masked rows weigh every key alike there: the fix-ups give the mean of V, or with dropout eager's
+# dropped uniform weights times V (fa_compile/dropped_rows.py)
 EMPTY_ROWS_UNIFORM = ("mean_v", "mean_v_add", "mean_v_add_tied")
 # "fill" is kept too, but only by callers that pass MaskSpec.fill along: it is not in the tuple above,
 # so a caller that forwards empty_rows alone falls back to its exact bias instead.
@@ -141,6 +141,8 @@ def emit_attention(
     "mean_v_add" also keeps eager's gradient of q and k on those rows (see `_uniform_row_grad`), through
     the softcap too; "mean_v_add_tied" half of it: the scores were clamped by max(s, finfo.min) after the
     mask, and an absorbed score ties the clamp, where torch.maximum splits its gradient in two.
+    With dropout, eager drops some of those uniform weights: the "mean_v" kinds then add
+    fa3.dropped_uniform_rows (fa_compile/dropped_rows.py), eager's value and gradients under the site's seed.
     "fill" (with `fill` = c, finite) keeps eager's value where every masked score was replaced by c,
     on every row; the masked keys are those the structure, kv_lens and a bool bias exclude. A mask
     constant along queries (key padding) becomes eager's own arithmetic (`_fill_masked_keys`); a band
@@ -239,9 +241,6 @@ def emit_attention(
     if limited:
         kv_lens = key_limit.limit_keys(graph, q, k, v, bias, kv_lens, causal=causal, diag_offset=diag_offset,
                                        window_left=window_left, window_right=window_right, **runtime)
-    if empty_rows in EMPTY_ROWS_UNIFORM and dropout_p > 0:
-        raise ValueError(f"empty_rows: {empty_rows!r} cannot keep eager's dropout of a fully masked row's uniform "
-                         "weights")
     if empty_rows == "fill":
         if fill is None or not math.isfinite(fill):
             raise ValueError(f"fill: empty_rows 'fill' needs the finite fill value, got {fill!r}")
@@ -289,6 +288,15 @@ def emit_attention(
     empty = call(graph, torch.unsqueeze, call(graph, torch.isneginf, lse), -1)
     if empty_rows == "nan":
         fill = call(graph, torch.full_like, out, float("nan"))
+    elif dropout_p > 0:
+        # eager drops some of the uniform weights: the same bits in the fill and its gradients (fa_compile/dropped_rows)
+        qk_grad = 0.0
+        if empty_rows in ("mean_v_add", "mean_v_add_tied") and needs_qk_grad(q, k):
+            qk_grad = 1.0 if empty_rows == "mean_v_add" else 0.5
+        note_fixup(node, "fully masked rows: eager's uniform weights with dropout (fa3.dropped_uniform_rows)")
+        fill = call(graph, torch.ops.fa3.dropped_uniform_rows.default, q, k, v, lse, seed, float(dropout_p),
+                    float(scale), float(softcap), qk_grad)
+        fill = call(graph, "to", fill, example_value(out).dtype, method=True)
     else:
         # eager's softmax over a row of equal scores: the uniform average of V over all keys.
         hq, hkv = example_value(q).shape[1], example_value(v).shape[1]

@@ -244,10 +244,8 @@ def structured_mask(b: Builder, node: fx.Node, terms: list, q4v: torch.Tensor, k
     """The op's mask arguments for masks entering the scores as `terms` [(op, tensor node, fill)]:
     what masks.analyze_mask proves (causal / window / key lengths + residual bias), else `fallback`
     (the masks combined into one bias, eager's own arithmetic). Analyses are shared through `cache`
-    by the sites of one graph (models reuse one mask in every layer). With dropout, a mask whose fully
-    masked rows need the mean-of-V fix-up refuses the site (Refuse): eager drops some of such a row's uniform
-    weights, which the fix-up cannot do, and the exact bias would send the site to the reference math, where the
-    call's own kernels (SDPA's) keep eager's arithmetic at their speed."""
+    by the sites of one graph (models reuse one mask in every layer). With dropout, the fully masked rows of a
+    finfo.min mask get eager's dropped uniform weights (emit: fa3.dropped_uniform_rows)."""
     try:
         from .masks import analyze_mask
         from .site import MaskSpec, MaskTerm
@@ -271,8 +269,4 @@ def structured_mask(b: Builder, node: fx.Node, terms: list, q4v: torch.Tensor, k
             b.pending_cache[key] = spec
     if not isinstance(spec, MaskSpec) or spec.empty_rows not in emit.EMPTY_ROWS_KEPT:
         return fallback, fallback_kind
-    if dropout_p > 0 and spec.empty_rows in emit.EMPTY_ROWS_UNIFORM:
-        raise Refuse("a finite mask value that can absorb every score of a row (finfo.min), with dropout: eager "
-                     "weighs such a row's keys alike and drops some of those weights, which the op's fix-up (the "
-                     "mean of V) cannot keep; the call's own kernels can")
     return {f: getattr(spec, f) for f in _SPEC_FIELDS}, spec.kind

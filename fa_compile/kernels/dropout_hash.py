@@ -35,10 +35,15 @@ def keep_threshold(dropout_p: float) -> int:
     return min(int(dropout_p * 4294967296.0), M32)
 
 
+def keep_at(seed: Tensor, row: Tensor, col: Tensor, dropout_p: float) -> Tensor:
+    """Whether the probability at (row, col) is kept: int64 row and col indices that broadcast together, as the
+    module docstring numbers them."""
+    s = seed.to(device=row.device, dtype=torch.int64).reshape(()) & M32
+    return hash32(hash32(s ^ hash32(row)) ^ col) >= keep_threshold(dropout_p)
+
+
 def dropout_keep_mask(seed: Tensor, b: int, h: int, nq: int, nk: int, dropout_p: float, device: torch.device) -> Tensor:
     """[B, H, Nq, Nk] bool, True where the probability is kept."""
-    s = seed.to(device=device, dtype=torch.int64).reshape(()) & M32
     row = torch.arange(b * h * nq, device=device, dtype=torch.int64).view(b, h, nq, 1)
     col = torch.arange(nk, device=device, dtype=torch.int64).view(1, 1, 1, nk)
-    x = hash32(hash32(s ^ hash32(row)) ^ col)
-    return x >= keep_threshold(dropout_p)
+    return keep_at(seed, row, col, dropout_p)

@@ -357,10 +357,6 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
         if has_sinks and spec.empty_rows == "fill":
             raise Miss(f"attention sinks with a finite mask fill {spec.fill}: eager's fully masked rows share "
                        "their weight between the filled keys and the sink, which the rewrite cannot keep")
-        if spec.empty_rows in emit.EMPTY_ROWS_UNIFORM and probs.dropout_p:
-            raise Miss("a finite mask value that can absorb every score of a row (finfo.min), with dropout: eager "
-                       "weighs such a row's keys alike and drops some of those weights, which the rewrite's fix-up "
-                       "(the mean of V) cannot keep")
         if spec.empty_rows == "fill" and probs.dropout_p:
             raise Miss(f"a finite fill {spec.fill} with dropout: eager drops the masked keys' weights too, "
                        "which the rewrite cannot keep")

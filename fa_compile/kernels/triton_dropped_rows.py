@@ -1,0 +1,193 @@
+"""fa3::dropped_uniform_rows and its backward as Triton kernels: no host sync (fa_compile/dropped_rows.py says what
+they compute).
+
+Most batches have no fully masked row. Each program reads its rows' lse first; where none is -inf it writes zeros
+(the op's value and gradients there) and reads nothing else. Only a program with such a row reads V (and dO, Q, K)
+and computes eager's terms densely over the keys, with the op's counter hash (triton_common.dropout_keep, the bits
+of kernels/dropout_hash.py), in fp32 with IEEE fp32 products. Each output element is written by one program:
+deterministic.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_common import dropout_keep, dropout_row_hash, tanh_f32
+
+
+@triton.jit
+def _empty_rows(LSE, bh, Nq, rows):
+    lse = tl.load(LSE + bh.to(tl.int64) * Nq + rows, mask=rows < Nq, other=0.0)
+    return (lse == float("-inf")) & (rows < Nq)
+
+
+@triton.jit
+def dropped_rows_fwd_kernel(
+    V, LSE, SEED, FILL,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_fb, stride_fh, stride_fm, stride_fd,
+    Hq, G, Nq, Nk, DV, threshold, inv,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """FILL[b, h, i] = sum_j keep_ij V[b, h // G, j] * inv (inv = 1 / (Nk (1 - p))) on rows whose lse is -inf, 0 on
+    the others. Grid (query blocks, B * Hq)."""
+    inv = tl.cast(inv, tl.float32)  # Inductor's launcher types float arguments fp64
+    bh = tl.program_id(1)
+    b = (bh // Hq).to(tl.int64)
+    h = (bh % Hq).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    empty = _empty_rows(LSE, bh, Nq, rows)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < DV
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    if tl.sum(empty.to(tl.int32), 0) > 0:
+        row_hash = dropout_row_hash(tl.load(SEED).to(tl.uint32), bh, Nq, rows)[:, None]
+        v_base = V + b * stride_vb + (h // G) * stride_vh
+        for n0 in range(0, Nk, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            n_ok = cols < Nk
+            keep = dropout_keep(row_hash, cols[None, :], threshold) & empty[:, None] & n_ok[None, :]
+            vt = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + offs_dv[None, :] * stride_vd,
+                         mask=n_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.dot(keep.to(tl.float32), vt, input_precision="ieee")
+    acc = acc * inv
+    ptr = FILL + b * stride_fb + h * stride_fh + rows[:, None].to(tl.int64) * stride_fm + offs_dv[None, :] * stride_fd
+    tl.store(ptr, acc.to(FILL.dtype.element_ty), mask=(rows[:, None] < Nq) & dv_ok[None, :])
+
+
+@triton.jit
+def _row_terms(v_base, stride_vn, stride_vd, row_hash, empty, df, Nk, DV, threshold, inv,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """delta_i = dF_i . F_i for a block of rows, F the fill (recomputed over every key)."""
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < DV
+    o = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for n0 in range(0, Nk, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        n_ok = cols < Nk
+        keep = dropout_keep(row_hash, cols[None, :], threshold) & empty[:, None] & n_ok[None, :]
+        vt = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + offs_dv[None, :] * stride_vd,
+                     mask=n_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
+        o += tl.dot(keep.to(tl.float32), vt, input_precision="ieee")
+    return tl.sum(df * (o * inv), 1)
+
+
+@triton.jit
+def _score_grad(q, kt, vt, df, keep, delta, n_ok, empty, Nk, drop_scale, scale, softcap, qk_grad,
+                SOFTCAP: tl.constexpr):
+    """ds [BLOCK_M, BLOCK_N] times scale * qk_grad: softmax's gradient at P = 1/Nk through the dropout and the
+    softcap's tanh'."""
+    dp = tl.dot(df, tl.trans(vt), input_precision="ieee")
+    ds = (tl.where(keep, dp * drop_scale, 0.0) - delta[:, None]) / (Nk * 1.0)
+    if SOFTCAP:
+        t = tanh_f32(tl.dot(q, tl.trans(kt), input_precision="ieee") * (scale / softcap))
+        ds = ds * (1.0 - t * t)
+    return tl.where(empty[:, None] & n_ok[None, :], ds * (scale * qk_grad), 0.0)
+
+
+@triton.jit
+def dropped_rows_bwd_kernel(
+    Q, K, V, DF, LSE, SEED, DQ, DK, DV_,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_fb, stride_fh, stride_fm, stride_fd,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    Hq, Hkv, G, Nq, Nk, D, DV, threshold, inv, drop_scale, scale, softcap, qk_grad,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    QK: tl.constexpr, SOFTCAP: tl.constexpr,
+):
+    """(DQ, DK, DV_) of the fill for one (batch, kv head) per program: written whole (zeros where no row of the
+    group is empty); DQ for the group's query heads, DK and DV summed over them. See dropped_rows.py."""
+    inv = tl.cast(inv, tl.float32)
+    drop_scale = tl.cast(drop_scale, tl.float32)
+    scale = tl.cast(scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
+    qk_grad = tl.cast(qk_grad, tl.float32)
+    bhk = tl.program_id(0)
+    b = (bhk // Hkv).to(tl.int64)
+    hk = (bhk % Hkv).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < D
+    dv_ok = offs_dv < DV
+    count = 0
+    for g in range(0, G):
+        for m0 in range(0, Nq, BLOCK_M):
+            count += tl.sum(_empty_rows(LSE, b * Hq + hk * G + g, Nq, m0 + tl.arange(0, BLOCK_M)).to(tl.int32), 0)
+    seed = tl.load(SEED).to(tl.uint32)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    # dq, query head by query head
+    for g in range(0, G):
+        h = hk * G + g
+        bh = b * Hq + h
+        for m0 in range(0, Nq, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            if QK:
+                empty = _empty_rows(LSE, bh, Nq, rows)
+                if tl.sum(empty.to(tl.int32), 0) > 0:
+                    row_hash = dropout_row_hash(seed, bh, Nq, rows)[:, None]
+                    df = tl.load(DF + b * stride_fb + h * stride_fh + rows[:, None].to(tl.int64) * stride_fm
+                                 + offs_dv[None, :] * stride_fd, mask=empty[:, None] & dv_ok[None, :],
+                                 other=0.0).to(tl.float32)
+                    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None].to(tl.int64) * stride_qm
+                                + offs_d[None, :] * stride_qd, mask=empty[:, None] & d_ok[None, :],
+                                other=0.0).to(tl.float32)
+                    delta = _row_terms(v_base, stride_vn, stride_vd, row_hash, empty, df, Nk, DV, threshold, inv,
+                                       BLOCK_M, BLOCK_N, BLOCK_DV)
+                    for n0 in range(0, Nk, BLOCK_N):
+                        cols = n0 + tl.arange(0, BLOCK_N)
+                        n_ok = cols < Nk
+                        keep = dropout_keep(row_hash, cols[None, :], threshold)
+                        kt = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd,
+                                     mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                        vt = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + offs_dv[None, :] * stride_vd,
+                                     mask=n_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
+                        ds = _score_grad(q, kt, vt, df, keep, delta, n_ok, empty, Nk, drop_scale, scale, softcap,
+                                         qk_grad, SOFTCAP)
+                        acc += tl.dot(ds, kt, input_precision="ieee")
+            tl.store(DQ + b * stride_dqb + h * stride_dqh + rows[:, None].to(tl.int64) * stride_dqm
+                     + offs_d[None, :] * stride_dqd, acc.to(DQ.dtype.element_ty),
+                     mask=(rows[:, None] < Nq) & d_ok[None, :])
+    # dk and dv, key block by key block, summed over the group's query heads
+    for n0 in range(0, Nk, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        n_ok = cols < Nk
+        acc_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        acc_v = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+        if count > 0:
+            kt = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd,
+                         mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            vt = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + offs_dv[None, :] * stride_vd,
+                         mask=n_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
+            for g in range(0, G):
+                h = hk * G + g
+                bh = b * Hq + h
+                for m0 in range(0, Nq, BLOCK_M):
+                    rows = m0 + tl.arange(0, BLOCK_M)
+                    empty = _empty_rows(LSE, bh, Nq, rows)
+                    if tl.sum(empty.to(tl.int32), 0) > 0:
+                        row_hash = dropout_row_hash(seed, bh, Nq, rows)[:, None]
+                        keep = dropout_keep(row_hash, cols[None, :], threshold)
+                        df = tl.load(DF + b * stride_fb + h * stride_fh + rows[:, None].to(tl.int64) * stride_fm
+                                     + offs_dv[None, :] * stride_fd, mask=empty[:, None] & dv_ok[None, :],
+                                     other=0.0).to(tl.float32)
+                        w = tl.where(keep & empty[:, None] & n_ok[None, :], inv, 0.0)
+                        acc_v += tl.dot(tl.trans(w), df, input_precision="ieee")
+                        if QK:
+                            q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None].to(tl.int64) * stride_qm
+                                        + offs_d[None, :] * stride_qd, mask=empty[:, None] & d_ok[None, :],
+                                        other=0.0).to(tl.float32)
+                            delta = _row_terms(v_base, stride_vn, stride_vd, row_hash, empty, df, Nk, DV, threshold,
+                                               inv, BLOCK_M, BLOCK_N, BLOCK_DV)
+                            ds = _score_grad(q, kt, vt, df, keep, delta, n_ok, empty, Nk, drop_scale, scale, softcap,
+                                             qk_grad, SOFTCAP)
+                            acc_k += tl.dot(tl.trans(ds), q, input_precision="ieee")
+        tl.store(DK + b * stride_dkb + hk * stride_dkh + cols[:, None].to(tl.int64) * stride_dkn
+                 + offs_d[None, :] * stride_dkd, acc_k.to(DK.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
+        tl.store(DV_ + b * stride_dvb + hk * stride_dvh + cols[:, None].to(tl.int64) * stride_dvn
+                 + offs_dv[None, :] * stride_dvd, acc_v.to(DV_.dtype.element_ty), mask=n_ok[:, None] & dv_ok[None, :])
