@@ -18,6 +18,7 @@ from torch import nn
 import fa_compile
 from conftest import TOL
 from fa_compile.kernels.dropout_hash import dropout_keep_mask
+from fa_compile.lowering import choice
 from fa_compile.patterns.emit import DROPOUT_SEED_HIGH
 
 B, H, N, D = 3, 2, 6, 4
@@ -78,6 +79,8 @@ def test_fully_masked_rows_get_eagers_dropped_uniform_weights_and_gradients(fn):
     rep = fa_compile.explain(fn, q, k, v, _pad())
     assert [s.rewritten for s in rep.sites] == [True], rep.table()
     assert "fa3.dropped_uniform_rows" in rep.table(), rep.table()
+    # no kernel writes these rows itself: the lowering folds only the `where` on dO into the backward kernels
+    assert choice.emitted_fix(rep.sites[0].call) is None and choice.emitted_grad_fix(rep.sites[0].call) == "none"
 
     torch._dynamo.reset()
     with torch._inductor.config.patch(fallback_random=True):

@@ -393,20 +393,24 @@ def emitted_fix(call) -> Optional[str]:
     """"nan" / "mean_v" when emit put its empty-row fix-up after the op call `call` (a NaN full_like or a
     mean of V); else None. explain() reads it before AOTAutograd, the lowering (empty_rows.find_fixup) after."""
     chain = _emitted_fill(call)
-    if chain is None:
-        return None
+    if chain is None or _dropped(chain):
+        return None  # no kernel writes the dropped uniform weights: fa3.dropped_uniform_rows stays a call of its own
     return "nan" if getattr(chain[-1], "target", None) is torch.full_like else "mean_v"
 
 
+def _dropped(chain: list) -> bool:
+    return getattr(chain[-1], "target", None) is torch.ops.fa3.dropped_uniform_rows.default
+
+
 def emitted_grad_fix(call) -> Optional[str]:
-    """The backward of emit's empty-row fix-up after `call`, as empty_rows_backward names it: "none" (NaN fill:
-    the `where` on dO only), "uniform" (mean of V plus fa3::uniform_row_grad: q / k need their gradient),
+    """The backward of emit's empty-row fix-up after `call`, as empty_rows_backward names it: "none" (NaN fill or
+    dropped uniform weights: the `where` on dO only), "uniform" (mean of V plus fa3::uniform_row_grad: q / k need their gradient),
     "mean_v" (the mean alone); None without a fix-up."""
     chain = _emitted_fill(call)
     if chain is None:
         return None
-    if getattr(chain[-1], "target", None) is torch.full_like:
-        return "none"
+    if getattr(chain[-1], "target", None) is torch.full_like or _dropped(chain):
+        return "none"  # (dropped uniform weights: their gradients are fa3.dropped_uniform_rows's own backward)
     uniform = torch.ops.fa3.uniform_row_grad.default
     adds = (n for n in chain if getattr(n, "target", None) is torch.add)
     return "uniform" if any(getattr(a, "target", None) is uniform for n in adds for a in n.args) else "mean_v"
