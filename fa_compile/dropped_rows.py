@@ -102,7 +102,8 @@ def backward_triton(dfill: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
     hkv, nk, dv = v.shape[1], v.shape[2], v.shape[3]
     dq, dk, dvv = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) if grads is None else grads
     tiles, block_d = _tiles(q, v)
-    dropped_rows_bwd_kernel[(b * hkv, 1, 1)](
+    blocks = max(_cdiv(nq, tiles["BLOCK_M"]), _cdiv(nk, tiles["BLOCK_N"]))
+    dropped_rows_bwd_kernel[(b * hkv, blocks, 1)](
         q, k, v, dfill, lse.contiguous(), seed.reshape(1), dq, dk, dvv,
         *q.stride(), *k.stride(), *v.stride(), *dfill.stride(), *dq.stride(), *dk.stride(), *dvv.stride(),
         hq, hkv, hq // hkv, nq, nk, d, dv, keep_threshold(dropout_p), 1.0 / (nk * (1.0 - dropout_p)),

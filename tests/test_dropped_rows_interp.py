@@ -27,10 +27,11 @@ else:
     import fa_compile.ops  # noqa: F401  (registers the op)
     from fa_compile import dropped_rows
 
-    B, HQ, HKV, NQ, NK, D, DV = 3, 4, 2, 37, 45, 24, 20
+    B, HQ, HKV, D, DV = 3, 4, 2, 24, 20
+    SHAPES = [(37, 70), (70, 37)]  # (Nq, Nk): more key blocks than query blocks, and fewer
     P, SCALE = 0.25, 0.3
 
-    def _inputs(dtype: torch.dtype):
+    def _inputs(dtype: torch.dtype, NQ: int = 37, NK: int = 70):
         g = torch.Generator().manual_seed(3)
         q = torch.randn(B, HQ, NQ, D, generator=g).to(dtype)
         k = torch.randn(B, NK, HKV, D, generator=g).to(dtype).transpose(1, 2)  # BSHD memory
@@ -42,8 +43,9 @@ else:
         return q, k, v, lse, torch.tensor(987654321)
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-    def test_fill_equals_the_torch_path(dtype):
-        q, k, v, lse, seed = _inputs(dtype)
+    @pytest.mark.parametrize("NQ, NK", SHAPES)
+    def test_fill_equals_the_torch_path(dtype, NQ, NK):
+        q, k, v, lse, seed = _inputs(dtype, NQ, NK)
         poisoned = torch.full((B, HQ, NQ, DV), float("nan"), dtype=dtype)
         got = dropped_rows.fill_triton(v, lse, seed, P, HQ, out=poisoned)
         want = dropped_rows.dropped_uniform_rows(q, k, v, lse, seed, P, SCALE)
@@ -54,8 +56,9 @@ else:
 
     @pytest.mark.parametrize("softcap", [0.0, 3.0])
     @pytest.mark.parametrize("qk_grad", [0.0, 0.5, 1.0])
-    def test_backward_equals_the_torch_path(softcap, qk_grad):
-        q, k, v, lse, seed = _inputs(torch.float32)
+    @pytest.mark.parametrize("NQ, NK", SHAPES)
+    def test_backward_equals_the_torch_path(softcap, qk_grad, NQ, NK):
+        q, k, v, lse, seed = _inputs(torch.float32, NQ, NK)
         dfill = torch.randn(B, HQ, NQ, DV, generator=torch.Generator().manual_seed(4))
         poisoned = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
         got = dropped_rows.backward_triton(dfill, q, k, v, lse, seed, P, SCALE, softcap, qk_grad, grads=poisoned)
@@ -67,7 +70,8 @@ else:
         assert want[2].abs().max() > 0.01 and (qk_grad == 0) == (want[0].abs().max() == 0)
 
     def test_no_fully_masked_row_writes_zeros():
-        q, k, v, _, seed = _inputs(torch.float32)
+        NQ = 37
+        q, k, v, _, seed = _inputs(torch.float32, NQ)
         lse = torch.zeros(B, HQ, NQ)
         fill = dropped_rows.fill_triton(v, lse, seed, P, HQ, out=torch.full((B, HQ, NQ, DV), float("nan")))
         assert fill.abs().max() == 0

@@ -99,33 +99,30 @@ def dropped_rows_bwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     QK: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
-    """(DQ, DK, DV_) of the fill for one (batch, kv head) per program: written whole (zeros where no row of the
-    group is empty); DQ for the group's query heads, DK and DV summed over them. See dropped_rows.py."""
+    """(DQ, DK, DV_) of the fill, written whole (zeros where no row is empty). Grid (B * Hkv, blocks): program
+    (b * Hkv + hk, i) writes DQ's query block i of the group's query heads and DK / DV's key block i, summed over
+    them (each where the block exists). See dropped_rows.py."""
     inv = tl.cast(inv, tl.float32)
     drop_scale = tl.cast(drop_scale, tl.float32)
     scale = tl.cast(scale, tl.float32)
     softcap = tl.cast(softcap, tl.float32)
     qk_grad = tl.cast(qk_grad, tl.float32)
     bhk = tl.program_id(0)
+    blk = tl.program_id(1)
     b = (bhk // Hkv).to(tl.int64)
     hk = (bhk % Hkv).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     d_ok = offs_d < D
     dv_ok = offs_dv < DV
-    count = 0
-    for g in range(0, G):
-        for m0 in range(0, Nq, BLOCK_M):
-            count += tl.sum(_empty_rows(LSE, b * Hq + hk * G + g, Nq, m0 + tl.arange(0, BLOCK_M)).to(tl.int32), 0)
     seed = tl.load(SEED).to(tl.uint32)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
-    # dq, query head by query head
-    for g in range(0, G):
-        h = hk * G + g
-        bh = b * Hq + h
-        for m0 in range(0, Nq, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
+    if blk * BLOCK_M < Nq:  # dq of query block blk, head by head
+        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        for g in range(0, G):
+            h = hk * G + g
+            bh = b * Hq + h
             acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
             if QK:
                 empty = _empty_rows(LSE, bh, Nq, rows)
@@ -153,10 +150,13 @@ def dropped_rows_bwd_kernel(
             tl.store(DQ + b * stride_dqb + h * stride_dqh + rows[:, None].to(tl.int64) * stride_dqm
                      + offs_d[None, :] * stride_dqd, acc.to(DQ.dtype.element_ty),
                      mask=(rows[:, None] < Nq) & d_ok[None, :])
-    # dk and dv, key block by key block, summed over the group's query heads
-    for n0 in range(0, Nk, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
+    if blk * BLOCK_N < Nk:  # dk and dv of key block blk, summed over the group's query heads
+        cols = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = cols < Nk
+        count = 0
+        for g in range(0, G):
+            for m0 in range(0, Nq, BLOCK_M):
+                count += tl.sum(_empty_rows(LSE, b * Hq + hk * G + g, Nq, m0 + tl.arange(0, BLOCK_M)).to(tl.int32), 0)
         acc_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         acc_v = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
         if count > 0:
