@@ -157,11 +157,16 @@ def dropped_uniform_rows(q: Tensor, k: Tensor, v: Tensor, lse: Tensor, seed: Ten
     """[B, Hq, Nq, Dv] in v's dtype: eager's dropped uniform average of V on the rows whose lse is -inf, 0 on the
     others (summed in fp32, or fp64 for fp64, and rounded once)."""
     _check(q, k, v, lse, dropout_p, softcap)
+    if q.numel() * v.numel() != 0 and _on_triton(q, k, v):
+        return fill_triton(v, lse, seed, dropout_p, q.shape[1])
+    return fill_torch(q, v, lse, seed, dropout_p)
+
+
+def fill_torch(q: Tensor, v: Tensor, lse: Tensor, seed: Tensor, dropout_p: float) -> Tensor:
+    """dropped_uniform_rows's value by torch ops on the rows whose lse is -inf (a host sync off the CPU)."""
     b, hq, nq, _ = q.shape
     hkv, nk, dv = v.shape[1], v.shape[2], v.shape[3]
     acc = _acc(v)
-    if b * hq * nq * nk * dv != 0 and _on_triton(q, k, v):
-        return fill_triton(v, lse, seed, dropout_p, hq)
     fill = torch.zeros((b, hq, nq, dv), dtype=v.dtype, device=v.device)
     if b * hq * nq * nk * dv == 0:
         return fill
@@ -178,11 +183,17 @@ def dropped_uniform_rows_backward(dfill: Tensor, q: Tensor, k: Tensor, v: Tensor
                                   qk_grad: float) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of dropped_uniform_rows (see the module docstring); dq and dk are 0 when qk_grad is 0."""
     _check(q, k, v, lse, dropout_p, softcap)
+    if q.numel() * v.numel() != 0 and _on_triton(q, k, v):
+        return backward_triton(dfill, q, k, v, lse, seed, dropout_p, scale, softcap, qk_grad)
+    return backward_torch(dfill, q, k, v, lse, seed, dropout_p, scale, softcap, qk_grad)
+
+
+def backward_torch(dfill: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, seed: Tensor, dropout_p: float,
+                   scale: float, softcap: float, qk_grad: float) -> tuple[Tensor, Tensor, Tensor]:
+    """dropped_uniform_rows_backward by torch ops on the rows whose lse is -inf (a host sync off the CPU)."""
     b, hq, nq, d = q.shape
     hkv, nk, dv = v.shape[1], v.shape[2], v.shape[3]
     acc = _acc(v)
-    if b * hq * nq * nk * dv != 0 and _on_triton(q, k, v):
-        return backward_triton(dfill, q, k, v, lse, seed, dropout_p, scale, softcap, qk_grad)
     blocks = _blocks(lse, nk) if b * hq * nq * nk * dv != 0 else iter(())
     first = next(blocks, None)
     if first is None:  # no fully masked row (most batches): zeros in the gradients' own layouts, no fp32 terms
