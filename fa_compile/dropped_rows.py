@@ -58,10 +58,6 @@ def _check(q: Tensor, k: Tensor, v: Tensor, lse: Tensor, dropout_p: float, softc
         raise ValueError(f"lse: expected shape {(b, hq, nq)}, got {tuple(lse.shape)}")
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _on_triton(q: Tensor, k: Tensor, v: Tensor) -> bool:
     from .kernels import triton_family as tf
 
@@ -80,15 +76,12 @@ def _tiles(q: Tensor, v: Tensor) -> dict:
 def fill_triton(v: Tensor, lse: Tensor, seed: Tensor, dropout_p: float, q_heads: int,
                 out: Optional[Tensor] = None) -> Tensor:
     """dropped_uniform_rows's value by kernels/triton_dropped_rows.py (no host sync), into `out` if given."""
-    from .kernels.triton_dropped_rows import dropped_rows_fwd_kernel
+    from .kernels import triton_dropped_rows as k
 
-    b, hkv, nk, dv = v.shape
-    nq = lse.shape[2]
-    fill = torch.empty((b, q_heads, nq, dv), dtype=v.dtype, device=v.device) if out is None else out
-    tiles, _ = _tiles(v, v)
-    dropped_rows_fwd_kernel[(_cdiv(nq, tiles["BLOCK_M"]), b * q_heads, 1)](
-        v, lse.contiguous(), seed.reshape(1), fill, *v.stride(), *fill.stride(),
-        q_heads, q_heads // hkv, nq, nk, dv, keep_threshold(dropout_p), 1.0 / (nk * (1.0 - dropout_p)), **tiles)
+    b, _, _, dv = v.shape
+    fill = torch.empty((b, q_heads, lse.shape[2], dv), dtype=v.dtype, device=v.device) if out is None else out
+    k.launch_fill(k.dropped_rows_fwd_kernel, v, lse.contiguous(), seed.reshape(1), fill, dropout_p, q_heads, False,
+                  _tiles(v, v)[0])
     return fill
 
 
@@ -96,19 +89,12 @@ def backward_triton(dfill: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
                     scale: float, softcap: float, qk_grad: float,
                     grads: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> tuple[Tensor, Tensor, Tensor]:
     """dropped_uniform_rows_backward by kernels/triton_dropped_rows.py (no host sync), into `grads` if given."""
-    from .kernels.triton_dropped_rows import dropped_rows_bwd_kernel
+    from .kernels import triton_dropped_rows as kern
 
-    b, hq, nq, d = q.shape
-    hkv, nk, dv = v.shape[1], v.shape[2], v.shape[3]
     dq, dk, dvv = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) if grads is None else grads
     tiles, block_d = _tiles(q, v)
-    blocks = max(_cdiv(nq, tiles["BLOCK_M"]), _cdiv(nk, tiles["BLOCK_N"]))
-    dropped_rows_bwd_kernel[(b * hkv, blocks, 1)](
-        q, k, v, dfill, lse.contiguous(), seed.reshape(1), dq, dk, dvv,
-        *q.stride(), *k.stride(), *v.stride(), *dfill.stride(), *dq.stride(), *dk.stride(), *dvv.stride(),
-        hq, hkv, hq // hkv, nq, nk, d, dv, keep_threshold(dropout_p), 1.0 / (nk * (1.0 - dropout_p)),
-        1.0 / (1.0 - dropout_p), scale, softcap if softcap > 0 else 1.0, qk_grad,
-        BLOCK_D=block_d, QK=qk_grad != 0, SOFTCAP=softcap > 0, **tiles)
+    kern.launch_backward(kern.dropped_rows_bwd_kernel, dfill, q, k, v, lse.contiguous(), seed.reshape(1), dq, dk,
+                         dvv, dropout_p, scale, softcap, qk_grad, False, tiles, block_d)
     return dq, dk, dvv
 
 

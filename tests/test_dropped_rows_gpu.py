@@ -75,10 +75,14 @@ def sdpa_additive(q, k, v, pad):
 
 
 def _eager_with_keep(fn, q, k, v, pad, seed):
+    """fn's arithmetic in fp64 with the op's keep mask. The hand-written sites add or fill finfo(dtype).min in
+    the scores' own dtype, which absorbs every score (as fp32's finfo.min does in fp64); SDPA adds its float mask
+    to fp32 scores, where fp16's finfo.min (-65504) absorbs nothing: its fully masked rows are softmax(s)."""
+    m = ~pad[:, None, None, :]
+    bias = m.double() * (torch.finfo(q.dtype).min if fn is sdpa_additive else MIN32)
     q, k, v = (t.double() for t in (q, k, v))
     s = q @ k.transpose(-1, -2) * SCALE
-    m = ~pad[:, None, None, :]
-    s = s.masked_fill(m, MIN32) if fn is masked_fill else s + m.double() * MIN32
+    s = s.masked_fill(m, MIN32) if fn is masked_fill else s + bias
     return (s.softmax(-1) * dropout_keep_mask(seed, B, H, N, N, P, q.device) / (1 - P)) @ v
 
 

@@ -591,6 +591,77 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1, arg7_1
         assert f"'ZERO_EMPTY': True" in bwd_code and (("UNIFORM': " + str(want_code == 3)) in bwd_code) == (
             want_code != 1), bwd_code
 
+    @pytest.mark.parametrize("gluon", [False, True], ids=["pointer_bwd", "gluon_bwd"])
+    @pytest.mark.parametrize("grads", ["all", "v"])
+    @pytest.mark.parametrize("groups", [1, 2])
+    def test_training_dropped_uniform_rows_run_in_the_kernels(groups, grads, gluon, lowered_training, monkeypatch):
+        """With dropout, a finfo.min key mask's fully masked rows get eager's dropped uniform weights
+        (fa3::dropped_uniform_rows): the lowered forward writes them into the kernel's out
+        (fa3_triton.dropped_rows_fill) and the lowered backward adds their gradients into the kernels' dq, dk, dv
+        (fa3_triton.dropped_rows_bwd); no `where`, add or dropped_uniform_rows op is left. Output and every
+        gradient match eager's arithmetic with the op's keep mask (the seed drawn again), a fully padded sequence
+        included. Also with the backward lowered as on Hopper: fa3_gluon.bwd (under the interpreter its fallback,
+        the pointer kernels), then the dropped rows' kernel into its fp32 dQ sums and dK / dV."""
+        from fa_compile.kernels.dropout_hash import dropout_keep_mask
+        from fa_compile.lowering.graph_pass import records
+
+        if gluon:
+            monkeypatch.setattr(triton_lowering, "gluon_backward", lambda args: True)
+        from fa_compile.patterns.emit import DROPOUT_SEED_HIGH
+
+        gen = torch.Generator().manual_seed(5 + groups)
+        hq, hkv, p = 2 * groups, 2, 0.25
+        x = torch.randn(3, 19, 32, generator=gen).half()
+        ws = [(torch.randn(32, h * 16, generator=gen) * 0.2).half() for h in (hq, hkv, hkv)]
+        ws.append((torch.randn(hq * 16, 32, generator=gen) * 0.2).half())
+        ws[2] = ws[2] + 0.05
+        keep = torch.ones(3, 1, 1, 19, dtype=torch.bool)
+        keep[0, ..., 7:] = False
+        keep[2] = False  # no key at all: the dropped uniform rows
+        w = torch.randn(3, 19, 32, generator=gen).half()
+
+        def layer(x, wq, wk, wv, wo, keep, drop=lambda t: torch.nn.functional.dropout(t, p, training=True)):
+            b, n, _ = x.shape
+            q = (x @ wq).view(b, n, -1, 16).transpose(1, 2)
+            k, v = ((x @ w).view(b, n, -1, 16).transpose(1, 2) for w in (wk, wv))
+            k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+            s = q @ k.transpose(-1, -2) * 0.25
+            s = s + torch.where(keep, 0.0, torch.finfo(s.dtype).min).to(s.dtype)
+            return (drop(torch.softmax(s.float(), dim=-1)).to(q.dtype) @ v).transpose(1, 2).reshape(b, n, -1) @ wo
+
+        def run(fn, dtype, **kw):
+            leaves = [t.detach().to(dtype).clone().requires_grad_(grads == "all" or i == 3)
+                      for i, t in enumerate([x] + ws)]
+            out = fn(*leaves, keep, **kw)
+            (out * w.to(dtype)).sum().backward()
+            return [out] + [t.grad for t in leaves if t.requires_grad]
+
+        torch._dynamo.reset()
+        n_before = len(records())
+        torch.manual_seed(11)
+        with torch._inductor.config.patch(fallback_random=True):  # (as in the key-limit test below)
+            got = run(torch.compile(layer, backend=fa_compile.backend(kernel="triton")), torch.float16)
+        torch.manual_seed(11)
+        seed = torch.randint(0, DROPOUT_SEED_HIGH, (), dtype=torch.int64)
+        mask = dropout_keep_mask(seed, 3, hq, 19, 19, p, torch.device("cpu"))
+        want = run(layer, torch.float32, drop=lambda t: t * mask / (1 - p))
+        _, (ga, gr) = tolerances(torch.float16, "cpu")
+        for i, (a, e) in enumerate(zip(got, want)):
+            torch.testing.assert_close(a.float(), e, atol=ga, rtol=gr, msg=lambda m, i=i: f"{i}: {m}")
+        decisions = [r.decision for r in records()[n_before:]]
+        bwd_target = "fa3_gluon.bwd" if gluon else "fa3_triton.bwd"
+        assert [str(d).split(" (")[0] for d in decisions] == ["triton -> fa3_triton.fwd", f"triton -> {bwd_target}"]
+        assert decisions[0].folded == "empty rows: dropped uniform weights times V written by the kernel"
+        assert decisions[1].folded == \
+            "empty rows: their dout zeroed, the dropped uniform weights' gradients added by the kernel"
+        fwd_gm, bwd_gm = lowered_training[-2:]
+        for gm, kernel in ((fwd_gm, "dropped_rows_fwd_kernel"), (bwd_gm, "dropped_rows_bwd_kernel")):
+            assert "dropped_uniform_rows" not in gm.code and "aten.where" not in gm.code, gm.code
+            names = [triton_kernel_name(n) for n in gm.graph.nodes if n.target is FUNCTIONAL]
+            assert names.count(kernel) == 1, names
+            after = [n.target for n in gm.graph.nodes if any(_kernel_output(a) for a in n.args)]
+            assert torch.ops.aten.add.Tensor not in after, gm.code
+
     @pytest.mark.parametrize("fill", ["finfo_min", "neg_inf"])
     @pytest.mark.parametrize("dropout", [0.0, 0.25])
     def test_key_padding_limit_cuts_the_kernels_key_loops(fill, dropout, lowered_training):

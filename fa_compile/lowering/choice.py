@@ -367,8 +367,9 @@ def explain_lines(rows: list) -> str:
 
 
 def folded_text(kind: str) -> str:
-    """Decision.folded for a kernel that writes emit's empty-row fix-up ("nan" / "mean_v") itself."""
-    return f"empty rows: {'NaN' if kind == 'nan' else 'mean of V'} written by the kernel"
+    """Decision.folded for a kernel that writes emit's empty-row fix-up ("nan" / "mean_v" / "dropped") itself."""
+    what = {"nan": "NaN", "mean_v": "mean of V", "dropped": "dropped uniform weights times V"}[kind]
+    return f"empty rows: {what} written by the kernel"
 
 
 def _emitted_fill(call) -> Optional[list]:

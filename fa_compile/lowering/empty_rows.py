@@ -147,15 +147,38 @@ def _is_mean_v(fill: fx.Node, v: fx.Node) -> bool:
     return mv is not None and mv.dim() == 4 and all(_same(mv.shape[i], vv.shape[i]) for i in (0, 1, 3))
 
 
+def _is_dropped(n: fx.Node, v: fx.Node, lse: fx.Node, seed: Optional[fx.Node], dropout_p: float) -> bool:
+    """n = fa3::dropped_uniform_rows(..., v, lse, seed, dropout_p, ...) on the op's own v, lse and seed."""
+    from ..dropped_rows import _OP
+    from .site_args import bound
+
+    if n.op != "call_function" or n.target is not _OP or seed is None:
+        return False
+    a = bound(n)
+    return a["v"] is v and a["lse"] is lse and a["seed"] is seed and a["dropout_p"] == dropout_p
+
+
+def _converts_from(fill: fx.Node, drop: fx.Node) -> list:
+    """The nodes from `drop` to `fill` (the casts between them, and drop itself)."""
+    chain, n = [], fill
+    while n is not drop:
+        chain.append(n)
+        n = n.args[0]
+    return [drop] + chain[1:] if chain else [drop]
+
+
 def _user_besides_outputs(n: fx.Node, saved: bool) -> Optional[fx.Node]:
     """n's one user, not counting the graph's output where `saved`."""
     users = [u for u in n.users if not (saved and u.op == "output")]
     return users[0] if len(users) == 1 else None
 
 
-def find_fixup(node: fx.Node, v: fx.Node, saved: bool = False) -> Optional[tuple[str, fx.Node]]:
-    """(kind "nan" / "mean_v", the `where` node) when the fa3.attention `node`'s outputs feed only emit's
-    empty-row fix-up in the form above (v: the op's v argument); None otherwise.
+def find_fixup(node: fx.Node, v: fx.Node, saved: bool = False, seed: Optional[fx.Node] = None,
+               dropout_p: float = 0.0) -> Optional[tuple[str, fx.Node]]:
+    """(kind "nan" / "mean_v" / "dropped", the `where` node) when the fa3.attention `node`'s outputs feed only emit's
+    empty-row fix-up in the form above (v: the op's v argument); None otherwise. "dropped": the fill is
+    fa3::dropped_uniform_rows (casts allowed) on the op's own v, lse, dropout seed (`seed`) and `dropout_p`, read
+    by nothing else; it is the lse's one other user.
 
     saved: the graph may also return the op's out and lse: a training graph's forward saves them for the
     op's backward, whose `where` on dO (emit's fix-up's backward) zeroes the gradient of every empty row, so
@@ -166,8 +189,14 @@ def find_fixup(node: fx.Node, v: fx.Node, saved: bool = False) -> Optional[tuple
     if pair is None:
         return None
     out, lse = pair
-    test = _user_besides_outputs(lse, saved)
-    if test is None or not _is_neginf_test(test, lse):
+    users = [u for u in lse.users if not (saved and u.op == "output")]
+    tests = [u for u in users if _is_neginf_test(u, lse)]
+    others = [u for u in users if u not in tests]
+    if len(tests) != 1 or len(others) > 1:
+        return None
+    test = tests[0]
+    drop = others[0] if others else None
+    if drop is not None and not _is_dropped(drop, v, lse, seed, dropout_p):
         return None
     cond = _sole_user(test)
     if cond is None or cond.op != "call_function" or cond.target is not aten.unsqueeze.default \
@@ -181,13 +210,17 @@ def find_fixup(node: fx.Node, v: fx.Node, saved: bool = False) -> Optional[tuple
     fill = where.args[1]
     if not isinstance(fill, fx.Node):
         return None
-    if _is_nan_full(fill):
+    if drop is not None:
+        if _strip_converts(fill) is not drop or any(len(n.users) != 1 for n in _converts_from(fill, drop)):
+            return None
+        kind = "dropped"
+    elif _is_nan_full(fill):
         kind = "nan"
     elif _is_mean_v(fill, v):
         kind = "mean_v"
     else:
         return None
-    if saved and kind != "mean_v":
+    if saved and kind == "nan":
         return None  # the backward's rowsum(dO * out) would read 0 * NaN on those rows
     ov, wv = _val(out), _val(where)
     if ov is None or wv is None or ov.dtype != wv.dtype or ov.dim() != wv.dim():

@@ -36,7 +36,8 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..row_fixups import _UNIFORM_ROW_GRAD_BACKWARD as _UNIFORM_BACKWARD
-from . import splice
+from ..dropped_rows import _BACKWARD as _DROPPED_BACKWARD
+from . import site_args, splice
 from .empty_rows import _VIEWS, _is_neginf_test, _sole_user, _val
 
 aten = torch.ops.aten
@@ -44,9 +45,10 @@ aten = torch.ops.aten
 
 @dataclass
 class BackwardFixup:
-    kind: str  # "none" / "mean_v" / "uniform"
+    kind: str  # "none" / "mean_v" / "uniform" / "dropped"
     dout: fx.Node  # D, the gradient the folded W1 read
     adds: dict = field(default_factory=dict)  # output index (0 dq, 1 dk, 2 dv) -> the add it replaces
+    qk_grad: float = 0.0  # "dropped": fa3::dropped_uniform_rows_backward's qk_grad
 
 
 def _is_zero(a) -> bool:
@@ -136,6 +138,9 @@ def find_backward_fixup(node: fx.Node, bound: dict, groups: int) -> Optional[Bac
     if len(w2s) != 1:
         return found
     w2 = w2s[0]
+    dropped = _dropped_fixup(node, bound, w2, outs, d)
+    if dropped is not None:
+        return dropped
     sums = [u for u in w2.users if _call(u, aten.sum.dim_IntList)]
     unis = [u for u in w2.users if _call(u, _UNIFORM_BACKWARD)]
     if len(sums) != 1 or len(unis) > 1 or len(w2.users) != len(sums) + len(unis):
@@ -166,10 +171,46 @@ def find_backward_fixup(node: fx.Node, bound: dict, groups: int) -> Optional[Bac
     return BackwardFixup("uniform", d, adds)
 
 
+def _dropped_fixup(node: fx.Node, bound: dict, w2: fx.Node, outs: dict, d: fx.Node) -> Optional[BackwardFixup]:
+    """BackwardFixup("dropped") when W2's one user is fa3::dropped_uniform_rows_backward on the backward node's own
+    q, k, v, lse, dropout seed, dropout_p, scale and softcap, and each of its gradients that is used is added to the
+    node's output of the same index, that add being the output's sole user (an output used alone while the term is
+    unused, with q and k getting a term, is not folded: the kernel would add into it)."""
+    if len(w2.users) != 1:
+        return None
+    u = next(iter(w2.users))
+    if not _call(u, _DROPPED_BACKWARD) or u.args[0] is not w2:
+        return None
+    a = site_args.bound(u)
+    if any(a[n] is not bound[m] for n, m in (("q", "q"), ("k", "k"), ("v", "v"), ("lse", "lse"),
+                                             ("seed", "dropout_seed"))):
+        return None
+    if a["dropout_p"] != bound["dropout_p"] or a["scale"] != bound["scale"] or a["softcap"] != bound["softcap"]:
+        return None
+    qk_grad = float(a["qk_grad"])
+    parts = {x.args[1]: x for x in u.users if _call(x, operator.getitem)}
+    if len(parts) != len(u.users):
+        return None
+    adds = {}
+    for i in (0, 1, 2):
+        used = i in parts and bool(parts[i].users)
+        if not used:
+            if i in outs and outs[i].users and (i == 2 or qk_grad != 0):
+                return None
+            continue
+        add = _sole_user(parts[i])
+        if not _call(add, aten.add.Tensor) or i not in outs or _sole_user(outs[i]) is not add \
+                or _other(add, outs[i]) is not parts[i]:
+            return None
+        adds[i] = add
+    return BackwardFixup("dropped", d, adds, qk_grad)
+
+
 def folded_text(kind: str) -> str:
     """Decision.folded for a backward that computes the fix-up's backward itself."""
     what = {"none": "their dout zeroed", "mean_v": "their dout zeroed, the mean of V's gradient",
-            "uniform": "their dout zeroed, the mean of V's gradient and eager's uniform-row q / k gradients"}[kind]
+            "uniform": "their dout zeroed, the mean of V's gradient and eager's uniform-row q / k gradients",
+            "dropped": "their dout zeroed, the dropped uniform weights' gradients added"}[kind]
     return f"empty rows: {what} by the kernel"
 
 

@@ -67,8 +67,10 @@ def _lower_node(graph: fx.Graph, node: fx.Node, limits: dict) -> Optional[choice
     b = site_args.bound(node)
     # emit's fix-up of rows with no admissible key, when it is all that reads the op's outputs: a kernel that
     # writes those rows itself takes it (and the choice may prefer such a kernel: choice._filling_kernel)
-    fixup = None if backward else empty_rows.find_fixup(node, b["v"])
-    decision = choice.decide(args, site_args.forced(node), direction, empty_fix=fixup[0] if fixup else None)
+    drop = dict(seed=b["dropout_seed"], dropout_p=b["dropout_p"])  # a fix-up of dropped uniform rows (dropped_rows)
+    fixup = None if backward else empty_rows.find_fixup(node, b["v"], **drop)
+    decision = choice.decide(args, site_args.forced(node), direction,
+                             empty_fix=fixup[0] if fixup and fixup[0] != "dropped" else None)
     if not decision.lowered:
         return decision
     lowering = choice.LOWERINGS[(args.q.device.type, decision.kernel)]
@@ -92,7 +94,9 @@ def _lower_node(graph: fx.Graph, node: fx.Node, limits: dict) -> Optional[choice
         fixup = None
     elif fixup is None and not backward and getattr(lowering, "fills_saved_empty_rows", False):
         # a training graph also returns the op's out and lse for the backward, which reads no empty row's out
-        fixup = empty_rows.find_fixup(node, b["v"], saved=True)
+        fixup = empty_rows.find_fixup(node, b["v"], saved=True, **drop)
+    if fixup is not None and fixup[0] == "dropped" and not getattr(lowering, "fills_dropped_rows", False):
+        fixup = None
     want = None
     drops: list = []  # copies the kernel's own strides make no-ops (splice.droppable_clones)
     if fixup is not None:  # out: what the `where` gave, in its strides or in the kernel's own
@@ -103,6 +107,8 @@ def _lower_node(graph: fx.Graph, node: fx.Node, limits: dict) -> Optional[choice
     if backward and getattr(lowering, "folds_empty_row_grads", False):
         # the fix-up's backward around the node: dout is its incoming gradient, its adds are the node's outputs
         bfix = empty_rows_backward.find_backward_fixup(node, b, choice.group_count(args))
+        if bfix is not None and bfix.kind == "dropped" and not getattr(lowering, "folds_dropped_rows", False):
+            bfix = empty_rows_backward.BackwardFixup("none", bfix.dout)  # the `where` on dO alone
         plan = None if bfix is None else empty_rows_backward.output_plan(bfix, list(node.meta["val"]))
         if plan is None:
             bfix = None
@@ -113,7 +119,8 @@ def _lower_node(graph: fx.Graph, node: fx.Node, limits: dict) -> Optional[choice
         drops += bdrops
     try:
         if bfix is not None:
-            fn = lowering.backward_fn(args, empty_grad=bfix.kind, out_strides=strides)
+            more = {"qk_grad": bfix.qk_grad} if bfix.kind == "dropped" else {}
+            fn = lowering.backward_fn(args, empty_grad=bfix.kind, out_strides=strides, **more)
         elif backward:
             fn = lowering.backward_fn(args)
         elif fixup is None:

@@ -180,6 +180,10 @@ class TritonLowering:
     # and in training too (the mean of V): the backward zeroes the empty rows' dO, so their filled out weighs nothing
     fills_saved_empty_rows = True
     folds_empty_row_grads = True  # backward_fn takes empty_grad: the kernels compute the fix-up's backward
+    # and the dropped uniform rows of a site with dropout (fa3::dropped_uniform_rows): written into out and added
+    # into the gradients in place by kernels/dropped_rows_ops.py
+    fills_dropped_rows = True
+    folds_dropped_rows = True
     # kv_lens beside a bias ends each sequence's key loops (and its dK/dV programs) there: graph_pass gives a
     # key-padding mask's limit to the site (key_limit.for_site) where it has more keys than one tile
     cuts_padded_keys = True
@@ -258,33 +262,41 @@ class TritonLowering:
     def forward_fn(self, args: dispatch.AttentionArgs, empty_fill: str = "zero",
                    out_strides: Optional[tuple] = None) -> Callable:
         """fn(q, k, v[, bias][, kv_lens]) -> (out, lse) in the op's conventions, traced functionalized; out
-        holds `empty_fill` ("zero", the op's own; "nan"; "mean_v") on rows that admit no key, and has
+        holds `empty_fill` ("zero", the op's own; "nan"; "mean_v"; "dropped": fa3::dropped_uniform_rows's value,
+        written after the kernel by fa3_triton::dropped_rows_fill) on rows that admit no key, and has
         `out_strides` where given (the fix-up's output it stands for; the op's BSHD strides otherwise)."""
         (config,) = self._plan(args, "forward")
         ops = _ops()
-        fill = ops.EMPTY_FILLS[empty_fill]
+        dropped = empty_fill == "dropped"
+        fill = ops.EMPTY_FILLS["zero" if dropped else empty_fill]
         s = _site_scalars(args)
         unpack = _optional_inputs(args)
 
         def fn(q, k, v, *rest):
             bias, kv_lens, seed, sinks, q_pos, q_seg, k_seg = unpack(q, rest)
             out, lse = ops.fwd(q, k, v, bias, kv_lens, seed, *s, config, sinks, fill, q_pos, q_seg, k_seg)
+            if dropped:
+                from ..kernels import dropped_rows_ops
+
+                dropped_rows_ops.dropped_rows_fill(out, v, lse, seed, float(args.dropout_p))
             out, lse = conventions.finish(out, lse, None)  # the kernel writes empty rows itself
             return (out if out_strides is None else conventions.with_strides(out, out_strides)), lse
 
         return _functionalized(fn)
 
     def backward_fn(self, args: dispatch.AttentionArgs, empty_grad: Optional[str] = None,
-                    out_strides: Optional[tuple] = None) -> Callable:
+                    out_strides: Optional[tuple] = None, qk_grad: float = 0.0) -> Callable:
         """fn(dout, q, k, v, out, lse[, bias][, kv_lens]) -> (dq, dk, dv, dbias or an empty tensor). With
         `empty_grad` (empty_rows_backward.py), dout is the gradient of emit's empty-row fix-up and the kernels
         add that fix-up's backward; `out_strides` (dq, dk, dv; None: the op's own) are then the strides of
-        the graph values the gradients stand for."""
+        the graph values the gradients stand for. "dropped": the kernels zero the empty rows' dout, and
+        fa3_triton::dropped_rows_bwd adds fa3::dropped_uniform_rows's gradients (`qk_grad` as that op's) after them."""
         dkdv_config, dq_config = self._plan(args, "backward")  # also the Gluon op's fallback tiles
         fused = fuses_dq(args)
         bwd = _ops().bwd
         gluon = gluon_backward(args)
-        grad_code = 0 if empty_grad is None else _ops().EMPTY_GRADS[empty_grad]
+        dropped = empty_grad == "dropped"
+        grad_code = 0 if empty_grad is None else _ops().EMPTY_GRADS["none" if dropped else empty_grad]
         mean_v, uniform = _ops().EMPTY_GRADS["mean_v"], _ops().EMPTY_GRADS["uniform"]
         strides = out_strides or (None, None, None)
         s = _site_scalars(args)
@@ -304,11 +316,15 @@ class TritonLowering:
                                            diag_offset, wl, wr, dropout_p, grad_code != 0, dkdv_config, dq_config)
                 if grad_code in (mean_v, uniform):
                     _ops().empty_rows_bwd(dout, q, k, v, lse, dq, dk, dv, scale, grad_code == uniform)
+                if dropped:
+                    _dropped_rows_bwd(dout, q, k, v, lse, seed, dq, dk, dv, args, qk_grad)
                 dq = dq.to(q.dtype)
                 ds = None
             else:
                 dq, dk, dv, ds = bwd(dout, q, k, v, out, lse, bias, kv_lens, seed, *s, want_ds, dkdv_config,
                                      dq_config, grad_code, fused, q_pos, q_seg, k_seg)
+                if dropped:
+                    _dropped_rows_bwd(dout, q, k, v, lse, seed, dq, dk, dv, args, qk_grad)
             if want_ds:
                 db = reduce_dbias(ds, bias)
                 db = conventions.with_strides(db, tuple(make_contiguous_strides_for(bias.shape)))
@@ -319,6 +335,13 @@ class TritonLowering:
             return (*grads, db)
 
         return _functionalized(fn)
+
+
+def _dropped_rows_bwd(dout, q, k, v, lse, seed, dq, dk, dv, args: dispatch.AttentionArgs, qk_grad: float) -> None:
+    from ..kernels import dropped_rows_ops
+
+    dropped_rows_ops.dropped_rows_bwd(dout, q, k, v, lse, seed, dq, dk, dv, float(args.dropout_p), float(args.scale),
+                                      float(args.softcap or 0.0), float(qk_grad))
 
 
 def _table_configs(args: dispatch.AttentionArgs, direction: str) -> list:
