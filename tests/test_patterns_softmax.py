@@ -523,6 +523,33 @@ def clamp_after_mask_input(q, k, v, mask):
     return torch.softmax(s, -1) @ v
 
 
+def clamp_min_after_additive_mask(q, k, v, keep):
+    """The clamp spelled clamp(min=finfo.min): its backward passes the whole gradient where s >= min, ties too."""
+    s = q @ k.transpose(-2, -1) * 0.25 + _additive_min_mask(keep, q.dtype)
+    return torch.softmax(s.clamp(min=torch.finfo(s.dtype).min), -1) @ v
+
+
+def torch_clamp_min_after_additive_mask(q, k, v, keep):
+    s = q @ k.transpose(-2, -1) * 0.25 + _additive_min_mask(keep, q.dtype)
+    return torch.softmax(torch.clamp_min(s, torch.finfo(s.dtype).min), -1) @ v
+
+
+def clamp_after_neg_inf_mask(q, k, v, keep):
+    """clamp(s, finfo.min) positionally after a -inf fill: a fully masked row is uniform, not NaN."""
+    s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, float("-inf"))
+    return torch.softmax(torch.clamp(s, torch.finfo(s.dtype).min), -1) @ v
+
+
+@pytest.mark.parametrize("fn", [clamp_min_after_additive_mask, torch_clamp_min_after_additive_mask,
+                                clamp_after_neg_inf_mask], ids=lambda f: f.__name__)
+def test_clamp_spellings_keep_the_whole_gradient_of_fully_masked_rows(fn):
+    q, k, v = (rand(B, H, N, D, seed=30 + i, requires_grad=True) for i in range(3))
+    keep = torch.ones(B, 1, N, N, dtype=torch.bool).tril()
+    keep[1, :, :, :3] = False
+    res = diff_check(fn, [q, k, v, keep], inner="aot_eager")
+    assert len(res.rewritten) == 1, res.reasons
+
+
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("mask_as_input", [False, True], ids=["mask_in_graph", "mask_input"])
 def test_clamp_ties_halve_the_gradient_of_fully_masked_rows(inner, mask_as_input):

@@ -311,19 +311,23 @@ def describe(args: dispatch.AttentionArgs, forced: Optional[str] = None, empty_f
     parts = []
     fix = None if args.needs_backward else empty_fix  # a training graph saves the lse: the choice ignores the fix-up
     with contextlib.suppress(Exception):
-        d = decide(dispatch._for_direction(args, "forward"), forced, "forward", False, empty_fix=fix)
+        d = decide(dispatch._for_direction(args, "forward"), forced, "forward", False,
+                   empty_fix=None if fix == "dropped" else fix)
         low = LOWERINGS.get((args.q.device.type, d.kernel))
         if d.lowered and empty_fix is not None and getattr(low, "fills_empty_rows", False) and (
-                fix is not None or (empty_fix == "mean_v" and getattr(low, "fills_saved_empty_rows", False))):
+                fix is not None or (empty_fix in ("mean_v", "dropped") and getattr(low, "fills_saved_empty_rows",
+                                                                                   False))) \
+                and (empty_fix != "dropped" or getattr(low, "fills_dropped_rows", False)):
             d.folded = folded_text(empty_fix)
         _note_keys(d, low, dispatch._for_direction(args, "forward"))
         parts.append("forward " + str(d))
     if args.needs_backward:
         with contextlib.suppress(Exception):
             d = decide(args, forced, "backward", False)
-            if d.lowered and grad_fix is not None and getattr(LOWERINGS.get((args.q.device.type, d.kernel)),
-                                                              "folds_empty_row_grads", False):
-                d.folded = empty_rows_backward.folded_text(grad_fix)
+            low = LOWERINGS.get((args.q.device.type, d.kernel))
+            if d.lowered and grad_fix is not None and getattr(low, "folds_empty_row_grads", False):
+                folds = grad_fix != "dropped" or getattr(low, "folds_dropped_rows", False)
+                d.folded = empty_rows_backward.folded_text(grad_fix if folds else "none")
             _note_keys(d, LOWERINGS.get((args.q.device.type, d.kernel)), args)
             note_backward(d, LOWERINGS.get((args.q.device.type, d.kernel)), args)
             parts.append("backward " + str(d))
@@ -391,11 +395,13 @@ def _emitted_fill(call) -> Optional[list]:
 
 
 def emitted_fix(call) -> Optional[str]:
-    """"nan" / "mean_v" when emit put its empty-row fix-up after the op call `call` (a NaN full_like or a
-    mean of V); else None. explain() reads it before AOTAutograd, the lowering (empty_rows.find_fixup) after."""
+    """"nan" / "mean_v" / "dropped" when emit put its empty-row fix-up after the op call `call` (a NaN full_like, a
+    mean of V, fa3.dropped_uniform_rows); else None. explain() reads it before AOTAutograd, the lowering (empty_rows.find_fixup) after."""
     chain = _emitted_fill(call)
-    if chain is None or _dropped(chain):
-        return None  # no kernel writes the dropped uniform weights: fa3.dropped_uniform_rows stays a call of its own
+    if chain is None:
+        return None
+    if _dropped(chain):
+        return "dropped"
     return "nan" if getattr(chain[-1], "target", None) is torch.full_like else "mean_v"
 
 
@@ -404,14 +410,16 @@ def _dropped(chain: list) -> bool:
 
 
 def emitted_grad_fix(call) -> Optional[str]:
-    """The backward of emit's empty-row fix-up after `call`, as empty_rows_backward names it: "none" (NaN fill or
-    dropped uniform weights: the `where` on dO only), "uniform" (mean of V plus fa3::uniform_row_grad: q / k need their gradient),
+    """The backward of emit's empty-row fix-up after `call`, as empty_rows_backward names it: "none" (NaN fill:
+    the `where` on dO only), "dropped" (fa3.dropped_uniform_rows), "uniform" (mean of V plus fa3::uniform_row_grad: q / k need their gradient),
     "mean_v" (the mean alone); None without a fix-up."""
     chain = _emitted_fill(call)
     if chain is None:
         return None
-    if getattr(chain[-1], "target", None) is torch.full_like or _dropped(chain):
-        return "none"  # (dropped uniform weights: their gradients are fa3.dropped_uniform_rows's own backward)
+    if getattr(chain[-1], "target", None) is torch.full_like:
+        return "none"
+    if _dropped(chain):
+        return "dropped"
     uniform = torch.ops.fa3.uniform_row_grad.default
     adds = (n for n in chain if getattr(n, "target", None) is torch.add)
     return "uniform" if any(getattr(a, "target", None) is uniform for n in adds for a in n.args) else "mean_v"

@@ -333,7 +333,7 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
         if scores.clamped and spec.empty_rows == "nan":
             spec.empty_rows = "mean_v"  # -inf became finfo.min: a fully masked row is uniform
         clamp_tied = False
-        if scores.clamped and st.requires_grad:
+        if scores.clamped and scores.tie_halves and st.requires_grad:
             # max(s, finfo.min) after the mask: a score the mask absorbed equals the clamp, and torch.maximum's
             # backward gives each of two equal operands half the gradient. Only a row whose every score was
             # absorbed has weights there: emit's uniform-row gradient is halved, and so is the op's own

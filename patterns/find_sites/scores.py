@@ -34,6 +34,7 @@ class Scores:
     term_batches: list = field(default_factory=list)  # the scores' batch dims where each term is applied
     nodes: list = field(default_factory=list)  # the chain, softmax input first (all single-user)
     clamped: bool = False  # max(s, finfo.min) after the masks: fully masked rows average V, never NaN
+    tie_halves: bool = False  # the clamp is torch.max / maximum, whose backward halves a tie (clamp's does not)
 
 
 def _operand_roles(node: fx.Node, cur_shape) -> tuple[Any, Any]:
@@ -166,11 +167,15 @@ def _outer_scaled(term: MaskTerm, phase: str, scale: float, factors: list, softc
     return MaskTerm(term.op + "_scaled", term.tensor, scale, t.dtype)
 
 
-def _clamp_min_of(node: fx.Node, t: torch.Tensor) -> Optional[fx.Node]:
-    """x when node is torch.max(x, c) / torch.maximum(x, c) with c = finfo(dtype).min (a 0-d constant)."""
+def _clamp_min_of(node: fx.Node, t: torch.Tensor) -> Optional[tuple[fx.Node, bool]]:
+    """(x, whether a tie halves the gradient) when node is torch.max(x, c) / torch.maximum(x, c) (True: each of two
+    equal operands gets half) or clamp(x, min=c) / clamp_min(x, c) (False: x >= min passes it whole), with
+    c = finfo(dtype).min (a 0-d constant, or a number for clamp)."""
     if node.op not in ("call_function", "call_method"):
         return None
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if name in ("clamp", "clamp_min", "clip"):
+        return _clamp_call_of(node, t, name)
     if name not in ("max", "maximum") or len(node.args) != 2 or node.kwargs:
         return None
     a, b = node.args
@@ -181,7 +186,28 @@ def _clamp_min_of(node: fx.Node, t: torch.Tensor) -> Optional[fx.Node]:
         return None  # torch.max(x, int) is a reduction
     if constant_value(b) != float(torch.finfo(t.dtype).min) or tensor_of(a) is None:
         return None
-    return a
+    return a, True
+
+
+def _clamp_call_of(node: fx.Node, t: torch.Tensor, name: str) -> Optional[tuple[fx.Node, bool]]:
+    """clamp(x, min=c) / clamp(x, c) / clip(x, c) without a max, or clamp_min(x, c), as torch functions or methods."""
+    if node.op == "call_function" and node.target not in (torch.clamp, torch.clamp_min, torch.clip):
+        return None
+    args, kw = list(node.args), dict(node.kwargs)
+    x = args.pop(0) if args else kw.pop("input", None)
+    names = ("min",) if name == "clamp_min" else ("min", "max")
+    bound = dict(zip(names, args))
+    if len(args) > len(names) or any(n in bound for n in kw) or set(kw) - set(names):
+        return None
+    bound.update(kw)
+    lo = bound.get("min")
+    if bound.get("max") is not None or lo is None or not isinstance(x, fx.Node) or tensor_of(x) is None:
+        return None
+    value = lo if isinstance(lo, (int, float)) and not isinstance(lo, bool) else constant_value(lo) \
+        if isinstance(lo, fx.Node) and tensor_of(lo) is not None and tensor_of(lo).dim() == 0 else None
+    if value is None or float(value) != float(torch.finfo(t.dtype).min):
+        return None
+    return x, False
 
 
 def _shift_refusal(terms: list, softcap: float, shift_barrier: Optional[str]) -> Optional[str]:
@@ -224,6 +250,7 @@ def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None, shift_barrier: 
     scale, factors, softcap, terms, nodes, batches = 1.0, [], 0.0, [], [], []
     row_max_users: set = set()  # max/amax nodes reading a chain node only to subtract its row max
     clamped = False
+    tie_halves = False
     phase = "mask"  # outermost first: mask terms -> softcap -> scale
     cur = x
     for _ in range(128):
@@ -247,7 +274,8 @@ def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None, shift_barrier: 
             if terms or phase != "mask":
                 raise Miss("the scores are clamped after a mask or before the scale")
             clamped = True
-            cur = lo
+            tie_halves = tie_halves or lo[1]
+            cur = lo[0]
             continue
         if k == "reshape" and _regroups_batch(cur):
             cur = cur.args[0]  # batch dims regrouped ([B*H, N, N] <-> [B, H, N, N]); rows and keys kept
@@ -400,7 +428,7 @@ def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None, shift_barrier: 
     if clamped:
         terms = [MaskTerm(t.op, t.tensor, float(torch.finfo(tensor_of(x).dtype).min), t.dtype)
                  if t.op in ("fill", "where", "fill_zero") and t.fill == -math.inf else t for t in terms]
-    return Scores(c, scale, factors, softcap, terms, batches, nodes, clamped)
+    return Scores(c, scale, factors, softcap, terms, batches, nodes, clamped, tie_halves)
 
 
 def _describe(n: Any) -> str:
