@@ -591,22 +591,11 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1, arg7_1
         assert f"'ZERO_EMPTY': True" in bwd_code and (("UNIFORM': " + str(want_code == 3)) in bwd_code) == (
             want_code != 1), bwd_code
 
-    @pytest.mark.parametrize("gluon", [False, True], ids=["pointer_bwd", "gluon_bwd"])
-    @pytest.mark.parametrize("grads", ["all", "v"])
-    @pytest.mark.parametrize("groups", [1, 2])
-    def test_training_dropped_uniform_rows_run_in_the_kernels(groups, grads, gluon, lowered_training, monkeypatch):
-        """With dropout, a finfo.min key mask's fully masked rows get eager's dropped uniform weights
-        (fa3::dropped_uniform_rows): the lowered forward writes them into the kernel's out
-        (fa3_triton.dropped_rows_fill) and the lowered backward adds their gradients into the kernels' dq, dk, dv
-        (fa3_triton.dropped_rows_bwd); no `where`, add or dropped_uniform_rows op is left. Output and every
-        gradient match eager's arithmetic with the op's keep mask (the seed drawn again), a fully padded sequence
-        included. Also with the backward lowered as on Hopper: fa3_gluon.bwd (under the interpreter its fallback,
-        the pointer kernels), then the dropped rows' kernel into its fp32 dQ sums and dK / dV."""
+    def _dropped_rows_training(groups: int, grads: str) -> list:
+        """A padded layer with dropout trained once, compiled (the Triton family) and eagerly with the op's keep mask
+        (the seed drawn again): every output and gradient equal; returns the lowering's decisions."""
         from fa_compile.kernels.dropout_hash import dropout_keep_mask
         from fa_compile.lowering.graph_pass import records
-
-        if gluon:
-            monkeypatch.setattr(triton_lowering, "gluon_backward", lambda args: True)
         from fa_compile.patterns.emit import DROPOUT_SEED_HIGH
 
         gen = torch.Generator().manual_seed(5 + groups)
@@ -648,7 +637,22 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1, arg7_1
         _, (ga, gr) = tolerances(torch.float16, "cpu")
         for i, (a, e) in enumerate(zip(got, want)):
             torch.testing.assert_close(a.float(), e, atol=ga, rtol=gr, msg=lambda m, i=i: f"{i}: {m}")
-        decisions = [r.decision for r in records()[n_before:]]
+        return [r.decision for r in records()[n_before:]]
+
+    @pytest.mark.parametrize("gluon", [False, True], ids=["pointer_bwd", "gluon_bwd"])
+    @pytest.mark.parametrize("grads", ["all", "v"])
+    @pytest.mark.parametrize("groups", [1, 2])
+    def test_training_dropped_uniform_rows_run_in_the_kernels(groups, grads, gluon, lowered_training, monkeypatch):
+        """With dropout, a finfo.min key mask's fully masked rows get eager's dropped uniform weights
+        (fa3::dropped_uniform_rows): the lowered forward writes them into the kernel's out
+        (fa3_triton.dropped_rows_fill) and the lowered backward adds their gradients into the kernels' dq, dk, dv
+        (fa3_triton.dropped_rows_bwd); no `where`, add or dropped_uniform_rows op is left. Output and every
+        gradient match eager's arithmetic with the op's keep mask (the seed drawn again), a fully padded sequence
+        included. Also with the backward lowered as on Hopper: fa3_gluon.bwd (under the interpreter its fallback,
+        the pointer kernels), then the dropped rows' kernel into its fp32 dQ sums and dK / dV."""
+        if gluon:
+            monkeypatch.setattr(triton_lowering, "gluon_backward", lambda args: True)
+        decisions = _dropped_rows_training(groups, grads)
         bwd_target = "fa3_gluon.bwd" if gluon else "fa3_triton.bwd"
         assert [str(d).split(" (")[0] for d in decisions] == ["triton -> fa3_triton.fwd", f"triton -> {bwd_target}"]
         assert decisions[0].folded == "empty rows: dropped uniform weights times V written by the kernel"
@@ -661,6 +665,17 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1, arg7_1
             assert names.count(kernel) == 1, names
             after = [n.target for n in gm.graph.nodes if any(_kernel_output(a) for a in n.args)]
             assert torch.ops.aten.add.Tensor not in after, gm.code
+
+    def test_dropped_rows_kernel_that_fails_to_build_keeps_the_op(lowered_training, monkeypatch):
+        """Where the dropped rows' kernel cannot be built (a GPU or Triton it was not measured on), the site keeps
+        the op and its run-time dispatch, with one warning: the results are still eager's."""
+        def broken(*a, **kw):
+            raise triton_lowering.SpliceError("the dropped-rows kernel failed here")
+
+        monkeypatch.setattr(triton_lowering, "_verify_dropped", broken)
+        with pytest.warns(RuntimeWarning, match="dropped-rows kernel failed"):
+            decisions = _dropped_rows_training(1, "all")
+        assert all("lowering failed" in str(d.reason) for d in decisions), [str(d) for d in decisions]
 
     @pytest.mark.parametrize("fill", ["finfo_min", "neg_inf"])
     @pytest.mark.parametrize("dropout", [0.0, 0.25])

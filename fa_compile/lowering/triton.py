@@ -268,6 +268,8 @@ class TritonLowering:
         (config,) = self._plan(args, "forward")
         ops = _ops()
         dropped = empty_fill == "dropped"
+        if dropped:
+            _verify_dropped(args, "forward")
         fill = ops.EMPTY_FILLS["zero" if dropped else empty_fill]
         s = _site_scalars(args)
         unpack = _optional_inputs(args)
@@ -296,6 +298,8 @@ class TritonLowering:
         bwd = _ops().bwd
         gluon = gluon_backward(args)
         dropped = empty_grad == "dropped"
+        if dropped:
+            _verify_dropped(args, "backward", qk_grad, fp32_dq=gluon)
         grad_code = 0 if empty_grad is None else _ops().EMPTY_GRADS["none" if dropped else empty_grad]
         mean_v, uniform = _ops().EMPTY_GRADS["mean_v"], _ops().EMPTY_GRADS["uniform"]
         strides = out_strides or (None, None, None)
@@ -335,6 +339,49 @@ class TritonLowering:
             return (*grads, db)
 
         return _functionalized(fn)
+
+
+_DROPPED_VERIFIED: dict = {}
+
+
+def _verify_dropped(args: dispatch.AttentionArgs, direction: str, qk_grad: float = 0.0, fp32_dq: bool = False) -> None:
+    """Build and run the dropped-rows kernel of `direction` (kernels/dropped_rows_ops.py) once on tiny real tensors
+    of the site's dtype and head dims, on a real GPU: a Triton failure raises SpliceError here, so the node keeps
+    the op (graph_pass) instead of failing in Inductor's code. Memoised; nothing is run on the CPU."""
+    q, v = args.q, args.v
+    if q.device.type != "cuda" or not torch.cuda.is_available():
+        return
+    softcap = float(args.softcap or 0.0)
+    key = (direction, q.dtype, int(q.shape[3]), int(v.shape[3]), softcap > 0, qk_grad != 0, fp32_dq, q.device.index)
+    hit = _DROPPED_VERIFIED.get(key)
+    if hit is None:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        from ..kernels import dropped_rows_ops
+
+        try:
+            with unset_fake_temporarily():
+                dev, dt = torch.device("cuda", q.device.index or 0), q.dtype
+                qq = torch.randn(1, 2, 3, int(q.shape[3]), dtype=dt, device=dev)
+                kk = torch.randn(1, 1, 5, int(q.shape[3]), dtype=dt, device=dev)
+                vv = torch.randn(1, 1, 5, int(v.shape[3]), dtype=v.dtype, device=dev)
+                lse = torch.full((1, 2, 3), float("-inf"), device=dev)
+                seed = torch.ones((), dtype=torch.int64, device=dev)
+                if direction == "forward":
+                    dropped_rows_ops.dropped_rows_fill(torch.zeros(1, 2, 3, int(v.shape[3]), dtype=v.dtype,
+                                                                   device=dev), vv, lse, seed, 0.5)
+                else:
+                    dq = torch.zeros(qq.shape, dtype=torch.float32 if fp32_dq else dt, device=dev)
+                    dropped_rows_ops.dropped_rows_bwd(torch.randn(1, 2, 3, int(v.shape[3]), dtype=v.dtype, device=dev),
+                                                      qq, kk, vv, lse, seed, dq, torch.zeros_like(kk),
+                                                      torch.zeros_like(vv), 0.5, 1.0, softcap, qk_grad)
+                torch.cuda.synchronize(dev)
+            hit = ""
+        except Exception as e:  # (a GPU or Triton version the kernel was not measured on)
+            hit = f"the dropped-rows kernel ({direction}) failed here: {type(e).__name__}: {str(e)[:200]}"
+        _DROPPED_VERIFIED[key] = hit
+    if hit:
+        raise SpliceError(hit)
 
 
 def _dropped_rows_bwd(dout, q, k, v, lse, seed, dq, dk, dv, args: dispatch.AttentionArgs, qk_grad: float) -> None:
