@@ -25,6 +25,7 @@ captured, where every batch and position is computed instead (exact either way).
 from __future__ import annotations
 
 import itertools
+import warnings
 from typing import Iterator, Optional
 
 import torch
@@ -143,9 +144,25 @@ def dropped_uniform_rows(q: Tensor, k: Tensor, v: Tensor, lse: Tensor, seed: Ten
     """[B, Hq, Nq, Dv] in v's dtype: eager's dropped uniform average of V on the rows whose lse is -inf, 0 on the
     others (summed in fp32, or fp64 for fp64, and rounded once)."""
     _check(q, k, v, lse, dropout_p, softcap)
-    if q.numel() * v.numel() != 0 and _on_triton(q, k, v):
-        return fill_triton(v, lse, seed, dropout_p, q.shape[1])
+    if q.numel() * v.numel() != 0 and _on_triton(q, k, v) and not _TRITON_FAILED:
+        try:
+            return fill_triton(v, lse, seed, dropout_p, q.shape[1])
+        except Exception as e:
+            _triton_failed(e)
     return fill_torch(q, v, lse, seed, dropout_p)
+
+
+_TRITON_FAILED: list = []  # the first failure of the Triton kernels in this process: the torch path from then on
+
+
+def _triton_failed(e: Exception) -> None:
+    """A Triton kernel that cannot be built or run here (a GPU or Triton version it was not tried on): warn once
+    and take the torch path (exact; a host sync per call). Not while a CUDA graph is being captured."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise e
+    _TRITON_FAILED.append(f"{type(e).__name__}: {e}")
+    warnings.warn(f"fa_compile: the dropped-rows Triton kernels failed ({type(e).__name__}: {str(e)[:200]}); "
+                  "fa3::dropped_uniform_rows runs as torch ops from now on", RuntimeWarning, stacklevel=3)
 
 
 def fill_torch(q: Tensor, v: Tensor, lse: Tensor, seed: Tensor, dropout_p: float) -> Tensor:
@@ -169,8 +186,11 @@ def dropped_uniform_rows_backward(dfill: Tensor, q: Tensor, k: Tensor, v: Tensor
                                   qk_grad: float) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of dropped_uniform_rows (see the module docstring); dq and dk are 0 when qk_grad is 0."""
     _check(q, k, v, lse, dropout_p, softcap)
-    if q.numel() * v.numel() != 0 and _on_triton(q, k, v):
-        return backward_triton(dfill, q, k, v, lse, seed, dropout_p, scale, softcap, qk_grad)
+    if q.numel() * v.numel() != 0 and _on_triton(q, k, v) and not _TRITON_FAILED:
+        try:
+            return backward_triton(dfill, q, k, v, lse, seed, dropout_p, scale, softcap, qk_grad)
+        except Exception as e:
+            _triton_failed(e)
     return backward_torch(dfill, q, k, v, lse, seed, dropout_p, scale, softcap, qk_grad)
 
 

@@ -89,3 +89,25 @@ def test_bad_arguments_name_the_argument(change, message):
     args.update(change)
     with pytest.raises(ValueError, match=message):
         OP(*args.values())
+
+
+def test_a_triton_kernel_that_fails_falls_back_to_the_torch_path_with_one_warning(monkeypatch):
+    from fa_compile import dropped_rows
+
+    def broken(*a, **kw):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(dropped_rows, "_on_triton", lambda *a: True)
+    monkeypatch.setattr(dropped_rows, "fill_triton", broken)
+    monkeypatch.setattr(dropped_rows, "backward_triton", broken)
+    monkeypatch.setattr(dropped_rows, "_TRITON_FAILED", [])
+    q, k, v = torch.randn(B, HQ, NQ, D), torch.randn(B, HKV, NK, D), torch.randn(B, HKV, NK, D)
+    lse = torch.zeros(B, HQ, NQ)
+    lse[1] = float("-inf")
+    seed = torch.tensor(3)
+    with pytest.warns(RuntimeWarning, match="dropped-rows Triton kernels failed"):
+        got = OP(q, k, v, lse, seed, P, SCALE)
+    torch.testing.assert_close(got, dropped_rows.fill_torch(q, v, lse, seed, P))
+    grads = torch.ops.fa3.dropped_uniform_rows_backward(torch.randn(B, HQ, NQ, D), q, k, v, lse, seed, P, SCALE,
+                                                         0.0, 1.0)  # no second warning: the torch path from now on
+    assert grads[2][1:2].abs().max() > 0

@@ -23,6 +23,23 @@ def _empty_rows(LSE, bh, Nq, rows):
 
 
 @triton.jit
+def _kept_sum(v_base, stride_vn, stride_vd, row_hash, empty, Nk, DV, threshold,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """sum_j keep_ij V_j over every key for a block of rows, fp32 (0 on the rows that are not `empty`)."""
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < DV
+    o = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for n0 in range(0, Nk, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        n_ok = cols < Nk
+        keep = dropout_keep(row_hash, cols[None, :], threshold) & empty[:, None] & n_ok[None, :]
+        vt = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + offs_dv[None, :] * stride_vd,
+                     mask=n_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
+        o += tl.dot(keep.to(tl.float32), vt, input_precision="ieee")
+    return o
+
+
+@triton.jit
 def dropped_rows_fwd_kernel(
     V, LSE, SEED, FILL,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -45,14 +62,8 @@ def dropped_rows_fwd_kernel(
     n_empty = tl.sum(empty.to(tl.int32), 0)
     if n_empty > 0:
         row_hash = dropout_row_hash(tl.load(SEED).to(tl.uint32), bh, Nq, rows)[:, None]
-        v_base = V + b * stride_vb + (h // G) * stride_vh
-        for n0 in range(0, Nk, BLOCK_N):
-            cols = n0 + tl.arange(0, BLOCK_N)
-            n_ok = cols < Nk
-            keep = dropout_keep(row_hash, cols[None, :], threshold) & empty[:, None] & n_ok[None, :]
-            vt = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + offs_dv[None, :] * stride_vd,
-                         mask=n_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
-            acc += tl.dot(keep.to(tl.float32), vt, input_precision="ieee")
+        acc = _kept_sum(V + b * stride_vb + (h // G) * stride_vh, stride_vn, stride_vd, row_hash, empty, Nk, DV,
+                        threshold, BLOCK_M, BLOCK_N, BLOCK_DV)
     acc = acc * inv
     ptr = FILL + b * stride_fb + h * stride_fh + rows[:, None].to(tl.int64) * stride_fm + offs_dv[None, :] * stride_fd
     if ONLY_EMPTY:
@@ -66,16 +77,7 @@ def dropped_rows_fwd_kernel(
 def _row_terms(v_base, stride_vn, stride_vd, row_hash, empty, df, Nk, DV, threshold, inv,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr):
     """delta_i = dF_i . F_i for a block of rows, F the fill (recomputed over every key)."""
-    offs_dv = tl.arange(0, BLOCK_DV)
-    dv_ok = offs_dv < DV
-    o = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for n0 in range(0, Nk, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        n_ok = cols < Nk
-        keep = dropout_keep(row_hash, cols[None, :], threshold) & empty[:, None] & n_ok[None, :]
-        vt = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + offs_dv[None, :] * stride_vd,
-                     mask=n_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
-        o += tl.dot(keep.to(tl.float32), vt, input_precision="ieee")
+    o = _kept_sum(v_base, stride_vn, stride_vd, row_hash, empty, Nk, DV, threshold, BLOCK_M, BLOCK_N, BLOCK_DV)
     return tl.sum(df * (o * inv), 1)
 
 
