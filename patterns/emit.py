@@ -146,8 +146,8 @@ def emit_attention(
     "fill" (with `fill` = c, finite) keeps eager's value where every masked score was replaced by c,
     on every row; the masked keys are those the structure, kv_lens and a bool bias exclude. A mask
     constant along queries (key padding) becomes eager's own arithmetic (`_fill_masked_keys`); a band
-    or query-dependent mask gets the masked keys' share from the op's lse (`_finite_fill`). Dropout is
-    refused with a ValueError (the second form cannot keep eager's dropout of the masked weights).
+    or query-dependent mask gets the masked keys' share from the op's lse (`_finite_fill`). Dropout is kept by
+    the first form and refused with a ValueError by the second (it cannot drop the masked weights as eager does).
 
     sinks ([Hq] logits in the denominator, patterns/sinks.py): a fully masked row then attends to the
     sink alone, so eager's value there is 0 (its -inf, finfo.min or clamped keys get weight 0 beside a
@@ -244,11 +244,13 @@ def emit_attention(
     if empty_rows == "fill":
         if fill is None or not math.isfinite(fill):
             raise ValueError(f"fill: empty_rows 'fill' needs the finite fill value, got {fill!r}")
-        if dropout_p > 0:
-            raise ValueError("empty_rows: 'fill' cannot keep eager's dropout of the masked keys' weights")
-        if _key_shaped(causal, window_left, window_right, bias, kv_lens) and all(x is None for x in runtime.values()):
+        if fill_keeps_dropout(causal, window_left, window_right, bias, kv_lens, **runtime):
+            # the op now computes eager's own softmax over every key, and drops its weights as eager does
             k, bias = _fill_masked_keys(graph, q, k, bias, kv_lens, fill)
-            kv_lens, empty_rows = None, "impossible"  # the op now computes eager's own softmax
+            kv_lens, empty_rows = None, "impossible"
+        elif dropout_p > 0:
+            raise ValueError("empty_rows: 'fill' cannot keep eager's dropout of the masked keys' weights where the "
+                             "masked keys vary along queries")
     extra: tuple = (sinks,) if sinks is not None else ()
     if any(x is not None for x in runtime.values()):
         extra = (sinks, q_pos, q_seg, k_seg)
@@ -465,6 +467,16 @@ def _key_shaped(causal: bool, window_left: int, window_right: int, bias: Optiona
         return kv_lens is not None  # a float bias with key lengths: the lengths are the mask
     shape = (1,) * (4 - bv.dim()) + tuple(bv.shape)
     return shape[1] == 1 and shape[2] == 1
+
+
+def fill_keeps_dropout(causal: bool, window_left: int, window_right: int, bias: Optional[fx.Node],
+                       kv_lens: Optional[fx.Node], q_pos: Optional[fx.Node] = None, q_seg: Optional[fx.Node] = None,
+                       k_seg: Optional[fx.Node] = None) -> bool:
+    """Whether emit gives a finite fill (empty_rows "fill") eager's own softmax over every key
+    (`_fill_masked_keys`: the same masked keys for every query and head, no run-time structure), which then keeps
+    eager's dropout too: the op drops the masked keys' weights as eager does."""
+    return _key_shaped(causal, window_left, window_right, bias, kv_lens) and all(
+        x is None for x in (q_pos, q_seg, k_seg))
 
 
 def _fill_masked_keys(graph: fx.Graph, q: fx.Node, k: fx.Node, bias: Optional[fx.Node],

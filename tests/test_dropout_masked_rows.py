@@ -144,3 +144,49 @@ def test_dropout_given_its_input_by_keyword_is_read():
 
     for fn in (dropout_keyword, torch_dropout_keyword):
         check(fn, [torch.randn(B, H, N, D, requires_grad=True) for _ in range(3)], rewritten=1)
+
+
+def annotated_transformer(q, k, v, mask):
+    """The Annotated Transformer's spelling: a finite fill of -1e9 under a key-padding mask [B, 1, 1, N]."""
+    s = q @ k.transpose(-2, -1) * SCALE
+    return F.dropout(s.masked_fill(mask == 0, -1e9).softmax(-1), p=P, training=True) @ v
+
+
+def causal_finite_fill(q, k, v, mask):
+    n = q.shape[-2]
+    s = (q @ k.transpose(-2, -1) * SCALE).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -1e9)
+    return F.dropout(s.masked_fill(mask == 0, -1e9).softmax(-1), p=P, training=True) @ v
+
+
+def test_a_finite_fill_of_padded_keys_keeps_eagers_dropout_on_every_key():
+    """The op gets eager's own scores on every key (masked keys' K zeroed plus the fill as their bias), so its
+    dropout drops the filled keys' weights as eager does: every element of outputs and gradients against eager's
+    arithmetic with the op's keep mask, a fully padded sequence included."""
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(B, H, N, D, requires_grad=True) for _ in range(3))
+    mask = _pad().long()[:, None, None, :]
+    g = torch.randn(B, H, N, D)
+    rep = fa_compile.explain(annotated_transformer, q, k, v, mask)
+    assert [s.rewritten for s in rep.sites] == [True], rep.table()
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fallback_random=True):
+        compiled = torch.compile(annotated_transformer, backend="fa3")
+        torch.manual_seed(9)
+        out = compiled(q, k, v, mask)
+    torch.manual_seed(9)
+    seed = torch.randint(0, DROPOUT_SEED_HIGH, (), dtype=torch.int64)
+    grads = torch.autograd.grad((out * g).sum(), (q, k, v))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    s = (leaves[0] @ leaves[1].transpose(-1, -2) * SCALE).masked_fill(mask == 0, -1e9)
+    want = (s.softmax(-1) * dropout_keep_mask(seed, B, H, N, N, P, q.device) / (1 - P)) @ leaves[2]
+    want_grads = torch.autograd.grad((want * g.double()).sum(), leaves)
+    torch.testing.assert_close(out.double(), want, **TOL[torch.float32])
+    for name, a, e in zip("qkv", grads, want_grads):
+        torch.testing.assert_close(a.double(), e, **TOL[torch.float32], msg=lambda m, n=name: f"d{n}: {m}")
+
+
+def test_a_finite_fill_that_varies_along_queries_with_dropout_is_left_alone():
+    q, k, v = (torch.randn(B, H, N, D) for _ in range(3))
+    rep = fa_compile.explain(causal_finite_fill, q, k, v, _pad().long()[:, None, None, :])
+    assert [s.rewritten for s in rep.sites] == [False], rep.table()
+    assert "vary along queries" in rep.sites[0].reason, rep.sites[0].reason

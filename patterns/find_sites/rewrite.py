@@ -357,9 +357,12 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
         if has_sinks and spec.empty_rows == "fill":
             raise Miss(f"attention sinks with a finite mask fill {spec.fill}: eager's fully masked rows share "
                        "their weight between the filled keys and the sink, which the rewrite cannot keep")
-        if spec.empty_rows == "fill" and probs.dropout_p:
-            raise Miss(f"a finite fill {spec.fill} with dropout: eager drops the masked keys' weights too, "
-                       "which the rewrite cannot keep")
+        if spec.empty_rows == "fill" and probs.dropout_p and not emit.fill_keeps_dropout(
+                spec.causal, spec.window_left, spec.window_right, spec.bias, spec.kv_lens, spec.q_pos, spec.q_seg,
+                spec.k_seg):
+            raise Miss(f"a finite fill {spec.fill} with dropout over masked keys that vary along queries (a diagonal, "
+                       "window or per-query mask): eager drops the masked keys' weights too, which the rewrite keeps "
+                       "for key-padding masks only")
         with graph.inserting_before(o_node):
             qn, kn, vn = _materialize(o, q, dtype), _materialize(o, k, dtype), _materialize(o, v, dtype)
             qn = _detached(o, qn) if flow.detach_q else qn
