@@ -31,7 +31,7 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from .kernels.dropout_hash import keep_at, keep_threshold
+from .kernels.dropout_hash import keep_at
 from .ops import _LIB, _TAGS
 from . import row_fixups  # (module, not names: row_fixups may be importing ops, which imports this module)
 

@@ -158,15 +158,6 @@ def _is_dropped(n: fx.Node, v: fx.Node, lse: fx.Node, seed: Optional[fx.Node], d
     return a["v"] is v and a["lse"] is lse and a["seed"] is seed and a["dropout_p"] == dropout_p
 
 
-def _converts_from(fill: fx.Node, drop: fx.Node) -> list:
-    """The nodes from `drop` to `fill` (the casts between them, and drop itself)."""
-    chain, n = [], fill
-    while n is not drop:
-        chain.append(n)
-        n = n.args[0]
-    return [drop] + chain[1:] if chain else [drop]
-
-
 def _user_besides_outputs(n: fx.Node, saved: bool) -> Optional[fx.Node]:
     """n's one user, not counting the graph's output where `saved`."""
     users = [u for u in n.users if not (saved and u.op == "output")]
@@ -211,8 +202,13 @@ def find_fixup(node: fx.Node, v: fx.Node, saved: bool = False, seed: Optional[fx
     if not isinstance(fill, fx.Node):
         return None
     if drop is not None:
-        if _strip_converts(fill) is not drop or any(len(n.users) != 1 for n in _converts_from(fill, drop)):
+        if _strip_converts(fill) is not drop:
             return None
+        n = fill
+        while n is not drop:  # drop and the casts below `fill` read by nothing else
+            n = n.args[0]
+            if len(n.users) != 1:
+                return None
         kind = "dropped"
     elif _is_nan_full(fill):
         kind = "nan"

@@ -163,12 +163,20 @@ def find_backward_fixup(node: fx.Node, bound: dict, groups: int) -> Optional[Bac
             if i in outs and outs[i].users:
                 return found  # the op's own gradient used alone: the fold would add U's term to it
             continue
-        add = _sole_user(parts[i])
-        if not _call(add, aten.add.Tensor) or i not in outs or _sole_user(outs[i]) is not add \
-                or _other(add, outs[i]) is not parts[i]:
+        add = _add_into(parts[i], outs, i)
+        if add is None:
             return found
         adds[i] = add
     return BackwardFixup("uniform", d, adds)
+
+
+def _add_into(part: fx.Node, outs: dict, i: int) -> Optional[fx.Node]:
+    """The add of a fix-up term `part` and the backward's output i, when each is the other's only use."""
+    add = _sole_user(part)
+    if not _call(add, aten.add.Tensor) or i not in outs or _sole_user(outs[i]) is not add \
+            or _other(add, outs[i]) is not part:
+        return None
+    return add
 
 
 def _dropped_fixup(node: fx.Node, bound: dict, w2: fx.Node, outs: dict, d: fx.Node) -> Optional[BackwardFixup]:
@@ -198,9 +206,8 @@ def _dropped_fixup(node: fx.Node, bound: dict, w2: fx.Node, outs: dict, d: fx.No
             if i in outs and outs[i].users and (i == 2 or qk_grad != 0):
                 return None
             continue
-        add = _sole_user(parts[i])
-        if not _call(add, aten.add.Tensor) or i not in outs or _sole_user(outs[i]) is not add \
-                or _other(add, outs[i]) is not parts[i]:
+        add = _add_into(parts[i], outs, i)
+        if add is None:
             return None
         adds[i] = add
     return BackwardFixup("dropped", d, adds, qk_grad)
