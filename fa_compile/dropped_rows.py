@@ -53,7 +53,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, lse: Tensor, dropout_p: float, softc
         raise ValueError(f"dropout_p: dropped_uniform_rows needs 0 < dropout_p < 1, got {dropout_p!r}")
     if not softcap >= 0:
         raise ValueError(f"softcap: dropped_uniform_rows needs softcap >= 0, got {softcap!r}")
-    if k.shape[1] == 0 or hq % k.shape[1] != 0:
+    if (k.shape[1] == 0 and hq != 0) or (k.shape[1] != 0 and hq % k.shape[1] != 0):  # no head at all: empty
         raise ValueError(f"k: {k.shape[1]} key heads do not divide the {hq} query heads")
     if tuple(lse.shape) != (b, hq, nq):
         raise ValueError(f"lse: expected shape {(b, hq, nq)}, got {tuple(lse.shape)}")

@@ -34,11 +34,15 @@ from .layout import contraction
 from .regions import Regions
 from .shapes import known_eq
 
-_METHOD_TWINS = {"masked_fill_": "masked_fill", "add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div"}
+_METHOD_TWINS = {"masked_fill_": "masked_fill", "add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div",
+                 # a causal mask made in place: torch.ones(i, j, dtype=torch.bool).triu_(j - i + 1)
+                 "triu_": "triu", "tril_": "tril"}
 _OPERATOR_TWINS = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
                    operator.itruediv: operator.truediv}
 # elementwise ops, and products (F.linear with a module's weight included, which `contraction` leaves out)
 _FRESH_KINDS = ("mul", "div", "add", "sub", "masked_fill", "where", "tanh", "softmax", "linear", "matmul", "baddbmm")
+# the triangle of a matrix: a new tensor (the functional twins of triu_ / tril_)
+_TRIANGLES = frozenset(("triu", "tril", torch.triu, torch.tril, torch.Tensor.triu, torch.Tensor.tril))
 # ops that allocate a new tensor from sizes (and a fill value) alone
 _FACTORIES = frozenset((torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.zeros_like,
                         torch.ones_like, torch.empty_like, torch.full_like, torch.eye, torch.linspace, torch.tensor,
@@ -77,7 +81,8 @@ def is_fresh(node: Any) -> bool:
     if tensor_of(node) is None or is_inplace(node) or "out" in node.kwargs:
         return False
     try:
-        if node.target in (_FACTORIES if node.op == "call_function" else _FACTORY_METHODS):
+        if node.target in (_FACTORIES if node.op == "call_function" else _FACTORY_METHODS) or \
+                node.target in _TRIANGLES:
             return True
     except TypeError:  # an unhashable target
         pass

@@ -37,7 +37,7 @@ def _visit(graph: fx.Graph, node: fx.Node, options: PassOptions, reports: list, 
     if is_sdpa(node):
         reports.append(rewrite_sdpa(graph, node, options, cache))
     elif is_mha(node):
-        reports.append(rewrite_mha(graph, node, options, cache))
+        reports.append(rewrite_mha(graph, node, options, cache, autocast=regions.of(node).autocast_on))
     elif is_native_mha(node):
         reports.append(rewrite_native_mha(graph, node, options, cache))
     elif is_encoder_layer(node):

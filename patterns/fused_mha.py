@@ -115,12 +115,31 @@ def _combine_masks(b: Builder, masks: list, q_dtype: torch.dtype) -> tuple[Optio
     return total, "bias"
 
 
-def rewrite_mha(graph: fx.Graph, node: fx.Node, options: PassOptions, cache: Optional[dict] = None) -> SiteReport:
+def rewrite_mha(graph: fx.Graph, node: fx.Node, options: PassOptions, cache: Optional[dict] = None,
+                autocast: Optional[bool] = False) -> SiteReport:
+    """`autocast`: whether the call runs under autocast (regions.State.autocast_on; None: not known)."""
     return guarded_rewrite("mha", graph, node,
-                           lambda b, rep: _rewrite_mha(b, node, options, rep, {} if cache is None else cache))
+                           lambda b, rep: _rewrite_mha(b, node, options, rep, {} if cache is None else cache, autocast))
 
 
-def _rewrite_mha(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, cache: dict) -> None:
+def _autocast_dtype(node: fx.Node, query: torch.Tensor, autocast: Optional[bool]) -> Optional[torch.dtype]:
+    """The dtype the functional computes in under autocast (its output's, where that differs from the query's), or
+    None. Its linears, SDPA / baddbmm and bmm all run in that dtype on inputs cast to it (attn_mask included); the
+    rewrite makes those casts explicit, as the graph's example values do not apply autocast."""
+    val = getattr(node, "meta", {}).get("example_value")
+    out = val[0] if isinstance(val, (tuple, list)) and val else None
+    if not isinstance(out, torch.Tensor) or out.dtype == query.dtype:
+        return None
+    if autocast is not True:
+        raise Refuse(f"the call's output is {out.dtype} where its query is {query.dtype}, outside a known autocast "
+                     "region")
+    if not (out.dtype.is_floating_point and query.dtype.is_floating_point):
+        raise Refuse(f"the call's output is {out.dtype} where its query is {query.dtype}")
+    return out.dtype
+
+
+def _rewrite_mha(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, cache: dict,
+                 autocast: Optional[bool] = False) -> None:
     try:
         bound = _MHA_SIG.bind(*node.args, **node.kwargs)
     except TypeError as e:
@@ -150,6 +169,20 @@ def _rewrite_mha(b: Builder, node: fx.Node, options: PassOptions, rep: SiteRepor
     qv = tensor_value(query, "query")
     kv, vv = tensor_value(key, "key"), tensor_value(value, "value")
     rep.dtype = str(qv.dtype).replace("torch.", "")
+    mask_dtype = qv.dtype  # the functional's masks are the query's dtype (_canonical_mask), summed before any cast
+    cast_to = _autocast_dtype(node, qv, autocast)
+    if cast_to is not None:
+        rep.dtype = str(cast_to).replace("torch.", "")
+
+        def cast(t: Any) -> Any:
+            return b.m("to", t, cast_to) if isinstance(t, fx.Node) else t
+
+        casts = {t: cast(t) for t in dict.fromkeys((query, key, value))}  # one cast per distinct input
+        query, key, value = casts[query], casts[key], casts[value]
+        for name in ("in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight", "v_proj_weight",
+                     "out_proj_weight", "out_proj_bias", "bias_k", "bias_v"):
+            a[name] = cast(a[name])
+        bias_k, bias_v = a["bias_k"], a["bias_v"]
     if qv.dim() not in (2, 3) or kv.dim() != qv.dim() or vv.dim() != qv.dim():
         raise Refuse(f"query/key/value ranks {qv.dim()}/{kv.dim()}/{vv.dim()}: expected all 3 (or all 2, unbatched)")
     if is_causal and attn_mask is None:
@@ -220,7 +253,9 @@ def _rewrite_mha(b: Builder, node: fx.Node, options: PassOptions, rep: SiteRepor
         for _ in range(extra_keys):
             m[0] = b.f(F.pad, m[0], (0, 1))
 
-    bias, kind = _combine_masks(b, masks, qv.dtype)
+    bias, kind = _combine_masks(b, masks, mask_dtype)
+    if cast_to is not None and kind == "bias":
+        bias = b.m("to", bias, cast_to)  # SDPA's and baddbmm's autocast casts the summed float mask
     if need_weights:
         scale = (1.0 / float(head_dim)) ** 0.5  # q * math.sqrt(1.0 / float(E)), as the functional
         empty_rows = "nan" if bias is not None else "impossible"  # softmax of an all -inf row

@@ -196,6 +196,10 @@ def _einsum(node: fx.Node, out: torch.Tensor) -> Optional[Contraction]:
     if sx - sz - sy or sy - sz - sx or sz - sx - sy:
         return None  # a letter summed over one operand only, or a new output letter
     (c,), (m,), (n,) = contracted, rows, cols
+    if z.index(m) > z.index(n):
+        # the product is the same with the operands swapped ('bjhd,bihd->bhij' is 'bihd,bjhd->bhij'): take the
+        # order in which the output lists the free letters, so that a site's scores or P·V read as usual
+        a, b, x, y, m, n = b, a, y, x, n, m
     zb = [ch for ch in z if ch in batch]
     canon = zb + [m, n]
     lp = tuple(a.perm[x.index(ch)] for ch in zb + [m, c])

@@ -77,6 +77,19 @@ def test_no_fully_masked_row_gives_zeros_in_the_inputs_layouts():
         assert g.abs().max() == 0 and g.stride() == like.stride() and g.dtype == like.dtype
 
 
+@pytest.mark.parametrize("shape", [(B, 0, NQ, D), (0, HQ, NQ, D), (B, HQ, 0, D)], ids=["no heads", "no batch", "no query"])
+def test_zero_sizes_give_empty_results(shape):
+    # as eager: no head (or batch, or query) at all is an empty result, not a head-count error
+    q = torch.randn(shape, requires_grad=True)
+    kv_shape = (shape[0], shape[1] // 2, NK, D)
+    k, v = (torch.randn(kv_shape, requires_grad=True) for _ in range(2))
+    lse = torch.full(shape[:3], float("-inf"))
+    out = OP(q, k, v, lse, torch.tensor(5), P, SCALE, 0.0, 1.0)
+    assert out.shape == shape
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(dropout_p=0.0), "dropout_p"),
     (dict(softcap=-1.0), "softcap"),

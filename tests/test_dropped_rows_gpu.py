@@ -1,7 +1,8 @@
 """fa3::dropped_uniform_rows on CUDA: its Triton kernels against its torch path at bf16 / fp16 on larger shapes
 (outputs poisoned first), and compiled sites with dropout over fully masked rows against eager's arithmetic in fp64
 with the op's keep mask, outputs and gradients, every element (the method of test_dropout_masked_rows.py), on the
-kernels dispatch picks and on our Triton family."""
+kernels dispatch picks and on our Triton family; compiled, the lowering folds the dropped rows into our kernels
+(fa3_triton.dropped_rows_fill / dropped_rows_bwd), which these tests check it did."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 import fa_compile
 from fa_compile import dropped_rows
 from fa_compile.kernels.dropout_hash import dropout_keep_mask
+from fa_compile.lowering import records
 from fa_compile.patterns.emit import DROPOUT_SEED_HIGH
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -94,6 +96,7 @@ def test_compiled_sites_equal_eager_with_the_same_bits(fn, dtype, kernel):
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     g = torch.randn(B, H, N, D, device="cuda", dtype=dtype)
     torch._dynamo.reset()
+    n = len(records())
     with torch._inductor.config.patch(fallback_random=True):
         compiled = torch.compile(fn, backend=fa_compile.backend(kernel=kernel) if kernel else "fa3")
         torch.manual_seed(7)
@@ -110,3 +113,10 @@ def test_compiled_sites_equal_eager_with_the_same_bits(fn, dtype, kernel):
     for name, a, e in zip("qkv", grads, want_grads):
         torch.testing.assert_close(a.double(), e.double(), **tol, msg=lambda m, n=name: f"d{n}: {m}")
     assert want_grads[2][1].abs().max() > 1e-3  # the fully padded batch's rows reach dv
+    folded = [(r.decision.target, r.decision.folded) for r in records()[n:]]
+    # fp16's finfo.min added to SDPA's fp32 scores empties no row: nothing to fold there
+    empties = not (fn is sdpa_additive and dtype == torch.float16)
+    assert [f for _, f in folded] == [
+        "empty rows: dropped uniform weights times V written by the kernel",
+        "empty rows: their dout zeroed, the dropped uniform weights' gradients added by the kernel",
+    ] if empties else ["", ""], folded

@@ -3,6 +3,8 @@ inside `no_grad`), inference mode or autocast: the rewrite gives exactly eager's
 `.grad is None` where eager's is -- and eager's dtypes, or leaves the site alone and says why."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -408,14 +410,88 @@ class MHAAutocast(nn.Module):
             return self.layer(x) if self.encoder else self.mha(x, x, x, need_weights=False)[0]
 
 
-@pytest.mark.parametrize("encoder", [False, True], ids=["mha", "encoder_layer"])
-def test_fused_modules_under_autocast_are_left_alone(encoder):
-    m = MHAAutocast(encoder).eval()
+def test_the_fused_encoder_layer_under_autocast_is_left_alone():
+    m = MHAAutocast(encoder=True).eval()
     with torch.no_grad():
         # inner "eager": AOTAutograd itself traces the fused encoder layer under autocast as float32
         res = check(m, [rand(B, N, D, seed=7)], dtype=torch.bfloat16, rewritten=0, inner="eager")
     assert res.out.dtype == torch.bfloat16
     assert any("autocast" in r for r in res.reasons), res.reasons
+
+
+class MHAUnderAutocast(nn.Module):
+    """nn.MultiheadAttention in an autocast region (AMP training of CLIP, DETR, ...): the functional's linears,
+    attention and masks compute in bfloat16 on float32 inputs and weights."""
+
+    def __init__(self, need_weights: bool, **kw):
+        super().__init__()
+        self.need_weights = need_weights
+        self.mha = nn.MultiheadAttention(D, H, batch_first=True, **kw)
+
+    def forward(self, x, kpm=None, attn_mask=None):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.mha(x, x, x, key_padding_mask=kpm, attn_mask=attn_mask, need_weights=self.need_weights)[0]
+
+
+def _mha_masks(kind: str) -> list:
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    pad[1, N - 3:] = True
+    if kind == "none":
+        return []
+    if kind == "key_padding":
+        return [pad]
+    if kind == "causal":
+        return [None, torch.ones(N, N, dtype=torch.bool).triu(1)]
+    # float masks: summed in float32 as the functional sums them, then cast by autocast
+    return [torch.zeros(B, N).masked_fill(pad, float("-inf")), rand(N, N, seed=11)]
+
+
+def _mha_run(m: nn.Module, args: list, training: bool, compile_it: bool, dtype=torch.float32) -> list:
+    """Output, then the input's and every parameter's gradient (training) of `m` on clones of `args`."""
+    m = copy.deepcopy(m).to(dtype)
+    args = [a.detach().clone().to(dtype) if a is not None and a.is_floating_point() else a for a in args]
+    x = args[0].requires_grad_(training)
+    if compile_it:
+        torch._dynamo.reset()
+        m = torch.compile(m, backend="fa3", fullgraph=True)
+    with torch.set_grad_enabled(training):
+        out = m(*args)
+    got = [out]
+    if training:
+        out.backward(rand(*out.shape, seed=99).to(out.dtype))
+        got += [x.grad] + [p.grad for p in m.parameters()]
+    return got
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("need_weights", [False, True], ids=["sdpa_path", "weights_path"])
+@pytest.mark.parametrize("masks", ["none", "key_padding", "causal", "float"])
+def test_multihead_attention_under_autocast_computes_in_its_dtype(masks, need_weights, training):
+    torch.manual_seed(0)
+    m = MHAUnderAutocast(need_weights).train(training)
+    args = [rand(B, N, D, seed=7)] + _mha_masks(masks)
+    got, eager = _mha_run(m, args, training, True), _mha_run(m, args, training, False)
+    exact = _mha_run(m, args, training, False, torch.float64)  # autocast leaves float64 alone
+    assert got[0].dtype == eager[0].dtype == torch.bfloat16
+    for i, (a, e, r) in enumerate(zip(got, eager, exact)):
+        # every element within bf16's tolerance of eager, or no farther from float64 than twice eager's worst
+        # error over the tensor: eager rounds its scores to bf16 before the softmax (the weights path's baddbmm),
+        # the fused op keeps them in float32
+        assert a.dtype == e.dtype, i
+        err, own = (a.double() - r).abs(), (e.double() - r).abs()
+        bad = ((a.double() - e.double()).abs() > 2e-2 + 2e-2 * e.double().abs()) & (err > 2 * own.max())
+        assert not bad.any(), f"value {i}: {int(bad.sum())} elements, worst {float(err[bad].max())}"
+    (site,) = fa_compile.explain(m, *args).sites
+    assert site.rewritten and site.dtype in ("torch.bfloat16", "bfloat16"), site
+
+
+def test_multihead_attention_with_extra_keys_under_autocast():
+    torch.manual_seed(0)
+    m = MHAUnderAutocast(False, add_bias_kv=True, add_zero_attn=True)
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    pad[0, :2] = True
+    res = check(m, [rand(B, N, D, seed=7, requires_grad=True), pad], dtype=torch.bfloat16, rewritten=1)
+    assert res.out.dtype == torch.bfloat16
 
 
 # ------------------------------------------------------------------- torch.func transforms inside the graph

@@ -266,6 +266,29 @@ def test_in_place_update_of_a_fresh_bias_term_is_functional(fn):
     assert res.rewritten[0].mask == "bias"
 
 
+def causal_made_in_place_after_the_scores(q, k, v):
+    """DALLE-pytorch: the scores first, then the causal mask of their shape made in place."""
+    dots = torch.einsum("b h i d, b h j d -> b h i j", q * 0.35, k)
+    i, j = dots.shape[-2:]
+    mask = torch.ones(i, j, dtype=torch.bool).triu_(j - i + 1)
+    return torch.einsum("b h i j, b h j d -> b h i d", dots.masked_fill(mask, -torch.finfo(dots.dtype).max)
+                        .softmax(dim=-1), v)
+
+
+def band_made_in_place(q, k, v):
+    keep = torch.ones(N, N, dtype=torch.bool).tril_(0).triu_(-2)  # keys i - 2 .. i
+    return ((q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, float("-inf"))).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("fn", [causal_made_in_place_after_the_scores, band_made_in_place], ids=["triu_", "tril_ triu_"])
+def test_a_mask_made_in_place_from_a_factory_is_structure(fn):
+    # a fresh tensor updated in place is its functional op (patterns/functionalize.py): the mask is proven as the
+    # out-of-place triu / tril would be
+    res = check(fn, qkv(), rewritten=1)
+    assert res.rewritten[0].mask.startswith("causal" if fn is causal_made_in_place_after_the_scores else "window"), \
+        res.rewritten[0].mask
+
+
 def test_in_place_update_of_a_strided_bias_read_through_a_view_is_refused():
     res = check(sliced_bias_then_viewed, _bias_args(), rewritten=0)
     # written after the scores were computed, before their softmax: the op would read it at another point
@@ -1357,6 +1380,15 @@ def xsoftmax_bias(q, k, v, keep, pos):
     return torch.bmm(p.view(B * H, N, N), v.flatten(0, 1)).view(B, H, N, D)
 
 
+def conformer_rel_pos(q, k, v, keep, pos):
+    """ESPnet / WeNet / NeMo's relative-position attention: the positional product added before the scale,
+    (q_u·Kᵀ + q_v·Pᵀ) / √d, then the padding filled with finfo.min and the probabilities zeroed there."""
+    rmask = ~keep
+    s = (q @ k.transpose(-2, -1) + (q * 0.5) @ pos.transpose(-2, -1)) / math.sqrt(D)
+    p = torch.softmax(s.masked_fill(rmask, torch.finfo(s.dtype).min), dim=-1).masked_fill(rmask, 0.0)
+    return p @ v
+
+
 def xsoftmax_causal(q, k, v):
     rmask = causal_bool()  # the diagonal is always kept: no empty row
     p = torch.softmax((q @ k.transpose(-2, -1) * 0.25).masked_fill(rmask, -1e38), -1).masked_fill(rmask, 0.0)
@@ -1367,6 +1399,8 @@ XSOFTMAX_FORMS = {
     "where -inf, where 0": (xsoftmax_where, lambda: [query_key_padding()]),
     "bias then fill, bmm": (xsoftmax_bias, lambda: [query_key_padding(), rand(B, H, N, D, seed=7, requires_grad=True)]),
     "causal (no empty row)": (xsoftmax_causal, lambda: []),
+    "bias before the scale (Conformer)": (conformer_rel_pos, lambda: [query_key_padding(),
+                                                                       rand(1, H, N, D, seed=8, requires_grad=True)]),
 }
 
 
@@ -1750,3 +1784,24 @@ def test_an_index_after_the_inserted_head_axis_is_kept(fn):
     q = rand(B, 4, N, D, seed=1, requires_grad=True)
     k, v = (rand(B, 2, N, D, seed=s, requires_grad=True) for s in (2, 3))
     check(fn, [q, k, v])
+
+
+# ------------------------------------------------------------------------------- einsum operands in either order
+
+@pytest.mark.parametrize("scores_eq, pv_eq", [
+    ("bjhd,bihd->bhij", "bhij,bjhd->bihd"),  # K first
+    ("bihd,bjhd->bhij", "bjhd,bhij->bihd"),  # V first
+    ("bjhd,bihd->bhij", "bjhd,bhij->bihd"),  # both
+    ("bjhd,bihd->bhji", "bhji,bjhd->bihd"),  # K first and the scores laid out [key, query]: not attention over keys
+])
+def test_einsum_operands_in_either_order(scores_eq, pv_eq):
+    # An einsum's product does not depend on the order of its operands: the site is the one the output's letters
+    # describe (the query letter before the key letter in the scores, as the softmax reads them).
+    def f(q, k, v):
+        s = torch.einsum(scores_eq, *((k, q) if scores_eq.startswith("bj") else (q, k))) * 0.35
+        return torch.einsum(pv_eq, *((v, s.softmax(-1)) if pv_eq.startswith("bj") else (s.softmax(-1), v)))
+
+    args = qkv(shape=(B, N, H, D))
+    args[1] = rand(B, N + 2, H, D, seed=5, requires_grad=True)  # Nk != Nq: a swapped site would not run
+    args[2] = rand(B, N + 2, H, D, seed=6, requires_grad=True)
+    check(f, args, rewritten=0 if scores_eq.endswith("ji") else 1)

@@ -325,7 +325,7 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
         if probs.zeroed is not None:
             if has_sinks:
                 raise Miss("probabilities set to 0 after a softmax with attention sinks: not analysed")
-            spec.empty_rows = zeroed_rows(probs.zeroed, scores, spec, gm, st)
+            spec.empty_rows = zeroed_rows(probs.zeroed, scores, spec, gm, st, terms)
         if el is not None and spec.empty_rows not in ("impossible", "nan", "zero") and not spec.rows_admit:
             raise Miss("softmax written as exp(s - logsumexp(s)) where a finite fill may set the logsumexp (a row "
                        "with every key masked, or a fill above 0): eager's logsumexp rounds at the fill's magnitude "
