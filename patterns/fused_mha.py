@@ -128,13 +128,16 @@ def _autocast_dtype(node: fx.Node, query: torch.Tensor, autocast: Optional[bool]
     rewrite makes those casts explicit, as the graph's example values do not apply autocast."""
     val = getattr(node, "meta", {}).get("example_value")
     out = val[0] if isinstance(val, (tuple, list)) and val else None
-    if not isinstance(out, torch.Tensor) or out.dtype == query.dtype:
+    if not isinstance(out, torch.Tensor):
         return None
     if autocast is not True:
-        raise Refuse(f"the call's output is {out.dtype} where its query is {query.dtype}, outside a known autocast "
-                     "region")
+        if out.dtype != query.dtype:
+            raise Refuse(f"the call's output is {out.dtype} where its query is {query.dtype}, outside a known "
+                         "autocast region")
+        return None
     if not (out.dtype.is_floating_point and query.dtype.is_floating_point):
         raise Refuse(f"the call's output is {out.dtype} where its query is {query.dtype}")
+    # also where the query is in that dtype already: the weights may not be (bf16 activations, fp32 weights)
     return out.dtype
 
 

@@ -4,6 +4,7 @@ inside `no_grad`), inference mode or autocast: the rewrite gives exactly eager's
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 import pytest
 import torch
@@ -446,9 +447,11 @@ def _mha_masks(kind: str) -> list:
     return [torch.zeros(B, N).masked_fill(pad, float("-inf")), rand(N, N, seed=11)]
 
 
-def _mha_run(m: nn.Module, args: list, training: bool, compile_it: bool, dtype=torch.float32) -> list:
-    """Output, then the input's and every parameter's gradient (training) of `m` on clones of `args`."""
-    m = copy.deepcopy(m).to(dtype)
+def _mha_run(m: nn.Module, args: list, training: bool, compile_it: bool, dtype=torch.float32,
+             weights: Optional[torch.dtype] = None) -> list:
+    """Output, then the input's and every parameter's gradient (training) of `m` on clones of `args` in `dtype`
+    (the weights in `weights`, or `dtype`)."""
+    m = copy.deepcopy(m).to(weights or dtype)
     args = [a.detach().clone().to(dtype) if a is not None and a.is_floating_point() else a for a in args]
     x = args[0].requires_grad_(training)
     if compile_it:
@@ -483,6 +486,19 @@ def test_multihead_attention_under_autocast_computes_in_its_dtype(masks, need_we
         assert not bad.any(), f"value {i}: {int(bad.sum())} elements, worst {float(err[bad].max())}"
     (site,) = fa_compile.explain(m, *args).sites
     assert site.rewritten and site.dtype in ("torch.bfloat16", "bfloat16"), site
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_multihead_attention_under_autocast_with_activations_in_its_dtype(training):
+    # bf16 activations and float32 weights: the output's dtype is the query's, and the weights are cast all the same
+    torch.manual_seed(0)
+    m = MHAUnderAutocast(False).train(training)
+    args = [rand(B, N, D, seed=7, dtype=torch.bfloat16)] + _mha_masks("key_padding")
+    got, eager = (_mha_run(m, args, training, c, torch.bfloat16, torch.float32) for c in (True, False))
+    for i, (a, e) in enumerate(zip(got, eager)):
+        torch.testing.assert_close(a, e, atol=2e-2, rtol=2e-2, msg=lambda msg, i=i: f"value {i}: {msg}")
+    (site,) = fa_compile.explain(m, *args).sites
+    assert site.rewritten, site
 
 
 def test_multihead_attention_with_extra_keys_under_autocast():
