@@ -316,7 +316,14 @@ def backend(
         from .distributed.context import warn_sites_left_alone
 
         warn_sites_left_alone(reports)
-        return guard_constants(compiled, gm, example_inputs)
+
+        def recompile(traced: fx.GraphModule, inputs: list) -> Callable:
+            """The traced graph rewritten with buffers read as data, and compiled as above (guard_constants)."""
+            with tuning.scoped(cfg.tune or None):
+                run_pass(traced, cfg.kernel, record=False, fp8=cfg.fp8, constants=False)
+                return _inner_compile(cfg, traced, inputs, mode, options)
+
+        return guard_constants(compiled, gm, example_inputs, recompile)
 
     fa3_backend.fa_compile_config = cfg  # type: ignore[attr-defined]
     # The registered backend's name (torch.compile takes a callable's __name__ as its compiler_name): Dynamo then

@@ -2,7 +2,8 @@
 
 The mask analysis reads a static buffer (nanoGPT's lower-triangular `bias`, a positions buffer) as a
 constant; Dynamo does not guard its contents. `fa_compile.backend()` checks each such buffer (same
-object, same version counter) before every call and runs the graph as traced once one changed;
+object, same version counter) before every call and, once one changed, compiles the graph as traced again with the
+buffers read as data (or runs it as traced where that cannot be done);
 Inductor's pre-grad pass (FA_COMPILE=1), which cannot install that check, treats buffers as data.
 """
 from __future__ import annotations
@@ -91,28 +92,78 @@ def test_unchanged_buffers_keep_the_compiled_graph(inner):
     assert reports and all(r.rewritten and r.mask == "causal" for r in reports), reports
 
 
+def _change(model: nn.Module, change: str) -> None:
+    window = torch.tril(torch.ones(T, T)) - torch.tril(torch.ones(T, T), -3)  # keys i-2..i only
+    if change == "in_place":
+        model[0].bias.copy_(window.view(1, 1, T, T))
+    elif change == "new_data":
+        model[0].bias.data = window.view(1, 1, T, T).clone()
+    elif change == "swap_tensors":  # what module.to() does under swap_module_params_on_conversion
+        torch.utils.swap_tensors(model[0].bias, window.view(1, 1, T, T).clone())
+    else:
+        model[0].bias = window.view(1, 1, T, T).clone()
+
+
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("change", ["in_place", "new_tensor", "new_data", "swap_tensors"])
-def test_a_changed_buffer_runs_the_traced_graph(inner, change):
+def test_a_changed_buffer_compiles_the_graph_again_reading_it_as_data(inner, change, monkeypatch):
+    # The graph as traced is rewritten and compiled again, once, with the buffers read as data (their masks reach
+    # the op as boolean masks): no warning, and every later call runs that compiled graph.
+    from fa_compile import compiler
+
+    passes: list = []
+    real_pass = compiler.run_pass
+
+    def spy(gm, *args, **kwargs):
+        reports = real_pass(gm, *args, **kwargs)
+        passes.append((kwargs.get("constants", True), [(r.rewritten, r.mask) for r in reports]))
+        return reports
+
+    monkeypatch.setattr(compiler, "run_pass", spy)
     model = _model()
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=fa_compile.backend(inner))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        torch.testing.assert_close(compiled(_x()), model(_x()), **TOL[torch.float32])
+        assert passes == [(True, [(True, "causal")] * 2)], passes
+        _change(model, change)
+        for seed in (1, 2):
+            torch.testing.assert_close(compiled(_x(seed)), model(_x(seed)), **TOL[torch.float32])
+    assert passes[1:] == [(False, [(True, "bool-mask")] * 2)], passes
+
+
+def test_a_changed_buffer_under_symbolic_shapes_runs_the_traced_graph():
+    # Dynamo's symbols need its own context to compile the graph again: the graph as traced runs, with one warning
+    model = _model()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=fa_compile.backend("aot_eager"), dynamic=True)
     with torch.no_grad():
         torch.testing.assert_close(compiled(_x()), model(_x()), **TOL[torch.float32])
-        window = torch.tril(torch.ones(T, T)) - torch.tril(torch.ones(T, T), -3)  # keys i-2..i only
-        if change == "in_place":
-            model[0].bias.copy_(window.view(1, 1, T, T))
-        elif change == "new_data":
-            model[0].bias.data = window.view(1, 1, T, T).clone()
-        elif change == "swap_tensors":  # what module.to() does under swap_module_params_on_conversion
-            torch.utils.swap_tensors(model[0].bias, window.view(1, 1, T, T).clone())
-        else:
-            model[0].bias = window.view(1, 1, T, T).clone()
-        want = model(_x(1))
+        _change(model, "in_place")
         with pytest.warns(RuntimeWarning, match=r"_buffers\['bias'\].*changed since"):
             got = compiled(_x(1))
-        torch.testing.assert_close(got, want, **TOL[torch.float32])
+        torch.testing.assert_close(got, model(_x(1)), **TOL[torch.float32])
         torch.testing.assert_close(compiled(_x(2)), model(_x(2)), **TOL[torch.float32])
+
+
+def test_a_compile_that_fails_again_runs_the_traced_graph(monkeypatch):
+    from fa_compile import compiler
+
+    model = _model()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=fa_compile.backend("aot_eager"))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(_x()), model(_x()), **TOL[torch.float32])
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("no compiler here")
+
+        monkeypatch.setattr(compiler, "_inner_compile", broken)
+        _change(model, "in_place")
+        with pytest.warns(RuntimeWarning, match="compiling the graph again with its buffers read as data failed"):
+            got = compiled(_x(1))
+        torch.testing.assert_close(got, model(_x(1)), **TOL[torch.float32])
 
 
 def test_a_positions_buffer_moved_between_steps():
