@@ -265,6 +265,8 @@ GQA_FORMS = {
     @ repeat_kv(v, H // HKV),
     "repeat_interleave": lambda q, k, v: torch.softmax(
         q @ k.repeat_interleave(H // HKV, dim=1).transpose(-2, -1) * 0.25, -1) @ torch.repeat_interleave(v, H // HKV, dim=1),
+    "repeat_interleave_mT": lambda q, k, v: torch.softmax(  # Tensor.mT: Dynamo's getattr(k, "mT")
+        q @ k.repeat_interleave(H // HKV, dim=1).mT * 0.25, -1) @ v.repeat_interleave(H // HKV, dim=1),
     "grouped_broadcast_5d": lambda q, k, v: (torch.softmax(
         q.unflatten(1, (HKV, H // HKV)) @ k.unsqueeze(2).transpose(-2, -1) * 0.25, -1) @ v.unsqueeze(2)).flatten(1, 2),
 }
