@@ -320,8 +320,10 @@ def backend(
         def recompile(traced: fx.GraphModule, inputs: list) -> Callable:
             """The traced graph rewritten with buffers read as data, and compiled as above (guard_constants)."""
             with tuning.scoped(cfg.tune or None):
-                run_pass(traced, cfg.kernel, record=False, fp8=cfg.fp8, constants=False)
-                return _inner_compile(cfg, traced, inputs, mode, options)
+                again = run_pass(traced, cfg.kernel, record=False, fp8=cfg.fp8, constants=False)
+                fn = _inner_compile(cfg, traced, inputs, mode, options)
+            record_reports(again)
+            return fn
 
         return guard_constants(compiled, gm, example_inputs, recompile)
 
