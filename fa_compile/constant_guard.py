@@ -8,9 +8,9 @@ it was compiled for are gone, and Dynamo would not recompile for them (it does n
 the graph as Dynamo traced it is compiled again, once, with those tensors read as data (a serving loop's
 slot-occupancy or position buffer becomes the run-time mask it is), and that compiled graph runs from then
 on. Where that cannot be done (symbolic shapes, whose compile needs Dynamo's own context; a compile that
-fails), the traced graph runs uncompiled, with one warning. Writes that autograd's version counter does not see either (through `.data`, or a NumPy view
-of the memory) are not seen here: reading the contents on every call would cost a pass over each
-buffer (and a device sync on a GPU).
+fails), the traced graph runs uncompiled, with one warning. Writes that autograd's version counter does not
+see either (through `.data`, or a NumPy view of the memory) are not seen here: reading the contents on every
+call would cost a pass over each buffer (and a device sync on a GPU).
 """
 from __future__ import annotations
 
