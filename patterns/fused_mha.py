@@ -172,7 +172,6 @@ def _rewrite_mha(b: Builder, node: fx.Node, options: PassOptions, rep: SiteRepor
     qv = tensor_value(query, "query")
     kv, vv = tensor_value(key, "key"), tensor_value(value, "value")
     rep.dtype = str(qv.dtype).replace("torch.", "")
-    mask_dtype = qv.dtype  # the functional's masks are the query's dtype (_canonical_mask), summed before any cast
     cast_to = _autocast_dtype(node, qv, autocast)
     if cast_to is not None:
         rep.dtype = str(cast_to).replace("torch.", "")
@@ -256,7 +255,7 @@ def _rewrite_mha(b: Builder, node: fx.Node, options: PassOptions, rep: SiteRepor
         for _ in range(extra_keys):
             m[0] = b.f(F.pad, m[0], (0, 1))
 
-    bias, kind = _combine_masks(b, masks, mask_dtype)
+    bias, kind = _combine_masks(b, masks, qv.dtype)  # the functional's masks: the query's dtype (_canonical_mask)
     if cast_to is not None and kind == "bias":
         bias = b.m("to", bias, cast_to)  # SDPA's and baddbmm's autocast casts the summed float mask
     if need_weights:

@@ -157,7 +157,7 @@ def walk_probs(sm: fx.Node, options: PassOptions, gm: Optional[fx.GraphModule] =
 
 
 def zeroed_rows(zf: ZeroFill, scores: Scores, spec: MaskSpec, gm: fx.GraphModule, st: torch.Tensor,
-                terms: Optional[list] = None) -> str:
+                terms: list) -> str:
     """The empty_rows of a site whose probabilities `zf` sets to 0 after the softmax (DeBERTa's XSoftmax), or Miss.
     Setting to 0 the very scores a fill before the softmax absorbed changes no row that keeps a key (their weight
     is already 0, and so is the gradient through them). A row with no admissible key it zeroes entirely when that
@@ -188,7 +188,7 @@ def zeroed_rows(zf: ZeroFill, scores: Scores, spec: MaskSpec, gm: fx.GraphModule
     if spec.empty_rows == "impossible":
         return "impossible"  # every row keeps a key: the zeroing changes nothing
     # `terms`: scores.terms as the mask analysis reads them (a bias added before the scale is its scaled product)
-    others = [t for j, t in enumerate(terms if terms is not None else scores.terms) if j != i]
+    others = [t for j, t in enumerate(terms) if j != i]
     if i != 0 or not all(adds_bias_only(gm, t, st.dtype, st.shape[-2], st.shape[-1]) for t in others):
         raise Miss(f"the probabilities are set to 0 where {name} after the softmax, and other mask terms of the "
                    "scores (applied after that fill, or masking keys themselves) may leave a row with no admissible "
