@@ -66,11 +66,6 @@ def _lossless_cast(src: torch.dtype, dst: torch.dtype) -> bool:
                           and not {src, dst} == {torch.float16, torch.bfloat16})
 
 
-def _is_mT(node: fx.Node) -> bool:
-    """`x.mT` (Dynamo records the attribute read as getattr(x, "mT")): x with its last two dims swapped."""
-    return node.op == "call_function" and node.target is getattr and len(node.args) == 2 and node.args[1] == "mT"
-
-
 def fold(view: View, *, through_casts: bool = True) -> View:
     """Fold transpose / permute / contiguous / clone (and lossless float upcasts) into the view."""
     node, perm = view.node, view.perm
@@ -84,8 +79,8 @@ def fold(view: View, *, through_casts: bool = True) -> View:
         src = node.args[0] if node.args else None
         if not isinstance(src, fx.Node) or tensor_of(src) is None:
             break
-        if k == "transpose" or _is_mT(node):
-            a, b = (-2, -1) if k != "transpose" else (arg(node, 1, "dim0"), arg(node, 2, "dim1"))
+        if k == "transpose":
+            a, b = arg(node, 1, "dim0"), arg(node, 2, "dim1")
             if not (isinstance(a, int) and isinstance(b, int)) or nd < 2:
                 break
             sw = list(range(nd))

@@ -267,6 +267,8 @@ GQA_FORMS = {
         q @ k.repeat_interleave(H // HKV, dim=1).transpose(-2, -1) * 0.25, -1) @ torch.repeat_interleave(v, H // HKV, dim=1),
     "repeat_interleave_mT": lambda q, k, v: torch.softmax(  # Tensor.mT: Dynamo's getattr(k, "mT")
         q @ k.repeat_interleave(H // HKV, dim=1).mT * 0.25, -1) @ v.repeat_interleave(H // HKV, dim=1),
+    "repeat_interleave_mH": lambda q, k, v: torch.softmax(  # Tensor.mH of a real tensor: its mT
+        q @ k.repeat_interleave(H // HKV, dim=1).mH * 0.25, -1) @ v.repeat_interleave(H // HKV, dim=1),
     "grouped_broadcast_5d": lambda q, k, v: (torch.softmax(
         q.unflatten(1, (HKV, H // HKV)) @ k.unsqueeze(2).transpose(-2, -1) * 0.25, -1) @ v.unsqueeze(2)).flatten(1, 2),
 }
