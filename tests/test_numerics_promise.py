@@ -190,6 +190,43 @@ def test_compiled_nan_in_a_padded_key_gradients_equal_eagers(fill):
         torch.testing.assert_close(a, b, equal_nan=True, **TOL[torch.float32], msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_sdpa_row_an_absorbing_float_mask_covers_gets_the_math_backends_gradient():
+    """SDPA with a 0 / finfo.min float mask (causal and left padding, HF's) leaving rows with no admissible key: the
+    compiled gradients equal SDPA's math backend and the fp64 program. Eager fp32 on CPU runs aten's flash kernel,
+    whose backward weighs those rows' keys 1 instead of 1/Nk (its lse rounds log Nk away): Nk times the math."""
+    import fa_compile
+
+    def fn(q, k, v, am):
+        keep = torch.ones(N, N, dtype=torch.bool).tril()[None, None] & am.bool()[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.where(keep, q.new_zeros(()), torch.finfo(q.dtype).min))
+
+    q, k, v = qkv()
+    am = torch.ones(B, N, dtype=torch.long)
+    am[1, :3] = 0  # left padding: queries 0-2 of sequence 1 admit no key
+    g = torch.randn(B, H, N, D, generator=torch.Generator().manual_seed(3))
+
+    def run(f, dtype, backend=None):
+        args = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        if backend is None:
+            out = f(*args, am)
+        else:
+            with sdpa_kernel(backend):
+                out = f(*args, am)
+        return (out, *torch.autograd.grad(out, args, g.to(dtype)))
+
+    math, exact = run(fn, torch.float32, SDPBackend.MATH), run(fn, torch.float64, SDPBackend.MATH)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="fa3")
+    got = run(compiled, torch.float32)
+    assert len(fa_compile.explain(fn, q, k, v, am).rewritten) == 1
+    for name, a, b, c in zip(("out", "dq", "dk", "dv"), got, math, exact):
+        torch.testing.assert_close(a, b, **TOL[torch.float32], msg=lambda m, n=name: f"{n} vs math: {m}")
+        torch.testing.assert_close(a.double(), c, **TOL[torch.float32], msg=lambda m, n=name: f"{n} vs fp64: {m}")
+    # the difference this pins: eager's flash kernel on CPU scales those rows' gradient by Nk
+    flash = run(fn, torch.float32, SDPBackend.FLASH_ATTENTION)
+    torch.testing.assert_close(flash[1][1, :, :3], N * math[1][1, :, :3], **TOL[torch.float32])
+
+
 def plain_unscaled_product(q, k, v):
     return torch.softmax(q @ k.transpose(-2, -1) * 0.002, dim=-1) @ v
 
