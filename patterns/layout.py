@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from .aliasing import written_in_place
 from .canonicalize import arg, kind, tensor_of
 
 
@@ -66,8 +67,30 @@ def _lossless_cast(src: torch.dtype, dst: torch.dtype) -> bool:
                           and not {src, dst} == {torch.float16, torch.bfloat16})
 
 
+def _copies(node: fx.Node, src: fx.Node) -> bool:
+    """Whether `node` (a clone, `.contiguous()` or a cast of `src`) may hold memory of its own: then reading `src`
+    in its place is exact only while neither is written. `.contiguous()` of a contiguous tensor and a cast to the
+    dtype it has return `src` itself, which a write reaches either way."""
+    t, s = tensor_of(node), tensor_of(src)
+    if kind(node) == "cast":
+        return t.dtype != s.dtype or t.device != s.device
+    if node.target in ("contiguous", torch.Tensor.contiguous):
+        try:
+            return not bool(s.is_contiguous())
+        except Exception:  # a symbolic stride: it may copy
+            return True
+    return True  # clone
+
+
+def _copy_written(node: fx.Node, src: fx.Node) -> bool:
+    """`node` copies `src` and a write may make them differ where the site reads: into the copy anywhere (eager
+    reads the written copy: `k = k.clone(); k[..., :2] = rotated`), or into `src` after the copy was made."""
+    return _copies(node, src) and (written_in_place(node) or written_in_place(src, after=node))
+
+
 def fold(view: View, *, through_casts: bool = True) -> View:
-    """Fold transpose / permute / contiguous / clone (and lossless float upcasts) into the view."""
+    """Fold transpose / permute / contiguous / clone (and lossless float upcasts) into the view. A copy that is
+    written, or whose source is written after it (`_copy_written`), ends the fold: the site reads the copy."""
     node, perm = view.node, view.perm
     dtype = view.dtype
     for _ in range(64):
@@ -94,8 +117,10 @@ def fold(view: View, *, through_casts: bool = True) -> View:
         elif k == "identity":
             if node.kwargs.get("memory_format") not in (None, torch.contiguous_format, torch.preserve_format):
                 break
+            if _copy_written(node, src):
+                break
         elif k == "cast" and through_casts:
-            if not _lossless_cast(tensor_of(src).dtype, t.dtype):
+            if not _lossless_cast(tensor_of(src).dtype, t.dtype) or _copy_written(node, src):
                 break
         else:
             break

@@ -89,6 +89,8 @@ def _effects(ctx: "_Ctx", scores: Scores, probs: Probs, q: View, k: View, v: Vie
     # by eager and by the op, which reads the same memory later still.
     readers = {n for n in read if _reads_values(n)} | {qk.node}
     first = min((n for n in readers if n in ctx.pos), key=ctx.pos.get, default=qk.node)
+    chain = [qk.node] + list(reversed(scores.nodes)) + probs.nodes  # Q·Kᵀ .. P·V, in program order
+    site_nodes = chain + q_path + k_path + v_path
     written: set = set()
     for m in ctx.mutations_between(first, o_node, own | read):
         # memory made after the site's first read (an index table built between Q·Kᵀ and P·V, as
@@ -98,8 +100,12 @@ def _effects(ctx: "_Ctx", scores: Scores, probs: Probs, q: View, k: View, v: Vie
             private = None if after is None else private_storage(dst, ctx.pos, after)
             if private is None:
                 raise Miss("a tensor is modified in place between the scores and the P·V product")
+            # written before the site first reads it (`k = k.clone(); k[..., :2] = rotated`, then Q·Kᵀ): eager
+            # reads the written value, and so does the op, which runs after every node it replaces
+            readers = [ctx.pos.get(n) for n in site_nodes if any(a in private for a in n.all_input_nodes)]
+            if readers and all(r is not None and r > ctx.pos[m] for r in readers):
+                continue
             written |= private
-    chain = [qk.node] + list(reversed(scores.nodes)) + probs.nodes  # Q·Kᵀ .. P·V, in program order
     why = chain_write(q_path + k_path + v_path + chain, own, keep_out=o_node)
     if why:
         raise Miss(why)
