@@ -345,8 +345,9 @@ combine grid=[(48, 1, 1)] num_splits=2 BLOCK_N=64 EMPTY_FILL=0""")
             t = dict(zip(names, rest))
             # the causal diagonal of a decode step, bottom-right: read from the sizes (symbolic when they are)
             off = k.shape[2] - q.shape[2] if causal else 0
-            return torch.ops.fa3.attention(q, k, v, case.scale, causal, off, -1, -1, t.get("bias"), t.get("kv_lens"),
-                                           0.0, 0.0, None, None)
+            out, lse = torch.ops.fa3.attention(q, k, v, case.scale, causal, off, -1, -1, t.get("bias"),
+                                               t.get("kv_lens"), 0.0, 0.0, None, None)
+            return out, lse * 1.0  # (an lse returned as it is would be a training graph's, saved for the backward)
 
         inputs = [case.q, case.k, case.v, *[getattr(case, n) for n in names]]
         return make_fx(fwd, tracing_mode=tracing_mode)(*inputs), inputs

@@ -144,6 +144,39 @@ def test_cpu_small_encoder_sites_take_the_math_at_inference_only(train):
             torch.testing.assert_close(a, t.grad, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("scale", [None, 1e6], ids=["scores_1e4", "scale_1e6"])
+def test_a_decode_sized_training_forward_keeps_its_backwards_kernel(scale):
+    # No fixture: the CPU default. Five queries in a training graph: the forward stays aten's kernel, whose backward
+    # recomputes the scores in the same arithmetic against its lse. With the math's lse, scores near 1e4 put dV 1e-3
+    # off (eager's pair: 2e-7), and a scale of 1e6 put it off by the size of dV itself.
+    import torch.nn.functional as F
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    g = torch.Generator().manual_seed(0)
+    big = 100.0 if scale is None else 1.0
+    q, k = torch.randn(2, 2, 5, 4, generator=g) * big, torch.randn(2, 2, 6, 4, generator=g) * big
+    v, dout = torch.randn(2, 2, 6, 4, generator=g), torch.randn(2, 2, 5, 4, generator=g)
+
+    def grads(f):
+        args = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = f(*args)
+        return (out, *torch.autograd.grad(out, args, dout))
+
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    n = len(records())
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        got = grads(torch.compile(fn, backend="fa3"))
+    decisions = [(r.decision.direction, r.decision.kernel) for r in records()[n:]]
+    assert decisions == [("forward", "reference"), ("backward", "reference")], decisions
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, grads(fn)):
+        torch.testing.assert_close(a, b, **TOL[torch.float32], msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("what", ["q_pos", "segments", "sinks", "kv_lens_causal"])
 def test_op_structure_reaches_the_math(on_cpu, what):
     # The op called directly with each structure argument, compiled: lowered, equal to the eager op.
@@ -162,7 +195,11 @@ def test_op_structure_reaches_the_math(on_cpu, what):
     causal, off, kv_lens = kw.get("causal", False), kw.get("diag_offset", 0), kw.get("kv_lens")
 
     def fn(q, k, v):
-        return torch.ops.fa3.attention(q, k, v, 0.25, causal, off, -1, -1, None, kv_lens, 0.0, 0.0, None, None, *args)
+        out, lse = torch.ops.fa3.attention(q, k, v, 0.25, causal, off, -1, -1, None, kv_lens, 0.0, 0.0, None, None,
+                                           *args)
+        # (the lse read through an op: returned as it is, it would look like a training graph's saved lse, whose
+        # forward keeps the kernel of its backward)
+        return out, lse * 1.0
 
     want = fn(q, k, v)
     torch._dynamo.reset()
@@ -194,8 +231,9 @@ def test_not_taken_for_long_caches_training_or_a_forced_kernel(on_cpu, monkeypat
         # a training graph's forward (its lse saved for the backward) keeps aten's kernel at such sizes
         saved = dispatch.AttentionArgs(q=q128, k=k[:, :, :128], v=v[:, :, :128], scale=0.25, saved_for_backward=True)
         assert "training graph" in " ".join(decomposed.DECODE_MATH.reasons(saved, "forward"))
+        # decode-sized too: the backward recomputes the scores in its own arithmetic against this lse
         saved_decode = dispatch.AttentionArgs(q=q, k=k[:, :, :64], v=v[:, :, :64], scale=0.25, saved_for_backward=True)
-        assert decomposed.DECODE_MATH.reasons(saved_decode, "forward") == []  # decode-sized: as before
+        assert "training graph" in " ".join(decomposed.DECODE_MATH.reasons(saved_decode, "forward"))
         short = dispatch.AttentionArgs(q=q, k=k[:, :, :64], v=v[:, :, :64], scale=0.25)
         assert decomposed.DECODE_MATH.reasons(short, "forward") == []
         train = dispatch.AttentionArgs(q=q, k=k[:, :, :64], v=v[:, :, :64], scale=0.25, needs_backward=True)

@@ -116,6 +116,12 @@ def decode_step_gate(what: str, switch: str, devices: tuple, args: dispatch.Atte
         return [f"{what} is lowered on {' and '.join(d.upper() for d in devices)} only"]
     if direction != "forward" or args.needs_backward:
         return [f"{what} is for inference (no gradient)"]
+    if args.saved_for_backward:
+        # The backward recomputes the scores in its own kernel's arithmetic and exponentiates them against this
+        # lse: a lse from other arithmetic is off by the scores' rounding, which grows with their size (fp32 on
+        # CPU, scores near 1e4: dV 1e-3 off, where aten's own pair is exact to 2e-7).
+        return [f"{what} is for inference: a training graph's forward keeps the kernel whose backward reads "
+                "its lse"]
     return []
 
 

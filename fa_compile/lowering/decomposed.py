@@ -23,8 +23,8 @@ argument, sinks, run-time positions and segment ids, empty rows out 0 / lse -inf
 grouping the query heads (no repeated K/V), the scores in fp32, no dense mask beyond the [B, Hq, Nq, Nk]
 scores (no larger than the scores the model's own eager code makes).
 
-Taken where: forward nodes (an inference site, or a training graph's forward: its lse is exact, and the backward
-has its own decision), no dropout, Nq <= 16 (on CPU also an inference site with Nq x Nk <= 128 x 128), no
+Taken where: forward nodes of inference sites (a training graph's forward keeps the kernel whose backward reads
+its lse: that backward recomputes the scores in its own arithmetic, choice.decode_step_gate), no dropout, Nq <= 16 (on CPU also an inference site with Nq x Nk <= 128 x 128), no
 forced kernel; on CUDA also
 Nk <= 2048 (the scores stay a small fp32 buffer; past it the decode kernel's single pass over the cache is
 worth its launch). Symbolic lengths are fine: the math is the same at every size, so one lowered graph
@@ -123,9 +123,6 @@ class DecodeMath:
                 r.append(f"{what}: Nq {args.q.shape[2]} above {DECODE_MAX_QUERIES} (or unbounded)"
                          + (f", scores {args.q.shape[2]} x {args.k.shape[2]} above {SMALL_SCORES}"
                             if args.q.device.type in SMALL_SCORES_DEVICES else ""))
-            elif args.saved_for_backward:
-                r.append(f"{what}: Nq {args.q.shape[2]} above {DECODE_MAX_QUERIES} in a training graph (small "
-                         "scores take the math at inference only)")
         if args.q.device.type in KEY_LIMITED_DEVICES and (nk is None or nk > DECODE_MAX_KEYS):
             r.append(f"{what}: Nk {args.k.shape[2]} above {DECODE_MAX_KEYS} (or unbounded)")
         return r
