@@ -120,3 +120,19 @@ def test_probabilities_cast_to_the_inputs_dtype_are_the_ops_rounding(dtype):
     assert res.rewritten[0].dtype in (str(dtype), str(dtype).replace("torch.", ""))
     res = check(narrow_probs_back_to_wide, qkv(dtype), dtype=torch.float32, rewritten=0, seed=4)
     assert "narrower than the torch.float32 of the scores" in res.reasons[0], res.reasons
+
+
+def narrow_scores_wide_pv(q, k, v):  # bf16 scores and softmax, widened for an fp32 P·V
+    return torch.softmax(q @ k.mT / math.sqrt(D), -1).float() @ v.float()
+
+
+def narrow_scores_fp32_softmax_wide_pv(q, k, v):  # bf16 scores, softmax taken in fp32, P·V in fp32
+    return torch.softmax(q @ k.mT / math.sqrt(D), -1, dtype=torch.float32) @ v.float()
+
+
+@pytest.mark.parametrize("fn", [narrow_scores_wide_pv, narrow_scores_fp32_softmax_wide_pv], ids=lambda f: f.__name__)
+def test_scores_narrower_than_the_pv_product_are_left_alone(fn):
+    # Eager's fp32 result carries the bf16 rounding of its scores: 3e-3 from fp64 where the op in fp32 is 6e-8, and
+    # at fp32's tolerance that is not rounding. The site is left alone and says why.
+    res = check(fn, qkv(torch.bfloat16), dtype=torch.float32, rewritten=0, seed=4)
+    assert "narrower than the torch.float32 of the P·V product" in res.reasons[0], res.reasons

@@ -301,6 +301,11 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
         if qk_dt != o_val.dtype:
             raise Miss(f"the Q·Kᵀ and P·V products compute in different dtypes ({qk_dt}, {o_val.dtype}: autocast)")
         dtype = qk_dt
+    if narrows(ref, dtype):
+        # eager's result is P·V in `dtype` of scores (and probabilities) rounded to `ref`: its error is ref's, which
+        # the op in `dtype` would not make, and at that dtype's tolerance it is not rounding
+        raise Miss(f"the scores are computed in {ref}, narrower than the {dtype} of the P·V product: eager's result "
+                   f"carries a {ref} rounding the op would not make")
     # A bf16 / fp16 site computes fp32 scores and rounds P to its dtype for P·V: eager's fp32 scores of upcast q and k
     # (exact products) with P cast to the site's dtype just before P·V (GPT-2's reorder_and_upcast_attn) is that.
     for n in narrowed:
