@@ -218,6 +218,63 @@ def test_compiled_with_inductor_serves_other_lengths():
     assert counters["fa_compile"]["sites_rewritten"] == 1
 
 
+class _PaddedCausalSelfAttention(nn.Module):
+    """Hand-written attention under a causal mask and a key-padding mask read from an input (finfo.min fill)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x, am):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        keep = torch.ones(n, n, dtype=torch.bool).tril()[None, None] & am[:, None, None, :].bool()
+        s = (q @ k.transpose(-1, -2) * 8 ** -0.5).masked_fill(~keep, torch.finfo(torch.float32).min)
+        return (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(b, n, 16)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_training_with_a_padding_mask_input_compiles_once_under_inductor(mode):
+    """Training under Inductor: the lowered forward folds the empty-row fix-up only where the out it saves keeps the
+    strides the backward was traced with. It gave that out other strides, which AOTAutograd wrote into the
+    backward's input as numbers: mark_dynamic raised a ConstraintViolationError and dynamic=True recompiled at
+    every length."""
+    import fa_compile
+
+    torch.manual_seed(0)
+    model = _PaddedCausalSelfAttention()
+    ref_model = _PaddedCausalSelfAttention()
+    ref_model.load_state_dict(model.state_dict())
+    compiles = 0
+    be = fa_compile.backend(inner="inductor")
+
+    def counting(gm, example_inputs):
+        nonlocal compiles
+        compiles += 1
+        return be(gm, example_inputs)
+
+    compiled = torch.compile(model, backend=counting, dynamic=True if mode == "dynamic" else None)
+    for n in LENGTHS:
+        x = torch.randn(2, n, 16, generator=torch.Generator().manual_seed(n))
+        am = torch.ones(2, n, dtype=torch.long)
+        am[1, :2] = 0  # left padding: the first rows of sequence 1 admit no key
+        xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+        if mode == "mark_dynamic":
+            torch._dynamo.mark_dynamic(xs[0], 1)
+            torch._dynamo.mark_dynamic(am, 1)
+        out, ref = compiled(xs[0], am), ref_model(xs[1], am)
+        assert_same(out, ref, **TOL)
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(100 + n))
+        out.backward(g)
+        ref.backward(g)
+        assert_same(xs[0].grad, xs[1].grad, **TOL)
+        for (name, p), p_ref in zip(model.named_parameters(), ref_model.parameters()):
+            assert_same(p.grad, p_ref.grad, **TOL)
+            p.grad, p_ref.grad = None, None
+    assert compiles == 1, f"{compiles} compiles for {len(LENGTHS)} lengths"
+    assert counters["fa_compile"]["sites_rewritten"] == 1
+
+
 _TRIU_N = 8  # a module constant: the mask's size stays static (a closure's int would be made symbolic too)
 
 

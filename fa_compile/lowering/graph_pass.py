@@ -58,6 +58,18 @@ def _warn_once(node: fx.Node, decision: choice.Decision, err: Exception) -> None
                   RuntimeWarning, stacklevel=2)
 
 
+def _restrides_saved_out(node: fx.Node, where: fx.Node) -> bool:
+    """Whether folding the fix-up `where` into a training forward would give the out it saves for the backward other
+    strides than the backward graph was traced with, at symbolic sizes. The folded kernel writes out in the
+    `where`'s strides; AOTAutograd then restrides the backward's saved input with the compiled forward's strides as
+    numbers, and a dimension marked dynamic is specialized in the backward's compile (a ConstraintViolationError
+    under mark_dynamic, a recompile per length under dynamic=True). At static sizes those numbers are the strides."""
+    natural, val = node.meta["val"][0], where.meta.get("val")
+    if not isinstance(val, torch.Tensor) or all(isinstance(d, int) for d in natural.shape):
+        return False
+    return not splice.strides_match(val, natural)
+
+
 def _lower_node(graph: fx.Graph, node: fx.Node, limits: dict) -> Optional[choice.Decision]:
     args = site_args.attention_args(node)
     if args is None:
@@ -95,6 +107,8 @@ def _lower_node(graph: fx.Graph, node: fx.Node, limits: dict) -> Optional[choice
     elif fixup is None and not backward and getattr(lowering, "fills_saved_empty_rows", False):
         # a training graph also returns the op's out and lse for the backward, which reads no empty row's out
         fixup = empty_rows.find_fixup(node, b["v"], saved=True, **drop)
+        if fixup is not None and _restrides_saved_out(node, fixup[1]):
+            fixup = None
     if fixup is not None and fixup[0] == "dropped" and not getattr(lowering, "fills_dropped_rows", False):
         fixup = None
     want = None
