@@ -349,7 +349,10 @@ class PreGradRewritePass(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         gm = graph.owning_module
         if gm is not None and not config.killed():
-            run_pass(gm, constants=False)  # nothing here sees the compiled graph to check them
+            from .patterns.fused_common import specializing_floats
+
+            with specializing_floats():  # floats read as constants are guarded here (see fused_common)
+                run_pass(gm, constants=False)  # nothing here sees the compiled graph to check them
         if self.chained is not None:
             self.chained(graph)
 

@@ -8,9 +8,11 @@ has finished.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import operator
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.fx as fx
@@ -104,12 +106,32 @@ def static_int(value: Any, what: str) -> int:
     return int(value)
 
 
+# Inside Inductor (the FA_COMPILE=1 route) no backend can ask Dynamo to trace again with its floats specialized: there
+# a symbolic float argument is specialized where it is read, with a guard on its value, which Dynamo installs with
+# the compiled graph (a new value recompiles). `specializing_floats` turns that on.
+_SPECIALIZE_FLOATS: contextvars.ContextVar = contextvars.ContextVar("fa_compile_specialize_floats", default=False)
+
+
+@contextlib.contextmanager
+def specializing_floats() -> Iterator[None]:
+    token = _SPECIALIZE_FLOATS.set(True)
+    try:
+        yield
+    finally:
+        _SPECIALIZE_FLOATS.reset(token)
+
+
 def const(value: Any, name: str) -> Any:
     """A Python constant argument; a graph value (computed at run time) is refused."""
     if isinstance(value, fx.Node):
         ev = example_value(value)
         if isinstance(ev, (bool, int, float)) and not isinstance(ev, torch.SymInt):
             return ev
+        if isinstance(ev, torch.SymFloat) and _SPECIALIZE_FLOATS.get():
+            from torch.fx.experimental.symbolic_shapes import guard_float
+
+            with contextlib.suppress(Exception):  # (a value with no hint: refused below)
+                return guard_float(ev)
         if isinstance(ev, torch.SymFloat):
             raise Refuse(f"{name} is a symbolic float ({value.name}: dynamic=True makes Python floats graph inputs); "
                          "the op needs a constant (torch._dynamo.config.specialize_float=True, or mark_dynamic "

@@ -399,6 +399,43 @@ class FloatAttributes(nn.Module):
         return torch.softmax(s.masked_fill(~keep[:, None, None], self.fill), -1) @ v
 
 
+class _DropoutAttribute(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = 0.0
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.p)
+
+
+def test_float_attributes_in_the_pre_grad_pass_are_guarded_constants():
+    # FA_COMPILE=1's pass runs inside Inductor, where no backend can ask Dynamo to trace again: a float Dynamo made a
+    # graph input under dynamic=True (MultiheadAttention's and SDPA's dropout_p) is specialized with a guard on its
+    # value. It was refused ("dropout_p is a symbolic float"). A new value recompiles: p = 1 drops every weight.
+    from fa_compile import ops  # noqa: F401  (registers torch.ops.fa3.attention)
+    from fa_compile.compiler import PreGradRewritePass
+
+    pass_, graphs = PreGradRewritePass(), []
+
+    def backend(gm, example_inputs):
+        pass_(gm.graph)
+        graphs.append(gm)
+        return gm.forward
+
+    m = _DropoutAttribute()
+    compiled = torch.compile(m, backend=backend, dynamic=True)
+    op = torch.ops.fa3.attention.default
+    for n in (6, 9):
+        q, k, v = qkv(n)
+        assert_same(compiled(q, k, v), m(q, k, v), **TOL)
+    assert len(graphs) == 1 and sum(n.target is op for n in graphs[0].graph.nodes) == 1
+    m.p = 1.0
+    q, k, v = qkv(7)
+    out = compiled(q, k, v)
+    assert len(graphs) == 2, "a new dropout_p must recompile"
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(m(q, k, v), out)
+
+
 @pytest.mark.parametrize("inner", ["eager", "aot_eager"])
 def test_float_attributes_under_dynamic_true_are_checked_constants(inner):
     # Both were refused under dynamic=True: Dynamo passes such floats as graph inputs (Gemma 2's generate() rewrote
