@@ -293,6 +293,15 @@ def backend(
     check_flag(tune, "tune")
     check_flag(lower, "lower")
     check_flag(fp8, "fp8", optional=True)
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"options: a dict of Inductor config settings, got {type(options).__name__} {options!r}")
+    if mode is not None:
+        import torch._inductor
+
+        try:  # a misspelt mode fails here, as torch.compile's own does, not at the first call
+            torch._inductor.list_mode_options(mode)
+        except Exception as e:
+            raise ValueError(f"mode: {e}") from None
     cfg = BackendConfig(inner=inner, kernel=kernel, mode=mode, options=dict(options or {}), tune=tune, lower=lower,
                         fp8=fp8)
 

@@ -169,6 +169,11 @@ def test_forced_kernel_and_bad_options_name_the_argument():
             fa_compile.backend(**kw)
     with pytest.raises(TypeError, match="^fp8: expected a bool or None"):
         fa_compile.explain(attn, q, k, v, fp8="0")
+    for bad in ("x", [1]):  # (dict() of them raised "dictionary update sequence element #0 ...")
+        with pytest.raises(TypeError, match="^options: a dict of Inductor config settings"):
+            fa_compile.backend(options=bad)
+    with pytest.raises(ValueError, match="^mode: .*fast"):  # at once, not at the first call
+        fa_compile.backend(mode="fast")
 
 
 VIEW_OF_OUTPUT = """
