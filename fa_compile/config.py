@@ -28,19 +28,30 @@ def _flag(name: str) -> str:
     return (env(name) or "").strip().lower()
 
 
-def flag_on(name: str) -> bool:
-    return _flag(name) in _TRUE
-
-
 _WARNED_VALUES: set = set()
+
+
+def flag_on(name: str) -> bool:
+    """An on/off switch: 1 / true / yes / on. Any other value but 0 / false / no / off (or unset) reads as off, with
+    one warning naming the switch (FA_COMPILE_TUNE=maybe must not be ignored silently)."""
+    value = _flag(name)
+    if value in _TRUE:
+        return True
+    if value and value not in _FALSE and (name, value) not in _WARNED_VALUES:
+        _WARNED_VALUES.add((name, value))
+        import warnings
+
+        warnings.warn(f"{name}={env(name)!r} is not recognised and is read as off: use 1 (also true, yes, on) to "
+                      f"turn it on, or 0 (also false, no, off)", RuntimeWarning, stacklevel=3)
+    return False
 
 
 def fa_compile_flag() -> str:
     """FA_COMPILE, lower-cased; an unrecognised value is treated as unset, with one warning naming
     the valid ones (a typo such as FA_COMPILE=2 must not be silently ignored)."""
     value = _flag("FA_COMPILE")
-    if value and value not in _TRUE and value not in _FALSE and value not in _WARNED_VALUES:
-        _WARNED_VALUES.add(value)
+    if value and value not in _TRUE and value not in _FALSE and ("FA_COMPILE", value) not in _WARNED_VALUES:
+        _WARNED_VALUES.add(("FA_COMPILE", value))
         import warnings
 
         warnings.warn(f"FA_COMPILE={env('FA_COMPILE')!r} is not recognised and is ignored: use 1 (also true, yes, on) "
@@ -60,9 +71,9 @@ def killed() -> bool:
 
 
 def log_enabled() -> bool:
-    return _flag("FA_COMPILE_LOG") in _TRUE
+    return flag_on("FA_COMPILE_LOG")
 
 
 def fp8_requested() -> bool:
     """FA_COMPILE_FP8=1: FP8 attention for every eligible inference site (opt-in; changes results)."""
-    return _flag("FA_COMPILE_FP8") in _TRUE
+    return flag_on("FA_COMPILE_FP8")

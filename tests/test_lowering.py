@@ -509,6 +509,25 @@ def test_unrecognised_fa_compile_value_warns_with_the_valid_ones():
     assert r.stderr.count("FA_COMPILE='2' is not recognised") == 1 and "use 1 (also true" in r.stderr
 
 
+@pytest.mark.parametrize("name", ["FA_COMPILE_TUNE", "FA_COMPILE_FP8", "FA_COMPILE_LOG"])
+def test_unrecognised_switch_values_warn_once_and_read_as_off(monkeypatch, name):
+    import warnings
+
+    from fa_compile import config
+
+    monkeypatch.setenv(name, "maybe")
+    monkeypatch.setattr(config, "_WARNED_VALUES", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not config.flag_on(name) and not config.flag_on(name)
+    assert [str(w.message) for w in caught] == [f"{name}='maybe' is not recognised and is read as off: use 1 (also "
+                                                "true, yes, on) to turn it on, or 0 (also false, no, off)"]
+    monkeypatch.setenv(name, "off")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not config.flag_on(name)
+
+
 def test_a_lowered_graph_inductor_cannot_compile_is_compiled_again_with_the_op(monkeypatch):
     """Inductor failing on the lowered graph (injected in its graph lowering) costs one warning and
     a second compile with the op kept, never the compile."""
