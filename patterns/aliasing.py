@@ -243,6 +243,33 @@ def written_in_place(node: fx.Node, limit: int = 4096, after: Optional[fx.Node] 
     return False
 
 
+def written_after(node: fx.Node, after: fx.Node, limit: int = 4096) -> bool:
+    """Is the memory of `node`'s value (its whole alias class, as written_in_place reads it) written by a node that
+    stands after `after` in the graph, or past `limit` nodes? A copy made at `after` holds the values its source had
+    there: a later write into either makes the two differ, an earlier one does not."""
+    up = _views_up(node, limit)
+    if up is None:
+        return True
+    earlier = set()
+    for n in after.graph.nodes:
+        earlier.add(n)
+        if n is after:
+            break
+    bases = [n for n in up if not _alias_inputs(n)]
+    seen, todo = set(bases), list(bases)
+    while todo:
+        n = todo.pop()
+        if len(seen) > limit or (is_inplace(n) and n not in earlier):
+            return True
+        for u in n.users:
+            if writes_into(u, n) and u not in earlier:
+                return True
+            if u not in seen and may_alias(u) and _may_hold_tensor(u):
+                seen.add(u)
+                todo.append(u)
+    return False
+
+
 def escapes(node: fx.Node, limit: int = 4096) -> bool:
     """Whether `node`'s memory may leave the graph: `node` itself or a view of it (an in-place op's result is its
     input) is a graph output. The caller may then write into it (`o += x` after the call, or in the next graph after

@@ -136,3 +136,57 @@ def test_scores_narrower_than_the_pv_product_are_left_alone(fn):
     # at fp32's tolerance that is not rounding. The site is left alone and says why.
     res = check(fn, qkv(torch.bfloat16), dtype=torch.float32, rewritten=0, seed=4)
     assert "narrower than the torch.float32 of the P·V product" in res.reasons[0], res.reasons
+
+
+def upcast_scores_scaled_by_a_tensor(q, k, v, logit_scale):  # a learnable fp32 temperature over fp32 scores
+    s = q.float() @ k.float().mT * logit_scale.exp()
+    return s.softmax(-1).to(v.dtype) @ v
+
+
+def test_fp32_scores_scaled_by_a_tensor_at_a_narrow_site_are_left_alone():
+    # The op would scale q and round it to bf16: the temperature's gradient came out 70% off (0.76 from fp64 where
+    # eager's was 0.0036). The site is left alone and says why.
+    scale = rand(H, 1, 1, seed=11, requires_grad=True)
+    res = check(upcast_scores_scaled_by_a_tensor, qkv(torch.bfloat16) + [scale], dtype=torch.bfloat16, rewritten=0,
+                seed=4)
+    assert "scaled by a tensor at a torch.bfloat16 site" in res.reasons[0], res.reasons
+
+
+def sdpa_with_a_float_mask(q, k, v, mask):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_cpu_reference_backward_computes_the_scores_as_the_forward_kernel():
+    # bf16 SDPA with a bf16 float mask, training, on CPU: aten's kernel lowers the forward (fp32 scores) and the
+    # reference math the backward. Its products were rounded to bf16 there: dq 0.25 from fp64 where eager's is 0.05.
+    mask = (rand(N, N, seed=12) * 2).to(torch.bfloat16)
+    check(sdpa_with_a_float_mask, qkv(torch.bfloat16) + [mask], dtype=torch.bfloat16, rewritten=1, inner="inductor",
+          seed=4)
+    q, k, v = (t.detach() * 3 for t in qkv(torch.bfloat16, seed=7))  # scores of a few units: bf16 rounding shows
+    dout = rand(B, H, N, D, seed=13)
+
+    def grads(fn, dtype):
+        args = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(fn(*args, mask.to(dtype)), args, dout.to(dtype))
+
+    exact = grads(sdpa_with_a_float_mask, torch.float64)
+    eager = grads(sdpa_with_a_float_mask, torch.bfloat16)
+    torch._dynamo.reset()
+    got = grads(torch.compile(sdpa_with_a_float_mask, backend="fa3"), torch.bfloat16)
+    for name, a, e, x in zip(("dq", "dk", "dv"), got, eager, exact):
+        err, eager_err = (a.double() - x).abs().max().item(), (e.double() - x).abs().max().item()
+        assert err <= 2.5 * eager_err, f"{name}: {err:.3g} from fp64, eager {eager_err:.3g}"
+
+
+def scaled_output(q, k, v):
+    return (torch.softmax(q @ k.mT / math.sqrt(D), -1) @ v) * 2
+
+
+def test_an_output_read_through_an_elementwise_op_keeps_eagers_strides():
+    # `o * 2` follows o's layout: with the op's [B, N, H, D] strides the caller's `.view(B, -1)` failed
+    q, k, v = qkv(requires_grad=False)
+    torch._dynamo.reset()
+    got = torch.compile(scaled_output, backend="fa3")(q, k, v)
+    want = scaled_output(q, k, v)
+    assert got.stride() == want.stride()
+    torch.testing.assert_close(got.view(B, -1), want.view(B, -1), atol=1e-5, rtol=1e-5)

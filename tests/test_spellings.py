@@ -354,6 +354,59 @@ def test_a_written_copy_of_an_input_is_what_the_site_reads(fn, grad):
         assert len(res.rewritten) == 1, reasons(res)          # alias the input k, which is written: refused)
 
 
+def _repeat_kv(t, g):
+    b, h, n, d = t.shape
+    return t[:, :, None].expand(b, h, g, n, d).reshape(b, h * g, n, d)
+
+
+def sdpa_gqa_source_written_after_the_repeat(q, k, v):
+    v = v * 1.0
+    vr = _repeat_kv(v, 2)
+    v.mul_(2)  # the repeated copy keeps the old values
+    return F.scaled_dot_product_attention(q, _repeat_kv(k, 2), vr)
+
+
+def sdpa_gqa_repeat_interleave_source_written(q, k, v):
+    k = k * 1.0
+    kr = k.repeat_interleave(2, 1)
+    k.mul_(2)
+    return F.scaled_dot_product_attention(q, kr, v.repeat_interleave(2, 1))
+
+
+def sdpa_gqa_repeated_copy_written(q, k, v):
+    vr = _repeat_kv(v, 2)
+    vr[:, 1] = 0  # into the copy: the source does not see it
+    return F.scaled_dot_product_attention(q, _repeat_kv(k, 2), vr)
+
+
+def mask_cloned_then_its_source_written(q, k, v):
+    m = torch.zeros(N, N)
+    m[:, N - 2:] = -math.inf
+    m2 = m.clone()
+    m.zero_()  # the clone keeps the padding
+    return torch.softmax(q @ k.mT * 0.25 + m2, -1) @ v + m.sum()
+
+
+def bool_mask_cloned_then_its_source_written(q, k, v):
+    keep = torch.ones(N, N, dtype=torch.bool).tril()
+    keep2 = keep.clone()
+    keep.fill_(True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep2)
+
+
+@pytest.mark.parametrize("fn", [sdpa_gqa_source_written_after_the_repeat, sdpa_gqa_repeat_interleave_source_written,
+                                sdpa_gqa_repeated_copy_written, mask_cloned_then_its_source_written,
+                                bool_mask_cloned_then_its_source_written], ids=lambda f: f.__name__)
+def test_a_copy_parted_from_its_source_by_a_write_is_read_as_the_copy(fn):
+    # The repeat of K / V (a copy) and a cloned mask hold their values from where they were made: the rewrite
+    # reads the copy, not its source (the GQA repeat was removed and the source read; the mask's structure was read
+    # from its source, written since). Without gradients: eager's own backward raises on some of these writes.
+    gqa = fn.__name__.startswith("sdpa_gqa")
+    q = rand(B, 4, N, D, seed=1)
+    kv = [rand(B, 2 if gqa else 4, N, D, seed=s) for s in (2, 3)]
+    check(fn, [q] + kv, grad=False)
+
+
 def copy_of_k_written_between_the_scores_and_pv(q, k, v):
     k = k.clone()
     s = q @ k.mT * 0.5

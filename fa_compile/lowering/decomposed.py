@@ -145,7 +145,8 @@ class ReferenceMath:
     float bias that can absorb whole rows: fa_compile/kernels/reference.py absorbing_bias_refusal): the reference
     forward and backward as graph ops, which Inductor fuses as it would the model's eager code, instead of
     the op's run-time calls of the Python reference (fp32 copies and products, a dense mask, a launch per
-    step). bf16 inputs are multiplied in bf16 with fp32 accumulation, eager code's own precision; masks,
+    step). On CUDA bf16 inputs are multiplied in bf16 with fp32 accumulation, eager code's own precision (on CPU
+    in fp32, as aten's CPU flash kernel, which may lower the other direction of the same site); masks,
     softmax and lse stay fp32, so a row the bias absorbs stays exact. Dropout draws the op's counter-hash
     mask from the node's seed, the same in both directions. Sites with sinks keep the op (choice.decide
     asks for takes_sinks, which the argument order here does not give).
@@ -160,8 +161,12 @@ class ReferenceMath:
     takes_dropout_seed = True  # graph_pass: the seed after bias and kv_lens,
     takes_structure = True  # then q_pos, q_seg, k_seg
 
-    def __init__(self, devices: Optional[tuple] = None):
+    def __init__(self, devices: Optional[tuple] = None, bf16_products: bool = True):
         self.devices = devices  # None: DEVICES (tests add "cpu")
+        # CPU: products of fp32 operands, the arithmetic of aten's CPU flash kernel, which lowers the forward of the
+        # same sites where it takes them (a backward that rounds Q·Kᵀ to bf16 against that forward's fp32 scores put
+        # dq 5x eager's error away from fp64)
+        self.bf16_products = bf16_products
 
     def target(self, direction: str) -> str:
         return "graph ops (the reference math" + (" backward" if direction == "backward" else "") + ", fused by Inductor)"
@@ -184,11 +189,11 @@ class ReferenceMath:
 
     def forward_fn(self, args: dispatch.AttentionArgs):
         """fn(q, k, v[, bias][, kv_lens][, dropout_seed][, q_pos][, q_seg, k_seg]) -> (out, lse)."""
-        return _reference_forward_fn(args, self, bf16_products=True)
+        return _reference_forward_fn(args, self, bf16_products=self.bf16_products)
 
     def backward_fn(self, args: dispatch.AttentionArgs):
         """fn(dout, q, k, v, out, lse, ...as forward) -> (dq, dk, dv, dbias or an empty tensor)."""
-        present, kw = _present(args, self), _reference_kwargs(args, bf16_products=True)
+        present, kw = _present(args, self), _reference_kwargs(args, bf16_products=self.bf16_products)
         bias_grad = bool(args.bias_requires_grad) and args.bias is not None
 
         def fn(dout, q, k, v, out, lse, *rest):
@@ -203,5 +208,5 @@ class ReferenceMath:
 
 REFERENCE_MATH = ReferenceMath()
 choice.register("cuda", "reference", REFERENCE_MATH)
-CPU_REFERENCE_MATH = ReferenceMath(devices=("cpu",))
+CPU_REFERENCE_MATH = ReferenceMath(devices=("cpu",), bf16_products=False)
 choice.register("cpu", "reference_math", CPU_REFERENCE_MATH, fallback_for="reference")

@@ -2,6 +2,7 @@
 layout choice, views and regrouping of batch dimensions, dead-node removal."""
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -173,6 +174,16 @@ def _materialize(o: _Out, v: View, dtype: torch.dtype) -> fx.Node:
 
 
 _VIEWISH = ("transpose", "permute", "unsqueeze", "getitem", "expand")
+_OPERATORS = frozenset((operator.mul, operator.add, operator.sub, operator.truediv, operator.neg, operator.getitem,
+                        operator.imul, operator.iadd, operator.isub, operator.itruediv, operator.matmul))
+
+
+def _tensor_op(u: fx.Node) -> bool:
+    """A call of a torch function or Tensor method (nothing else is run on the fake values)."""
+    if u.op == "call_method":
+        return isinstance(u.target, str) and hasattr(torch.Tensor, u.target)
+    mod = getattr(u.target, "__module__", "") or ""
+    return u.target in _OPERATORS or mod.startswith("torch") and not mod.startswith("torch._dynamo")
 
 
 def _needs_contiguous(old: fx.Node, new_val: torch.Tensor, depth: int = 3) -> bool:
@@ -196,7 +207,11 @@ def _needs_contiguous(old: fx.Node, new_val: torch.Tensor, depth: int = 3) -> bo
                     continue
                 is_view = u.op == "call_method" and u.target == "view"
                 if not (is_view or kind(u) in _VIEWISH):
-                    continue
+                    # another op: its result may keep the op's strides (elementwise ops follow their input's
+                    # layout: `o * 2` then `.view`), so it is followed too, on the fake values. An in-place op into
+                    # another tensor, or a call that is not a tensor op, ends the walk there.
+                    if (is_inplace(u) and u.args and u.args[0] is not node) or not _tensor_op(u):
+                        continue
                 args = fx.node.map_arg(u.args, lambda a: val if a is node else example_value(a))
                 kwargs = fx.node.map_arg(u.kwargs, lambda a: val if a is node else example_value(a))
                 try:

@@ -408,17 +408,29 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
                     ko = o.call("expand", ko, o.size(qo, 0), -1, -1, -1, method=True)
                 if not known_eq(tensor_of(vo).shape[0], Bq):
                     vo = o.call("expand", vo, o.size(qo, 0), -1, -1, -1, method=True)
+            if scores.factors and narrows(dtype, ref):
+                # eager scales exact fp32 scores; the op would scale q and round it to the site's dtype (a learnable
+                # temperature's gradient came out 70% off in bf16)
+                raise Miss(f"the {ref} scores are scaled by a tensor at a {dtype} site: the op would round the "
+                           f"scaled q to {dtype}")
             for node, how, fb in scores.factors:
                 f = _detached(o, node) if node in flow.detach_entries else node
                 ft = tensor_of(f)
+                wide = None  # a factor wider than the site multiplies in its own dtype: its gradient sums there
                 if isinstance(ft, torch.Tensor):
                     if ft.dim() > 0:
                         if not _same(fb, bd):
                             f = _regroup(o, f, fb, bd)
                         f = b.bias_to_op(f)
-                    if ft.dtype != dtype:
+                    if narrows(dtype, ft.dtype):
+                        wide = ft.dtype
+                    elif ft.dtype != dtype:
                         f = o.call("to", f, dtype, method=True)
-                qo = o.call(operator.mul if how == "mul" else operator.truediv, qo, f)
+                if wide is not None:
+                    qw = o.call(operator.mul if how == "mul" else operator.truediv, o.call("to", qo, wide, method=True), f)
+                    qo = o.call("to", qw, dtype, method=True)
+                else:
+                    qo = o.call(operator.mul if how == "mul" else operator.truediv, qo, f)
             bias = spec.bias
             if bias is not None:
                 bias = b.bias_to_op(_detached(o, bias) if _bias_cut(scores, flow) else bias)

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from ..aliasing import is_inplace, op_name, written_in_place
+from ..aliasing import is_inplace, op_name, written_after, written_in_place
 from ..emit import example_value, op_accepts
 from .symbolic import Size, _DEBUG, _as_int, _dtype, _is_one, _same, _shape, _sym_true
 from .values import (AbsVal, _AbsLin, _Fail, _Gather, _Ids, _Keep, _Konst, _Lin, _Opaque, _QPos, _Runs, _TRUE, _Two,
@@ -82,10 +82,22 @@ def _canonical(node: Any) -> Optional[fx.Node]:
         if not isinstance(node, fx.Node) or written_in_place(node):
             return None
         if node.op in ("call_function", "call_method") and op_name(node) in _SAME_VALUES:
+            if _copy_parted(node):
+                return None
             node = node.args[0]
             continue
         return node
     return None
+
+
+_COPIES = ("clone", "contiguous", "reshape", "reshape_as", "flatten")  # ops whose result may be memory of its own
+
+
+def _copy_parted(node: fx.Node) -> bool:
+    """A copy (clone, or contiguous / reshape that may copy) whose source is written after it: the two hold other
+    values from then on, so the copy is not its source (`m2 = m.clone(); m.zero_()`, then m2 masks the scores)."""
+    src = node.args[0] if node.args else None
+    return op_name(node) in _COPIES and isinstance(src, fx.Node) and written_after(src, node)
 
 
 # ----------------------------------------------------------------------------- the abstract interpreter
@@ -691,6 +703,8 @@ class _Analyzer:
     # --- shape-only ops
     def _shape_op(self, n: fx.Node, name: str) -> AbsVal:
         src = n.args[0]
+        if _copy_parted(n):
+            return _Opaque(n)  # the copy's own values (see _copy_parted), read where the site reads it
         x = self.value(src)
         ins, outs = _shape(src), _shape(n)
         if ins is None or outs is None:
