@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import operator
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -204,33 +204,17 @@ def _alias_inputs(node: fx.Node) -> list:
     return _nodes_in(_first_arg(node))
 
 
-def written_in_place(node: fx.Node, limit: int = 4096, after: Optional[fx.Node] = None) -> bool:
-    """Is the memory of `node`'s value written in place anywhere in the graph: through `node`, the tensors it is
-    a view of, or any view of those? True as well when more than `limit` nodes would have to be walked. With
-    `after`, writes that stand before it into memory the graph allocated itself (no input's, no module
-    attribute's) do not count: they made the value a reader at `after` sees (a mask built by writing slices
-    of a `torch.full`), and functionalization gives that reader the finished value."""
+def _bases(node: fx.Node, limit: int) -> Optional[list]:
+    """The tensors whose memory `node` may be a view of (None past `limit` nodes)."""
     up = _views_up(node, limit)
-    if up is None:
-        return True
-    bases = [n for n in up if not _alias_inputs(n)]  # the tensors whose memory `node` may be a view of
-    own = after is not None and all(b.op in ("call_function", "call_method") for b in bases)
-    earlier: Optional[set] = None
+    return None if up is None else [n for n in up if not _alias_inputs(n)]
 
-    def counts(write: fx.Node) -> bool:  # the nodes before `after` are listed only once a write is found
-        nonlocal earlier
-        if not own:
-            return True
-        if earlier is None:
-            earlier = set()
-            for n in after.graph.nodes:
-                if n is after:
-                    break
-                earlier.add(n)
-        return write not in earlier
 
+def _class_written(bases: list, limit: int, counts: Callable[[fx.Node], bool]) -> bool:
+    """Whether a write that `counts` into the memory of `bases` or any view of them stands in the graph (True as
+    well past `limit` nodes): down through every view (a view in any argument position, the wider reading)."""
     seen, todo = set(bases), list(bases)
-    while todo:  # down through every view of them (a view in any argument position: the wider reading)
+    while todo:
         n = todo.pop()
         if len(seen) > limit or (is_inplace(n) and counts(n)):
             return True
@@ -243,31 +227,45 @@ def written_in_place(node: fx.Node, limit: int = 4096, after: Optional[fx.Node] 
     return False
 
 
+def _stands_after(after: fx.Node, inclusive: bool) -> Callable[[fx.Node], bool]:
+    """write -> whether it stands after `after` (or is `after`, with `inclusive`); the nodes before are listed
+    once, when a first write is asked about."""
+    earlier: Optional[set] = None
+
+    def test(write: fx.Node) -> bool:
+        nonlocal earlier
+        if earlier is None:
+            earlier = set()
+            for n in after.graph.nodes:
+                if n is after:
+                    if not inclusive:
+                        earlier.add(n)
+                    break
+                earlier.add(n)
+        return write not in earlier
+
+    return test
+
+
+def written_in_place(node: fx.Node, limit: int = 4096, after: Optional[fx.Node] = None) -> bool:
+    """Is the memory of `node`'s value written in place anywhere in the graph: through `node`, the tensors it is
+    a view of, or any view of those? True as well when more than `limit` nodes would have to be walked. With
+    `after`, writes that stand before it into memory the graph allocated itself (no input's, no module
+    attribute's) do not count: they made the value a reader at `after` sees (a mask built by writing slices
+    of a `torch.full`), and functionalization gives that reader the finished value."""
+    bases = _bases(node, limit)
+    if bases is None:
+        return True
+    own = after is not None and all(b.op in ("call_function", "call_method") for b in bases)
+    return _class_written(bases, limit, _stands_after(after, inclusive=True) if own else lambda w: True)
+
+
 def written_after(node: fx.Node, after: fx.Node, limit: int = 4096) -> bool:
     """Is the memory of `node`'s value (its whole alias class, as written_in_place reads it) written by a node that
     stands after `after` in the graph, or past `limit` nodes? A copy made at `after` holds the values its source had
     there: a later write into either makes the two differ, an earlier one does not."""
-    up = _views_up(node, limit)
-    if up is None:
-        return True
-    earlier = set()
-    for n in after.graph.nodes:
-        earlier.add(n)
-        if n is after:
-            break
-    bases = [n for n in up if not _alias_inputs(n)]
-    seen, todo = set(bases), list(bases)
-    while todo:
-        n = todo.pop()
-        if len(seen) > limit or (is_inplace(n) and n not in earlier):
-            return True
-        for u in n.users:
-            if writes_into(u, n) and u not in earlier:
-                return True
-            if u not in seen and may_alias(u) and _may_hold_tensor(u):
-                seen.add(u)
-                todo.append(u)
-    return False
+    bases = _bases(node, limit)
+    return bases is None or _class_written(bases, limit, _stands_after(after, inclusive=False))
 
 
 def escapes(node: fx.Node, limit: int = 4096) -> bool:

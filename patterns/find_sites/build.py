@@ -183,7 +183,7 @@ def _tensor_op(u: fx.Node) -> bool:
     if u.op == "call_method":
         return isinstance(u.target, str) and hasattr(torch.Tensor, u.target)
     mod = getattr(u.target, "__module__", "") or ""
-    return u.target in _OPERATORS or mod.startswith("torch") and not mod.startswith("torch._dynamo")
+    return u.target in _OPERATORS or (mod.startswith("torch") and not mod.startswith("torch._dynamo"))
 
 
 def _needs_contiguous(old: fx.Node, new_val: torch.Tensor, depth: int = 3) -> bool:
