@@ -35,6 +35,17 @@ def example_value(node: Any) -> Any:
     return node
 
 
+def inside_vmap(node: Any) -> Optional[str]:
+    """Why a site inside torch.vmap is left alone, or None. (torch.func.grad / vjp / jvp leave the whole graph
+    alone: pipeline.functorch_transform.) Its values are vmap's batched tensors, which run only inside vmap's own
+    trace: the pass cannot compute the fused op's example values from them."""
+    v = example_value(node)
+    if isinstance(v, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(v):
+        return ("inside torch.vmap: the pass cannot run the fused op on vmap's batched values outside its trace, "
+                "so the site stays eager code")
+    return None
+
+
 def _fake_mode(values: list):
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensor

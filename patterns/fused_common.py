@@ -170,6 +170,10 @@ def guarded_rewrite(form: str, graph: fx.Graph, node: fx.Node, body: Callable[[B
     """Run `body(builder, report)` before `node`, then erase what it replaced. A Refuse -- or any
     other exception: a refusal never fails the compile -- rolls back every edit and says why."""
     rep = report(form, node)
+    why = emit.inside_vmap(node)
+    if why is not None:
+        rep.reason = why
+        return rep
     b = Builder(graph)
     try:
         with graph.inserting_before(node):

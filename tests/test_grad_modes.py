@@ -573,3 +573,28 @@ def test_the_eager_op_under_torch_func_transforms(kw):
     if "kv_lens" not in kw:  # per-sample lengths would need their own batch axis
         per = torch.vmap(lambda q, k, v: fa_compile.attention(q[None], k[None], v[None], **kw)[0])(q, k, v)
         torch.testing.assert_close(per, fa_compile.attention(q, k, v, **kw), atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("form", ["softmax", "sdpa"])
+def test_a_site_inside_vmap_is_left_as_traced_with_its_reason(form):
+    # vmap's batched values run only inside its own trace, so the pass cannot build the op's example values:
+    # the site stays eager code, the compiled program equals eager's, and explain() says why in words
+    def one(q, k, v):
+        if form == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return torch.softmax(q @ k.transpose(-1, -2) * 0.3, -1) @ v
+
+    fn = torch.vmap(one)
+    q, k, v = (torch.randn(3, 2, 5, 8, generator=torch.Generator().manual_seed(i), requires_grad=True)
+               for i in range(3))
+    want = fn(q, k, v)
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="fa3")(q, k, v)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+    gw = torch.autograd.grad(want.sum(), (q, k, v))
+    gg = torch.autograd.grad(got.sum(), (q, k, v))
+    for a, b in zip(gg, gw):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=2e-6)
+    torch._dynamo.reset()
+    (site,) = fa_compile.explain(fn, q, k, v).sites
+    assert not site.rewritten and site.reason.startswith("inside torch.vmap:"), site

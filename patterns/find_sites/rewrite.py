@@ -194,6 +194,9 @@ class _Ctx:
 
 def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> SiteReport:
     rep = SiteReport(form="softmax", rewritten=False, where=_where(sm))
+    why = emit.inside_vmap(sm)
+    if why is not None:
+        raise Miss(why)
     x, dim, _ = softmax_args(sm)  # a dtype= argument is a cast before the softmax: nothing to keep
     if not isinstance(x, fx.Node) or tensor_of(x) is None:
         raise Miss("softmax input is not a tensor of the graph")
