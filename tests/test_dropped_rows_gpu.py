@@ -97,7 +97,9 @@ def test_compiled_sites_equal_eager_with_the_same_bits(fn, dtype, kernel):
     g = torch.randn(B, H, N, D, device="cuda", dtype=dtype)
     torch._dynamo.reset()
     n = len(records())
-    with torch._inductor.config.patch(fallback_random=True):
+    # no cache hits: a cached graph is not lowered again, and the fold records below would be missing
+    with torch._inductor.config.patch(fallback_random=True, fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
         compiled = torch.compile(fn, backend=fa_compile.backend(kernel=kernel) if kernel else "fa3")
         torch.manual_seed(7)
         out = compiled(q, k, v, _pad())
