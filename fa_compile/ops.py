@@ -518,6 +518,27 @@ def _attention_autograd(
 _LIB.impl("attention", _attention_autograd, "Autograd")
 
 
+def _autocast_kernel(device_type: str, key: str):
+    """fa3::attention inside an enabled autocast region: q, k and v in the region's dtype, as autocast gives SDPA
+    and the matmuls of eager attention code (a rotary step in fp32 beside a bf16 V would otherwise fail the dtype
+    check). fp64 tensors stay fp64 (autocast leaves them too). The bias keeps its dtype: the op adds it in fp32,
+    and a float32 finfo.min mask cast to bf16 or fp16 would become -inf."""
+    keys = torch._C.DispatchKeySet(key)
+
+    def kernel(q: Tensor, k: Tensor, v: Tensor, *args, **kwargs):
+        dt = torch.get_autocast_dtype(device_type)
+        q, k, v = (t.to(dt) if t.is_floating_point() and t.dtype != torch.float64 and t.device.type == device_type
+                   else t for t in (q, k, v))
+        with torch._C._ExcludeDispatchKeyGuard(keys):
+            return _ATTENTION(q, k, v, *args, **kwargs)
+
+    return kernel
+
+
+_LIB.impl("attention", _autocast_kernel("cpu", "AutocastCPU"), "AutocastCPU")
+_LIB.impl("attention", _autocast_kernel("cuda", "AutocastCUDA"), "AutocastCUDA")
+
+
 class _AttentionBackwardFunction(torch.autograd.Function):
     """fa3::attention_backward under grad mode (create_graph=True): a clear error if anything
     differentiates through it, instead of autograd's fallback, which would give wrong numbers."""

@@ -598,3 +598,44 @@ def test_a_site_inside_vmap_is_left_as_traced_with_its_reason(form):
     torch._dynamo.reset()
     (site,) = fa_compile.explain(fn, q, k, v).sites
     assert not site.rewritten and site.reason.startswith("inside torch.vmap:"), site
+
+
+# ------------------------------------------------------------------- the op and the scale under autocast
+
+def test_the_op_under_autocast_casts_q_k_v_to_the_region_dtype_and_keeps_the_bias():
+    import fa_compile.ops  # noqa: F401  (registers torch.ops.fa3)
+
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g)  # GQA: 4 q heads, 2 k / v
+    v = torch.randn(2, 2, 6, 8, generator=g).to(torch.bfloat16)
+    bias = torch.zeros(2, 1, 6, 6)
+    bias[1, :, 2] = torch.finfo(torch.float32).min  # a row masked entirely: -inf once cast to bf16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, lse = torch.ops.fa3.attention(q, k, v, 0.3, bias=bias)
+        out64, _ = torch.ops.fa3.attention(q.double(), k.double(), v.double(), 0.3, bias=bias)
+    want, want_lse = torch.ops.fa3.attention(q.bfloat16(), k.bfloat16(), v, 0.3, bias=bias)
+    assert out.dtype == torch.bfloat16 and out64.dtype == torch.float64  # autocast leaves fp64 alone
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+    assert out.isfinite().all() and lse.isfinite().all()
+    # a gradient flows back through the casts to the fp32 leaves
+    ql, kl = q.clone().requires_grad_(), k.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, _ = torch.ops.fa3.attention(ql, kl, v, 0.3, bias=bias)
+    o.float().sum().backward()
+    assert ql.grad.dtype == torch.float32 and ql.grad.abs().sum() > 0
+
+
+def _scaled_before_autocast_product(q, k, v):
+    with torch.autocast("cpu", dtype=torch.float16, enabled=q.dtype != torch.float64):
+        s = (q * 1e-5) @ (k * 2.0).mT  # the multiplies in fp32, the product casts its operands to fp16
+        return torch.softmax(s, -1) @ v
+
+
+def test_a_scale_before_an_autocast_product_is_not_moved_into_the_op():
+    # q ~ 1e5 leaves fp16's range unscaled: moved into the op's scale, the factor would apply after autocast's cast
+    g = torch.Generator().manual_seed(4)
+    q = (torch.randn(2, 2, 8, 8, generator=g) * 1e5).requires_grad_()
+    k, v = (torch.randn(2, 2, 8, 8, generator=g).requires_grad_() for _ in range(2))
+    res = check(_scaled_before_autocast_product, [q, k, v], dtype=torch.float16, rewritten=1)
+    assert res.out.isfinite().all()

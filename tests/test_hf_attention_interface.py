@@ -201,3 +201,21 @@ def test_import_registers_without_importing_transformers():
             "assert 'fa3' in A and 'fa3' in M; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gpt2"])
+def test_attn_implementation_fa3_under_autocast(name):
+    # Under autocast the rotary step leaves q and k in fp32 beside a bf16 V: the op, like SDPA, computes in the
+    # region's dtype (its autocast kernel casts q, k and v), eagerly and compiled
+    kw = inputs(name, padded=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = main_output(build(name, "sdpa")(**kw)).float()
+        with CountOps() as ops:
+            out = main_output(build(name, "fa3")(**kw)).float()
+        torch._dynamo.reset()
+        compiled = main_output(torch.compile(build(name, "fa3"), backend="aot_eager", fullgraph=True)(**kw)).float()
+    torch._dynamo.reset()
+    assert ops.fwd > 0
+    # bf16 products through two layers and a vocab projection: SDPA and the op round differently
+    assert_same(out, ref, atol=3e-2, rtol=3e-2)
+    assert_same(compiled, out, atol=3e-2, rtol=3e-2)

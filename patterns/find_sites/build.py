@@ -14,7 +14,7 @@ from ..canonicalize import arg, is_finite_number, is_inplace, kind, tensor_of
 from ..emit import example_value
 from ..layout import Contraction, View, fold, identity
 from ..shapes import known_eq, known_one
-from .scores import Miss
+from .scores import Miss, narrows
 
 
 class _Out:
@@ -286,8 +286,9 @@ def _canon_out_shape(c: Contraction, val: torch.Tensor) -> tuple:
     return tuple(shape)
 
 
-def _absorb_scale(v: View, scale: float) -> tuple[View, float]:
-    """q * c (or k * c, q / c) computed before the contraction: move c into the op's scale."""
+def _absorb_scale(v: View, scale: float, compute: torch.dtype) -> tuple[View, float]:
+    """q * c (or k * c, q / c) computed before the contraction (which computes in `compute`), in a dtype no wider than
+    the contraction's: move c into the op's scale."""
     for _ in range(4):
         n = v.node
         k = kind(n)
@@ -300,6 +301,10 @@ def _absorb_scale(v: View, scale: float) -> tuple[View, float]:
             break
         ta = tensor_of(a)
         if ta is None or ta.dim() != tensor_of(n).dim() or ta.dtype != tensor_of(n).dtype:
+            break
+        if any(narrows(d, tensor_of(n).dtype) for d in (v.dtype, compute)):
+            # the scaled tensor is narrowed before the product (a cast, or an autocast region's contraction): moved
+            # into the op's scale, c would apply after that narrowing, where the unscaled tensor may leave its range
             break
         scale = scale * float(b) if k == "mul" else scale / float(b)
         v = fold(View(a, v.perm, v.dtype, v.group, v.bcast_axes))

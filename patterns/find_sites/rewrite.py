@@ -253,8 +253,8 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
     k = fold(qk.rhs.swap_last())
     v = fold(pv.rhs)
     scale = scores.scale
-    q, scale = _absorb_scale(q, scale)
-    k, scale = _absorb_scale(k, scale)
+    q, scale = _absorb_scale(q, scale, tensor_of(qk.node).dtype)
+    k, scale = _absorb_scale(k, scale, tensor_of(qk.node).dtype)
     if (not qk_regroup and (q.rank > nb + 2 or k.rank > nb + 2)) or (not v_regroup and v.rank > nb + 2):
         raise Miss("q/k/v have more batch dims than the scores")
     # GQA: the last batch dim is the head axis when the layout keeps it as H
