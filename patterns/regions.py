@@ -90,12 +90,15 @@ class Regions:
         return st
 
     def grad_cut(self, nodes: list) -> Optional[str]:
-        """None when every node of `nodes` runs with the same autocast, inference-mode and other
-        state, else the reason the work cannot move between them."""
+        """None when every node of `nodes` runs with the same inference-mode and other state, and with autocast
+        flags known at compile time, else the reason the work cannot move between them."""
         states = [self.of(n) for n in nodes]
         first = states[0]
-        if any(s.autocast != first.autocast for s in states):
-            return "the attention spans an autocast region boundary (its parts compute in different dtypes)"
+        # Across autocast regions whose flags are constants, each node's example value carries the dtype it computed
+        # in under its own region, and the site finder compares those (the fused op sits in the P·V product's
+        # region and computes in that product's dtype, where its autocast kernel leaves q, k and v as they are).
+        if any(s.autocast != first.autocast for s in states) and any(s.autocast_on is None for s in states):
+            return "the attention spans an autocast region whose enabled flag is not known at compile time"
         if any(s.inference != first.inference for s in states):
             return "the attention spans an inference_mode region boundary"
         if any(s.other != first.other for s in states):

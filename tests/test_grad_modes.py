@@ -378,6 +378,70 @@ def sdpa_autocast(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def scale_in_autocast(q, k, v):  # the region holds a multiply only: every part computes in fp32
+    s = q @ k.mT
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        s = s * 0.25
+    return s.softmax(-1) @ v
+
+
+def softmax_with_autocast_off(q, k, v):  # bf16 products, the softmax of bf16 scores in a disabled region
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        s = q @ k.mT * 0.25
+        with torch.autocast("cpu", enabled=False):
+            p = s.softmax(-1)
+        return p @ v
+
+
+def products_in_two_regions(q, k, v):  # two regions of one dtype, a causal mask added between them
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        s = q @ k.mT * 0.25
+    s = s + torch.full((N, N), float("-inf")).triu(1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return s.softmax(-1) @ v
+
+
+def products_in_two_dtypes(q, k, v):
+    with torch.autocast("cpu", dtype=torch.float16):
+        s = q @ k.mT * 0.25
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return s.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("fn", [scale_in_autocast, softmax_with_autocast_off, products_in_two_regions],
+                         ids=lambda f: f.__name__)
+def test_an_attention_across_autocast_regions_computes_as_each_product_did(fn):
+    # each node's example value carries the dtype its own region computed in: the site finder compares those
+    dtype = torch.float32 if fn is scale_in_autocast else torch.bfloat16
+    res = check(fn, qkv(), dtype=dtype, rewritten=1)
+    assert res.out.dtype == dtype
+
+
+def test_products_of_two_autocast_dtypes_are_left_alone():
+    res = check(products_in_two_dtypes, qkv(), dtype=torch.bfloat16, rewritten=0)
+    assert any("different dtypes" in r for r in res.reasons), res.reasons
+
+
+def test_gpt2_reorder_and_upcast_attn_under_autocast():
+    # its fp32 scores are computed in a region that turns autocast off, P·V under the caller's bf16 autocast
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, attn_implementation="eager",
+                                  reorder_and_upcast_attn=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2Model(cfg)
+
+    class UnderAutocast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.model(inputs_embeds=x).last_hidden_state
+
+    check(UnderAutocast(), [rand(2, 8, 32, seed=5, requires_grad=True)], dtype=torch.bfloat16, rewritten=2)
+
+
 def test_scores_in_inference_mode_are_left_alone():
     res = check(scores_inference_mode, qkv(), rewritten=0)
     assert any("inference_mode" in r for r in res.reasons), res.reasons
