@@ -295,4 +295,40 @@ def structured_mask(b: Builder, node: fx.Node, terms: list, q4v: torch.Tensor, k
             b.pending_cache[key] = spec
     if not isinstance(spec, MaskSpec) or spec.empty_rows not in emit.EMPTY_ROWS_KEPT:
         return fallback, fallback_kind
-    return {f: getattr(spec, f) for f in _SPEC_FIELDS}, spec.kind
+    fields = {f: getattr(spec, f) for f in _SPEC_FIELDS}
+    # The analysis reads values through `.detach()` and no_grad regions, so the residual bias it returns may be a
+    # tensor upstream of a gradient cut. A mask that carries no gradient gives the op a detached bias; one that
+    # carries one and holds a cut among its ancestors keeps eager's own arithmetic (the fallback).
+    residual = fields.get("bias")
+    if isinstance(residual, fx.Node) and isinstance(example_value(residual), torch.Tensor) and \
+            example_value(residual).requires_grad:
+        from .regions import Regions
+
+        regions = cache.get("regions")
+        if regions is None:
+            regions = cache["regions"] = Regions(b.graph.owning_module)
+        memo: dict = {}
+        carries = [regions.carries_grad(t, memo) if isinstance(t, fx.Node) else False for _, t, _ in terms]
+        if None in carries:
+            return fallback, fallback_kind
+        if not any(carries):
+            fields["bias"] = b.m("detach", residual)
+        elif _cut_among_ancestors([t for (_, t, _), c in zip(terms, carries) if c], memo):
+            return fallback, fallback_kind
+    return fields, spec.kind
+
+
+def _cut_among_ancestors(nodes: list, carries: dict) -> bool:
+    """Whether a node that carries no gradient is computed from one that does, among the ancestors of `nodes`
+    (`carries`: Regions.carries_grad's memo, filled for all of them)."""
+    seen, todo = set(), list(nodes)
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        ins = n.all_input_nodes
+        if carries.get(n) is False and any(carries.get(a) for a in ins):
+            return True
+        todo += ins
+    return False

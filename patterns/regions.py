@@ -110,3 +110,33 @@ class Regions:
     def all_grad(self, nodes: list) -> bool:
         """Every node runs with grad enabled (so a gradient flows through the chain they form)."""
         return all(self.of(n).grad for n in nodes)
+
+    def carries_grad(self, node: fx.Node, memo: Optional[dict] = None) -> Optional[bool]:
+        """Whether eager's value of `node` carries a gradient (None: a grad mode not known at compile time). Read
+        from the graph, not the example values: Dynamo's values of views made under no_grad still say
+        requires_grad. A leaf carries one when it requires grad; `.detach()` never does; any other node when it
+        runs with grad enabled and one of its tensor inputs carries one."""
+        memo = {} if memo is None else memo
+        order, todo = [], [node]
+        while todo:  # the inputs first, without recursion (mask chains can be long)
+            n = todo.pop()
+            if n in memo:
+                continue
+            memo[n] = None  # visiting
+            order.append(n)
+            todo += [a for a in n.all_input_nodes if a not in memo]
+        for n in reversed(order):
+            memo[n] = self._carries(n, memo)
+        return memo[node]
+
+    def _carries(self, n: fx.Node, memo: dict) -> Optional[bool]:
+        v = n.meta.get("example_value", n.meta.get("val"))
+        if n.op in ("placeholder", "get_attr"):
+            return isinstance(v, torch.Tensor) and v.requires_grad
+        if not isinstance(v, torch.Tensor) or _name(n) == "detach":
+            return False
+        ins = [memo.get(a) for a in n.all_input_nodes]
+        grad = self.of(n).grad
+        if not any(ins):
+            return None if None in ins else False
+        return grad if grad is not None else None

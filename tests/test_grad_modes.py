@@ -703,3 +703,61 @@ def test_a_scale_before_an_autocast_product_is_not_moved_into_the_op():
     k, v = (torch.randn(2, 2, 8, 8, generator=g).requires_grad_() for _ in range(2))
     res = check(_scaled_before_autocast_product, [q, k, v], dtype=torch.float16, rewritten=1)
     assert res.out.isfinite().all()
+
+
+# ------------------------------------------------------------------- masks whose gradient is cut, in the fused forms
+
+def _tri():
+    return torch.ones(N, N, dtype=torch.bool).tril()
+
+
+DETACHED_MASKS = {
+    "detach": lambda m, q, k: m.detach(),
+    "view_detach": lambda m, q, k: m.view(1, H, N, N).detach(),
+    "detach_expand": lambda m, q, k: m.detach()[None].expand(B, H, N, N),
+    "detach_clone": lambda m, q, k: m.detach().clone(),
+    "where_detach": lambda m, q, k: torch.where(_tri(), m, float("-inf")).detach(),
+    "scores_detach": lambda m, q, k: (q @ k.mT * 0.2).detach(),
+}
+
+
+def _no_grad_mask(m, q, k):
+    with torch.no_grad():
+        return m.expand(B, H, N, N)
+
+
+DETACHED_MASKS["no_grad_expand"] = _no_grad_mask
+
+
+@pytest.mark.parametrize("make", list(DETACHED_MASKS), ids=list(DETACHED_MASKS))
+def test_sdpa_mask_with_a_cut_gradient_gets_none(make):
+    # the mask analysis reads through the cut to a tensor that needs a gradient: the op's bias must not carry one
+    def fn(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=DETACHED_MASKS[make](m, q, k))
+
+    m = rand(H, N, N, seed=7, requires_grad=True)
+    check(fn, qkv() + [m], rewritten=1)
+
+
+def test_sdpa_mask_needing_a_gradient_with_a_cut_inside():
+    # b1 + a causal mask built from b2.detach(): b1 gets its gradient, b2 none
+    def fn(q, k, v, b1, b2):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=b1 + torch.where(_tri(), b2, float("-inf")).detach())
+
+    check(fn, qkv() + [rand(H, N, N, seed=8, requires_grad=True), rand(H, N, N, seed=9, requires_grad=True)],
+          rewritten=1)
+
+
+class MHADetachedMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(D * H, H, batch_first=True)
+        self.bias = nn.Parameter(torch.randn(N, N))
+
+    def forward(self, x):
+        return self.mha(x, x, x, attn_mask=self.bias.detach(), need_weights=False)[0]
+
+
+def test_multihead_attention_with_a_detached_mask_parameter():
+    torch.manual_seed(0)
+    check(MHADetachedMask(), [rand(B, N, D * H, seed=3, requires_grad=True)], rewritten=1)
