@@ -117,16 +117,15 @@ class Regions:
         requires_grad. A leaf carries one when it requires grad; `.detach()` never does; any other node when it
         runs with grad enabled and one of its tensor inputs carries one."""
         memo = {} if memo is None else memo
-        order, todo = [], [node]
-        while todo:  # the inputs first, without recursion (mask chains can be long)
-            n = todo.pop()
-            if n in memo:
-                continue
-            memo[n] = None  # visiting
-            order.append(n)
-            todo += [a for a in n.all_input_nodes if a not in memo]
-        for n in reversed(order):
-            memo[n] = self._carries(n, memo)
+        stack = [(node, False)]
+        while stack:  # post-order without recursion (mask chains can be long): every input before its user
+            n, inputs_done = stack.pop()
+            if inputs_done:
+                memo[n] = self._carries(n, memo)
+            elif n not in memo:
+                memo[n] = None  # being visited
+                stack.append((n, True))
+                stack += [(a, False) for a in n.all_input_nodes if a not in memo]
         return memo[node]
 
     def _carries(self, n: fx.Node, memo: dict) -> Optional[bool]:

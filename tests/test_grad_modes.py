@@ -761,3 +761,33 @@ class MHADetachedMask(nn.Module):
 def test_multihead_attention_with_a_detached_mask_parameter():
     torch.manual_seed(0)
     check(MHADetachedMask(), [rand(B, N, D * H, seed=3, requires_grad=True)], rewritten=1)
+
+
+def test_regions_read_which_values_carry_a_gradient_from_the_graph():
+    # Dynamo's example value of a view made under no_grad still says requires_grad: the graph's markers decide
+    from fa_compile.patterns.regions import Regions
+
+    def f(x, y):
+        b = x * 2
+        a = b + 1
+        c = a + b  # reaches b twice: every input is read before its user
+        with torch.no_grad():
+            d = c.expand(2, 3)
+        e = d.detach() + y
+        g = c.detach() * b
+        return c, d, e, g
+
+    got: dict = {}
+
+    def backend(gm, example_inputs):
+        regions, memo = Regions(gm), {}
+        for n in gm.graph.nodes:
+            if n.op in ("call_function", "call_method") and isinstance(n.meta.get("example_value"), torch.Tensor):
+                got[n.name] = regions.carries_grad(n, memo)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(f, backend=backend)(rand(3, requires_grad=True), rand(3))
+    torch._dynamo.reset()
+    assert got == {"b": True, "a": True, "c": True, "d": False, "detach": False, "e": False, "detach_1": False,
+                   "g": True}, got
