@@ -212,3 +212,36 @@ def test_pre_grad_pass_still_rewrites_the_site():
     with torch.no_grad():
         torch.compile(model, backend=backend)(_x())
     assert [(r.rewritten, r.mask) for r in reports] == [(True, "bool-mask")] * 2, reports
+
+
+class DropoutAttribute(torch.nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, q, k, v):
+        return F.dropout((q @ k.transpose(-1, -2) * 0.5).softmax(-1), self.p, self.training) @ v
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+def test_a_dropout_p_made_a_graph_input_is_read_as_a_checked_constant(inner):
+    """dynamic=True makes a module's float attribute a graph input: its p is read as a constant the backend checks
+    on every call, as the scale is; a new p runs the traced graph (its own dropout) instead of the old p."""
+    from torch._dynamo.utils import counters
+
+    model = DropoutAttribute(0.0)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, 4, generator=g) for _ in range(3))
+    torch._dynamo.reset()
+    counters["fa_compile"].clear()
+    compiled = torch.compile(model, backend=fa_compile.backend(inner), dynamic=True)
+    plain = model(q, k, v)
+    torch.testing.assert_close(compiled(q, k, v), plain, **TOL[torch.float32])
+    assert counters["fa_compile"]["sites_rewritten"] == 1, dict(counters["fa_compile"])
+    model.p = 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        dropped = compiled(q, k, v)
+    # with p = 0.5 about half the weights are dropped and the rest doubled: far from the p = 0 result
+    assert (dropped - plain).abs().max() > 0.1
+    torch._dynamo.reset()

@@ -2,6 +2,7 @@
 probabilities (the "forward" step of find_sites)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -12,6 +13,7 @@ from ..canonicalize import (
     arg, constant_value, dropout_args, exp_lse_of, exp_sum_of, first_input, is_finite_number, kind, log_softmax_of,
     tensor_of,
 )
+from ..constants import read_float
 from ..layout import Contraction, contraction, identity
 from ..shapes import known_eq
 from ..site import MaskSpec, PassOptions
@@ -125,8 +127,13 @@ def walk_probs(sm: fx.Node, options: PassOptions, gm: Optional[fx.GraphModule] =
             if not isinstance(training, bool):
                 raise Miss("dropout with a non-constant training flag")
             if not is_finite_number(p):
-                raise Miss("dropout in training with a run-time p (dynamic=True makes a module's float attribute a "
-                           "graph input); the op's p is a constant")
+                # dynamic=True makes a module's float attribute a graph input: read as a constant the backend checks
+                # on every call, as the scale is (constants.read_float)
+                value = read_float(p)
+                if value is None or not math.isfinite(value):
+                    raise Miss("dropout in training with a run-time p (dynamic=True makes a module's float attribute "
+                               "a graph input); the op's p is a constant")
+                p = value
             if not 0 <= p <= 1:
                 raise Miss(f"dropout with p={p} outside [0, 1] (eager raises)")
             if training and p > 0:
