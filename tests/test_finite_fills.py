@@ -473,3 +473,25 @@ def test_fp16_data_mask_with_finfo_min(softmax, learned):
     res = diff_check(fn, [q, k, v, m, pos], dtype=torch.float16, rewritten=1)
     mean_v = v.detach().float().mean(dim=2)[2]
     torch.testing.assert_close(res.out[2].float(), mean_v[:, None].expand(2, 10, 16), **TOLS[torch.float16])
+
+
+def test_fp16_mask_summed_in_the_graph_under_inductor():
+    """T5 in fp16: `scores += position_bias + mask` with the mask's finfo.min on padded queries and keys. Inductor
+    fuses the sum into the rewrite's test of it against fp16's finfo.min without rounding it to fp16 first (a
+    positive position bias leaves -65503.x): the test reads it as eager's fp16 value (anything below -65488 rounds
+    to -65504), so a padded query's row stays uniform, as eager's. Output and gradients, every element."""
+    from eager_diff import check as diff_check, rand
+
+    def fn(q, k, v, pb, m):
+        s = q @ k.transpose(3, 2)
+        s += pb + m
+        return torch.softmax(s.float(), dim=-1).type_as(s) @ v
+
+    m = torch.zeros(2, 1, 7, 7, dtype=torch.float16)
+    m[1, :, 5:, :] = torch.finfo(torch.float16).min
+    m[1, ..., 5:] = torch.finfo(torch.float16).min
+    q, k, v = (rand(2, 2, 7, 8, dtype=torch.float16, seed=i, requires_grad=True) for i in range(3))
+    pb = rand(1, 2, 7, 7, dtype=torch.float16, seed=5)
+    res = diff_check(fn, [q, k, v, pb, m], dtype=torch.float16, inner="inductor", rewritten=1)
+    mean_v = v.detach().float().mean(dim=2)[1]
+    torch.testing.assert_close(res.out[1, :, 5:].float(), mean_v[:, None].expand(2, 2, 8), **TOLS[torch.float16])

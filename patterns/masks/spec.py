@@ -13,6 +13,10 @@ from ..site import MaskSpec
 from .symbolic import Size, _as_int, _dtype, _is_one, _same, _shape
 from .values import _Fail, _QPos
 
+# The largest float that fp16 rounds to its finfo.min (-65504) or below: the midpoint with -65472 (ties go to -65472,
+# the even mantissa), so exactly the values strictly below it.
+FP16_ROUNDS_TO_MIN = -65488.0
+
 
 class _Emitter:
     def __init__(self, gm: fx.GraphModule, insert_before: fx.Node):
@@ -187,7 +191,9 @@ def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len, bias_rank: int =
             _, m = node
             if not em.before(m):
                 raise _Fail(f"mask {m.name} is computed after the site")
-            low = em.call(operator.le, m, float(torch.finfo(torch.float16).min))
+            # m <= finfo(fp16).min as eager's fp16 value of m is, also where Inductor fuses the sum that makes m
+            # without rounding it to fp16 first: a value below -65488 (halfway to -65472) rounds to -65504 or -inf
+            low = em.call(operator.lt, m, FP16_ROUNDS_TO_MIN)
             shift = em.call(torch.where, low, float(torch.finfo(torch.float32).min), 0.0)  # fp32; the gradient of m: 1
             node = em.call(operator.add, em.call("float", m, method=True), shift)
         elif isinstance(node, tuple):  # ("where", bool node, c, masked_when_true, dtype): a fill as an additive float
