@@ -10,8 +10,8 @@ import torch
 import torch.fx as fx
 
 from ..canonicalize import (
-    arg, constant_value, dropout_args, exp_lse_of, exp_sum_of, first_input, is_finite_number, kind, log_softmax_of,
-    tensor_of,
+    arg, constant_value, dropout_args, exp_lse_of, exp_sum_of, first_input, is_finite_number, is_inplace, kind,
+    log_softmax_of, reads_only_metadata, tensor_of,
 )
 from ..constants import read_float
 from ..layout import Contraction, contraction, identity
@@ -36,6 +36,7 @@ class Probs:
     dropout_p: float = 0.0
     nodes: list = field(default_factory=list)  # softmax .. end
     zeroed: Optional[ZeroFill] = None
+    shadows: list = field(default_factory=list)  # copies of the chain read only for their dtype / shape
 
 
 def _zero_fill(u: fx.Node, cur: fx.Node) -> Optional[ZeroFill]:
@@ -79,6 +80,12 @@ def _leaves_graph(gm: Optional[fx.GraphModule], node: fx.Node) -> str:
             "is left as written")
 
 
+def _metadata_copy(u: fx.Node, cur: fx.Node) -> bool:
+    """u is a cast or copy of `cur` whose every reader takes only its dtype / shape."""
+    return (kind(u) in ("cast", "identity") and first_input(u) is cur and not is_inplace(u) and bool(u.users)
+            and all(reads_only_metadata(r, u) for r in u.users))
+
+
 def walk_probs(sm: fx.Node, options: PassOptions, gm: Optional[fx.GraphModule] = None,
                through: Optional[fx.Node] = None) -> Probs:
     lsm = log_softmax_of(sm)  # exp(log_softmax(s)): both nodes are the softmax
@@ -101,10 +108,16 @@ def walk_probs(sm: fx.Node, options: PassOptions, gm: Optional[fx.GraphModule] =
                        "probabilities may read them")
     pre = [lsm] if lsm is not None else (list(es) if es is not None else (list(reversed(el)) if el else []))
     cur, nodes, dropout_p, zeroed = sm, pre + [sm], 0.0, None
+    shadows: list = []
     for _ in range(32):
         users = list(cur.users)
         if any(u.op == "output" for u in users):
             raise Miss(_leaves_graph(gm, cur))
+        # a copy of the probabilities read only for its dtype or shape (fair-esm: `w = p.type_as(s)`, then
+        # `dropout(p.type_as(w))`) uses no value: it goes with the site's nodes (erased once its readers are)
+        shade = [u for u in users if len(users) > 1 and _metadata_copy(u, cur)]
+        users = [u for u in users if u not in shade]
+        shadows += shade
         if len(users) != 1:
             names = ", ".join(u.name for u in users)
             raise Miss(f"probabilities have {len(users)} users ({names}); only a P·V contraction may read them")
@@ -158,7 +171,7 @@ def walk_probs(sm: fx.Node, options: PassOptions, gm: Optional[fx.GraphModule] =
             if c.lhs.perm != identity(c.lhs.rank):
                 raise Miss("probabilities enter the P·V contraction transposed")
             nodes.append(u)
-            return Probs(cur, c, dropout_p, nodes, zeroed)
+            return Probs(cur, c, dropout_p, nodes, zeroed, shadows)
         nodes.append(cur)
     raise Miss("probabilities chain too long")
 

@@ -192,6 +192,16 @@ class _Ctx:
                 if lo < self.pos[m] < hi and m not in own and not getattr(m, "_erased", False)]
 
 
+def _reader_first(chain: list, shadows: list) -> list:
+    """`chain` (users before their inputs) with each shadow copy placed after the nodes that read it and before the
+    node it copies, so that erasing in this order frees every node."""
+    out = list(chain)
+    for sh in shadows:
+        src = sh.args[0]
+        out.insert(out.index(src) if src in out else len(out), sh)
+    return out
+
+
 def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> SiteReport:
     rep = SiteReport(form="softmax", rewritten=False, where=_where(sm))
     why = emit.inside_vmap(sm)
@@ -247,7 +257,7 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
     if len(o_bd) != len(p_bd) or not _same(o_bd, p_bd):
         raise Miss("the P·V contraction broadcasts the probabilities to more batch dims")
     qk_regroup, v_regroup = not _same(inner_bd, bd), not _same(p_bd, bd)
-    own = set(scores.nodes) | set(probs.nodes) | {qk.node}
+    own = set(scores.nodes) | set(probs.nodes) | set(probs.shadows) | {qk.node}
 
     q = fold(qk.lhs)
     k = fold(qk.rhs.swap_last())
@@ -529,7 +539,7 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
         raise Miss(f"rewrite failed: {type(e).__name__}: {msg}") from e
     # the commit: nothing below raises (_erase_dead skips what it cannot erase)
     o_node.replace_all_uses_with(res)
-    _erase_dead(graph, [o_node] + list(reversed(probs.nodes)) + scores.nodes + [qk.node])
+    _erase_dead(graph, [o_node] + _reader_first(list(reversed(probs.nodes)), probs.shadows) + scores.nodes + [qk.node])
     rep.rewritten = True
     rep.call = call
     return rep
