@@ -523,7 +523,7 @@ def _autocast_kernel(device_type: str, key: str):
     and the matmuls of eager attention code (a rotary step in fp32 beside a bf16 V would otherwise fail the dtype
     check). fp64 tensors stay fp64 (autocast leaves them too). The bias keeps its dtype: the op adds it in fp32,
     and a float32 finfo.min mask cast to bf16 or fp16 would become -inf."""
-    keys = torch._C.DispatchKeySet(key)
+    keys = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
 
     def kernel(q: Tensor, k: Tensor, v: Tensor, *args, **kwargs):
         dt = torch.get_autocast_dtype(device_type)
