@@ -298,7 +298,7 @@ def structured_mask(b: Builder, node: fx.Node, terms: list, q4v: torch.Tensor, k
     fields = {f: getattr(spec, f) for f in _SPEC_FIELDS}
     # The analysis reads values through `.detach()` and no_grad regions, so the residual bias it returns may be a
     # tensor upstream of a gradient cut. A mask that carries no gradient gives the op a detached bias; one that
-    # carries one and holds a cut among its ancestors keeps eager's own arithmetic (the fallback).
+    # carries one, with a cut among the ancestors of any term, keeps eager's own arithmetic (the fallback).
     residual = fields.get("bias")
     if isinstance(residual, fx.Node) and isinstance(example_value(residual), torch.Tensor) and \
             example_value(residual).requires_grad:
@@ -313,22 +313,7 @@ def structured_mask(b: Builder, node: fx.Node, terms: list, q4v: torch.Tensor, k
             return fallback, fallback_kind
         if not any(carries):
             fields["bias"] = b.m("detach", residual)
-        elif _cut_among_ancestors([t for (_, t, _), c in zip(terms, carries) if c], memo):
+        elif any(c is False and any(memo.get(a) for a in n.all_input_nodes) for n, c in memo.items()):
+            # a cut among the ancestors of any term (`memo` holds them all): the analysis may have read through it
             return fallback, fallback_kind
     return fields, spec.kind
-
-
-def _cut_among_ancestors(nodes: list, carries: dict) -> bool:
-    """Whether a node that carries no gradient is computed from one that does, among the ancestors of `nodes`
-    (`carries`: Regions.carries_grad's memo, filled for all of them)."""
-    seen, todo = set(), list(nodes)
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        ins = n.all_input_nodes
-        if carries.get(n) is False and any(carries.get(a) for a in ins):
-            return True
-        todo += ins
-    return False

@@ -791,3 +791,22 @@ def test_regions_read_which_values_carry_a_gradient_from_the_graph():
     torch._dynamo.reset()
     assert got == {"b": True, "a": True, "c": True, "d": False, "detach": False, "e": False, "detach_1": False,
                    "g": True}, got
+
+
+class MHALearnedAndDetachedMasks(nn.Module):
+    """A learned attn_mask beside a float key_padding_mask computed from a detached parameter: the mask analysis
+    combines the two terms, and only the first may pass a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(D * H, H, batch_first=True)
+        self.bias = nn.Parameter(torch.randn(N, N) * 0.1)
+        self.pad = nn.Parameter(torch.randn(B, N))
+
+    def forward(self, x):
+        return self.mha(x, x, x, attn_mask=self.bias, key_padding_mask=self.pad.detach().view(B, N), need_weights=False)[0]
+
+
+def test_multihead_attention_with_a_learned_mask_and_a_detached_one():
+    torch.manual_seed(0)
+    check(MHALearnedAndDetachedMasks(), [rand(B, N, D * H, seed=3, requires_grad=True)], rewritten=1)
