@@ -12,7 +12,7 @@ where it waits for the host).
 
     python benchmarks/padded_keys.py [--mode train|fwd] [--rounds 5] [--idle]
                                      [--variants cut,every-key,dq-kernel,pointer-bwd,sdpa]
-                                     [--out F.json]
+                                     [--out F.json] [--batch B] [--seq N] [--hidden H] [--layers L]
 """
 from __future__ import annotations
 
@@ -33,11 +33,10 @@ from models import FULL, build, inputs  # noqa: E402
 ATTENTION = ("attn_", "sdpa", "flash", "fmha", "key_limit")  # kernel names counted as attention in the listing
 
 
-def make_step(variant: str, mode: str, cuts_keys):
+def make_step(variant: str, mode: str, cuts_keys, spec: dict):
     import fa_compile
     from fa_compile.lowering import key_limit
 
-    spec = FULL["bert"]
     model = build("bert", "sdpa" if variant == "sdpa" else "eager", spec["cfg"], "cuda", torch.bfloat16)
     model.train(mode == "train")
     kw = inputs("bert", model, spec, "cuda", torch.bfloat16)[1 if mode == "train" else 0]
@@ -101,7 +100,21 @@ def main() -> None:
     ap.add_argument("--variants", default="cut,every-key,sdpa")
     ap.add_argument("--out", default=None, help="a JSON file, or a folder to write padded-keys-MODE.json into")
     ap.add_argument("--idle", action="store_true")
+    ap.add_argument("--batch", type=int, default=None, help="batch (default: models.py's 32)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 512)")
+    ap.add_argument("--hidden", type=int, default=None, help="hidden size, 64 per head (default 1024)")
+    ap.add_argument("--layers", type=int, default=None, help="layers (default 8)")
     args = ap.parse_args()
+    spec = dict(FULL["bert"], cfg=dict(FULL["bert"]["cfg"]))
+    if args.batch:
+        spec["B"] = args.batch
+    if args.seq:
+        spec["N"] = args.seq
+    if args.hidden:
+        spec["cfg"].update(hidden_size=args.hidden, num_attention_heads=args.hidden // 64,
+                           intermediate_size=4 * args.hidden)
+    if args.layers:
+        spec["cfg"]["num_hidden_layers"] = args.layers
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from triton.testing import do_bench
@@ -116,7 +129,7 @@ def main() -> None:
     for v in args.variants.split(","):
         t0 = time.time()
         n0 = len(graph_pass.records())
-        steps[v] = make_step(v, args.mode, cuts_keys)
+        steps[v] = make_step(v, args.mode, cuts_keys, spec)
         print(f"{args.mode} {v}: compiled and warmed in {time.time() - t0:.1f} s", flush=True)
         for r in graph_pass.records()[n0:n0 + 2]:
             print("   ", r.decision)
@@ -134,7 +147,7 @@ def main() -> None:
     for v, t in b2b.items():
         ratio = f"  vs sdpa {med_b2b[v] / med_b2b['sdpa']:.3f}" if "sdpa" in med_b2b else ""
         print(f"{args.mode} {v:9s} back to back: median {med_b2b[v]:.3f} ms  rounds {[round(x, 3) for x in t]}{ratio}")
-    res = dict(mode=args.mode, times=times, median=med, back_to_back=b2b, median_back_to_back=med_b2b,
+    res = dict(mode=args.mode, shape=dict(B=spec["B"], N=spec["N"], **spec["cfg"]), times=times, median=med, back_to_back=b2b, median_back_to_back=med_b2b,
                torch=torch.__version__, gpu=torch.cuda.get_device_name())
     if args.idle:
         for v, s in steps.items():

@@ -446,42 +446,52 @@ def test_gluon_takes_row_bias_not_other_untileable_biases():
 
 def test_lowered_backward_takes_the_gluon_op_where_measured_faster(monkeypatch):
     # The lowering's rule (fa_compile/lowering/triton.py, gluon_backward) on FakeTensors of a Hopper site: the Gluon
-    # op with dropout at any size, without it from 512 x 512 scores on (a ViT's 197 tokens ran faster on the pointer
-    # pair); a boolean key-padding mask shared by the heads, no other bias; not with FA_COMPILE_GLUON=0, in
-    # deterministic mode, or on another GPU.
+    # op from GLUON_BWD_MIN_WORK scores per site on (a padded BERT's B32 x 12 heads x 256 tokens trained faster on
+    # the pointer pair, whose launches cost less host time), and without dropout from 512 x 512 scores per head on
+    # (a ViT's 197 tokens ran faster on the pointer pair); FA_COMPILE_GLUON=1 at every size; a boolean key-padding
+    # mask shared by the heads, no other bias; not with FA_COMPILE_GLUON=0, in deterministic mode, or on another GPU.
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from fa_compile import dispatch
     from fa_compile.lowering import triton as lowering
 
     monkeypatch.setattr(tf, "gluon_available", lambda: True)
+    monkeypatch.delenv("FA_COMPILE_GLUON", raising=False)
     cap = [(9, 0)]
     monkeypatch.setattr(lowering, "_capability", lambda t: cap[0])
 
-    def site(n: int, bias=None, bias_dtype=torch.bool, dropout_p=0.0):
+    def site(n: int, batch: int = 64, heads: int = 4, bias=None, bias_dtype=torch.bool, dropout_p=0.0):
         with FakeTensorMode():
-            q = torch.empty(2, n, 4, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+            q = torch.empty(batch, n, heads, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
             b = None if bias is None else torch.empty(bias, device="cuda", dtype=bias_dtype)
             seed = torch.empty((), device="cuda", dtype=torch.int64) if dropout_p else None
             return dispatch.AttentionArgs(q, q, q, 0.125, False, bias=b, dropout_p=dropout_p, dropout_seed=seed)
 
     takes = lowering.gluon_backward
     assert takes(site(512)) and takes(site(1024))
-    assert not takes(site(197)) and not takes(site(511))
-    assert takes(site(197, dropout_p=0.1))
-    assert takes(site(512, bias=(2, 1, 1, 512), dropout_p=0.1))
-    assert not takes(site(512, bias=(2, 4, 1, 512)))  # one mask per head
-    assert not takes(site(512, bias=(2, 1, 1, 512), bias_dtype=torch.bfloat16))  # additive
+    assert not takes(site(197, batch=2048)) and not takes(site(511, batch=128))  # per head
+    # the scores per site: B32 x 12 heads x 256^2 (25.2M) is under the line, x 384^2 (56.6M) over it
+    assert not takes(site(256, batch=32, heads=12, dropout_p=0.1))
+    assert takes(site(384, batch=32, heads=12, dropout_p=0.1))
+    assert takes(site(197, batch=512, dropout_p=0.1))  # with dropout, any length
+    assert not takes(site(1024, batch=2, dropout_p=0.1)) and not takes(site(4096, batch=1, heads=1))
+    assert takes(site(512, bias=(64, 1, 1, 512), dropout_p=0.1))
+    assert not takes(site(512, bias=(64, 4, 1, 512)))  # one mask per head
+    assert not takes(site(512, bias=(64, 1, 1, 512), bias_dtype=torch.bfloat16))  # additive
     low = lowering.TRITON_LOWERING
     assert low.target_for(site(512), "backward") == "fa3_gluon.bwd"
     assert low.target_for(site(512), "forward") == "fa3_triton.fwd"
     assert low.target_for(site(197), "backward") == "fa3_triton.bwd"
     assert low.backward_note(site(512)) == lowering.GLUON_BWD_TEXT
+    assert "the pointer kernels, not the Gluon backward: 25.2M scores" in low.backward_note(
+        site(256, batch=32, heads=12, dropout_p=0.1))
     torch.use_deterministic_algorithms(True)
     try:
         assert not takes(site(512))  # the Gluon kernel's dQ sums arrive in varying order
     finally:
         torch.use_deterministic_algorithms(False)
+    monkeypatch.setenv("FA_COMPILE_GLUON", "1")  # every size
+    assert takes(site(64, batch=1, dropout_p=0.1)) and takes(site(197, batch=1))
     monkeypatch.setenv("FA_COMPILE_GLUON", "0")
     assert not takes(site(512))
     monkeypatch.delenv("FA_COMPILE_GLUON")

@@ -121,11 +121,20 @@ FUSED_DQ_TEXT = "dQ added by the dK/dV kernel through fp32 atomics (a dQ kernel 
 GLUON_BWD_TEXT = "the Gluon backward kernel: one pass over the score tiles, launched by the op"
 
 
-# Without dropout the lowered backward takes the Gluon kernel from Nq x Nk = 512 x 512 on: on the H200 (bf16,
-# d64, the models of benchmarks/models.py) a ViT training step (B64 x 197) ran 1.2% more GPU time with it than with
-# the pointer pair, while at B32 x 512 it took 0.326 ms against 0.346 and at 1024 keys less still. With dropout the
-# pair computes the dropout hash in both of its kernels and the Gluon kernel once: 1.24-1.38x at 512 and 1024 keys
-# (benchmarks/results/gluon-bwd-dropout-h200-2026-12-04.txt), so there it takes every size (below 512 unmeasured).
+# The Gluon kernel's op is a Python call in Inductor's code (~140 µs of host time per call on an H100's host,
+# replayed: kernels/gluon_ops.py) where Inductor launches the pointer pair itself, so it pays only where the
+# GPU time it saves is larger. Padded BERT training steps with attention dropout 0.1 (H100, bf16, d64,
+# benchmarks/padded_keys.py, each row one process; B x heads x Nq x Nk scores per site, Gluon / pointer pair
+# against SDPA code under Inductor): B32 x 12 x 256^2 (25.2M) 1.124x / 1.012x; B32 x 12 x 384^2 (56.6M)
+# 0.975x / 1.004x; B32 x 16 x 512^2 (134M) 0.954x / 1.010x (benchmarks/results/gluon-bwd-crossover-h100-2026-12-07.txt).
+# Below GLUON_BWD_MIN_WORK, about where those lines cross, the step is host-bound and the pair is faster.
+GLUON_BWD_MIN_WORK = 48_000_000
+# Without dropout the pair computes nothing twice and the Gluon kernel saves less: on the H200 (bf16, d64, the
+# models of benchmarks/models.py) a ViT training step (B64 x 197) ran 1.2% more GPU time with it than with the
+# pair, while at B32 x 512 it took 0.326 ms against 0.346 and at 1024 keys less still. With dropout the pair
+# computes the dropout hash in both of its kernels and the Gluon kernel once: 1.24-1.38x at 512 and 1024 keys
+# (benchmarks/results/gluon-bwd-dropout-h200-2026-12-04.txt). So without dropout it also needs
+# GLUON_BWD_MIN_SCORES per head.
 GLUON_BWD_MIN_SCORES = 512 * 512
 
 
@@ -133,16 +142,32 @@ def gluon_backward(args: dispatch.AttentionArgs) -> bool:
     """Whether the lowered backward calls fa3_gluon::bwd (fa_compile/kernels/gluon_ops.py) rather than the pointer
     kernels: on Hopper, where the family's Gluon backward takes the site (triton_family.gluon_backward_applies,
     which also reads FA_COMPILE_GLUON and deterministic mode), TMA takes q, k, v and a BSHD dout's strides, and
-    the site has dropout or at least GLUON_BWD_MIN_SCORES scores per head."""
+    the site has GLUON_BWD_MIN_WORK scores in all and, without dropout, GLUON_BWD_MIN_SCORES per head.
+    FA_COMPILE_GLUON=1 takes the Gluon kernel at every size."""
+    return _gluon_kernel_takes(args) and not _gluon_too_small(args)
+
+
+def _gluon_kernel_takes(args: dispatch.AttentionArgs) -> bool:
     if args.q.device.type != "cuda" or _wants_dbias(args):
         return False
-    if float(args.dropout_p) == 0 and int(args.q.shape[2]) * int(args.k.shape[2]) < GLUON_BWD_MIN_SCORES:
-        return False
     cap = _capability(args.q)
-    tf = _family()
-    if cap[0] != 9 or not tf.gluon_backward_applies(args, cap):
+    if cap[0] != 9 or not _family().gluon_backward_applies(args, cap):
         return False
     return _descriptor_path(_site_meta(args), cap)
+
+
+def _gluon_too_small(args: dispatch.AttentionArgs) -> str:
+    """Why the site is too small for the Gluon op (GLUON_BWD_MIN_WORK, GLUON_BWD_MIN_SCORES), or ""."""
+    if os.environ.get("FA_COMPILE_GLUON") == "1":
+        return ""
+    b, h, nq = (int(x) for x in args.q.shape[:3])
+    nk = int(args.k.shape[2])
+    if b * h * nq * nk < GLUON_BWD_MIN_WORK:
+        return (f"{b * h * nq * nk / 1e6:.1f}M scores, under the {GLUON_BWD_MIN_WORK / 1e6:.0f}M from which the "
+                "Gluon kernel's GPU time saves more than its op's host time costs")
+    if float(args.dropout_p) == 0 and nq * nk < GLUON_BWD_MIN_SCORES:
+        return f"Nq x Nk = {nq} x {nk} without dropout, under 512 x 512, where the Gluon kernel saves no GPU time"
+    return ""
 
 
 def settings_key() -> tuple:
@@ -200,7 +225,11 @@ class TritonLowering:
         where it has no dQ kernel."""
         if gluon_backward(args):
             return GLUON_BWD_TEXT
-        return FUSED_DQ_TEXT if fuses_dq(args) else ""
+        note = FUSED_DQ_TEXT if fuses_dq(args) else ""
+        small = _gluon_kernel_takes(args) and _gluon_too_small(args)
+        if small:
+            note = "; ".join(x for x in (note, f"the pointer kernels, not the Gluon backward: {small}") if x)
+        return note
 
     def target(self, direction: str) -> str:
         return "fa3_triton.bwd" if direction == "backward" else "fa3_triton.fwd"
