@@ -23,14 +23,16 @@ from .emit import example_value
 
 
 def canonicalize(gm: fx.GraphModule) -> bool:
-    """The graph edits made before analysis, each proven to keep every value and gradient (see
+    """The graph edits made before analysis, each proven to keep every value and gradient (see aten_spellings.py,
     view_attributes.py, functionalize.py, slice_update.py, reshaped_terms.py, key_major.py and dead_code.py):
+    ATen overloads called by name become the torch functions they are, metadata checks that hold are dropped,
     transposes spelled as attributes (`x.mT`) become `x.transpose(a, b)`, in-place updates of tensors nothing else
     aliases become their functional op, terms added to a slice of the scores and written back become zero-padded
     terms of the scores, terms added to a reshaped view of a tensor that is viewed back become terms of that
     tensor, key-major scores normalised over dim -2 become query-major ones, and nodes whose result nobody reads
     and whose computation changes nothing else are removed. Every other spelling is read through `kind` and the
     accessors below. True when the graph changed (the pass puts it back when no site is rewritten)."""
+    from .aten_spellings import spell_aten_ops
     from .dead_code import remove_dead_pure_nodes
     from .functionalize import functionalize_inplace
     from .key_major import fold_key_major_scores
@@ -38,7 +40,8 @@ def canonicalize(gm: fx.GraphModule) -> bool:
     from .slice_update import fold_slice_updates
     from .view_attributes import spell_view_attributes
 
-    changed = spell_view_attributes(gm)
+    changed = spell_aten_ops(gm)
+    changed = spell_view_attributes(gm) or changed
     changed = functionalize_inplace(gm) or changed
     changed = fold_slice_updates(gm) or changed
     changed = fold_reshaped_terms(gm) or changed

@@ -1,0 +1,149 @@
+"""ATen operator overloads called by name (`torch.ops.aten.softmax.int(x, -1)`), read as the torch functions
+they are.
+
+A graph Dynamo traces from a `torch.export`-ed program (`ep.module()`), or from code that calls `torch.ops.aten`
+directly, holds `call_function` nodes whose targets are `OpOverload`s: `aten.matmul.default`,
+`aten.transpose.int`, `aten.scaled_dot_product_attention.default`. `canonicalize.kind` and every walker name the
+torch-level spellings, so such a graph had no site. Each overload in `_TABLE` is replaced by the public function
+that resolves to that same overload for the node's arguments: the node computes the same kernel on the same
+arguments, so values, gradients and aliasing are unchanged. The table pairs an overload with its function only
+where the positional arguments and the keyword names agree (the first argument, `self` in the schema, is always
+passed by position here; a node that names it is left alone). Overloads whose torch-level function would choose
+another overload (`aten._softmax` with its `half_to_float`, `_to_copy`, `_unsafe_view`) are not in the table.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .emit import example_value
+
+
+def _table() -> dict[Any, Union[Callable, str]]:
+    """overload -> the torch function, or the name of the Tensor method (a string) it is called as."""
+    aten = torch.ops.aten
+    t: dict[Any, Union[Callable, str]] = {}
+
+    def put(fn: Union[Callable, str], packet: Any, *overloads: str) -> None:
+        for name in overloads:
+            ov = getattr(packet, name, None)
+            if ov is not None:
+                t[ov] = fn
+
+    put(torch.matmul, aten.matmul, "default")
+    put(torch.bmm, aten.bmm, "default")
+    put(torch.baddbmm, aten.baddbmm, "default")
+    put(F.linear, aten.linear, "default")
+    put(torch.softmax, aten.softmax, "int")
+    put(torch.log_softmax, aten.log_softmax, "int")
+    put(torch.exp, aten.exp, "default")
+    put(torch.logsumexp, aten.logsumexp, "default")
+    put(torch.tanh, aten.tanh, "default")
+    put(torch.mul, aten.mul, "Tensor", "Scalar")
+    put(torch.div, aten.div, "Tensor", "Scalar", "Tensor_mode", "Scalar_mode")
+    put(torch.add, aten.add, "Tensor", "Scalar")
+    put(torch.sub, aten.sub, "Tensor", "Scalar")
+    put(torch.masked_fill, aten.masked_fill, "Scalar", "Tensor")
+    put(torch.where, aten.where, "self", "ScalarSelf", "ScalarOther", "Scalar")
+    put(torch.dropout, aten.dropout, "default")
+    put(torch.transpose, aten.transpose, "int")
+    put(torch.permute, aten.permute, "default")
+    put("view", aten.view, "default")
+    put("expand", aten.expand, "default")
+    put(torch.reshape, aten.reshape, "default")
+    put(torch.unsqueeze, aten.unsqueeze, "default")
+    put(torch.clone, aten.clone, "default")
+    put(torch.repeat_interleave, aten.repeat_interleave, "self_int", "self_Tensor")
+    put("to", aten.to, "dtype")
+    put(F.scaled_dot_product_attention, aten.scaled_dot_product_attention, "default")
+    # the pieces masks are built from
+    put(torch.arange, aten.arange, "default", "start", "start_step")
+    put(torch.tril, aten.tril, "default")
+    put(torch.triu, aten.triu, "default")
+    for cmp in ("lt", "le", "gt", "ge", "eq", "ne"):
+        put(getattr(torch, cmp), getattr(aten, cmp), "Tensor", "Scalar")
+    for name in ("logical_not", "logical_and", "logical_or", "bitwise_not", "bitwise_and", "bitwise_or", "neg",
+                 "abs", "minimum", "maximum"):
+        put(getattr(torch, name), getattr(aten, name), "default", "Tensor")
+    put(torch.rsub, aten.rsub, "Tensor", "Scalar")
+    put(torch.full, aten.full, "default")
+    put(torch.zeros, aten.zeros, "default")
+    put(torch.ones, aten.ones, "default")
+    put(torch.ones_like, aten.ones_like, "default")
+    put(torch.zeros_like, aten.zeros_like, "default")
+    put(torch.full_like, aten.full_like, "default")
+    return t
+
+
+_TABLE: Optional[dict] = None
+
+
+def _function_for(node: fx.Node) -> Optional[Union[Callable, str]]:
+    global _TABLE
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    if _TABLE is None:
+        _TABLE = _table()
+    fn = _TABLE.get(node.target)
+    if fn is None or "self" in node.kwargs:
+        return None
+    if node.target is torch.ops.aten.expand.default and node.kwargs.get("implicit"):
+        return None
+    return fn
+
+
+def _holds(node: fx.Node) -> bool:
+    """`node` is `aten._assert_tensor_metadata(x, size, stride, dtype, device=, layout=)` (torch.export puts one
+    before each `.to()`) and x's example value has that metadata. Dynamo's guards fix the dtype, device and layout
+    of every input, and an intermediate's follow from them, so the check holds on every call that runs this
+    graph: it reads nothing and is dropped (it would otherwise be a second reader of the probabilities)."""
+    target = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
+    if target is None or node.op != "call_function" or node.target is not getattr(target, "default", None):
+        return False
+    if node.users or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    t = example_value(node.args[0])
+    if not isinstance(t, torch.Tensor):
+        return False
+    names = ("size", "stride", "dtype")
+    given = {**{n: a for n, a in zip(names, node.args[1:])}, **node.kwargs}
+    want = {"size": tuple(t.shape), "stride": tuple(t.stride()), "dtype": t.dtype, "device": t.device,
+            "layout": t.layout}
+    for name, value in given.items():
+        if value is None:
+            continue
+        if name not in want:
+            return False
+        have = want[name]
+        if name in ("size", "stride"):
+            value = tuple(value)
+            if any(isinstance(x, torch.SymInt) for x in (*value, *have)):
+                return False
+        elif name == "device":
+            value = torch.device(value)
+        if value != have:
+            return False
+    return True
+
+
+def spell_aten_ops(gm: fx.GraphModule) -> bool:
+    """Give every overload of `_TABLE` its torch-level function or Tensor method as the node's target, and drop the
+    metadata checks that hold (`_holds`); True when the graph changed."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if _holds(node):
+            gm.graph.erase_node(node)
+            changed = True
+            continue
+        fn = _function_for(node)
+        if isinstance(fn, str):
+            node.op, node.target = "call_method", fn
+        elif fn is not None:
+            node.target = fn
+        changed = changed or fn is not None
+    if changed:
+        gm.recompile()
+    return changed

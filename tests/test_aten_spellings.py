@@ -1,0 +1,159 @@
+"""ATen overloads called by name, as a `torch.export`-ed program's module (`ep.module()`) or code calling
+`torch.ops.aten` holds them: read as the torch functions they are (patterns/aten_spellings.py), so the attention
+they spell is found and rewritten, outputs and gradients as eager's."""
+from __future__ import annotations
+
+import warnings
+
+import expecttest
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from conftest import Compiled
+from eager_diff import check, rand
+from test_patterns_softmax import pinned
+
+from fa_compile.patterns.aten_spellings import spell_aten_ops
+
+aten = torch.ops.aten
+B, H, N, D = 2, 2, 8, 4
+
+
+def qkv(grad: bool = True):
+    return [rand(B, H, N, D, seed=s).requires_grad_(grad) for s in range(3)]
+
+
+class HandWritten(torch.nn.Module):
+    def forward(self, q, k, v):
+        s = q @ k.transpose(-2, -1) * 0.5
+        causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+        s = s.masked_fill(~causal, float("-inf"))
+        return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+class Sdpa(torch.nn.Module):
+    def forward(self, q, k, v, keep):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
+
+
+def exported(module: torch.nn.Module, *args) -> torch.nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.export.export(module, tuple(a.detach() for a in args)).module()
+
+
+def aten_calls(fn, *args) -> set:
+    """The aten overloads in the graph Dynamo traces from fn (before the pass)."""
+    seen = set()
+
+    def backend(gm, example_inputs):
+        seen.update(str(n.target) for n in gm.graph.nodes
+                    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend)(*args)
+    return seen
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_exported_hand_written_attention_is_rewritten(inner):
+    q, k, v = qkv()
+    m = exported(HandWritten(), q, k, v)
+    assert {"aten.matmul.default", "aten.softmax.int", "aten.masked_fill.Scalar"} <= aten_calls(m, q, k, v)
+    res = check(m, [q, k, v], inner=inner)
+    assert [r.rewritten for r in res.reports] == [True], [r.reason for r in res.reports]
+    assert res.reports[0].mask == "causal"
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_exported_sdpa_with_a_key_padding_mask_is_rewritten(inner):
+    q, k, v = qkv()
+    keep = torch.ones(B, N, dtype=torch.bool)
+    keep[1, 5:] = False
+    m = exported(Sdpa(), q, k, v, keep)
+    assert "aten.scaled_dot_product_attention.default" in aten_calls(m, q, k, v, keep)
+    res = check(m, [q, k, v, keep], inner=inner)
+    assert [r.rewritten for r in res.reports] == [True], [r.reason for r in res.reports]
+
+
+def test_aten_overloads_called_in_user_code():
+    def f(q, k, v):
+        s = aten.mul.Tensor(aten.matmul.default(q, aten.transpose.int(k, -2, -1)), 0.5)
+        return aten.matmul.default(aten.softmax.int(s, -1), v)
+
+    res = check(f, qkv())
+    assert [r.rewritten for r in res.reports] == [True]
+
+
+def test_softmax_with_half_to_float_is_not_read_as_softmax():
+    # aten._softmax(x, dim, half_to_float) is not in the table: no site, and the result is eager's
+    def f(q, k, v):
+        return aten._softmax.default(q @ k.transpose(-2, -1), -1, False) @ v
+
+    res = check(f, qkv())
+    assert not any(r.rewritten for r in res.reports)
+
+
+def test_metadata_checks_that_hold_are_dropped_and_others_kept():
+    # torch.export puts aten._assert_tensor_metadata before each .to(): one that holds on the example value (whose
+    # dtype, device and layout Dynamo's guards fix) is dropped; one that would fail stays, and with it the graph's
+    # failure at run time
+    def make(dtype):
+        g = fx.Graph()
+        x = g.placeholder("x")
+        x.meta["example_value"] = torch.empty(2, 3)
+        g.call_function(aten._assert_tensor_metadata.default, (x,), {"dtype": dtype, "device": torch.device("cpu")})
+        g.output(x)
+        return fx.GraphModule(torch.nn.Module(), g)
+
+    holds, fails = make(torch.float32), make(torch.float16)
+    assert spell_aten_ops(holds) and spell_aten_ops(fails) is False
+    assert "_assert_tensor_metadata" not in holds.code and "_assert_tensor_metadata" in fails.code
+
+
+@pytest.mark.parametrize("name", ["bert", "llama", "gpt2"])
+def test_exported_hugging_face_models(name):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    small = dict(vocab_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                 attn_implementation="eager")
+    if name == "bert":
+        model = transformers.BertModel(transformers.BertConfig(hidden_size=16, **small))
+        want_mask = "bool-mask"
+    elif name == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(hidden_size=16, num_key_value_heads=1, **small))
+        want_mask = "causal+bool-mask"
+    else:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64,
+                                                                     attn_implementation="eager"))
+        want_mask = "causal+bool-mask"
+    model.eval()
+    ids = torch.randint(0, 64, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    kw = dict(input_ids=ids, attention_mask=mask)
+    if name != "bert":
+        kw["use_cache"] = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = torch.export.export(model, (), kw).module()
+    want = m(**kw)
+    c = Compiled(m, inner="aot_eager", fullgraph=False)
+    got = c(**kw)
+    assert [r.rewritten for r in c.reports] == [True, True], [r.reason for r in c.reports]
+    assert {r.mask for r in c.reports} == {want_mask}
+    w = want[0] if isinstance(want, (tuple, list)) else want.logits if hasattr(want, "logits") else want
+    g = got[0] if isinstance(got, (tuple, list)) else got.logits if hasattr(got, "logits") else got
+    torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+
+
+class TestPinnedExported(expecttest.TestCase):
+    def test_pinned_exported_causal(self):
+        q, k, v = qkv()
+        self.assertExpectedInline(pinned(exported(HandWritten(), q, k, v), q, k, v), """\
+fa3.attention(l_q_, l_k_, l_v_, 0.5, True, 0, -1, -1, None, None, 0.0, 0.0, None, None)
+getitem(attention_default, 0)
+clone(getitem)""")
