@@ -31,32 +31,31 @@ def _flag(name: str) -> str:
 _WARNED_VALUES: set = set()
 
 
-def flag_on(name: str) -> bool:
-    """An on/off switch: 1 / true / yes / on. Any other value but 0 / false / no / off (or unset) reads as off, with
-    one warning naming the switch (FA_COMPILE_TUNE=maybe must not be ignored silently)."""
-    value = _flag(name)
-    if value in _TRUE:
-        return True
-    if value and value not in _FALSE and (name, value) not in _WARNED_VALUES:
+def _warn_unrecognised(name: str, value: str, advice: str) -> None:
+    """One warning per switch and value for a value that reads as neither on nor off (FA_COMPILE_TUNE=maybe or
+    FA_COMPILE=2 must not be ignored silently)."""
+    if value and value not in _TRUE and value not in _FALSE and (name, value) not in _WARNED_VALUES:
         _WARNED_VALUES.add((name, value))
         import warnings
 
-        warnings.warn(f"{name}={env(name)!r} is not recognised and is read as off: use 1 (also true, yes, on) to "
-                      f"turn it on, or 0 (also false, no, off)", RuntimeWarning, stacklevel=3)
-    return False
+        warnings.warn(f"{name}={env(name)!r} is not recognised and {advice}", RuntimeWarning, stacklevel=4)
+
+
+def flag_on(name: str) -> bool:
+    """An on/off switch: 1 / true / yes / on. Any other value but 0 / false / no / off (or unset) reads as off, with
+    one warning naming the switch."""
+    value = _flag(name)
+    _warn_unrecognised(name, value, "is read as off: use 1 (also true, yes, on) to turn it on, or 0 (also false, "
+                                    "no, off)")
+    return value in _TRUE
 
 
 def fa_compile_flag() -> str:
-    """FA_COMPILE, lower-cased; an unrecognised value is treated as unset, with one warning naming
-    the valid ones (a typo such as FA_COMPILE=2 must not be silently ignored)."""
+    """FA_COMPILE, lower-cased; an unrecognised value is treated as unset, with one warning naming the valid ones."""
     value = _flag("FA_COMPILE")
-    if value and value not in _TRUE and value not in _FALSE and ("FA_COMPILE", value) not in _WARNED_VALUES:
-        _WARNED_VALUES.add(("FA_COMPILE", value))
-        import warnings
-
-        warnings.warn(f"FA_COMPILE={env('FA_COMPILE')!r} is not recognised and is ignored: use 1 (also true, yes, on) "
-                      f"to rewrite attention under a plain torch.compile, 0 (also false, no, off) to turn fa-compile "
-                      f"off everywhere, or leave it unset", RuntimeWarning, stacklevel=3)
+    _warn_unrecognised("FA_COMPILE", value, "is ignored: use 1 (also true, yes, on) to rewrite attention under a "
+                                            "plain torch.compile, 0 (also false, no, off) to turn fa-compile off "
+                                            "everywhere, or leave it unset")
     return value
 
 

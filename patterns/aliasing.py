@@ -268,6 +268,13 @@ def written_after(node: fx.Node, after: fx.Node, limit: int = 4096) -> bool:
     return bases is None or _class_written(bases, limit, _stands_after(after, inclusive=False))
 
 
+def copy_parted(copy: fx.Node, src: fx.Node) -> bool:
+    """Whether a copy of `src` made at `copy` may hold other values than `src` where either is read: the copy is
+    written in place anywhere (eager reads the written copy: `k = k.clone(); k[..., :2] = rotated`), or `src` is
+    written after the copy was made."""
+    return written_after(copy, copy) or written_after(src, copy)
+
+
 def escapes(node: fx.Node, limit: int = 4096) -> bool:
     """Whether `node`'s memory may leave the graph: `node` itself or a view of it (an in-place op's result is its
     input) is a graph output. The caller may then write into it (`o += x` after the call, or in the next graph after

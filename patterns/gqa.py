@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch.fx as fx
 
-from .aliasing import written_after
+from .aliasing import copy_parted
 from .canonicalize import arg, kind, tensor_of
 from .layout import View
 from .shapes import known_eq
@@ -58,7 +58,7 @@ def unrepeat(view: View, head_axis: int) -> View:
     t = tensor_of(node)
     k = kind(node)
     if k in ("repeat_interleave", "reshape") and isinstance(node.args[0], fx.Node) and \
-            (written_after(node, node) or written_after(node.args[0], node)):
+            copy_parted(node, node.args[0]):
         return view  # a repeated copy written in place, or its source written after it: the copy is what is read
     if k == "repeat_interleave":
         reps, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")

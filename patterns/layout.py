@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from .aliasing import written_after
+from .aliasing import copy_parted
 from .canonicalize import arg, kind, tensor_of
 
 
@@ -83,9 +83,8 @@ def _copies(node: fx.Node, src: fx.Node) -> bool:
 
 
 def _copy_written(node: fx.Node, src: fx.Node) -> bool:
-    """`node` copies `src` and a write may make them differ where the site reads: into the copy anywhere (eager
-    reads the written copy: `k = k.clone(); k[..., :2] = rotated`), or into `src` after the copy was made."""
-    return _copies(node, src) and (written_after(node, node) or written_after(src, node))
+    """`node` copies `src` and a write may make them differ where the site reads (aliasing.copy_parted)."""
+    return _copies(node, src) and copy_parted(node, src)
 
 
 def fold(view: View, *, through_casts: bool = True) -> View:
