@@ -51,14 +51,15 @@ def sdpa_args(node: fx.Node) -> dict:
     return bound
 
 
-def _to_4d(b: Builder, t: fx.Node, nd: int, name: str) -> fx.Node:
+def _to_4d(b: Builder, t: fx.Node, nd: int, name: str, heads_first: bool = False) -> fx.Node:
     """[..., N, E] -> [B, H, N, E]: a view, or for leading dims that no view folds (NesT's and Hiera's
     `permute(3, 0, 4, 1, 2, 5)` of a fused QKV projection) a copy, which `flatten` makes then; autograd takes
-    the gradient back through it as through any reshape."""
+    the gradient back through it as through any reshape. `heads_first`: a 3-D input's leading dim is its heads
+    (SDPA's enable_gqa groups dim -3)."""
     if nd == 4:
         return t
     if nd == 3:
-        return b.m("unsqueeze", t, 1)
+        return b.m("unsqueeze", t, 0 if heads_first else 1)
     if nd == 2:
         return b.m("unsqueeze", b.m("unsqueeze", t, 0), 0)
     return b.m("flatten", t, 0, nd - 4)
@@ -167,7 +168,9 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, c
     rep.scale = scale if isinstance(scale, float) else f"{scale.name} (run time)"
     check_scalars(dropout_p, scale)
 
-    q4, k4, v4 = (_to_4d(b, t, nd, n) for t, n in ((q, "query"), (k, "key"), (v, "value")))
+    # 3-D inputs under enable_gqa with fewer key than query heads: SDPA groups their leading dim (dim -3)
+    heads_first = nd == 3 and enable_gqa and not same_size(qv.shape[0], kv.shape[0])
+    q4, k4, v4 = (_to_4d(b, t, nd, n, heads_first) for t, n in ((q, "query"), (k, "key"), (v, "value")))
     q4v = tensor_value(q4, "query")
     batch, hq = q4v.shape[0], q4v.shape[1]
     k4, v4, repeat_removed = _unrepeat_kv(k4, v4, hq)
@@ -194,7 +197,7 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, c
             raise Refuse(f"attn_mask dtype {mv.dtype} is neither bool nor floating")
         bias = mask
         if nd == 3 and mv.dim() == 3:
-            bias = b.m("unsqueeze", mask, 1)
+            bias = b.m("unsqueeze", mask, 0 if heads_first else 1)
         elif nd > 4 and mv.dim() > 3:
             raise Refuse(f"a {mv.dim()}-D attn_mask with {nd}-D inputs (would need a copy to fold)")
         elif mv.dim() > 4:
@@ -207,7 +210,7 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, c
     b.nodes.append(out4)
     out = out4
     if nd == 3:
-        out = b.m("squeeze", out4, 1)
+        out = b.m("squeeze", out4, 0 if heads_first else 1)
     elif nd == 2:
         out = b.m("squeeze", b.m("squeeze", out4, 0), 0)
     elif nd > 4:

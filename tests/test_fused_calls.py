@@ -192,6 +192,26 @@ def test_sdpa_with_repeated_kv_gqa_is_rewritten():
     assert not any(n.op == "call_method" and n.target in ("expand", "reshape") for n in cap.graphs[0].graph.nodes)
 
 
+@pytest.mark.parametrize("mask", [None, (4, 5, 5), (1, 5, 5), (5, 5)], ids=["causal", "per-head", "shared", "2d"])
+def test_sdpa_enable_gqa_on_3d_inputs_groups_their_leading_dim(mask):
+    """3-D inputs [H, N, E] under enable_gqa: SDPA groups dim -3, the heads (4 query heads on 2 key / value heads),
+    where without it the leading dim would be a batch; a 3-D mask is per head. Outputs and every gradient."""
+    q, k, v = (rnd(h, 5, 8, seed=s).requires_grad_() for h, s in ((4, 1), (2, 2), (2, 3)))
+    m = None if mask is None else rnd(*mask, seed=4)
+    fn = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=m is None,
+                                                           enable_gqa=True)
+    out, cap = run(fn, q, k, v, m, inner="aot_eager")
+    rep = only_report(cap)
+    assert rep.rewritten and rep.gqa == "Hq=4/Hkv=2 (enable_gqa)", (rep.reason, rep.gqa)
+    ref = fn(q, k, v, m)
+    assert_same(out, ref, **tolerances(torch.float32))
+    w = rnd(*ref.shape, seed=9)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+
+
 def test_sdpa_output_viewed_directly_gets_a_contiguous_copy():
     q = rnd(2, 3, 5, 8, seed=1)
     fn = lambda q: F.scaled_dot_product_attention(q, q, q).view(6, 5, 8)
