@@ -27,11 +27,13 @@ def _table() -> dict[Any, Union[Callable, str]]:
     aten = torch.ops.aten
     t: dict[Any, Union[Callable, str]] = {}
 
-    def put(fn: Union[Callable, str], packet: Any, *overloads: str) -> None:
+    def put(fn: Union[Callable, str], packet: Any, *overloads: str, max_args: int = 0) -> None:
         for name in overloads:
             ov = getattr(packet, name, None)
             if ov is not None:
                 t[ov] = fn
+                if max_args:
+                    _MAX_ARGS[ov] = max_args
 
     put(torch.matmul, aten.matmul, "default")
     put(torch.bmm, aten.bmm, "default")
@@ -44,8 +46,10 @@ def _table() -> dict[Any, Union[Callable, str]]:
     put(torch.tanh, aten.tanh, "default")
     put(torch.mul, aten.mul, "Tensor", "Scalar")
     put(torch.div, aten.div, "Tensor", "Scalar", "Tensor_mode", "Scalar_mode")
-    put(torch.add, aten.add, "Tensor", "Scalar")
-    put(torch.sub, aten.sub, "Tensor", "Scalar")
+    # add.Scalar(self, other, alpha) takes alpha by position, torch.add by keyword only (three positional
+    # arguments there are a deprecated signature of another meaning): two at most
+    put(torch.add, aten.add, "Tensor", "Scalar", max_args=2)
+    put(torch.sub, aten.sub, "Tensor", "Scalar", max_args=2)
     put(torch.masked_fill, aten.masked_fill, "Scalar", "Tensor")
     put(torch.where, aten.where, "self", "ScalarSelf", "ScalarOther", "Scalar")
     put(torch.dropout, aten.dropout, "default")
@@ -57,7 +61,7 @@ def _table() -> dict[Any, Union[Callable, str]]:
     put(torch.unsqueeze, aten.unsqueeze, "default")
     put(torch.clone, aten.clone, "default")
     put(torch.repeat_interleave, aten.repeat_interleave, "self_int", "self_Tensor")
-    put("to", aten.to, "dtype")
+    put("to", aten.to, "dtype", max_args=4)  # Tensor.to takes memory_format by keyword only
     put(F.scaled_dot_product_attention, aten.scaled_dot_product_attention, "default")
     # the pieces masks are built from
     put(torch.arange, aten.arange, "default", "start", "start_step")
@@ -68,7 +72,7 @@ def _table() -> dict[Any, Union[Callable, str]]:
     for name in ("logical_not", "logical_and", "logical_or", "bitwise_not", "bitwise_and", "bitwise_or", "neg",
                  "abs", "minimum", "maximum"):
         put(getattr(torch, name), getattr(aten, name), "default", "Tensor")
-    put(torch.rsub, aten.rsub, "Tensor", "Scalar")
+    put(torch.rsub, aten.rsub, "Tensor", "Scalar", max_args=2)
     put(torch.full, aten.full, "default")
     put(torch.zeros, aten.zeros, "default")
     put(torch.ones, aten.ones, "default")
@@ -79,6 +83,7 @@ def _table() -> dict[Any, Union[Callable, str]]:
 
 
 _TABLE: Optional[dict] = None
+_MAX_ARGS: dict = {}  # overload -> the most positional arguments its function reads as the overload does
 
 
 def _function_for(node: fx.Node) -> Optional[Union[Callable, str]]:
@@ -88,7 +93,7 @@ def _function_for(node: fx.Node) -> Optional[Union[Callable, str]]:
     if _TABLE is None:
         _TABLE = _table()
     fn = _TABLE.get(node.target)
-    if fn is None or "self" in node.kwargs:
+    if fn is None or "self" in node.kwargs or len(node.args) > _MAX_ARGS.get(node.target, len(node.args)):
         return None
     if node.target is torch.ops.aten.expand.default and node.kwargs.get("implicit"):
         return None

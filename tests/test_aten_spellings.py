@@ -114,6 +114,26 @@ def test_metadata_checks_that_hold_are_dropped_and_others_kept():
     assert "_assert_tensor_metadata" not in holds.code and "_assert_tensor_metadata" in fails.code
 
 
+def test_overloads_whose_function_reads_positions_otherwise_are_left_alone():
+    # aten.sub.Scalar(x, c, alpha) takes alpha by position; torch.sub(x, c, alpha) is a deprecated signature of
+    # another meaning, and Tensor.to takes memory_format by keyword only: those nodes keep their overload
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["example_value"] = torch.empty(2, 3)
+    two = g.call_function(aten.sub.Scalar, (x, 1.0))
+    three = g.call_function(aten.sub.Scalar, (x, 1.0, 3))
+    cast = g.call_function(aten.to.dtype, (x, torch.float16, False, False, torch.preserve_format))
+    g.output((two, three, cast))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    assert spell_aten_ops(gm)
+    assert two.target is torch.sub and three.target is aten.sub.Scalar and cast.target is aten.to.dtype
+    a = torch.randn(2, 3)
+    got = gm(a)
+    torch.testing.assert_close(got[0], a - 1.0)
+    torch.testing.assert_close(got[1], a - 3.0)  # x - alpha * c
+    assert got[2].dtype == torch.float16
+
+
 @pytest.mark.parametrize("name", ["bert", "llama", "gpt2"])
 def test_exported_hugging_face_models(name):
     transformers = pytest.importorskip("transformers")
