@@ -121,3 +121,67 @@ def alibi_then_filled(q, k, v):
 def test_a_constant_bias_before_an_absorbing_fill_keeps_the_structure():
     res = check(alibi_then_filled, qkv(), rewritten=1)
     assert res.rewritten[0].mask == "causal+bias", res.rewritten[0].mask
+
+
+# ------------------------------------------------------------------------ index arithmetic in its own dtype
+
+
+N8 = 8  # positions 0..7: int8's 7 + 121 wraps
+
+
+def _positions(dtype: torch.dtype, scale, offset):
+    i = torch.arange(N8, dtype=dtype)[:, None] * scale + offset
+    j = torch.arange(N8, dtype=dtype)[None, :] * scale + offset
+    return i, j
+
+
+def qkv8() -> list:
+    return [rand(B, H, N8, D, seed=i, requires_grad=True) for i in range(3)]
+
+
+# Eager computes position arithmetic in the tensor's dtype, where it wraps or rounds: the mask is then not the
+# comparison of the integers the positions spell. Each is compared with eager, every element.
+WRAPPING = {
+    "uint8 i - j > 2 (negative differences wrap to 256 + i - j)":
+        lambda i, j: (i - j) > 2,
+    "int8 j + 121 > i + 121 (128 wraps to -128)":
+        lambda i, j: j + 121 > i + 121,
+}
+
+
+@pytest.mark.parametrize("name", list(WRAPPING))
+def test_narrow_integer_positions_wrap_as_eager_computes_them(name):
+    dtype = torch.uint8 if name.startswith("uint8") else torch.int8
+
+    def fn(q, k, v):
+        i, j = _positions(dtype, 1, 0)
+        return torch.softmax((q @ k.mT * 0.35).masked_fill(WRAPPING[name](i, j), FMIN), -1) @ v
+
+    check(fn, qkv8())
+
+
+@pytest.mark.parametrize("dtype, scale, offset", [
+    (torch.int32, 2 ** 29, 0),  # 4 * 2**29 wraps in int32
+    (torch.int16, 5000, 0),
+    (torch.int32, 1, 2 ** 31 - 4),  # positions near the top of their range
+    (torch.float32, 1, 1e8),  # float positions past 2**24 round: every j + 1e8 equals i + 1e8 here
+    (torch.float32, 3e7, 0),
+], ids=["int32*2^29", "int16*5000", "int32+2^31-4", "fp32+1e8", "fp32*3e7"])
+def test_positions_past_their_dtypes_exact_range_are_computed_as_eager(dtype, scale, offset):
+    def fn(q, k, v):
+        i, j = _positions(dtype, scale, offset)
+        return torch.softmax((q @ k.mT * 0.35).masked_fill(j > i, FMIN), -1) @ v
+
+    check(fn, qkv8())
+    check(fn, qkv8(), inner="inductor")
+
+
+def test_positions_in_range_are_still_read_as_causal():
+    # the same spelling in int64 (and in fp32 below 2**24) is the causal structure, not a bias
+    for dtype in (torch.int64, torch.int32, torch.float32):
+        def fn(q, k, v, dtype=dtype):
+            i, j = _positions(dtype, 1, 1000)
+            return torch.softmax((q @ k.mT * 0.35).masked_fill(j > i, FMIN), -1) @ v
+
+        res = check(fn, qkv8())
+        assert [r.mask for r in res.reports] == ["causal"], (dtype, [r.mask for r in res.reports])

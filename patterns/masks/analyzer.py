@@ -100,6 +100,72 @@ def _copy_parted(node: fx.Node) -> bool:
     return op_name(node) in _COPIES and isinstance(src, fx.Node) and written_after(src, node)
 
 
+# ----------------------------------------------------------------------------- index arithmetic's range
+
+# The symbolic rules read arange arithmetic as integers. Eager computes it in the tensor's dtype, where it wraps
+# (`arange(8, dtype=uint8)[:, None] - arange(8)`, an int32 position times 2**29) or rounds (float positions past
+# 2**24 in fp32): a node's linear form stands for its values only where every one of them is an integer its dtype
+# holds exactly. A size without a finite bound (a dynamic length) is taken below 2**31: the dims of these nodes
+# are an attention's lengths or broadcast to them, and no kernel here takes 2**31 keys.
+_UNBOUNDED_SIZE = (1 << 31) - 1
+_UNBOUNDED_CONST = 1 << 40
+_FLOAT_EXACT = {torch.float64: 1 << 53, torch.float32: 1 << 24, torch.float16: 1 << 11, torch.bfloat16: 1 << 8}
+
+
+def _bounds(v: Any, unbounded: int) -> Optional[tuple[int, int]]:
+    """(lowest, highest) values of an int or SymInt; a symbolic side without a finite bound is +-`unbounded`."""
+    if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)):
+        return None
+    if isinstance(v, int):
+        return v, v
+    known = v.node.maybe_as_int()
+    if known is not None:
+        return known, known
+    try:
+        r = v.node.shape_env.bound_sympy(v.node.expr)
+    except Exception:
+        return None
+    return _finite(r.lower, -unbounded), _finite(r.upper, unbounded)
+
+
+def _finite(x: Any, otherwise: int) -> int:
+    """A bound as an int, or `otherwise` for an infinite one (sympy's oo, torch's int_oo, which says is_finite)."""
+    try:
+        v = int(x)
+    except Exception:  # sympy raises AttributeError on its infinities
+        return otherwise
+    return v if abs(v) < (1 << 62) else otherwise
+
+
+def _lin_exact(n: fx.Node, x: Any) -> bool:
+    """Whether every value of `x` (a _Lin or an _AbsLin) at `n` is an integer that n's dtype holds exactly."""
+    dt, shape = _dtype(n), _shape(n)
+    lin = x.lin if isinstance(x, _AbsLin) else x
+    if dt is None or shape is None or dt == torch.bool:
+        return False
+    c = _bounds(lin.const, _UNBOUNDED_CONST)
+    if c is None:
+        return False
+    lo, hi = c
+    for d, k in lin.coef:
+        if not isinstance(k, int) or not -len(shape) <= d < 0:
+            return False
+        size = _bounds(shape[d], _UNBOUNDED_SIZE)
+        if size is None:
+            return False
+        span = k * (max(size[1], 1) - 1)
+        lo, hi = lo + min(span, 0), hi + max(span, 0)
+    if isinstance(x, _AbsLin):
+        lo, hi = (0 if lo <= 0 <= hi else min(abs(lo), abs(hi))), max(abs(lo), abs(hi))
+    if dt.is_floating_point:
+        top = _FLOAT_EXACT.get(dt)
+        return top is not None and -top <= lo and hi <= top
+    if dt.is_complex:
+        return False
+    info = torch.iinfo(dt)
+    return info.min <= lo and hi <= info.max
+
+
 # ----------------------------------------------------------------------------- the abstract interpreter
 
 _SHAPE_OPS = {"view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "broadcast_to", "contiguous",
@@ -169,6 +235,12 @@ class _Analyzer:
         return x
 
     def _value(self, n: fx.Node) -> AbsVal:
+        r = self._value_of(n)
+        if isinstance(r, (_Lin, _AbsLin)) and isinstance(example_value(n), torch.Tensor) and not _lin_exact(n, r):
+            return _Opaque(n)  # index arithmetic that wraps or rounds in n's dtype: not the integers read here
+        return r
+
+    def _value_of(self, n: fx.Node) -> AbsVal:
         if is_inplace(n) or self.ev.written(n):
             return _Opaque(n)  # its value depends on where it is read (a write through any alias): not reasoned about
         if self.ev.can_fold(n) and isinstance(example_value(n), torch.Tensor):
