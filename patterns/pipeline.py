@@ -77,13 +77,29 @@ class GraphRecord:
                 graph.erase_node(n)
 
 
+def remove_unread(graph: fx.Graph, impure: Callable[[fx.Node], bool]) -> bool:
+    """Erase the nodes of `graph` that nothing reads and `impure` does not keep, users before producers (so a chain
+    left unread goes whole); placeholders and the output stay. The bodies of the graph's submodules are not
+    touched. True when a node was erased."""
+    changed = False
+    for n in reversed(list(graph.nodes)):
+        if n.op in ("placeholder", "output") or n.users or impure(n):
+            continue
+        graph.erase_node(n)
+        changed = True
+    return changed
+
+
 def _finish(gm: fx.GraphModule, reports: list[SiteReport], unread: set) -> None:
     if any(r.rewritten for r in reports):
         # Only what the rewrites left unread goes. fx's default purity test treats call_method in-place ops
         # (`y.add_(1)`, no users) as dead, and so are nodes the traced program kept unread for their effect
         # (`unread`: torch.vmap's _vmap_increment_nesting / _vmap_decrement_nesting, whose removal
         # unbalances the batch levels AOTAutograd replays).
-        gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or writes(n) or n in unread)
+        # This graph's nodes only: fx's eliminate_dead_code also sweeps the bodies of higher-order ops it reaches
+        # through get_attr (autograd.Function's forward and backward, checkpointed regions) with the default
+        # test, which would drop their in-place ops (`grad.scatter_add_(...)` in a custom backward).
+        remove_unread(gm.graph, lambda n: n.is_impure() or writes(n) or n in unread)
         gm.graph.lint()
         gm.recompile()
 

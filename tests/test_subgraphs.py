@@ -319,3 +319,45 @@ def test_hf_llama_gradient_checkpointing_in_training(reentrant):
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
     for (name, _), a, b in zip(model.named_parameters(), got, want):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=name)
+
+
+class _ScaleInPlace(torch.autograd.Function):
+    """In-place ops whose results nobody reads, in both bodies (a custom backward's `grad.scatter_add_(...)`)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x * 2
+        y.add_(1.0)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        r = g * 2
+        r.mul_(3.0)
+        return r
+
+
+def _moe_scatter(x, idx, src):
+    y = torch.zeros_like(x)
+    y.index_add_(0, idx, src * x[:2])  # its result unused: y is read below
+    return y + x
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("where", ["autograd.Function", "checkpoint"])
+def test_in_place_ops_in_hop_bodies_beside_a_rewritten_site_are_kept(where, inner):
+    # The pass removes what its rewrites left unread in the graph it rewrote, and only there: the bodies of an
+    # autograd.Function or a checkpointed region beside the site keep their in-place ops (fx's own dead-code sweep
+    # recurses into them with a test that takes `y.add_(1)` for dead).
+    if where == "autograd.Function":
+        def fn(q, k, v):
+            return _ScaleInPlace.apply(attention(q, k, v))
+        args = [rand(B, H, N, D, seed=s, requires_grad=True) for s in range(3)]
+    else:
+        def fn(q, k, v, x, src):
+            y = cp.checkpoint(_moe_scatter, x, torch.tensor([1, 3]), src, use_reentrant=False)
+            return attention(q, k, v) * y.sum(0)  # one output: check() compares the gradients of every input
+        args = [rand(B, H, N, D, seed=s, requires_grad=True) for s in range(3)]
+        args += [rand(4, D, seed=5, requires_grad=True), rand(2, D, seed=6, requires_grad=True)]
+    res = check(fn, args, inner=inner)
+    assert [r.rewritten for r in res.reports if r.form != "pass"] == [True]
