@@ -1939,3 +1939,81 @@ def esm_probs_dtype_read_outside(q, k, v):
 def test_a_copy_of_the_probabilities_read_only_for_its_dtype(fn, dtype):
     q, k, v = (rand(4, 7, 8, dtype=dtype, seed=i, requires_grad=True) for i in range(3))
     check(fn, [q, k, v], dtype=dtype, rewritten=1, grad=fn is esm_probs)
+
+
+@pytest.mark.parametrize("op", ["mul", "div"])
+def test_an_integer_constant_scale_is_a_scale_and_a_run_time_one_is_refused_by_name(op):
+    # `s * torch.tensor(2)`: the floating scores promote the integer to their dtype, as they do a float; an integer
+    # tensor read at run time is left alone with a reason that says so (it read "varies along the key axis")
+    def const(q, k, v):
+        s = q @ k.mT
+        s = s * torch.tensor(3) if op == "mul" else s / torch.tensor(3)
+        return torch.softmax(s, -1) @ v
+
+    def runtime(q, k, v, t):
+        s = q @ k.mT
+        return torch.softmax(s * t if op == "mul" else s / t, -1) @ v
+
+    q, k, v = (rand(2, 2, 5, 4, seed=s, requires_grad=True) for s in range(3))
+    res = check(const, [q, k, v])
+    assert [r.rewritten for r in res.reports] == [True]
+    assert res.reports[0].scale == pytest.approx(3.0 if op == "mul" else 1 / 3)
+    res = check(runtime, [q, k, v, torch.tensor(3)])
+    assert [r.rewritten for r in res.reports] == [False]
+    assert "integer tensor (int64) read at run time" in res.reports[0].reason
+
+
+@pytest.mark.parametrize("case", ["batch", "query", "heads"])
+def test_a_mask_that_broadcasts_the_scores_up_is_refused_with_its_reason(case):
+    # scores of q and k broadcast to a larger shape by the mask: eager's result, and a reason in words (it was the
+    # rewrite's internal shape error)
+    q_shape, mask_shape = {"batch": ((1, 2, 5, 4), (2, 1, 5, 6)), "query": ((2, 2, 1, 4), (1, 1, 5, 6)),
+                           "heads": ((2, 1, 5, 4), (1, 2, 5, 6))}[case]
+    kv_shape = q_shape[:2] + (6, 4)
+    q = rand(*q_shape, seed=1, requires_grad=True)
+    k, v = rand(*kv_shape, seed=2, requires_grad=True), rand(*kv_shape, seed=3, requires_grad=True)
+    m = rand(*mask_shape, seed=4, requires_grad=True)
+    res = check(lambda q, k, v, m: torch.softmax(q @ k.mT * 0.5 + m, -1) @ v, [q, k, v, m])
+    assert [r.rewritten for r in res.reports] == [False]
+    assert "broadcasts them from" in res.reports[0].reason, res.reports[0].reason
+
+
+@pytest.mark.parametrize("form", ["half-scale-inside", "other-divisor", "masked-after"])
+def test_a_softcap_whose_tanh_is_scaled_by_another_factor(form):
+    # c * tanh(a * s) is the op's softcap c with the scale a * c before it (c tanh(y / d) = c tanh((y c / d) / c))
+    d = 4
+
+    def fn(q, k, v):
+        s = q @ k.mT
+        if form == "half-scale-inside":
+            s = 2 * torch.tanh(s * (d ** -0.5 / 2))
+        elif form == "other-divisor":
+            s = 30.0 * torch.tanh(s * d ** -0.5 / 50.0)
+        else:
+            i, j = torch.arange(6)[:, None], torch.arange(6)[None, :]
+            s = (5.0 * torch.tanh(s * 0.1)).masked_fill(j > i, float("-inf"))
+        return torch.softmax(s, -1) @ v
+
+    q, k, v = (rand(2, 2, 6, d, seed=s, requires_grad=True) for s in range(3))
+    res = check(fn, [q, k, v])
+    assert [r.rewritten for r in res.reports] == [True], [r.reason for r in res.reports]
+    want = {"half-scale-inside": (2.0, d ** -0.5), "other-divisor": (30.0, 30.0 * d ** -0.5 / 50.0),
+            "masked-after": (5.0, 0.5)}[form]
+    assert (res.reports[0].softcap, res.reports[0].scale) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("fill", ["full_like -1e9", "full_like -inf", "new_full finfo.min"])
+def test_where_with_a_full_tensor_as_its_fill(fill):
+    # torch.where(keep, s, torch.full_like(s, c)): a tensor of one constant value is the fill c
+    n = 6
+
+    def fn(q, k, v, m):
+        s = q @ k.mT * 0.5
+        if fill == "new_full finfo.min":
+            return torch.softmax(torch.where(~m, s.new_full((n, n), torch.finfo(s.dtype).min), s), -1) @ v
+        return torch.softmax(torch.where(m, s, torch.full_like(s, -1e9 if "1e9" in fill else float("-inf"))), -1) @ v
+
+    q, k, v = (rand(2, 2, n, 4, seed=s, requires_grad=True) for s in range(3))
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    res = check(fn, [q, k, v, causal])
+    assert [r.rewritten for r in res.reports] == [True], [r.reason for r in res.reports]

@@ -74,6 +74,12 @@ def _scale_factor(x: Any, scores_shape) -> Optional[tuple[str, Any]]:
     if is_symbolic_scalar(x):
         return "node", x
     t = tensor_of(x)
+    if t is not None and t.dim() == 0 and not t.dtype.is_floating_point and not t.dtype.is_complex \
+            and t.dtype != torch.bool:
+        # an integer constant (`* torch.tensor(2)`): the floating scores promote it to their dtype, exactly below
+        # 2**24. (One read at run time is left alone: the run-time scale path reads floating tensors.)
+        c = constant_value(x)
+        return ("num", float(c)) if c is not None and abs(c) < (1 << 24) else None
     if t is None or not t.dtype.is_floating_point:
         return None
     c = constant_value(x)
@@ -99,9 +105,10 @@ def _is_item(x: Any) -> bool:
     return isinstance(x, fx.Node) and x.op == "call_method" and x.target == "item"
 
 
-def _softcap_at(node: fx.Node) -> Optional[tuple[float, fx.Node, list]]:
-    """mul(tanh(div(y, c)), c) (either operand order, or y * (1/c) inside) -> (c, y, [tanh, inner]). c may be a float
-    Dynamo passes as a graph input (dynamic shapes: Gemma 2's config value), read as a checked constant."""
+def _softcap_at(node: fx.Node) -> Optional[tuple[float, fx.Node, list, float]]:
+    """mul(tanh(div(y, d)), c) (either operand order, or y * (1/d) inside) -> (c, y, [tanh, inner], c / d): the op's
+    softcap c, with the scale c / d before it where d is not c (c tanh(y / d) = c tanh((y c / d) / c)). c and d may
+    be floats Dynamo passes as graph inputs (dynamic shapes: Gemma 2's config value), read as checked constants."""
     if kind(node) != "mul":
         return None
     a, b = node.args[0], arg(node, 1, "other")
@@ -121,9 +128,10 @@ def _softcap_at(node: fx.Node) -> Optional[tuple[float, fx.Node, list]]:
     if c is None or c <= 0 or y is None or y == 0:
         return None
     d = float(y) if ki == "div" else 1.0 / float(y)
-    if not math.isclose(d, float(c), rel_tol=1e-6):
+    if not d > 0 or not math.isfinite(d):
         return None
-    return float(c), x, [t, inner]
+    ratio = 1.0 if math.isclose(d, float(c), rel_tol=1e-6) else float(c) / d
+    return (float(c), x, [t, inner], ratio) if math.isfinite(ratio) and ratio > 0 else None
 
 
 def _regroups_batch(node: fx.Node) -> bool:
@@ -148,6 +156,28 @@ def _fill_value(value: Any) -> Any:
             not t.requires_grad:
         return value
     return None
+
+
+_FULL_FNS = (torch.full_like, torch.full)
+
+
+def _full_fill(value: Any, scores: torch.Tensor) -> Any:
+    """c for `torch.full_like(x, c)` / `torch.full(shape, c)` / `x.new_full(shape, c)` with a constant c, in the
+    scores' dtype and needing no gradient: a tensor of one value, which `torch.where` reads as that value."""
+    if not isinstance(value, fx.Node) or value.op not in ("call_function", "call_method"):
+        return None
+    if value.op == "call_function" and value.target in _FULL_FNS:
+        c = arg(value, 1, "fill_value")
+    elif value.op == "call_method" and value.target == "new_full":
+        c = arg(value, 2, "fill_value")
+    else:
+        return None
+    t = tensor_of(value)
+    if t is None or t.dtype != scores.dtype or t.requires_grad:
+        return None
+    if not (is_finite_number(c) or c in (-math.inf, math.inf)):
+        return None
+    return float(c)
 
 
 def _outer_scaled(term: MaskTerm, phase: str, scale: float, factors: list, softcap: float, t: torch.Tensor) -> MaskTerm:
@@ -241,6 +271,20 @@ def narrows(dtype: torch.dtype, ref: torch.dtype) -> bool:
     return a.eps > b.eps or a.max < b.max
 
 
+_ELEMENTWISE = ("add", "sub", "mul", "div", "masked_fill", "where")
+
+
+def _same_scores_shape(scores: fx.Node, consumer: fx.Node) -> None:
+    """Miss where a term or factor broadcasts the scores to a larger shape (a mask of batch 2 added to scores of
+    batch 1, a per-query mask on one query row): the op's scores have q's and k's shape."""
+    a, b = tensor_of(scores), tensor_of(consumer)
+    if a is None or b is None:
+        return
+    if a.dim() != b.dim() or not all(known_eq(p, q) for p, q in zip(a.shape, b.shape)):
+        raise Miss(f"a term or factor of the scores broadcasts them from {tuple(a.shape)} to {tuple(b.shape)} "
+                   f"({consumer.name}): the op's scores have the shape q and k give them")
+
+
 def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None, shift_barrier: Optional[str] = None,
                 also_read_by: tuple = ()) -> Scores:
     """From the softmax input back to the Q·Kᵀ contraction (gm: the graph, for proofs of mask values).
@@ -253,7 +297,10 @@ def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None, shift_barrier: 
     tie_halves = False
     phase = "mask"  # outermost first: mask terms -> softcap -> scale
     cur = x
+    consumer = None  # the elementwise step the walk came from, whose result must not outgrow its scores operand
     for _ in range(128):
+        if consumer is not None:
+            _same_scores_shape(cur, consumer)
         c = contraction(cur)
         if c is not None:
             break
@@ -261,6 +308,7 @@ def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None, shift_barrier: 
         if t is None:
             raise Miss(f"scores are not a tensor computed in the graph ({cur})")
         nodes.append(cur)
+        consumer = cur if kind(cur) in _ELEMENTWISE else None
         if is_inplace(cur) and isinstance(cur.args[0], fx.Node) and len(cur.args[0].users) != 1:
             raise Miss(f"the scores are modified in place and also read elsewhere ({cur.name})")
         k = kind(cur)
@@ -286,6 +334,7 @@ def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None, shift_barrier: 
                 if phase == "scale":
                     raise Miss("the softcapped scores are scaled again (not expressible as the op's scale and softcap)")
                 softcap, cur = cap[0], cap[1]
+                scale *= cap[3]  # 1 where tanh's argument is divided by the softcap itself
                 nodes.extend(cap[2])
                 phase = "scale"
                 continue
@@ -299,7 +348,11 @@ def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None, shift_barrier: 
                 raise Miss(f"scores are multiplied elementwise by a tensor ({cur.name}); not a scale")
             f = _scale_factor(other, t.shape)
             if f is None:
-                raise Miss(f"scores are {'multiplied' if k == 'mul' else 'divided'} by a tensor that varies along the key axis ({cur.name})")
+                how = "multiplied" if k == "mul" else "divided"
+                if ot is not None and not ot.dtype.is_floating_point:
+                    raise Miss(f"scores are {how} by an integer tensor ({str(ot.dtype).replace('torch.', '')}) read at "
+                               f"run time ({cur.name}); only floating ones, or integer constants, are taken as a scale")
+                raise Miss(f"scores are {how} by a tensor that varies along the key axis ({cur.name})")
             phase = "scale"
             if f[0] == "num":
                 if k == "div":
@@ -373,7 +426,7 @@ def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None, shift_barrier: 
             continue
         if k == "where" and len(cur.args) == 3:
             cond, a, b = cur.args
-            ca, cb = _fill_value(a), _fill_value(b)
+            ca, cb = (_fill_value(x) if _fill_value(x) is not None else _full_fill(x, t) for x in (a, b))
             if cb is not None and isinstance(a, fx.Node) and tensor_of(a) is not None and ca is None:
                 term, nxt = MaskTerm("where", cond, cb), a
             elif ca is not None and isinstance(b, fx.Node) and tensor_of(b) is not None and cb is None:
