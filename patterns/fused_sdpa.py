@@ -175,6 +175,14 @@ def _rewrite(b: Builder, node: fx.Node, options: PassOptions, rep: SiteReport, c
     batch, hq = q4v.shape[0], q4v.shape[1]
     k4, v4, repeat_removed = _unrepeat_kv(k4, v4, hq)
     k4v, v4v = tensor_value(k4, "key"), tensor_value(v4, "value")
+    hk, hv = k4v.shape[1], v4v.shape[1]
+    if not same_size(hk, hv) and (isinstance(hk, int) and hk == 1 or isinstance(hv, int) and hv == 1):
+        # one of K / V has one head and broadcasts, as SDPA broadcasts it: a stride-0 view to the other's count
+        if isinstance(hk, int) and hk == 1:
+            k4 = b.m("expand", k4, -1, hv, -1, -1)
+        else:
+            v4 = b.m("expand", v4, -1, hk, -1, -1)
+        k4v, v4v = tensor_value(k4, "key"), tensor_value(v4, "value")
     if not same_size(k4v.shape[1], v4v.shape[1]):
         raise Refuse(f"key and value head counts differ ({k4v.shape[1]} vs {v4v.shape[1]})")
     hkv = k4v.shape[1]

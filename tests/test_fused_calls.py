@@ -212,6 +212,24 @@ def test_sdpa_enable_gqa_on_3d_inputs_groups_their_leading_dim(mask):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shapes", [((1, 4), (2, 1)), ((2, 1), (2, 4)), ((2, 2), (2, 1))],
+                         ids=["k-batch-v-heads", "k-heads", "gqa-v-one-head"])
+def test_sdpa_with_one_of_k_v_broadcast_over_heads(shapes):
+    """K or V with one head beside the other's several: SDPA broadcasts it, the rewrite expands it (a view)."""
+    (bk, hk), (bv, hv) = shapes
+    q = rnd(2, 4, 5, 8, seed=1).requires_grad_()
+    k, v = rnd(bk, hk, 6, 8, seed=2).requires_grad_(), rnd(bv, hv, 6, 8, seed=3).requires_grad_()
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=hk == 2)
+    out, cap = run(fn, q, k, v, inner="aot_eager")
+    rep = only_report(cap)
+    assert rep.rewritten, rep.reason
+    ref = fn(q, k, v)
+    assert_same(out, ref, **tolerances(torch.float32))
+    w = rnd(*ref.shape, seed=9)
+    for g, r in zip(torch.autograd.grad((out * w).sum(), (q, k, v)), torch.autograd.grad((ref * w).sum(), (q, k, v))):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+
+
 def test_sdpa_output_viewed_directly_gets_a_contiguous_copy():
     q = rnd(2, 3, 5, 8, seed=1)
     fn = lambda q: F.scaled_dot_product_attention(q, q, q).view(6, 5, 8)
