@@ -275,6 +275,40 @@ def copy_parted(copy: fx.Node, src: fx.Node) -> bool:
     return written_after(copy, copy) or written_after(src, copy)
 
 
+# Deterministic ops without effects whose result is fixed by their arguments: two nodes of one of them with equal
+# arguments hold equal values (`~causal` spelled twice). Random or effectful ops are not here.
+_PURE = frozenset((
+    "invert", "__invert__", "logical_not", "bitwise_not", "logical_and", "logical_or", "bitwise_and", "bitwise_or",
+    "__and__", "__or__", "eq", "ne", "lt", "le", "gt", "ge", "__eq__", "__ne__", "__lt__", "__le__", "__gt__",
+    "__ge__", "tril", "triu", "bool", "to", "float", "long", "int", "unsqueeze", "view", "reshape", "expand",
+    "getitem", "sub", "add", "neg", "abs", "arange", "ones", "zeros", "full", "ones_like", "zeros_like",
+))
+
+
+def same_value(a: Any, b: Any, depth: int = 6) -> bool:
+    """Whether nodes `a` and `b` hold equal values wherever they are read: the same node, or two computations of
+    one pure op (_PURE) on equal arguments (compared the same way, `depth` levels up), neither written in place."""
+    if a is b:
+        return True
+    if not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
+        return type(a) is type(b) and not isinstance(a, torch.Tensor) and a == b
+    if depth <= 0 or a.op != b.op or a.op not in ("call_function", "call_method") or a.target != b.target:
+        return False
+    if op_name(a) not in _PURE or len(a.args) != len(b.args) or a.kwargs.keys() != b.kwargs.keys():
+        return False
+    if written_in_place(a) or written_in_place(b):
+        return False
+
+    def equal(x: Any, y: Any) -> bool:
+        if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
+            return len(x) == len(y) and all(equal(p, q) for p, q in zip(x, y))
+        if isinstance(x, slice) and isinstance(y, slice):
+            return equal((x.start, x.stop, x.step), (y.start, y.stop, y.step))
+        return same_value(x, y, depth - 1)
+
+    return equal(a.args, b.args) and all(equal(a.kwargs[k], b.kwargs[k]) for k in a.kwargs)
+
+
 def escapes(node: fx.Node, limit: int = 4096) -> bool:
     """Whether `node`'s memory may leave the graph: `node` itself or a view of it (an in-place op's result is its
     input) is a graph output. The caller may then write into it (`o += x` after the call, or in the next graph after

@@ -1533,9 +1533,14 @@ def test_probabilities_zeroed_through_inductor():
     check(xsoftmax_where, qkv() + [query_key_padding()], inner="inductor", rewritten=1)
 
 
-def zeroed_by_another_mask(q, k, v, keep):
+def zeroed_by_the_mask_computed_again(q, k, v, keep):
     s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, torch.finfo(q.dtype).min)
-    return torch.softmax(s, -1).masked_fill(~keep, 0) @ v  # a second ~keep: not proven the same mask
+    return torch.softmax(s, -1).masked_fill(~keep, 0) @ v  # a second ~keep: the same pure op on the same input
+
+
+def test_probabilities_zeroed_by_the_mask_computed_again_are_rewritten():
+    # two nodes computing ~keep hold one value (aliasing.same_value): the zeroing is where the fill masked
+    check(zeroed_by_the_mask_computed_again, qkv() + [query_key_padding()], rewritten=1)
 
 
 def zeroed_at_other_keys(q, k, v, keep):
@@ -1566,7 +1571,6 @@ def zeroed_after_a_view(q, k, v, keep):
 
 
 ZEROED_REFUSALS = {
-    zeroed_by_another_mask: "which is not proven to be where a fill before the softmax masked the scores",
     zeroed_at_other_keys: "which is not proven to be where a fill before the softmax masked the scores",
     zeroed_after_a_finite_fill: "that fill does not absorb the scores",
     zeroed_without_a_fill: "which is not proven to be where a fill before the softmax masked the scores",
@@ -2017,3 +2021,61 @@ def test_where_with_a_full_tensor_as_its_fill(fill):
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     res = check(fn, [q, k, v, causal])
     assert [r.rewritten for r in res.reports] == [True], [r.reason for r in res.reports]
+
+
+@pytest.mark.parametrize("second", ["same", "other-diagonal"])
+def test_a_post_softmax_zero_fill_with_its_mask_computed_twice(second):
+    # softmax(s.masked_fill(~c, min)).masked_fill(~c, 0) with `~c` written twice: two nodes of one pure op on the
+    # same input hold the same mask (patterns/aliasing.same_value); a mask of another diagonal is another mask
+    n = 8
+
+    def fn(q, k, v):
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        p = torch.softmax((q @ k.mT * 0.5).masked_fill(~causal, torch.finfo(torch.float32).min), -1)
+        later = causal if second == "same" else torch.ones(n, n, dtype=torch.bool).tril(-1)
+        return p.masked_fill(~later, 0.0) @ v
+
+    q, k, v = (rand(1, 2, n, 4, seed=s, requires_grad=True) for s in range(3))
+    res = check(fn, [q, k, v])
+    assert [r.rewritten for r in res.reports] == [second == "same"], [r.reason for r in res.reports]
+
+
+def late_normalised(q, k, v):
+    s = q @ k.mT * 0.5
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    return (e @ v) / e.sum(-1, keepdim=True)
+
+
+def late_normalised_causal(q, k, v):
+    n = q.shape[-2]
+    s = (q @ k.mT * 0.5).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    e = torch.exp(s - s.max(-1, keepdim=True).values)
+    return torch.matmul(e, v) / e.sum(dim=-1, keepdim=True)
+
+
+def late_normalised_per_key(q, k, v, w):
+    s = q @ k.mT * w  # a per-key factor: no scale, the site is refused
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    return (e @ v) / e.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("fn", [late_normalised, late_normalised_causal], ids=lambda f: f.__name__)
+def test_softmax_normalised_after_the_pv_product(fn):
+    # (e @ v) / e.sum(-1, keepdim=True), e = exp(s - rowmax(s)): the same terms as (e / e.sum(...)) @ v
+    q, k, v = (rand(2, 2, 6, 4, seed=s, requires_grad=True) for s in range(3))
+    res = check(fn, [q, k, v])
+    assert [r.rewritten for r in res.reports] == [True], [r.reason for r in res.reports]
+    res = check(fn, [q, k, v], inner="inductor")
+    assert [r.rewritten for r in res.reports] == [True]
+
+
+def test_softmax_normalised_after_the_pv_product_is_put_back_where_refused():
+    # the edit is tentative: where the site is refused the graph computes as written, bit for bit
+    q, k, v = (rand(2, 2, 6, 4, seed=s) for s in range(3))
+    w = rand(1, 1, 1, 6, seed=4)
+    c = Compiled(late_normalised_per_key)
+    got = c(q, k, v, w)
+    assert not any(r.rewritten for r in c.reports)
+    assert torch.equal(got, late_normalised_per_key(q, k, v, w))
+    assert not any(n.op == "call_method" and n.target == "div" and n.args[0].op == "call_function"
+                   and n.args[0].target is torch.exp for n in c.graphs[0].graph.nodes)

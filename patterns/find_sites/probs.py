@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from ..aliasing import same_value
 from ..canonicalize import (
     arg, constant_value, dropout_args, exp_lse_of, exp_sum_of, first_input, is_finite_number, is_inplace, kind,
     log_softmax_of, reads_only_metadata, tensor_of,
@@ -187,7 +188,7 @@ def zeroed_rows(zf: ZeroFill, scores: Scores, spec: MaskSpec, gm: fx.GraphModule
     from ..masks.combine import _absorbs
 
     name = f"{zf.mask.name} is {zf.where}"
-    hits = [i for i, t in enumerate(scores.terms) if t.op in ("fill", "where") and t.tensor is zf.mask
+    hits = [i for i, t in enumerate(scores.terms) if t.op in ("fill", "where") and same_value(t.tensor, zf.mask)
             and (t.op == "fill") == zf.where and _same_shape(tuple(scores.term_batches[i]) + tuple(st.shape[-2:]),
                                                             zf.shape)]
     if not hits:
