@@ -20,6 +20,7 @@ from .concat_keys import fold_concat_keys
 from .einsum_groups import fold_einsum_groups
 from .fused_calls import rewrite_fused_calls
 from .find_sites import rewrite_softmax_sites
+from .late_normalised import fold_late_normalised
 from .paged import rewrite_paged_caches
 from .site import PassOptions, SiteReport
 from .split_rows import fold_split_rows
@@ -150,7 +151,8 @@ def rewrite_graph(gm: fx.GraphModule, options: PassOptions) -> list[SiteReport]:
         canonicalized = canonicalize(gm)
         step = "tentative edits"
         # undone below where no rewrite took them
-        tentative = fold_split_rows(gm) + fold_transposed_pv(gm) + fold_concat_keys(gm) + fold_einsum_groups(gm)
+        tentative = (fold_split_rows(gm) + fold_transposed_pv(gm) + fold_concat_keys(gm) + fold_einsum_groups(gm)
+                     + fold_late_normalised(gm))
         canonicalized = canonicalized or bool(tentative)
         for step, run in STEPS:
             reports += run(gm, options)
