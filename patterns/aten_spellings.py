@@ -35,50 +35,34 @@ def _table() -> dict[Any, Union[Callable, str]]:
                 if max_args:
                     _MAX_ARGS[ov] = max_args
 
-    put(torch.matmul, aten.matmul, "default")
-    put(torch.bmm, aten.bmm, "default")
-    put(torch.baddbmm, aten.baddbmm, "default")
+    # the torch function of the overload's own name
+    same = {"default": ("matmul", "bmm", "baddbmm", "exp", "logsumexp", "tanh", "dropout", "permute", "reshape",
+                        "unsqueeze", "clone", "tril", "triu", "full", "zeros", "ones", "ones_like", "zeros_like",
+                        "full_like", "scaled_dot_product_attention"),
+            "int": ("softmax", "log_softmax", "transpose")}
+    for overload, names in same.items():
+        for name in names:
+            put(getattr(torch, name, None) or getattr(F, name), getattr(aten, name), overload)
+    for name in ("logical_not", "logical_and", "logical_or", "bitwise_not", "bitwise_and", "bitwise_or", "neg",
+                 "abs", "minimum", "maximum"):
+        put(getattr(torch, name), getattr(aten, name), "default", "Tensor")
+    for cmp in ("lt", "le", "gt", "ge", "eq", "ne"):
+        put(getattr(torch, cmp), getattr(aten, cmp), "Tensor", "Scalar")
     put(F.linear, aten.linear, "default")
-    put(torch.softmax, aten.softmax, "int")
-    put(torch.log_softmax, aten.log_softmax, "int")
-    put(torch.exp, aten.exp, "default")
-    put(torch.logsumexp, aten.logsumexp, "default")
-    put(torch.tanh, aten.tanh, "default")
     put(torch.mul, aten.mul, "Tensor", "Scalar")
     put(torch.div, aten.div, "Tensor", "Scalar", "Tensor_mode", "Scalar_mode")
     # add.Scalar(self, other, alpha) takes alpha by position, torch.add by keyword only (three positional
     # arguments there are a deprecated signature of another meaning): two at most
     put(torch.add, aten.add, "Tensor", "Scalar", max_args=2)
     put(torch.sub, aten.sub, "Tensor", "Scalar", max_args=2)
+    put(torch.rsub, aten.rsub, "Tensor", "Scalar", max_args=2)
     put(torch.masked_fill, aten.masked_fill, "Scalar", "Tensor")
     put(torch.where, aten.where, "self", "ScalarSelf", "ScalarOther", "Scalar")
-    put(torch.dropout, aten.dropout, "default")
-    put(torch.transpose, aten.transpose, "int")
-    put(torch.permute, aten.permute, "default")
+    put(torch.repeat_interleave, aten.repeat_interleave, "self_int", "self_Tensor")
+    put(torch.arange, aten.arange, "default", "start", "start_step")
     put("view", aten.view, "default")
     put("expand", aten.expand, "default")
-    put(torch.reshape, aten.reshape, "default")
-    put(torch.unsqueeze, aten.unsqueeze, "default")
-    put(torch.clone, aten.clone, "default")
-    put(torch.repeat_interleave, aten.repeat_interleave, "self_int", "self_Tensor")
     put("to", aten.to, "dtype", max_args=4)  # Tensor.to takes memory_format by keyword only
-    put(F.scaled_dot_product_attention, aten.scaled_dot_product_attention, "default")
-    # the pieces masks are built from
-    put(torch.arange, aten.arange, "default", "start", "start_step")
-    put(torch.tril, aten.tril, "default")
-    put(torch.triu, aten.triu, "default")
-    for cmp in ("lt", "le", "gt", "ge", "eq", "ne"):
-        put(getattr(torch, cmp), getattr(aten, cmp), "Tensor", "Scalar")
-    for name in ("logical_not", "logical_and", "logical_or", "bitwise_not", "bitwise_and", "bitwise_or", "neg",
-                 "abs", "minimum", "maximum"):
-        put(getattr(torch, name), getattr(aten, name), "default", "Tensor")
-    put(torch.rsub, aten.rsub, "Tensor", "Scalar", max_args=2)
-    put(torch.full, aten.full, "default")
-    put(torch.zeros, aten.zeros, "default")
-    put(torch.ones, aten.ones, "default")
-    put(torch.ones_like, aten.ones_like, "default")
-    put(torch.zeros_like, aten.zeros_like, "default")
-    put(torch.full_like, aten.full_like, "default")
     return t
 
 
@@ -100,13 +84,15 @@ def _function_for(node: fx.Node) -> Optional[Union[Callable, str]]:
     return fn
 
 
+_ASSERT_METADATA = getattr(getattr(torch.ops.aten, "_assert_tensor_metadata", None), "default", None)
+
+
 def _holds(node: fx.Node) -> bool:
     """`node` is `aten._assert_tensor_metadata(x, size, stride, dtype, device=, layout=)` (torch.export puts one
     before each `.to()`) and x's example value has that metadata. Dynamo's guards fix the dtype, device and layout
     of every input, and an intermediate's follow from them, so the check holds on every call that runs this
     graph: it reads nothing and is dropped (it would otherwise be a second reader of the probabilities)."""
-    target = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
-    if target is None or node.op != "call_function" or node.target is not getattr(target, "default", None):
+    if node.op != "call_function" or node.target is not _ASSERT_METADATA:
         return False
     if node.users or not node.args or not isinstance(node.args[0], fx.Node):
         return False

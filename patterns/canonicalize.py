@@ -208,14 +208,17 @@ def exp_sum_of(node: Any) -> Optional[tuple[fx.Node, fx.Node]]:
     is_div = (node.op == "call_method" and node.target in ("div", "__truediv__")) or \
         (node.op == "call_function" and node.target in _DIV_FNS)
     e, den = node.args
-    if not is_div or not isinstance(e, fx.Node) or not _is_last_dim_sum(den, e):
-        return None
-    if not _is_exp(e):
-        return None
-    y = e.args[0]
-    if not _is_sub(y) or row_max_of(y.args[1], y.args[0]) is None:
+    if not is_div or not stable_exp_sum(e, den):
         return None
     return e, den
+
+
+def stable_exp_sum(e: Any, den: Any) -> bool:
+    """e is exp(s - rowmax(s)) and den is e.sum(-1, keepdim=True): softmax's numerator and denominator."""
+    if not isinstance(e, fx.Node) or not _is_last_dim_sum(den, e) or not _is_exp(e):
+        return False
+    y = e.args[0]
+    return _is_sub(y) and row_max_of(y.args[1], y.args[0]) is not None
 
 
 _FUNCTIONS: Optional[dict] = None

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .canonicalize import _is_exp, _is_last_dim_sum, _is_sub, kind, row_max_of, tensor_of
+from .canonicalize import stable_exp_sum, tensor_of
 from .emit import set_example_value
 from .layout import contraction, identity
 from .tentative import Edit, LazyRegions, attempt_each, commit
@@ -43,10 +43,7 @@ def _late(gm: fx.GraphModule, node: fx.Node, regions: LazyRegions) -> Optional[E
     e, v = m.args
     if c.lhs.node is not e or c.lhs.perm != identity(c.lhs.rank) or not isinstance(e, fx.Node):
         return None
-    if not _is_last_dim_sum(s, e) or set(e.users) != {m, s} or not _is_exp(e):
-        return None
-    x = e.args[0]
-    if not _is_sub(x) or row_max_of(x.args[1], x.args[0]) is None:
+    if set(e.users) != {m, s} or not stable_exp_sum(e, s):
         return None
     te, tm, ts, tout = tensor_of(e), tensor_of(m), tensor_of(s), tensor_of(node)
     if te is None or tm is None or ts is None or tout is None or tm.dim() != te.dim() or tm.dim() < 2:

@@ -271,6 +271,12 @@ def narrows(dtype: torch.dtype, ref: torch.dtype) -> bool:
     return a.eps > b.eps or a.max < b.max
 
 
+def _where_fill(value: Any, scores: torch.Tensor) -> Any:
+    """A fill of torch.where on the scores: a _fill_value, or a full tensor of one constant (_full_fill)."""
+    c = _fill_value(value)
+    return c if c is not None else _full_fill(value, scores)
+
+
 _ELEMENTWISE = ("add", "sub", "mul", "div", "masked_fill", "where")
 
 
@@ -426,7 +432,7 @@ def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None, shift_barrier: 
             continue
         if k == "where" and len(cur.args) == 3:
             cond, a, b = cur.args
-            ca, cb = (_fill_value(x) if _fill_value(x) is not None else _full_fill(x, t) for x in (a, b))
+            ca, cb = (_where_fill(x, t) for x in (a, b))
             if cb is not None and isinstance(a, fx.Node) and tensor_of(a) is not None and ca is None:
                 term, nxt = MaskTerm("where", cond, cb), a
             elif ca is not None and isinstance(b, fx.Node) and tensor_of(b) is not None and cb is None:
