@@ -268,6 +268,17 @@ def written_after(node: fx.Node, after: fx.Node, limit: int = 4096) -> bool:
     return bases is None or _class_written(bases, limit, _stands_after(after, inclusive=False))
 
 
+def written_between(node: fx.Node, start: fx.Node, end: fx.Node, limit: int = 4096) -> bool:
+    """Is the memory of `node`'s value (its whole alias class) written by a node that stands after `start` and
+    before `end` in the graph, or past `limit` nodes? What a reader at `start` and one at `end` see differs only so."""
+    bases = _bases(node, limit)
+    if bases is None:
+        return True
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    lo, hi = order[start], order[end]
+    return _class_written(bases, limit, lambda w: lo < order.get(w, -1) < hi)
+
+
 def copy_parted(copy: fx.Node, src: fx.Node) -> bool:
     """Whether a copy of `src` made at `copy` may hold other values than `src` where either is read: the copy is
     written in place anywhere (eager reads the written copy: `k = k.clone(); k[..., :2] = rotated`), or `src` is

@@ -325,6 +325,62 @@ def test_a_mask_written_after_the_attention(fn, inner):
     assert not res.rewritten and any("written in place later" in r for r in res.reasons), res.reasons
 
 
+# ------------------------------------------------------- a mask read, then written in place before the site
+# Eager's bias (or negated mask) holds the values from before the write; the op reads the mask at the site. So the
+# site is left alone, or takes a copy from before the write: compared with eager on every element.
+
+def bias_from_mask_then_filled(q, k, v, m):
+    bias = torch.where(m, 0.0, float("-inf"))
+    m.fill_(True)  # updated for a later use
+    return torch.softmax(q @ k.mT * 0.25 + bias, -1) @ v
+
+
+def negated_mask_then_zeroed(q, k, v, m):
+    c = ~m
+    m.zero_()
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~c)
+
+
+def padding_then_filled(q, k, v, m):  # m: [B, N] keep
+    pad = ~m[:, None, None, :]
+    m.fill_(True)
+    return torch.softmax((q @ k.mT * 0.25).masked_fill(pad, -1e9), -1) @ v
+
+
+def made_here_then_filled(q, k, v, m):
+    keep = torch.ones(N, N, dtype=torch.bool).tril()
+    c = ~keep
+    keep.fill_(True)
+    return torch.softmax((q @ k.mT * 0.25).masked_fill(c, float("-inf")), -1) @ v
+
+
+def mask_written_before_it_is_read(q, k, v, m):
+    m[..., 0] = True  # every row keeps its first key: eager reads the written mask, and so does the op
+    return torch.softmax(q @ k.mT * 0.25 + torch.where(m, 0.0, float("-inf")), -1) @ v
+
+
+def _keep(fn):
+    if fn is padding_then_filled:
+        m = torch.ones(B, N, dtype=torch.bool)
+        m[1, 5:] = False
+        return m
+    m = rand(B, 1, N, N, seed=7) > 0.0
+    m[..., 0] = True
+    return m
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("fn", [bias_from_mask_then_filled, negated_mask_then_zeroed, padding_then_filled,
+                                made_here_then_filled], ids=lambda f: f.__name__)
+def test_a_mask_written_after_it_is_read_before_the_site(fn, inner):
+    check(fn, qkv() + [_keep(fn)], inner=inner, grad=False)
+
+
+def test_a_mask_written_before_it_is_read_is_rewritten():
+    m = rand(B, 1, N, N, seed=7) > 0.0
+    check(mask_written_before_it_is_read, qkv() + [m], grad=False, rewritten=1)
+
+
 # ------------------------------------------------------------------------------- inputs written after the site
 
 # Only v needs a gradient, so eager saves P, not k: writing k after the attention is legal eager code. The op would

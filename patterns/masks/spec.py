@@ -7,7 +7,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.fx as fx
 
-from ..aliasing import written_in_place
+from ..aliasing import writes_into, written_between, written_in_place
 from ..emit import call, example_value
 from ..site import MaskSpec
 from .symbolic import Size, _as_int, _dtype, _is_one, _same, _shape
@@ -77,6 +77,20 @@ class _Emitter:
         if out is None or isinstance(sympy.sympify(expr), sympy.Integer):
             raise _Fail(f"cannot build {expr}")
         return out
+
+
+def _read_at_site(em: "_Emitter", node: fx.Node, what: str) -> None:
+    """The op reads `node` at the site, where eager read it at the mask's own ops: the two see one value only where
+    nothing writes node's memory in place between its first reader and the site (a mask negated or turned into a
+    bias, then updated before the attention: eager's bias holds the old values, node the new ones). A write
+    before every reader is seen by both; one after the site matters to a backward only (emit.py refuses those)."""
+    if not em.before(node):
+        raise _Fail(f"{what} {node.name} is computed after the site")
+    readers = [u for u in node.users if not writes_into(u, node)]  # (`m[a:b] = 0` builds m, reads nothing)
+    # (a node without readers was made by an earlier edit of the pass: its value is the one where it stands)
+    first = min(readers, key=lambda n: em.order.get(n, 1 << 60), default=node)
+    if written_between(node, first, em.at):
+        raise _Fail(f"{what} {node.name} is modified in place after it is read, before the site")
 
 
 def _emit_vector(em: "_Emitter", node: fx.Node, own_axis: int, own_b: Optional[int]) -> fx.Node:
@@ -173,8 +187,7 @@ def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len, bias_rank: int =
         kinds.append("segments")
     bool_bias = None
     for node, neg in dict.fromkeys(plan["data"]):
-        if not em.before(node):
-            raise _Fail(f"mask {node.name} is computed after the site")
+        _read_at_site(em, node, "mask")
         if _dtype(node) != torch.bool:  # a 0/1 or 0-or-c float factor (analyzer._rebased): nonzero is True
             f = em.call(torch.eq if neg else torch.ne, node, 0)
         else:
@@ -184,13 +197,11 @@ def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len, bias_rank: int =
     for node in plan["extras"]:
         if isinstance(node, tuple) and node[0] == "to":  # ("to", bool node, dtype): a bool added as 0/1
             _, m, dt = node
-            if not em.before(m):
-                raise _Fail(f"mask {m.name} is computed after the site")
+            _read_at_site(em, m, "mask")
             node = em.call("to", m, dt, method=True)
         elif isinstance(node, tuple) and node[0] == "absorb16":  # an fp16 mask eager adds in fp16 (combine.py)
             _, m = node
-            if not em.before(m):
-                raise _Fail(f"mask {m.name} is computed after the site")
+            _read_at_site(em, m, "mask")
             # m <= finfo(fp16).min as eager's fp16 value of m is, also where Inductor fuses the sum that makes m
             # without rounding it to fp16 first: a value below -65488 (halfway to -65472) rounds to -65504 or -inf
             low = em.call(operator.lt, m, FP16_ROUNDS_TO_MIN)
@@ -198,15 +209,14 @@ def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len, bias_rank: int =
             node = em.call(operator.add, em.call("float", m, method=True), shift)
         elif isinstance(node, tuple):  # ("where", bool node, c, masked_when_true, dtype): a fill as an additive float
             _, m, c, masked_when_true, dt = node
-            if not em.before(m):
-                raise _Fail(f"mask {m.name} is computed after the site")
+            _read_at_site(em, m, "mask")
             if dt == torch.float64:  # c exactly as eager's fp64 scores hold it (torch.where of two numbers is fp32)
                 filled = m if masked_when_true else em.call(torch.logical_not, m)
                 node = em.call("masked_fill", em.call(torch.zeros_like, m, dtype=dt), filled, c, method=True)
             else:
                 node = em.call(torch.where, m, c, 0.0) if masked_when_true else em.call(torch.where, m, 0.0, c)
-        elif not em.before(node):
-            raise _Fail(f"mask {node.name} is computed after the site")
+        else:
+            _read_at_site(em, node, "mask")
         float_bias = node if float_bias is None else em.call(operator.add, float_bias, node)
     if bool_bias is not None and float_bias is not None:
         spec.bias = em.call(torch.where, bool_bias, float_bias, float("-inf"))
@@ -221,8 +231,7 @@ def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len, bias_rank: int =
         raise _Fail(f"residual mask has more than {bias_rank} dims")
     if plan.get("filled") is not None:
         node, when_true = plan["filled"]
-        if not em.before(node):
-            raise _Fail(f"mask {node.name} is computed after the site")
+        _read_at_site(em, node, "mask")
         if spec.bias is None or _dtype(spec.bias) == torch.bool:
             raise _Fail("filled scores without the float bias that holds them")
         spec.filled = node if when_true else em.call(torch.logical_not, node)
