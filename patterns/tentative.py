@@ -130,7 +130,15 @@ def attempt_each(gm: fx.GraphModule, node_kind: str, edit_fn: Callable) -> list[
 
 
 def swaps_last_two(node: Any) -> bool:
-    """node is a (functional) transpose of its input's last two axes."""
+    """node is a (functional) transpose of its input's last two axes, or a permute that only swaps those."""
+    if isinstance(node, fx.Node) and kind(node) == "permute" and node.args and not is_inplace(node):
+        t = tensor_of(node.args[0])
+        dims = node.args[1:] if len(node.args) > 2 else (node.args[1] if len(node.args) == 2 else node.kwargs.get("dims"))
+        if t is None or t.dim() < 2 or not isinstance(dims, (list, tuple)) or len(dims) != t.dim() \
+                or not all(isinstance(d, int) for d in dims):
+            return False
+        r = t.dim()
+        return [d % r for d in dims] == [*range(r - 2), r - 1, r - 2]
     if not isinstance(node, fx.Node) or kind(node) != "transpose" or is_inplace(node) or not node.args:
         return False
     t = tensor_of(node.args[0])

@@ -11,7 +11,9 @@ Element (d, i) of that product is the sum over keys j of v[d, j] · p[i, j], whi
     y = torch.matmul(p, v.transpose(-1, -2)).transpose(-1, -2).contiguous()
 
 (contiguous: the layout the written product had, which a later `.view` may need) changes at most the rounding
-(the GEMM's summation order). The probabilities are then the left operand of a P·V
+(the GEMM's summation order). An einsum whose output puts V's own axis before the queries'
+(`einsum("bts,bcs->bct", p, v)`, channels-first diffusion U-Nets) is the same product transposed: it becomes
+`einsum("bts,bcs->btc", p, v).transpose(-1, -2).contiguous()`. The probabilities are then the left operand of a P·V
 product, as the site finder reads them. The edit is made only where p comes from a softmax (through dropout,
 casts or copies), the transpose swaps the last two axes and is read by the product alone, and all of it runs in
 one grad mode / autocast state. It is tentative (tentative.py): put back where no rewrite takes it.
@@ -60,6 +62,44 @@ def _swapped(gm: fx.GraphModule, node: fx.Node, regions: LazyRegions) -> Optiona
     return Edit(made, product, rebuild, inputs=[v, p])
 
 
+def _einsum_swapped(gm: fx.GraphModule, node: fx.Node, regions: LazyRegions) -> Optional[Edit]:
+    if node.kwargs or len(node.args) != 3 or not isinstance(node.args[0], str):
+        return None
+    eq = node.args[0].replace(" ", "")
+    if "..." in eq or "->" not in eq or eq.count(",") != 1:
+        return None
+    lhs, z = eq.split("->")
+    x, y = lhs.split(",")
+    a, b = node.args[1:]
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)) or len(z) < 2:
+        return None
+    p, v, sp, sv = (a, b, x, y) if _is_probs(a) else (b, a, y, x) if _is_probs(b) else (None,) * 4
+    if p is None or len(p.users) != 1 or p is v:
+        return None
+    t, c = z[-1], z[-2]  # the written output: V's own axis c, then the queries' t
+    if not (t in sp and t not in sv and c in sv and c not in sp):
+        return None
+    if len({regions.of(n) for n in (p, node)}) != 1:
+        return None
+    graph = gm.graph
+    with graph.inserting_before(node):
+        product = graph.call_function(torch.einsum, (f"{x},{y}->{z[:-2]}{t}{c}", a, b))
+        tr = graph.call_method("transpose", (product, -2, -1))
+        out = graph.call_method("contiguous", (tr,))
+    made = [product, tr, out]
+    if not commit(graph, made, node):
+        return None
+
+    def rebuild(graph: fx.Graph) -> list:  # the einsum as written
+        return [graph.call_function(torch.einsum, (eq, a, b))]
+
+    return Edit(made, product, rebuild, inputs=[a, b])
+
+
+def _is_probs(n: fx.Node) -> bool:
+    return kind(n) == "softmax" or reaches_softmax(n, PROB_STEPS, forward=False)
+
+
 def fold_transposed_pv(gm: fx.GraphModule) -> list[Edit]:
-    """Apply the edit of the module docstring wherever it is exact; the edits made."""
-    return attempt_each(gm, "matmul", _swapped)
+    """Apply the edits of the module docstring wherever they are exact; the edits made."""
+    return attempt_each(gm, "matmul", _swapped) + attempt_each(gm, "einsum", _einsum_swapped)
