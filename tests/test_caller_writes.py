@@ -325,6 +325,17 @@ def test_a_mask_written_after_the_attention(fn, inner):
     assert not res.rewritten and any("written in place later" in r for r in res.reasons), res.reasons
 
 
+def softmax_into_a_buffer(q, k, v):
+    p = torch.empty(B, H, N, N)
+    torch.softmax(q @ k.mT * 0.25, -1, out=p)
+    return p @ v
+
+
+def test_probabilities_written_by_out_are_refused_in_words():
+    res = check(softmax_into_a_buffer, qkv(), rewritten=0)
+    assert any("written into a caller's tensor (out=" in r for r in res.reasons), res.reasons
+
+
 # ------------------------------------------------------- a mask read, then written in place before the site
 # Eager's bias (or negated mask) holds the values from before the write; the op reads the mask at the site. So the
 # site is left alone, or takes a copy from before the write: compared with eager on every element.

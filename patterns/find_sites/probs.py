@@ -119,6 +119,9 @@ def walk_probs(sm: fx.Node, options: PassOptions, gm: Optional[fx.GraphModule] =
         shade = [u for u in users if len(users) > 1 and _metadata_copy(u, cur)]
         users = [u for u in users if u not in shade]
         shadows += shade
+        if not users and isinstance(cur.kwargs.get("out"), fx.Node):
+            raise Miss(f"the probabilities are written into a caller's tensor (out={cur.kwargs['out'].name}), "
+                       "which the P·V product reads")
         if len(users) != 1:
             names = ", ".join(u.name for u in users)
             raise Miss(f"probabilities have {len(users)} users ({names}); only a P·V contraction may read them")
