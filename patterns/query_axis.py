@@ -95,8 +95,9 @@ def _scores_product(graph: fx.Graph, node: fx.Node, rank: int, new) -> Optional[
         ta, tb = tensor_of(a), tensor_of(b)
         if ta is None or tb is None or ta.dim() < 2 or tb.dim() < 2:
             return None
-        if axis == rank:  # squeeze(A @ B, -1), A @ B [..., Nk, 1]: (A @ B)ᵀ = Bᵀ @ Aᵀ
-            with graph.inserting_before(node):
+        if axis == rank:  # squeeze(A @ B, -1), A @ B [..., Nk, 1]: (A @ B)ᵀ = Bᵀ @ Aᵀ, where A @ B was taken (its
+            # operands as eager read them, in its grad mode and autocast state)
+            with graph.inserting_before(m):
                 bt = new("call_method", "transpose", b, -2, -1)
                 at = new("call_method", "transpose", a, -2, -1)
                 return new("call_function", torch.matmul, bt, at)
@@ -180,7 +181,8 @@ def _fold(gm: fx.GraphModule, sm: fx.Node, regions: LazyRegions) -> bool:
             return False  # p's last letter is the key axis, summed against V; the output's last is V's own; no
             # axis of p's own (a query axis) reaches the output
         pv_einsum = (px, vy, z, v)
-    if len({regions.of(n) for n in [product, sm, *steps, *after, user]}) != 1:
+    inner = [product.args[0]] if _squeezed_axis(product) is not None else []  # the product a squeeze reads
+    if len({regions.of(n) for n in [*inner, product, sm, *steps, *after, user]}) != 1:
         return False
 
     made: list = []

@@ -92,6 +92,49 @@ def test_inductor_and_half_precision():
     check(matmul_row, [q, k, v], dtype=torch.bfloat16, rewritten=1)
 
 
+# ------------------------------------------------- the product where eager took it: writes, grad modes, autocast
+
+def written_between_product_and_squeeze(q, k, v):
+    q = q * 1
+    m = k @ q.unsqueeze(-1)
+    q.add_(1.0)  # eager's scores were taken before this write
+    s = m.squeeze(-1)
+    return (s.softmax(-1).unsqueeze(-2) @ v).squeeze(-2)
+
+
+def product_without_grad(q, k, v):
+    with torch.no_grad():
+        m = k @ q.unsqueeze(-1)  # no gradient reaches q or k
+    return (m.squeeze(-1).softmax(-1).unsqueeze(-2) @ v).squeeze(-2)
+
+
+def product_under_autocast(q, k, v):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m = k @ q.unsqueeze(-1)  # bf16 scores
+    return (m.squeeze(-1).float().softmax(-1).unsqueeze(-2) @ v).squeeze(-2)
+
+
+def refused_beside_a_rewritten_site(q, k, v, w):
+    s = (k @ q.unsqueeze(-1)).squeeze(-1) * w  # a factor varying along the keys: refused
+    y1 = (s.softmax(-1).unsqueeze(-2) @ v).squeeze(-2)
+    y2 = torch.einsum("bhk,bhkd->bhd", torch.einsum("bhd,bhkd->bhk", q, k).softmax(-1), v)
+    return y1 + y2
+
+
+def test_a_write_between_the_product_and_its_squeeze():
+    check(written_between_product_and_squeeze, vec_kv(grad=False))  # (with grad, eager's backward refuses the write)
+
+
+def test_grad_mode_and_autocast_regions_around_the_product():
+    check(product_without_grad, vec_kv())
+    check(product_under_autocast, vec_kv())
+
+
+def test_an_edited_site_that_is_refused_beside_a_rewritten_one():
+    res = check(refused_beside_a_rewritten_site, vec_kv() + [rand(N, seed=6) + 2.0], rewritten=1)
+    assert any("varies along the key axis" in r for r in res.reasons), res.reasons
+
+
 # -------------------------------------------------------------------------------- left as written
 
 def probabilities_returned(q, k, v):
