@@ -62,7 +62,8 @@ def _fn_table() -> dict:
 
     g = lambda mod, name: getattr(mod, name, None)  # noqa: E731  (absent in some torch versions)
     put("softmax", F.softmax, torch.softmax, torch.Tensor.softmax, g(torch.special, "softmax"))
-    put("matmul", operator.matmul, torch.matmul, torch.Tensor.matmul, torch.bmm, torch.Tensor.bmm)
+    put("matmul", operator.matmul, torch.matmul, torch.Tensor.matmul, torch.bmm, torch.Tensor.bmm, torch.mm,
+        torch.Tensor.mm)
     put("einsum", torch.einsum, g(torch.functional, "einsum"))
     put("linear", F.linear)  # F.linear(x, w, b) = x @ wᵀ (+ b): one contraction
     put("baddbmm", torch.baddbmm, torch.Tensor.baddbmm)
@@ -86,7 +87,8 @@ def _fn_table() -> dict:
 
 
 _METHODS = {
-    "softmax": "softmax", "matmul": "matmul", "bmm": "matmul", "__matmul__": "matmul", "einsum": "einsum",
+    "softmax": "softmax", "matmul": "matmul", "bmm": "matmul", "mm": "matmul", "__matmul__": "matmul",
+    "einsum": "einsum",
     "baddbmm": "baddbmm", "mul": "mul", "multiply": "mul", "__mul__": "mul", "__rmul__": "mul", "mul_": "mul",
     "div": "div", "divide": "div", "true_divide": "div", "__truediv__": "div", "div_": "div",
     "add": "add", "__add__": "add", "__radd__": "add", "add_": "add", "sub": "sub", "__sub__": "sub",

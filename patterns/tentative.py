@@ -130,7 +130,12 @@ def attempt_each(gm: fx.GraphModule, node_kind: str, edit_fn: Callable) -> list[
 
 
 def swaps_last_two(node: Any) -> bool:
-    """node is a (functional) transpose of its input's last two axes, or a permute that only swaps those."""
+    """node is a (functional) transpose of its input's last two axes, a permute that only swaps those, or `.t()` of
+    a 2-D tensor."""
+    if isinstance(node, fx.Node) and node.target in ("t", torch.t, torch.Tensor.t) and len(node.args) == 1 \
+            and not node.kwargs:
+        t = tensor_of(node.args[0])
+        return t is not None and t.dim() == 2
     if isinstance(node, fx.Node) and kind(node) == "permute" and node.args and not is_inplace(node):
         t = tensor_of(node.args[0])
         dims = node.args[1:] if len(node.args) > 2 else (node.args[1] if len(node.args) == 2 else node.kwargs.get("dims"))

@@ -76,6 +76,16 @@ def test_qkv_attention_under_inductor():
     check(QKVAttention(2, "bct"), [x], inner="inductor", rewritten=1)
 
 
+def unbatched_mm(q, k, v):  # one 2-D attention written with torch.mm, the values [C, N] applied as v · pᵀ
+    p = torch.softmax(torch.mm(q, k.t()) * 0.5, dim=-1)
+    return torch.mm(v, p.t())
+
+
+def test_unbatched_mm_with_values_applied_from_the_right():
+    q, k = rand(5, 4, seed=1, requires_grad=True), rand(6, 4, seed=2, requires_grad=True)
+    check(unbatched_mm, [q, k, rand(4, 6, seed=3, requires_grad=True)], rewritten=1)
+
+
 def permute_of_other_axes(q, k, v):  # a permute that moves the batch: not P·V transposed, left as written
     p = torch.softmax(q @ k.transpose(-1, -2) * 0.25, -1)  # [B, N, N]
     return torch.bmm(v.permute(0, 2, 1), p.permute(2, 1, 0).contiguous()[:, :, : v.shape[0]].permute(2, 0, 1))
