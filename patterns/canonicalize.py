@@ -24,15 +24,15 @@ from .emit import example_value
 
 def canonicalize(gm: fx.GraphModule) -> bool:
     """The graph edits made before analysis, each proven to keep every value and gradient (see aten_spellings.py,
-    view_attributes.py, functionalize.py, slice_update.py, reshaped_terms.py, key_major.py, query_axis.py and dead_code.py):
-    ATen overloads called by name become the torch functions they are, metadata checks that hold are dropped,
-    transposes spelled as attributes (`x.mT`) become `x.transpose(a, b)`, in-place updates of tensors nothing else
-    aliases become their functional op, terms added to a slice of the scores and written back become zero-padded
-    terms of the scores, terms added to a reshaped view of a tensor that is viewed back become terms of that
-    tensor, key-major scores normalised over dim -2 become query-major ones, single-query scores written without a
-    query axis gain one, and nodes whose result nobody reads
-    and whose computation changes nothing else are removed. Every other spelling is read through `kind` and the
-    accessors below. True when the graph changed (the pass puts it back when no site is rewritten)."""
+    view_attributes.py, functionalize.py, slice_update.py, reshaped_terms.py, key_major.py, query_axis.py and
+    dead_code.py): ATen overloads called by name become the torch functions they are, metadata checks that hold are
+    dropped, transposes spelled as attributes (`x.mT`) become `x.transpose(a, b)`, in-place updates of tensors
+    nothing else aliases become their functional op, terms added to a slice of the scores and written back become
+    zero-padded terms of the scores, terms added to a reshaped view of a tensor that is viewed back become terms of
+    that tensor, key-major scores normalised over dim -2 become query-major ones, single-query scores written
+    without a query axis gain one, and nodes whose result nobody reads and whose computation changes nothing else
+    are removed. Every other spelling is read through `kind` and the accessors below. True when the graph changed
+    (the pass puts it back when no site is rewritten)."""
     from .aten_spellings import spell_aten_ops
     from .dead_code import remove_dead_pure_nodes
     from .functionalize import functionalize_inplace

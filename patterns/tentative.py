@@ -132,13 +132,16 @@ def attempt_each(gm: fx.GraphModule, node_kind: str, edit_fn: Callable) -> list[
 def swaps_last_two(node: Any) -> bool:
     """node is a (functional) transpose of its input's last two axes, a permute that only swaps those, or `.t()` of
     a 2-D tensor."""
-    if isinstance(node, fx.Node) and node.target in ("t", torch.t, torch.Tensor.t) and len(node.args) == 1 \
-            and not node.kwargs:
+    if isinstance(node, fx.Node) and node.op in ("call_method", "call_function") \
+            and node.target in ("t", torch.t, torch.Tensor.t) and len(node.args) == 1 and not node.kwargs:
         t = tensor_of(node.args[0])
         return t is not None and t.dim() == 2
     if isinstance(node, fx.Node) and kind(node) == "permute" and node.args and not is_inplace(node):
         t = tensor_of(node.args[0])
-        dims = node.args[1:] if len(node.args) > 2 else (node.args[1] if len(node.args) == 2 else node.kwargs.get("dims"))
+        if len(node.args) > 2:  # x.permute(0, 2, 1)
+            dims = node.args[1:]
+        else:  # x.permute((0, 2, 1)), torch.permute(x, dims=...)
+            dims = node.args[1] if len(node.args) == 2 else node.kwargs.get("dims")
         if t is None or t.dim() < 2 or not isinstance(dims, (list, tuple)) or len(dims) != t.dim() \
                 or not all(isinstance(d, int) for d in dims):
             return False
