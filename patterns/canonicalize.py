@@ -287,6 +287,28 @@ def reaches_softmax(node: fx.Node, kinds: tuple, forward: bool, depth: int = 8) 
     return False
 
 
+def two_operand_einsum(node: Any) -> Optional[tuple[str, str, str, fx.Node, fx.Node]]:
+    """(x, y, z, a, b) of `torch.einsum("x,y->z", a, b)` (operands given apart or as one list) with an explicit output,
+    no ellipsis, no repeated letter within a subscript and a letter for every dim of each operand; else None."""
+    if kind(node) != "einsum" or node.kwargs or len(node.args) not in (2, 3) or not isinstance(node.args[0], str):
+        return None
+    ops = node.args[1:] if len(node.args) == 3 else node.args[1]
+    if not isinstance(ops, (list, tuple)) or len(ops) != 2 or not all(isinstance(o, fx.Node) for o in ops):
+        return None
+    eq = node.args[0].replace(" ", "")
+    if "..." in eq or "->" not in eq or eq.count(",") != 1:
+        return None
+    lhs, z = eq.split("->")
+    x, y = lhs.split(",")
+    a, b = ops
+    ta, tb = tensor_of(a), tensor_of(b)
+    if ta is None or tb is None or len(x) != ta.dim() or len(y) != tb.dim():
+        return None
+    if any(len(set(sub)) != len(sub) for sub in (x, y, z)):
+        return None
+    return x, y, z, a, b
+
+
 def comes_before(graph: fx.Graph, a: fx.Node, b: fx.Node) -> bool:
     """a stands before b in the graph's order (False when neither or only b is found first)."""
     for n in graph.nodes:

@@ -24,32 +24,12 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .canonicalize import PROB_STEPS, SCORE_STEPS, reaches_softmax, tensor_of
+from .canonicalize import PROB_STEPS, SCORE_STEPS, reaches_softmax, two_operand_einsum
 from .tentative import Edit, LazyRegions, attempt_each, commit
 
 
-def _equation(node: fx.Node) -> Optional[tuple[str, str, str, fx.Node, fx.Node]]:
-    if node.kwargs or len(node.args) not in (2, 3) or not isinstance(node.args[0], str):
-        return None
-    ops = node.args[1:] if len(node.args) == 3 else node.args[1]
-    if not isinstance(ops, (list, tuple)) or len(ops) != 2 or not all(isinstance(o, fx.Node) for o in ops):
-        return None
-    eq = node.args[0].replace(" ", "")
-    if "..." in eq or "->" not in eq or eq.count(",") != 1:
-        return None
-    lhs, z = eq.split("->")
-    x, y = lhs.split(",")
-    a, b = ops
-    ta, tb = tensor_of(a), tensor_of(b)
-    if ta is None or tb is None or len(x) != ta.dim() or len(y) != tb.dim():
-        return None
-    if any(len(set(s)) != len(s) for s in (x, y, z)):
-        return None
-    return x, y, z, a, b
-
-
 def _broadcast(gm: fx.GraphModule, node: fx.Node, regions: LazyRegions) -> Optional[Edit]:
-    parsed = _equation(node)
+    parsed = two_operand_einsum(node)
     if parsed is None:
         return None
     x, y, z, a, b = parsed

@@ -32,9 +32,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .canonicalize import SCORE_STEPS, exp_sum_of, is_inplace, kind, log_softmax_of, softmax_args, tensor_of
+from .canonicalize import exp_sum_of, is_inplace, kind, log_softmax_of, softmax_args, tensor_of
 from .emit import set_example_value
-from .tentative import LazyRegions, commit, swaps_last_two
+from .tentative import LazyRegions, commit, fold_each, rebuild_steps, score_chain, swaps_last_two
 
 _PLAIN_SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax, "softmax")
 
@@ -47,24 +47,10 @@ def _fold(gm: fx.GraphModule, sm: fx.Node, regions: LazyRegions) -> bool:
     t = tensor_of(x)
     if t is None or t.dim() < 2 or dim != t.dim() - 2 or not isinstance(x, fx.Node):
         return False
-    steps: list = []
-    cur = x
-    for _ in range(12):
-        if len(cur.users) != 1 or is_inplace(cur):
-            return False
-        if kind(cur) == "matmul" and len(cur.args) == 2 and not cur.kwargs:
-            break
-        if kind(cur) not in SCORE_STEPS or not cur.args or cur.kwargs.get("out") is not None:
-            return False
-        chain = [a for a in cur.args if isinstance(a, fx.Node) and tensor_of(a) is not None
-                 and tensor_of(a).dim() == t.dim() and tensor_of(a).shape == t.shape and _leads_to_product(a)]
-        if len(chain) != 1:
-            return False
-        steps.append(cur)
-        cur = chain[0]
-    else:
+    found = score_chain(x, lambda n: kind(n) == "matmul" and len(n.args) == 2 and not n.kwargs)
+    if found is None:
         return False
-    product = cur
+    steps, product = found
     a, b = product.args
     ta, tb = tensor_of(a), tensor_of(b)
     if ta is None or tb is None or ta.dim() < 2 or tb.dim() < 2 or tensor_of(product).shape != t.shape:
@@ -93,13 +79,7 @@ def _fold(gm: fx.GraphModule, sm: fx.Node, regions: LazyRegions) -> bool:
     # the softmax is seen by the new graph exactly when eager saw it.
     with graph.inserting_before(product):
         cur = new("call_function", torch.matmul, transposed(b), transposed(a))
-    chain_nodes = {product}
-    for step in reversed(steps):
-        with graph.inserting_before(step):
-            args = [cur if (isinstance(a_, fx.Node) and a_ in chain_nodes) else transposed(a_) for a_ in step.args]
-            kwargs = {key: transposed(val) for key, val in step.kwargs.items()}
-            cur = new(step.op, step.target, *args, **kwargs)
-        chain_nodes.add(step)
+    cur = rebuild_steps(graph, steps, product, cur, transposed, new)
     with graph.inserting_before(sm):
         soft = new("call_function", F.softmax, cur, -1, **({"dtype": dtype} if dtype is not None else {}))
         out = new("call_method", "transpose", soft, -2, -1)
@@ -153,31 +133,6 @@ def _cancel_transposes(graph: fx.Graph, out: fx.Node, soft: fx.Node) -> None:
         graph.erase_node(out)
 
 
-def _leads_to_product(node: fx.Node, depth: int = 12) -> bool:
-    """node is the product or reaches it through the first tensor operand of elementwise steps."""
-    n = node
-    for _ in range(depth):
-        if kind(n) == "matmul":
-            return True
-        if kind(n) not in SCORE_STEPS:
-            return False
-        nxt = [a for a in n.args if isinstance(a, fx.Node) and tensor_of(a) is not None
-               and tensor_of(a).shape == tensor_of(n).shape]
-        if not nxt:
-            return False
-        n = nxt[0]
-    return False
-
-
 def fold_key_major_scores(gm: fx.GraphModule) -> bool:
     """Apply the edit of the module docstring wherever it is exact; True when any was made."""
-    regions = LazyRegions(gm)
-    changed = False
-    for node in list(gm.graph.nodes):
-        if getattr(node, "_erased", False) or kind(node) != "softmax":
-            continue
-        try:
-            changed = _fold(gm, node, regions) or changed
-        except Exception:  # a spelling this code did not foresee, before the graph changed: left as written
-            continue
-    return changed
+    return fold_each(gm, "softmax", _fold)

@@ -34,9 +34,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .canonicalize import PROB_STEPS, SCORE_STEPS, exp_sum_of, is_inplace, kind, log_softmax_of, softmax_args, \
-    tensor_of
-from .tentative import LazyRegions, commit
+from .canonicalize import PROB_STEPS, exp_sum_of, is_inplace, kind, log_softmax_of, softmax_args, tensor_of, \
+    two_operand_einsum
+from .tentative import LazyRegions, commit, fold_each, rebuild_steps, score_chain
 
 _PLAIN_SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax, "softmax")
 _SQUEEZE = (torch.squeeze, torch.Tensor.squeeze, "squeeze")
@@ -62,26 +62,6 @@ def _squeezed_axis(node: fx.Node) -> Optional[int]:
     return d if t.shape[d] == 1 else None
 
 
-def _einsum_parts(node: fx.Node) -> Optional[tuple[str, str, str, fx.Node, fx.Node]]:
-    """(x, y, z, a, b) of a two-operand `torch.einsum("x,y->z", a, b)` without ellipsis."""
-    if kind(node) != "einsum" or node.kwargs or not node.args or not isinstance(node.args[0], str):
-        return None
-    ops = list(node.args[1:])
-    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
-        ops = list(ops[0])
-    eq = node.args[0].replace(" ", "")
-    if len(ops) != 2 or "->" not in eq or "..." in eq:
-        return None
-    lhs, z = eq.split("->")
-    if lhs.count(",") != 1 or not z:
-        return None
-    x, y = lhs.split(",")
-    a, b = ops
-    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
-        return None
-    return x, y, z, a, b
-
-
 def _scores_product(graph: fx.Graph, node: fx.Node, rank: int, new) -> Optional[fx.Node]:
     """The scores product `node` (rank `rank`, keys last, no query axis) with a unit query axis before the keys,
     as new nodes inserted before it; None where it is not such a product."""
@@ -104,7 +84,7 @@ def _scores_product(graph: fx.Graph, node: fx.Node, rank: int, new) -> Optional[
         if axis == rank - 1:  # squeeze(A @ B, -2), A @ B [..., 1, Nk]: the product itself
             return m
         return None
-    parts = _einsum_parts(node)
+    parts = two_operand_einsum(node)
     if parts is None or len(node.users) != 1:
         return None
     x, y, z, a, b = parts
@@ -130,24 +110,10 @@ def _fold(gm: fx.GraphModule, sm: fx.Node, regions: LazyRegions) -> bool:
     if t is None or t.dim() < 2 or dim != t.dim() - 1 or not isinstance(x, fx.Node):
         return False
     rank = t.dim()
-    steps: list = []
-    cur = x
-    for _ in range(12):
-        if len(cur.users) != 1 or is_inplace(cur):
-            return False
-        if _squeezed_axis(cur) is not None or kind(cur) == "einsum":
-            break
-        if kind(cur) not in SCORE_STEPS or not cur.args or cur.kwargs.get("out") is not None:
-            return False
-        chain = [a for a in cur.args if isinstance(a, fx.Node) and tensor_of(a) is not None
-                 and tensor_of(a).shape == t.shape and _leads_to_product(a)]
-        if len(chain) != 1:
-            return False
-        steps.append(cur)
-        cur = chain[0]
-    else:
+    found = score_chain(x, _is_product)
+    if found is None:
         return False
-    product = cur
+    steps, product = found
     if tensor_of(product) is None or tensor_of(product).shape != t.shape:
         return False
     # the probabilities' way to P·V: dropout, casts or copies, each read by the next alone
@@ -173,7 +139,7 @@ def _fold(gm: fx.GraphModule, sm: fx.Node, regions: LazyRegions) -> bool:
                                                     and m.args[1] is not user for m in user.users))
     pv_einsum = None
     if not pv_unsqueeze:
-        parts = _einsum_parts(user)
+        parts = two_operand_einsum(user)
         if parts is None or parts[3] is not end or parts[4] is end:
             return False
         px, vy, z, _, v = parts
@@ -205,13 +171,7 @@ def _fold(gm: fx.GraphModule, sm: fx.Node, regions: LazyRegions) -> bool:
         for n in reversed(made):
             graph.erase_node(n)
         return False
-    chain_nodes = {product}
-    for step in reversed(steps):
-        with graph.inserting_before(step):
-            args = [cur if (isinstance(a_, fx.Node) and a_ in chain_nodes) else widened(a_) for a_ in step.args]
-            kwargs = {key: widened(val) for key, val in step.kwargs.items()}
-            cur = new(step.op, step.target, *args, **kwargs)
-        chain_nodes.add(step)
+    cur = rebuild_steps(graph, steps, product, cur, widened, new)
     with graph.inserting_before(sm):
         cur = new("call_function", F.softmax, cur, -1, **({"dtype": dtype} if dtype is not None else {}))
     for step in after:
@@ -229,31 +189,10 @@ def _fold(gm: fx.GraphModule, sm: fx.Node, regions: LazyRegions) -> bool:
     return commit(graph, made, user, dead=(*reversed(after), sm, *steps, product))
 
 
-def _leads_to_product(node: fx.Node, depth: int = 12) -> bool:
-    """node is the scores product or reaches it through the operand of its own shape of elementwise steps."""
-    n = node
-    for _ in range(depth):
-        if _squeezed_axis(n) is not None or kind(n) == "einsum":
-            return True
-        if kind(n) not in SCORE_STEPS:
-            return False
-        nxt = [a for a in n.args if isinstance(a, fx.Node) and tensor_of(a) is not None
-               and tensor_of(a).shape == tensor_of(n).shape]
-        if not nxt:
-            return False
-        n = nxt[0]
-    return False
+def _is_product(n: fx.Node) -> bool:
+    return _squeezed_axis(n) is not None or kind(n) == "einsum"
 
 
 def fold_query_axis(gm: fx.GraphModule) -> bool:
     """Apply the edit of the module docstring wherever it is exact; True when any was made."""
-    regions = LazyRegions(gm)
-    changed = False
-    for node in list(gm.graph.nodes):
-        if getattr(node, "_erased", False) or kind(node) != "softmax":
-            continue
-        try:
-            changed = _fold(gm, node, regions) or changed
-        except Exception:  # a spelling this code did not foresee, before the graph changed: left as written
-            continue
-    return changed
+    return fold_each(gm, "softmax", _fold)

@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from .aliasing import writes
-from .canonicalize import arg, is_inplace, kind, tensor_of
+from .canonicalize import SCORE_STEPS, arg, is_inplace, kind, tensor_of
 from .emit import set_example_value
 from .regions import Regions
 from .shapes import known_eq
@@ -127,6 +127,75 @@ def attempt_each(gm: fx.GraphModule, node_kind: str, edit_fn: Callable) -> list[
         elif made:
             edits += made
     return edits
+
+
+def fold_each(gm: fx.GraphModule, node_kind: str, fold_fn: Callable) -> bool:
+    """A lasting edit `fold_fn(gm, node, regions) -> bool` at every node of `node_kind` that an earlier edit did not
+    remove; True when any was made. A spelling the edit did not foresee raises before the graph changed (edits touch
+    it only once `commit` has checked the new nodes) and is left as written."""
+    regions = LazyRegions(gm)
+    changed = False
+    for node in list(gm.graph.nodes):
+        if getattr(node, "_erased", False) or kind(node) != node_kind:
+            continue
+        try:
+            changed = fold_fn(gm, node, regions) or changed
+        except Exception:
+            continue
+    return changed
+
+
+def leads_to(node: fx.Node, is_product: Callable[[fx.Node], bool], depth: int = 12) -> bool:
+    """node is a product (`is_product`) or reaches one through the operand of its own shape of score steps."""
+    n = node
+    for _ in range(depth):
+        if is_product(n):
+            return True
+        if kind(n) not in SCORE_STEPS:
+            return False
+        nxt = [a for a in n.args if isinstance(a, fx.Node) and tensor_of(a) is not None
+               and tensor_of(a).shape == tensor_of(n).shape]
+        if not nxt:
+            return False
+        n = nxt[0]
+    return False
+
+
+def score_chain(x: fx.Node, is_product: Callable[[fx.Node], bool]) -> Optional[tuple[list, fx.Node]]:
+    """(steps, product): the softmax input x back to a product through score steps (nearest the softmax first), each
+    node read by the next alone, not written in place, the chain's operand of each step of x's shape; None where the
+    chain is not that."""
+    t = tensor_of(x)
+    steps: list = []
+    cur = x
+    for _ in range(12):
+        if len(cur.users) != 1 or is_inplace(cur):
+            return None
+        if is_product(cur):
+            return steps, cur
+        if kind(cur) not in SCORE_STEPS or not cur.args or cur.kwargs.get("out") is not None:
+            return None
+        chain = [a for a in cur.args if isinstance(a, fx.Node) and tensor_of(a) is not None
+                 and tensor_of(a).shape == t.shape and leads_to(a, is_product)]
+        if len(chain) != 1:
+            return None
+        steps.append(cur)
+        cur = chain[0]
+    return None
+
+
+def rebuild_steps(graph: fx.Graph, steps: list, product: fx.Node, cur: fx.Node, operand: Callable[[Any], Any],
+                  new: Callable) -> fx.Node:
+    """The score steps rebuilt on `cur` (the new product) by `new(op, target, *args, **kwargs)`, each before its
+    original (it reads its operands where eager did), every other operand mapped by `operand`; the last new step."""
+    chain_nodes = {product}
+    for step in reversed(steps):
+        with graph.inserting_before(step):
+            args = [cur if (isinstance(a, fx.Node) and a in chain_nodes) else operand(a) for a in step.args]
+            kwargs = {key: operand(val) for key, val in step.kwargs.items()}
+            cur = new(step.op, step.target, *args, **kwargs)
+        chain_nodes.add(step)
+    return cur
 
 
 def swaps_last_two(node: Any) -> bool:

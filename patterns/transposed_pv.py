@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .canonicalize import PROB_STEPS, kind, reaches_softmax, tensor_of
+from .canonicalize import PROB_STEPS, kind, reaches_softmax, tensor_of, two_operand_einsum
 from .emit import set_example_value
 from .tentative import Edit, LazyRegions, attempt_each, commit, swaps_last_two
 
@@ -63,16 +63,11 @@ def _swapped(gm: fx.GraphModule, node: fx.Node, regions: LazyRegions) -> Optiona
 
 
 def _einsum_swapped(gm: fx.GraphModule, node: fx.Node, regions: LazyRegions) -> Optional[Edit]:
-    if node.kwargs or len(node.args) != 3 or not isinstance(node.args[0], str):
+    parsed = two_operand_einsum(node)
+    if parsed is None or len(parsed[2]) < 2:
         return None
-    eq = node.args[0].replace(" ", "")
-    if "..." in eq or "->" not in eq or eq.count(",") != 1:
-        return None
-    lhs, z = eq.split("->")
-    x, y = lhs.split(",")
-    a, b = node.args[1:]
-    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)) or len(z) < 2:
-        return None
+    x, y, z, a, b = parsed
+    eq = f"{x},{y}->{z}"
     p, v, sp, sv = (a, b, x, y) if _is_probs(a) else (b, a, y, x) if _is_probs(b) else (None,) * 4
     if p is None or len(p.users) != 1 or p is v:
         return None
@@ -90,7 +85,7 @@ def _einsum_swapped(gm: fx.GraphModule, node: fx.Node, regions: LazyRegions) -> 
     if not commit(graph, made, node):
         return None
 
-    def rebuild(graph: fx.Graph) -> list:  # the einsum as written
+    def rebuild(graph: fx.Graph) -> list:  # the einsum as written (its letters without spaces)
         return [graph.call_function(torch.einsum, (eq, a, b))]
 
     return Edit(made, product, rebuild, inputs=[a, b])
