@@ -63,6 +63,21 @@ def _table() -> dict[Any, Union[Callable, str]]:
     put("view", aten.view, "default")
     put("expand", aten.expand, "default")
     put("to", aten.to, "dtype", max_args=4)  # Tensor.to takes memory_format by keyword only
+    put("type_as", aten.type_as, "default")
+    for name in ("expand_as", "view_as", "reshape_as"):  # they read the other tensor's shape only
+        put(name, getattr(aten, name), "default")
+    # a softmax written out (row max, exp, row sum)
+    put(torch.amax, aten.amax, "default")
+    put(torch.max, aten.max, "dim")  # (values, indices), read by getitem as torch.max's namedtuple is
+    put(torch.sum, aten.sum, "dim_IntList")
+    put(torch.einsum, aten.einsum, "default")  # (equation, [operands]), as torch.einsum also takes them
+    # in-place updates torch.export keeps (`s.masked_fill_(m, c)`, `s /= d`, `s += b`); add_/sub_.Scalar take
+    # alpha by position, the methods by keyword only
+    put("masked_fill_", aten.masked_fill_, "Scalar", "Tensor")
+    put("mul_", aten.mul_, "Tensor", "Scalar")
+    put("div_", aten.div_, "Tensor", "Scalar")
+    put("add_", aten.add_, "Tensor", "Scalar", max_args=2)
+    put("sub_", aten.sub_, "Tensor", "Scalar", max_args=2)
     return t
 
 
@@ -80,6 +95,8 @@ def _function_for(node: fx.Node) -> Optional[Union[Callable, str]]:
     if fn is None or "self" in node.kwargs or len(node.args) > _MAX_ARGS.get(node.target, len(node.args)):
         return None
     if node.target is torch.ops.aten.expand.default and node.kwargs.get("implicit"):
+        return None
+    if node.target is torch.ops.aten.einsum.default and node.kwargs:  # `path=`: torch.einsum takes none
         return None
     return fn
 

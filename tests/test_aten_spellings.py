@@ -79,6 +79,68 @@ def test_exported_sdpa_with_a_key_padding_mask_is_rewritten(inner):
     assert [r.rewritten for r in res.reports] == [True], [r.reason for r in res.reports]
 
 
+class ManualSoftmax(torch.nn.Module):  # aten.amax.default, aten.exp.default, aten.sum.dim_IntList
+    def forward(self, q, k, v):
+        s = q @ k.transpose(-1, -2) * 0.5
+        e = torch.exp(s - s.amax(-1, keepdim=True))
+        return (e / e.sum(-1, keepdim=True)) @ v
+
+
+class RowMaxByMax(torch.nn.Module):  # aten.max.dim, read by getitem
+    def forward(self, q, k, v):
+        s = q @ k.transpose(-1, -2) * 0.5
+        e = torch.exp(s - s.max(-1, keepdim=True)[0])
+        return (e / e.sum(-1, keepdim=True)) @ v
+
+
+class TypeAs(torch.nn.Module):  # aten.type_as.default
+    def forward(self, q, k, v):
+        return F.softmax((q @ k.transpose(-1, -2) * 0.5).float(), dim=-1).type_as(q) @ v
+
+
+class Einsum(torch.nn.Module):  # aten.einsum.default(equation, [a, b])
+    def forward(self, q, k, v):
+        s = torch.einsum("bhqd,bhkd->bhqk", q, k) * 0.5
+        return torch.einsum("bhqk,bhkd->bhqd", s.softmax(-1), v)
+
+
+class InPlace(torch.nn.Module):  # aten.div_.Tensor, aten.masked_fill_.Scalar, aten.add_.Tensor kept by the export
+    def forward(self, q, k, v, bias):
+        s = q @ k.transpose(-1, -2)
+        s /= torch.full((), D ** 0.5)
+        s.masked_fill_(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf"))
+        s += bias
+        return torch.softmax(s, -1) @ v
+
+
+@pytest.mark.parametrize("module", [ManualSoftmax, RowMaxByMax, TypeAs, Einsum, InPlace], ids=lambda m: m.__name__)
+def test_exported_spellings_of_the_softmax_products_and_updates(module):
+    args = qkv(grad=False) + ([rand(H, N, N, seed=7)] if module is InPlace else [])
+    m = exported(module(), *args)
+    res = check(m, args, grad=False)
+    assert [r.rewritten for r in res.reports] == [True], [r.reason for r in res.reports]
+
+
+def test_exported_xlm_reads_the_scores_shape_through_expand_as():
+    # XLM (and Flaubert): mask.expand_as(scores), scores.masked_fill_(mask, min), softmax(scores.float()).type_as(scores)
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.XLMConfig(emb_dim=16, n_heads=2, n_layers=1, vocab_size=64, max_position_embeddings=32,
+                                 dropout=0.0, attention_dropout=0.0, pad_index=0)
+    model = transformers.XLMModel(cfg).eval()
+    ids = torch.randint(3, 64, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, 5:] = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = torch.export.export(model, (), dict(input_ids=ids, attention_mask=mask)).module()
+    want = m(input_ids=ids, attention_mask=mask)[0]
+    c = Compiled(m, inner="aot_eager", fullgraph=False)
+    got = c(input_ids=ids, attention_mask=mask)[0]
+    assert [r.rewritten for r in c.reports] == [True], [r.reason for r in c.reports]
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
 def test_aten_overloads_called_in_user_code():
     def f(q, k, v):
         s = aten.mul.Tensor(aten.matmul.default(q, aten.transpose.int(k, -2, -1)), 0.5)
