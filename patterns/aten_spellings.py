@@ -64,6 +64,7 @@ def _table() -> dict[Any, Union[Callable, str]]:
     put("expand", aten.expand, "default")
     put("to", aten.to, "dtype", max_args=4)  # Tensor.to takes memory_format by keyword only
     put("type_as", aten.type_as, "default")
+    put(torch.clone, aten.lift_fresh_copy, "default")  # torch.export's copy of a constant made in the code
     for name in ("expand_as", "view_as", "reshape_as"):  # they read the other tensor's shape only
         put(name, getattr(aten, name), "default")
     # a softmax written out (row max, exp, row sum)
@@ -137,12 +138,30 @@ def _holds(node: fx.Node) -> bool:
     return True
 
 
+_DETACH_ = getattr(getattr(torch.ops.aten, "detach_", None), "default", None)
+
+
+def _idle_detach(node: fx.Node) -> bool:
+    """`aten.detach_(x)` of an x that needs no gradient (torch.export detaches each constant tensor the code makes,
+    `torch.tensor(2.0)`): it returns x and changes nothing, values or autograd, so its readers may read x."""
+    if node.op != "call_function" or node.target is not _DETACH_ or len(node.args) != 1 or node.kwargs:
+        return False
+    x = node.args[0]
+    t = example_value(x) if isinstance(x, fx.Node) else None
+    return isinstance(t, torch.Tensor) and not t.requires_grad
+
+
 def spell_aten_ops(gm: fx.GraphModule) -> bool:
     """Give every overload of `_TABLE` its torch-level function or Tensor method as the node's target, and drop the
     metadata checks that hold (`_holds`); True when the graph changed."""
     changed = False
     for node in list(gm.graph.nodes):
         if _holds(node):
+            gm.graph.erase_node(node)
+            changed = True
+            continue
+        if _idle_detach(node):
+            node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
             changed = True
             continue

@@ -113,7 +113,15 @@ class InPlace(torch.nn.Module):  # aten.div_.Tensor, aten.masked_fill_.Scalar, a
         return torch.softmax(s, -1) @ v
 
 
-@pytest.mark.parametrize("module", [ManualSoftmax, RowMaxByMax, TypeAs, Einsum, InPlace], ids=lambda m: m.__name__)
+class ConstantsMadeAfterTheScores(torch.nn.Module):  # torch.export: lift_fresh_copy + detach_ of each constant
+    def forward(self, q, k, v):
+        s = (q @ k.transpose(-1, -2)) / torch.tensor(2.0)
+        s = s.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), torch.tensor(float("-inf")))
+        return torch.softmax(s, -1) @ v
+
+
+@pytest.mark.parametrize("module", [ManualSoftmax, RowMaxByMax, TypeAs, Einsum, InPlace, ConstantsMadeAfterTheScores],
+                         ids=lambda m: m.__name__)
 def test_exported_spellings_of_the_softmax_products_and_updates(module):
     args = qkv(grad=False) + ([rand(H, N, N, seed=7)] if module is InPlace else [])
     m = exported(module(), *args)
@@ -174,6 +182,19 @@ def test_metadata_checks_that_hold_are_dropped_and_others_kept():
     holds, fails = make(torch.float32), make(torch.float16)
     assert spell_aten_ops(holds) and spell_aten_ops(fails) is False
     assert "_assert_tensor_metadata" not in holds.code and "_assert_tensor_metadata" in fails.code
+
+
+def test_detach_in_place_is_dropped_only_where_nothing_needs_a_gradient():
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    x.meta["example_value"] = torch.empty(2, 3)
+    w.meta["example_value"] = torch.empty(2, 3, requires_grad=True)
+    idle = g.call_function(aten.detach_.default, (x,))
+    kept = g.call_function(aten.detach_.default, (w,))
+    g.output((g.call_function(torch.add, (idle, 1.0)), kept))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    assert spell_aten_ops(gm)
+    assert [n.args for n in gm.graph.nodes if n.target is aten.detach_.default] == [(w,)]
 
 
 def test_overloads_whose_function_reads_positions_otherwise_are_left_alone():
