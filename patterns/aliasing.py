@@ -272,11 +272,24 @@ def written_between(node: fx.Node, start: fx.Node, end: fx.Node, limit: int = 40
     """Is the memory of `node`'s value (its whole alias class) written by a node that stands after `start` and
     before `end` in the graph, or past `limit` nodes? What a reader at `start` and one at `end` see differs only so."""
     bases = _bases(node, limit)
-    if bases is None:
-        return True
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    lo, hi = order[start], order[end]
-    return _class_written(bases, limit, lambda w: lo < order.get(w, -1) < hi)
+    return bases is None or _class_written(bases, limit, _stands_between(start, end))
+
+
+def _stands_between(start: fx.Node, end: fx.Node) -> Callable[[fx.Node], bool]:
+    """write -> whether it stands after `start` and before `end`; the nodes between are listed once, when a first
+    write is asked about."""
+    between: Optional[set] = None
+
+    def test(write: fx.Node) -> bool:
+        nonlocal between
+        if between is None:
+            between, n = set(), start.next
+            while n is not end and n.op != "root":
+                between.add(n)
+                n = n.next
+        return write in between
+
+    return test
 
 
 def copy_parted(copy: fx.Node, src: fx.Node) -> bool:

@@ -377,6 +377,16 @@ def softmax_args(node: fx.Node) -> tuple[fx.Node, Optional[int], Optional[torch.
     return x, dim % max(nd, 1), dtype
 
 
+_PLAIN_SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax, "softmax")
+
+
+def plain_softmax_args(node: fx.Node) -> Optional[tuple[fx.Node, Optional[int], Optional[torch.dtype]]]:
+    """softmax_args of a softmax called as such (not one spelled by its formula or through log_softmax); else None."""
+    if node.target not in _PLAIN_SOFTMAX or exp_sum_of(node) is not None or log_softmax_of(node) is not None:
+        return None
+    return softmax_args(node)
+
+
 _META_FUNCTIONS = (torch.ones_like, torch.zeros_like, torch.full_like, torch.empty_like)
 _META_METHODS = ("new_ones", "new_zeros", "new_full", "new_empty", "size", "dim", "numel", "ndimension",
                  "nelement", "get_device")

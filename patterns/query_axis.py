@@ -34,11 +34,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .canonicalize import PROB_STEPS, exp_sum_of, is_inplace, kind, log_softmax_of, softmax_args, tensor_of, \
+from .canonicalize import PROB_STEPS, is_inplace, kind, plain_softmax_args, tensor_of, \
     two_operand_einsum
 from .tentative import LazyRegions, commit, fold_each, rebuild_steps, score_chain
 
-_PLAIN_SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax, "softmax")
 _SQUEEZE = (torch.squeeze, torch.Tensor.squeeze, "squeeze")
 _UNSQUEEZE = (torch.unsqueeze, torch.Tensor.unsqueeze, "unsqueeze")
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -103,9 +102,10 @@ def _scores_product(graph: fx.Graph, node: fx.Node, rank: int, new) -> Optional[
 
 def _fold(gm: fx.GraphModule, sm: fx.Node, regions: LazyRegions) -> bool:
     graph = gm.graph
-    if sm.target not in _PLAIN_SOFTMAX or exp_sum_of(sm) is not None or log_softmax_of(sm) is not None:
+    plain = plain_softmax_args(sm)
+    if plain is None:
         return False
-    x, dim, dtype = softmax_args(sm)
+    x, dim, dtype = plain
     t = tensor_of(x)
     if t is None or t.dim() < 2 or dim != t.dim() - 1 or not isinstance(x, fx.Node):
         return False

@@ -8,7 +8,7 @@ that form wherever the product is still read.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -113,13 +113,14 @@ def attempt(edit_fn: Callable, gm: fx.GraphModule, node: fx.Node, regions: LazyR
         return None
 
 
-def attempt_each(gm: fx.GraphModule, node_kind: str, edit_fn: Callable) -> list[Edit]:
-    """`attempt` at every node of `node_kind` that an earlier edit did not remove; the edits made (`edit_fn` gives
-    one Edit, a list of them, or None)."""
+def attempt_each(gm: fx.GraphModule, node_kinds: Union[str, tuple], edit_fn: Callable) -> list[Edit]:
+    """`attempt` at every node of `node_kinds` (one kind or several) that an earlier edit did not remove; the edits
+    made (`edit_fn` gives one Edit, a list of them, or None)."""
+    kinds = (node_kinds,) if isinstance(node_kinds, str) else node_kinds
     regions = LazyRegions(gm)
     edits: list[Edit] = []
     for node in list(gm.graph.nodes):
-        if getattr(node, "_erased", False) or kind(node) != node_kind:
+        if getattr(node, "_erased", False) or kind(node) not in kinds:
             continue
         made = attempt(edit_fn, gm, node, regions)
         if isinstance(made, Edit):

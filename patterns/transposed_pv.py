@@ -40,7 +40,7 @@ def _swapped(gm: fx.GraphModule, node: fx.Node, regions: LazyRegions) -> Optiona
     tv, tp, tout = tensor_of(v), tensor_of(p), tensor_of(node)
     if tv is None or tp is None or tout is None or tv.dim() < 2 or tp.dim() < 2 or tv.dim() > tp.dim():
         return None
-    if not (kind(p) == "softmax" or reaches_softmax(p, PROB_STEPS, forward=False)):
+    if not _is_probs(p):
         return None
     if len({regions.of(n) for n in (p, pt, node)}) != 1:
         return None
@@ -91,10 +91,14 @@ def _einsum_swapped(gm: fx.GraphModule, node: fx.Node, regions: LazyRegions) -> 
     return Edit(made, product, rebuild, inputs=[a, b])
 
 
-def _is_probs(n: fx.Node) -> bool:
-    return kind(n) == "softmax" or reaches_softmax(n, PROB_STEPS, forward=False)
+def _is_probs(n: fx.Node) -> bool:  # a softmax, or one through dropout, casts or copies
+    return reaches_softmax(n, PROB_STEPS, forward=False)
 
 
 def fold_transposed_pv(gm: fx.GraphModule) -> list[Edit]:
     """Apply the edits of the module docstring wherever they are exact; the edits made."""
-    return attempt_each(gm, "matmul", _swapped) + attempt_each(gm, "einsum", _einsum_swapped)
+    return attempt_each(gm, ("matmul", "einsum"), _edit)
+
+
+def _edit(gm: fx.GraphModule, node: fx.Node, regions: LazyRegions) -> Optional[Edit]:
+    return (_swapped if kind(node) == "matmul" else _einsum_swapped)(gm, node, regions)
