@@ -9,7 +9,8 @@ that resolves to that same overload for the node's arguments: the node computes 
 arguments, so values, gradients and aliasing are unchanged. The table pairs an overload with its function only
 where the positional arguments and the keyword names agree (the first argument, `self` in the schema, is always
 passed by position here; a node that names it is left alone). Overloads whose torch-level function would choose
-another overload (`aten._softmax` with its `half_to_float`, `_to_copy`, `_unsafe_view`) are not in the table.
+another overload (`_to_copy`, `_unsafe_view`) are not in the table; `aten._softmax(x, dim, False)`, which the core
+ATen IR of `run_decompositions()` keeps, is `torch.softmax(x, dim)` with its third argument dropped.
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ def _table() -> dict[Any, Union[Callable, str]]:
     put(torch.where, aten.where, "self", "ScalarSelf", "ScalarOther", "Scalar")
     put(torch.repeat_interleave, aten.repeat_interleave, "self_int", "self_Tensor")
     put(torch.arange, aten.arange, "default", "start", "start_step")
+    put(torch.scalar_tensor, aten.scalar_tensor, "default")  # a decomposed masked_fill's fill value
     put("view", aten.view, "default")
     put("expand", aten.expand, "default")
     put("to", aten.to, "dtype", max_args=4)  # Tensor.to takes memory_format by keyword only
@@ -71,6 +73,10 @@ def _table() -> dict[Any, Union[Callable, str]]:
     put(torch.amax, aten.amax, "default")
     put(torch.max, aten.max, "dim")  # (values, indices), read by getitem as torch.max's namedtuple is
     put(torch.sum, aten.sum, "dim_IntList")
+    # a safe softmax's test for rows of -inf scores (find_sites/empty_row_test.py)
+    put(torch.any, aten.any, "dim")
+    put(torch.all, aten.all, "dim")
+    put(torch.isneginf, aten.isneginf, "default")
     put(torch.einsum, aten.einsum, "default")  # (equation, [operands]), as torch.einsum also takes them
     # in-place updates torch.export keeps (`s.masked_fill_(m, c)`, `s /= d`, `s += b`); add_/sub_.Scalar take
     # alpha by position, the methods by keyword only
@@ -138,6 +144,16 @@ def _holds(node: fx.Node) -> bool:
     return True
 
 
+def _internal_softmax(node: fx.Node) -> Optional[Callable]:
+    """torch.softmax / log_softmax for `aten._softmax(x, dim, False)` / `aten._log_softmax(x, dim, False)`, the core
+    ATen ops `run_decompositions()` leaves: `torch.softmax(x, dim)` without a dtype calls exactly that overload
+    (half_to_float False keeps x's dtype). A True half_to_float (a half input, fp32 out) is left as it is."""
+    if node.op != "call_function" or node.kwargs or len(node.args) != 3 or node.args[2] is not False:
+        return None
+    aten = torch.ops.aten
+    return {aten._softmax.default: torch.softmax, aten._log_softmax.default: torch.log_softmax}.get(node.target)
+
+
 _DETACH_ = getattr(getattr(torch.ops.aten, "detach_", None), "default", None)
 
 
@@ -163,6 +179,11 @@ def spell_aten_ops(gm: fx.GraphModule) -> bool:
         if _idle_detach(node):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
+            changed = True
+            continue
+        internal = _internal_softmax(node)
+        if internal is not None:
+            node.target, node.args = internal, node.args[:2]
             changed = True
             continue
         fn = _function_for(node)

@@ -31,13 +31,15 @@ from .transposed_pv import fold_transposed_pv
 
 class GraphRecord:
     """The graph as the pass found it, to put back in place should a step fail: every node with the
-    inputs and example value it had (references only, so taking it costs one walk over the nodes).
+    call, inputs and example value it had (references only, so taking it costs one walk over the nodes).
     Restoring keeps the original node objects (Dynamo keeps state on placeholders), re-creates the
     ones the pass erased and removes every node it added."""
 
     def __init__(self, graph: fx.Graph):
         self.graph = graph
         self.nodes = [(n, n.args, n.kwargs, n.meta.get("example_value")) for n in graph.nodes]
+        # a canonicalize step may call another function with other arguments (aten_spellings)
+        self.calls = {n: (n.op, n.target) for n in graph.nodes}
 
     def original(self) -> fx.Graph:
         """A new graph equal to the one the pass found (new nodes, same names and metadata)."""
@@ -46,7 +48,7 @@ class GraphRecord:
         graph._codegen = copy.deepcopy(old._codegen)
         env: dict = {}
         for n, args, kwargs, val in self.nodes:
-            m = graph.create_node(n.op, n.target, fx.node.map_arg(args, env.__getitem__),
+            m = graph.create_node(*self.calls[n], fx.node.map_arg(args, env.__getitem__),
                                   fx.node.map_arg(kwargs, env.__getitem__), name=n.name, type_expr=n.type)
             m.meta = dict(n.meta)
             if val is not None:
@@ -63,11 +65,12 @@ class GraphRecord:
             args, kwargs = fx.node.map_arg(args, look), fx.node.map_arg(kwargs, look)
             if getattr(n, "_erased", False):
                 with graph.inserting_after(cursor) if cursor is not None else graph.inserting_before(None):
-                    m = graph.create_node(n.op, n.target, args, kwargs, name=n.name, type_expr=n.type)
+                    m = graph.create_node(*self.calls[n], args, kwargs, name=n.name, type_expr=n.type)
                 m.meta = n.meta
                 env[n] = m
                 cursor = m
                 continue
+            n.op, n.target = self.calls[n]
             n.args, n.kwargs = args, kwargs
             if val is not None:
                 n.meta["example_value"] = val

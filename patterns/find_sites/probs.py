@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
@@ -18,6 +18,7 @@ from ..constants import read_float
 from ..layout import Contraction, contraction, identity
 from ..shapes import known_eq
 from ..site import MaskSpec, PassOptions
+from .empty_row_test import row_test_nodes
 from .scores import Miss, Scores, _describe, _regroups_batch
 
 
@@ -25,9 +26,35 @@ from .scores import Miss, Scores, _describe, _regroups_batch
 class ZeroFill:
     """The probabilities set to 0 where `mask` is `where` (masked_fill(p, m, 0), where(m, 0, p), where(m, p, 0))."""
     node: fx.Node
-    mask: fx.Node
+    mask: Optional[fx.Node]  # None for nan_rows
     where: bool
     shape: tuple  # the probabilities' shape there, which the mask broadcasts to
+    # where the mask is "every score of the row is -inf" (empty_row_test.py): the nodes computing it, readers first
+    row_test: list = field(default_factory=list)
+    nan_rows: bool = False  # `nan_to_num(p)`: the NaN rows of the softmax, which are those rows, set to 0
+    zeros: Optional[fx.Node] = None  # a zeros-like tensor of the probabilities that gives the 0 (read by node only)
+
+
+_ZEROS_LIKE = (torch.zeros_like, torch.full_like)
+
+
+def _zero(x: Any, cur: fx.Node) -> tuple[bool, Optional[fx.Node]]:
+    """(x is 0 wherever it meets the probabilities `cur`, the node that makes it when it is a tensor like `cur`):
+    a constant 0, or `torch.zeros_like(cur)` / `torch.full_like(cur, 0)` in cur's dtype (the core ATen IR's 0),
+    read by nothing else."""
+    if constant_value(x) == 0:
+        return True, None
+    if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target in _ZEROS_LIKE and x.args
+            and x.args[0] is cur and len(x.users) == 1):
+        return False, None
+    positional = 1 if x.target is torch.zeros_like else 2
+    fill = 0 if x.target is torch.zeros_like else arg(x, 1, "fill_value")
+    if len(x.args) > positional or constant_value(fill) != 0 or set(x.kwargs) - {"dtype", "pin_memory",
+                                                                                "memory_format", "fill_value"}:
+        return False, None
+    if x.kwargs.get("dtype") not in (None, getattr(tensor_of(cur), "dtype", None)):
+        return False, None
+    return True, x
 
 
 @dataclass
@@ -40,14 +67,18 @@ class Probs:
     shadows: list = field(default_factory=list)  # copies of the chain read only for their dtype / shape
 
 
-def _zero_fill(u: fx.Node, cur: fx.Node) -> Optional[ZeroFill]:
+def _zero_fill(u: fx.Node, cur: fx.Node, scores_in: Optional[fx.Node] = None) -> Optional[ZeroFill]:
     """u as a ZeroFill of the probabilities `cur`, or None. Only an exact 0 over a bool mask that keeps the
-    probabilities' shape (a broadcast to more dims would be another tensor)."""
+    probabilities' shape (a broadcast to more dims would be another tensor). With `scores_in`, the softmax's input,
+    a mask that tests whether every score of the row is -inf is named as such (empty_row_test.py)."""
     k = kind(u)
+    zeros = None
     if k == "masked_fill" and u.args and u.args[0] is cur and constant_value(arg(u, 2, "value")) == 0:
         mask, where = arg(u, 1, "mask"), True
-    elif k == "where" and len(u.args) == 3 and cur in u.args[1:] and constant_value(
-            u.args[2] if u.args[1] is cur else u.args[1]) == 0:
+    elif k == "where" and len(u.args) == 3 and cur in u.args[1:] and u.args[1] is not u.args[2]:
+        is_zero, zeros = _zero(u.args[2] if u.args[1] is cur else u.args[1], cur)
+        if not is_zero:
+            return None
         mask, where = u.args[0], u.args[2] is cur
     else:
         return None
@@ -55,7 +86,32 @@ def _zero_fill(u: fx.Node, cur: fx.Node) -> Optional[ZeroFill]:
     if mt is None or mt.dtype != torch.bool or t is None or ct is None or t.dim() != ct.dim() or not all(
             known_eq(a, b) for a, b in zip(t.shape, ct.shape)):
         return None
-    return ZeroFill(u, mask, where, tuple(ct.shape))
+    test = row_test_nodes(mask, scores_in) if scores_in is not None and where else None
+    if test is not None and set(mask.users) != {u}:
+        test = None
+    return ZeroFill(u, mask, where, tuple(ct.shape), row_test=test or [], zeros=zeros)
+
+
+_NAN_TO_NUM = (torch.nan_to_num, torch.Tensor.nan_to_num)
+
+
+def _nan_to_zero(u: fx.Node, cur: fx.Node) -> Optional[ZeroFill]:
+    """`torch.nan_to_num(p)` (nan=0, any posinf / neginf: probabilities hold neither) as the zero fill of the rows
+    whose softmax is NaN: with finite q and k, the rows whose scores are all -inf."""
+    if not ((u.op == "call_method" and u.target == "nan_to_num") or (u.op == "call_function" and u.target in
+                                                                        _NAN_TO_NUM)):
+        return None
+    if not u.args or u.args[0] is not cur or set(u.kwargs) - {"nan", "posinf", "neginf"} or len(u.args) > 4:
+        return None
+    nan = arg(u, 1, "nan", 0.0)
+    if nan is None:
+        nan = 0.0
+    if constant_value(nan) != 0:
+        return None
+    ct = tensor_of(cur)
+    if ct is None or not ct.is_floating_point():
+        return None
+    return ZeroFill(u, None, True, tuple(ct.shape), nan_rows=True)
 
 
 def _leaves_graph(gm: Optional[fx.GraphModule], node: fx.Node) -> str:
@@ -88,7 +144,7 @@ def _metadata_copy(u: fx.Node, cur: fx.Node) -> bool:
 
 
 def walk_probs(sm: fx.Node, options: PassOptions, gm: Optional[fx.GraphModule] = None,
-               through: Optional[fx.Node] = None) -> Probs:
+               through: Optional[fx.Node] = None, scores_in: Optional[fx.Node] = None) -> Probs:
     lsm = log_softmax_of(sm)  # exp(log_softmax(s)): both nodes are the softmax
     if lsm is not None and len(lsm.users) != 1:
         names = ", ".join(u.name for u in lsm.users if u is not sm)
@@ -117,6 +173,9 @@ def walk_probs(sm: fx.Node, options: PassOptions, gm: Optional[fx.GraphModule] =
         # a copy of the probabilities read only for its dtype or shape (fair-esm: `w = p.type_as(s)`, then
         # `dropout(p.type_as(w))`) uses no value: it goes with the site's nodes (erased once its readers are)
         shade = [u for u in users if len(users) > 1 and _metadata_copy(u, cur)]
+        # the zeros a zero fill reads besides the probabilities (`where(test, zeros_like(p), p)`)
+        shade += [u for u in users if len(users) > 1 and u not in shade and any(
+            (zf := _zero_fill(r, cur, scores_in)) is not None and zf.zeros is u for r in users)]
         users = [u for u in users if u not in shade]
         shadows += shade
         if not users and isinstance(cur.kwargs.get("out"), fx.Node):
@@ -131,7 +190,7 @@ def walk_probs(sm: fx.Node, options: PassOptions, gm: Optional[fx.GraphModule] =
             cur = u
         elif u is through:  # the sink column dropped (patterns/sinks.py)
             cur = u
-        elif (zf := _zero_fill(u, cur)) is not None:  # checked against the scores' mask by zeroed_rows
+        elif (zf := _zero_fill(u, cur, scores_in) or _nan_to_zero(u, cur)) is not None:  # checked by zeroed_rows
             if zeroed is not None:
                 raise Miss("the probabilities are set to 0 twice after the softmax")
             zeroed, cur = zf, u
@@ -190,6 +249,8 @@ def zeroed_rows(zf: ZeroFill, scores: Scores, spec: MaskSpec, gm: fx.GraphModule
     from ..masks import adds_bias_only
     from ..masks.combine import _absorbs
 
+    if zf.row_test or zf.nan_rows:
+        return _zeroed_empty_rows(scores, spec, st)
     name = f"{zf.mask.name} is {zf.where}"
     hits = [i for i, t in enumerate(scores.terms) if t.op in ("fill", "where") and same_value(t.tensor, zf.mask)
             and (t.op == "fill") == zf.where and _same_shape(tuple(scores.term_batches[i]) + tuple(st.shape[-2:]),
@@ -220,6 +281,31 @@ def zeroed_rows(zf: ZeroFill, scores: Scores, spec: MaskSpec, gm: fx.GraphModule
     if spec.empty_rows not in ("nan", "mean_v"):
         raise Miss(f"probabilities set to 0 after the softmax where eager's empty rows are {spec.empty_rows!r}: "
                    "not analysed")
+    return "zero"
+
+
+def _zeroed_empty_rows(scores: Scores, spec: MaskSpec, st: torch.Tensor) -> str:
+    """The empty_rows of a site whose probabilities are set to 0 where every score of the row is -inf (a safe
+    softmax, empty_row_test.py, or `nan_to_num` of its NaN rows). With finite q and k only the mask's -inf fills make
+    a score -inf, so those are the rows with no admissible key: where eager's softmax gives NaN there ("nan"), the
+    zeroing makes them the op's own 0; where every row keeps a key it changes nothing."""
+    if scores.clamped:
+        raise Miss("probabilities set to 0 where a row of scores is all -inf, after the scores were clamped by "
+                   "max(s, finfo.min): not analysed")
+    if spec.empty_rows in ("impossible", "zero"):
+        return spec.empty_rows
+    if spec.empty_rows != "nan" and all(t.op in ("fill", "where") and is_finite_number(t.fill)
+                                        for t in scores.terms):
+        return spec.empty_rows  # finite fills only: no score is -inf and no softmax row NaN, the zeroing changes nothing
+    if spec.empty_rows != "nan":
+        raise Miss(f"probabilities set to 0 where a row of scores is all -inf, where eager's rows with no admissible "
+                   f"key are {spec.empty_rows!r} (a finite fill): not analysed")
+    added = [t for t in scores.terms if t.op not in ("fill", "where")]
+    if st.requires_grad and added:
+        # the softmax's backward is NaN on such a row (its output there is NaN before the zeroing); a masked_fill or
+        # where puts 0 in its place at every masked score, an added mask passes it on to Q·Kᵀ
+        raise Miss("probabilities set to 0 where a row of scores is all -inf, with an additive mask and a gradient: "
+                   "eager's gradient of such a row is NaN and reaches q and every key of the head, the op's is 0")
     return "zero"
 
 

@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from .. import emit, sinks
 from ..aliasing import escapes, may_be_view_of, writes, written_args, written_in_place
-from ..canonicalize import exp_lse_of, kind, softmax_args, tensor_of
+from ..canonicalize import exp_lse_of, exp_sum_of, kind, log_softmax_of, softmax_args, tensor_of
 from ..effects import (
     GradFlow, chain_write, grad_flow, out_target, path_to, private_storage, read_path,
 )
@@ -25,6 +25,7 @@ from .build import (
     _Builder, _Out, _absorb_scale, _canon_out_shape, _choose_layout, _erase_dead, _materialize, _needs_contiguous,
     _padded_batch, _regroup, _same, _shape, _where,
 )
+from .empty_row_test import score_readers
 from .probs import Probs, walk_probs, zeroed_rows
 from .scores import Miss, Scores, narrows, walk_scores
 
@@ -225,9 +226,16 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
     barrier = ("a sink column is concatenated to them (the shift does not reach it)" if sink is not None else
                "the sink gate's logsumexp reads them (the shift moves it)" if gate is not None else None)
     el = exp_lse_of(sm)  # exp(x - logsumexp(x)): the logsumexp reads x as part of the softmax
-    also = ((gate.lse,) if gate is not None else ()) + ((el[1],) if el is not None else ())
+    # a safe softmax's test of the rows of x for all -inf (empty_row_test.py), of a softmax spelled as one call
+    plain = sink is None and gate is None and el is None and exp_sum_of(sm) is None and log_softmax_of(sm) is None
+    tests = score_readers(x) if plain else ()
+    also = ((gate.lse,) if gate is not None else ()) + ((el[1],) if el is not None else ()) + tests
     scores = walk_scores(x, gm, shift_barrier=barrier, also_read_by=also)
-    probs = walk_probs(sm, options, gm, through=sink.drop if sink is not None else None)
+    probs = walk_probs(sm, options, gm, through=sink.drop if sink is not None else None,
+                       scores_in=x if tests else None)
+    row_test = probs.zeroed.row_test if probs.zeroed is not None else []
+    if any(t not in row_test for t in tests):
+        raise Miss(f"the scores ({x.name}) are also used outside the attention")
     has_sinks = sink is not None or gate is not None
     if gate is not None:
         if gate.mul.args[0] is not probs.pv.node and gate.mul.args[1] is not probs.pv.node:
@@ -257,7 +265,7 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
     if len(o_bd) != len(p_bd) or not _same(o_bd, p_bd):
         raise Miss("the P·V contraction broadcasts the probabilities to more batch dims")
     qk_regroup, v_regroup = not _same(inner_bd, bd), not _same(p_bd, bd)
-    own = set(scores.nodes) | set(probs.nodes) | set(probs.shadows) | {qk.node}
+    own = set(scores.nodes) | set(probs.nodes) | set(probs.shadows) | set(row_test) | {qk.node}
 
     q = fold(qk.lhs)
     k = fold(qk.rhs.swap_last())
@@ -539,7 +547,8 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
         raise Miss(f"rewrite failed: {type(e).__name__}: {msg}") from e
     # the commit: nothing below raises (_erase_dead skips what it cannot erase)
     o_node.replace_all_uses_with(res)
-    _erase_dead(graph, [o_node] + _reader_first(list(reversed(probs.nodes)), probs.shadows) + scores.nodes + [qk.node])
+    _erase_dead(graph, [o_node] + _reader_first(list(reversed(probs.nodes)), probs.shadows) + row_test + scores.nodes
+                + [qk.node])
     rep.rewritten = True
     rep.call = call
     return rep
