@@ -330,7 +330,26 @@ def same_value(a: Any, b: Any, depth: int = 6) -> bool:
             return equal((x.start, x.stop, x.step), (y.start, y.stop, y.step))
         return same_value(x, y, depth - 1)
 
-    return equal(a.args, b.args) and all(equal(a.kwargs[k], b.kwargs[k]) for k in a.kwargs)
+    if not (equal(a.args, b.args) and all(equal(a.kwargs[k], b.kwargs[k]) for k in a.kwargs)):
+        return False
+    # the same inputs, read at two places: equal only where nothing writes them in between (`m.float()`, then
+    # `m.fill_(1)`, then `m.float()` again)
+    first, second = (a, b) if _precedes(a, b) else (b, a)
+    inputs: list = []
+    fx.node.map_arg((a.args, a.kwargs), inputs.append)
+    return not any(written_between(x, first, second) for x in inputs)
+
+
+def _precedes(a: fx.Node, b: fx.Node, limit: int = 1 << 16) -> bool:
+    """Whether `a` stands before `b` in their graph."""
+    n = a.next
+    for _ in range(limit):
+        if n is b:
+            return True
+        if n.op == "root":
+            return False
+        n = n.next
+    return False
 
 
 def escapes(node: fx.Node, limit: int = 4096) -> bool:

@@ -64,6 +64,16 @@ def _fake_mode(values: list):
     return detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
 
 
+def _size_arithmetic(node: fx.Node, flat: list) -> bool:
+    """`node` is Python integer arithmetic (operator.add, mul, ...) on ints and SymInts, at least one symbolic."""
+    import operator
+
+    return (node.op == "call_function" and getattr(node.target, "__module__", None) in ("_operator", "operator")
+            and any(isinstance(a, torch.SymInt) for a in flat)
+            and all(isinstance(a, (int, torch.SymInt)) and not isinstance(a, bool) for a in flat)
+            and node.target in (operator.add, operator.sub, operator.mul, operator.neg, operator.floordiv))
+
+
 def set_example_value(node: fx.Node) -> None:
     """Run the node's target on its inputs' example values under their fake mode (no-op without one)."""
     args = fx.node.map_arg(node.args, example_value)
@@ -71,6 +81,8 @@ def set_example_value(node: fx.Node) -> None:
     flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))]
     mode = _fake_mode(flat)
     if mode is None:
+        if _size_arithmetic(node, flat):  # sizes computed from SymInts (a mask's offset): no tensor, no fake mode
+            node.meta["example_value"] = node.target(*args, **kwargs)
         return
     with mode:
         if node.op == "call_function":

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from .aliasing import same_value
 from .canonicalize import arg, constant_value, kind, tensor_of
 from .shapes import known_eq
 
@@ -66,7 +67,8 @@ def match_mult_mask(node: fx.Node, scores_dtype: torch.dtype) -> Optional[MultMa
             continue
         m, c = found
         x, y = _operands(prod)
-        s = x if y is m else y if x is m else None
+        # the mask may be spelled twice (`s * m[:, None] + (1 - m[:, None]) * c`): two views of one value
+        s = x if same_value(y, m) else y if same_value(x, m) else None
         if not isinstance(s, fx.Node):
             continue
         nodes = [node, prod, pen, pen.args[0] if _one_minus(pen.args[0]) is m else arg(pen, 1, "other"), m, s]
@@ -78,5 +80,5 @@ def match_mult_mask(node: fx.Node, scores_dtype: torch.dtype) -> Optional[MultMa
         if len(prod.users) != 1 or len(pen.users) != 1:
             return None
         fill = sign * float(torch.ones((), dtype=scores_dtype) * c)  # (1 - 0) * c, rounded as eager does
-        return MultMask(s, m, fill, prod)
+        return MultMask(s, y if s is x else x, fill, prod)  # the mask as the product reads it
     return None

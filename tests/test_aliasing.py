@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import fa_compile  # noqa: F401
 from fa_compile.patterns.aliasing import (
-    is_inplace, may_alias, op_name, writes, writes_into, written_args, written_in_place,
+    is_inplace, may_alias, op_name, same_value, writes, writes_into, written_args, written_in_place,
 )
 from fa_compile.patterns.canonicalize import is_inplace as canonical_is_inplace
 
@@ -120,3 +120,18 @@ def test_a_write_through_out_reaches_the_buffer_views():
     read = g.call_method("view", (x, -1))
     assert written_in_place(read)
     assert written_in_place(g.call_method("transpose", (r, 0, 1)))
+
+
+@pytest.mark.parametrize("write_between", [False, True])
+def test_same_value_of_one_op_read_twice_unless_its_input_is_written_between(write_between):
+    # `~m` twice holds one value, unless `m.fill_(1)` stands between the two reads
+    g, m, _ = _graph()
+    a = g.call_function(operator.invert, (m,))
+    if write_between:
+        g.call_method("fill_", (m, 1))
+    b = g.call_function(operator.invert, (m,))
+    after = g.call_function(operator.invert, (m,))
+    g.output((a, b, after))
+    assert same_value(a, b) is (not write_between)
+    assert same_value(b, a) is (not write_between)
+    assert same_value(b, after)  # nothing between those two

@@ -520,6 +520,33 @@ def test_hf_static_cache_chunks_and_decode(impl):
     assert chunk and all(tuple(example_value(n.args[8]).shape) == (B, 1, 1, 16) for n in chunk)
 
 
+def test_hf_sliding_window_static_cache_chunks_recompiled_with_symbolic_lengths():
+    """A sliding-window model's chunked prefill into a StaticCache: the second chunk recompiles with a symbolic query
+    length, and the mask's diagonal offset is built from the cache's SymInt length plus a multiple of it. Those size
+    nodes need example values of their own (emit.set_example_value without a tensor): the site was refused with
+    "rewrite failed: ... diag_offset ... NoneType"."""
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, sliding_window=4, pad_token_id=0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    ids = torch.randint(3, 64, (B, 10), generator=torch.Generator().manual_seed(1))
+    am = torch.ones(B, 10, dtype=torch.long)
+    am[0, :5] = 0
+
+    def run(forward):
+        cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+        with torch.no_grad():
+            return [forward(input_ids=ids[:, a:b], attention_mask=am[:, :b], past_key_values=cache,
+                            cache_position=torch.arange(a, b)).logits for a, b in ((0, 6), (6, 10))]
+
+    ref = run(model.forward)
+    c = Compiled(model.forward, fullgraph=False)
+    got = run(c)
+    for x, y in zip(got, ref):
+        torch.testing.assert_close(x, y, atol=2e-5, rtol=2e-5)
+    assert len(c.reports) == 2 and not c.missed, [r.reason for r in c.reports]
+
+
 def test_hf_static_cache_generate_tokens_equal_eager():
     model = tiny_llama("eager")
     ids = torch.randint(3, 97, (B, 7), generator=torch.Generator().manual_seed(1))
