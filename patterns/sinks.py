@@ -11,7 +11,8 @@ gradient through c is 0); with the sink column in the row the max is finite, so 
 
 A sink column is recognized only when it provably holds one value per head: a tensor of H elements
 reshaped (order-preserving views only) to [1, H, 1, 1] (or [H, 1, 1]) and expanded along batch and
-queries, concatenated after the keys of 4-d scores [B, H, Nq, Nk], and only the last column dropped.
+queries, or a column made of zeros (softmax1, "quiet" attention: a logit of 0 for every head), concatenated
+after (or before) the keys of 4-d scores [B, H, Nq, Nk], and only that column dropped.
 StreamingLLM-style sink *tokens* are keys and values concatenated before the others: ordinary
 attention, nothing to do here.
 """
@@ -36,10 +37,31 @@ _CAST_METHODS = ("float", "to", "half", "bfloat16", "type_as")
 @dataclass
 class SinkColumn:
     scores: fx.Node  # the [B, H, Nq, Nk] scores before the cat
-    head_logits: fx.Node  # the tensor of H elements, in head order once flattened
+    head_logits: fx.Node  # the tensor of H elements, in head order once flattened; or the zero column itself
     drop: fx.Node  # probs[..., :-1]
     nodes: list = field(default_factory=list)  # cat, shift and column nodes the rewrite makes dead
     casts: tuple = ()  # dtypes the expanded column was cast to, innermost first: applied to the logits instead
+    zero: bool = False  # a column of zeros [B, H, Nq, 1] ("softmax1"): the logits are its [0, :, 0, 0]
+
+
+_ZERO_METHODS = ("new_zeros", "new_full")
+_ZERO_FUNCTIONS = (torch.zeros, torch.zeros_like, torch.full, torch.full_like)
+
+
+def _zero_column(col: Any) -> bool:
+    """`col` is a tensor made to hold 0 everywhere (`x.new_zeros(...)`, `torch.zeros(...)`, `torch.full(..., 0)`):
+    a sink logit of 0 for every head (softmax1, "quiet" attention: 1 added to each row's denominator)."""
+    from .canonicalize import arg, constant_value  # noqa: PLC0415
+
+    if not isinstance(col, fx.Node) or not col.args:
+        return False
+    if col.op == "call_method" and col.target in _ZERO_METHODS:
+        return col.target == "new_zeros" or constant_value(arg(col, 2, "fill_value")) == 0
+    if col.op == "call_function" and col.target in _ZERO_FUNCTIONS:
+        if col.target in (torch.zeros, torch.zeros_like):
+            return True
+        return constant_value(arg(col, 1, "fill_value")) == 0
+    return False
 
 
 def _tensor(n: Any) -> Optional[torch.Tensor]:
@@ -83,6 +105,8 @@ def _head_logits(col: Any, shape: tuple) -> Optional[tuple[fx.Node, list, tuple]
                                          and known_eq(t.shape[2], nq) and known_one(t.shape[3])):
         return None
     nodes, cur, casts = [], col, []
+    if _zero_column(col) and t.is_floating_point():
+        return col, [], ()
     while _is_cast(cur):
         casts.insert(0, _tensor(cur).dtype)  # each rounds: all are kept, in order
         nodes.append(cur)
@@ -181,6 +205,7 @@ def peel(sm: fx.Node, x: fx.Node) -> Optional[SinkColumn]:
     else:
         return None
     head_logits, col_nodes, col_casts = found
+    zero = head_logits is col and _zero_column(col)
     # The cat (and the shift) must feed only the softmax (and the shift's own max).
     inner = set(nodes) | {cur}
     for n in inner:
@@ -189,13 +214,15 @@ def peel(sm: fx.Node, x: fx.Node) -> Optional[SinkColumn]:
     users = list(sm.users)
     if len(users) != 1 or not _drops_sink_column(users[0], ct, first):
         return None
-    return SinkColumn(scores, head_logits, users[0], nodes + [cur] + col_nodes, col_casts)
+    return SinkColumn(scores, head_logits, users[0], nodes + [cur] + col_nodes, col_casts, zero)
 
 
 def head_logits_for_op(graph: fx.Graph, sink: SinkColumn) -> fx.Node:
     """The op's `sinks` argument: the logits flattened to [H] (a view)."""
     from .emit import call  # noqa: PLC0415
 
+    if sink.zero:
+        return call(graph, operator.getitem, sink.head_logits, (0, slice(None), 0, 0))
     flat = call(graph, torch.reshape, sink.head_logits, (-1,))
     for dtype in sink.casts:
         flat = call(graph, "to", flat, dtype, method=True)

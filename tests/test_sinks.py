@@ -308,6 +308,24 @@ def test_sink_column_before_the_scores():
     check(SinkFirst(wrong_drop=True), [q, k, v], rewritten=0)
 
 
+@pytest.mark.parametrize("column", ["new_zeros", "zeros_first", "full_zero", "full_one"])
+def test_a_column_of_zeros_is_a_sink_of_zero_for_every_head(column):
+    # softmax1 ("quiet" attention): 1 added to every row's denominator; a column of ones is no such constant
+    # logit the pass reads, and is left alone
+    def f(q, k, v):
+        s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        s = s.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf"))
+        if column == "zeros_first":
+            return torch.softmax(torch.cat([torch.zeros(B, H, N, 1), s], -1), -1)[..., 1:] @ v
+        col = s.new_zeros(B, H, N, 1) if column == "new_zeros" else torch.full((B, H, N, 1), float(column == "full_one"))
+        return torch.softmax(torch.cat([s, col], -1), -1)[..., :-1] @ v
+
+    q, k, v = (rand(B, H, N, D, seed=i, requires_grad=True) for i in range(3))
+    res = check(f, [q, k, v], rewritten=0 if column == "full_one" else 1)
+    if column != "full_one":
+        assert res.rewritten[0].call.args[-1] is not None
+
+
 def test_sink_column_that_varies_per_query_is_not_a_sink():
     class PerQuery(nn.Module):
         def forward(self, q, k, v):
