@@ -467,3 +467,27 @@ def test_float_attributes_under_dynamic_true_are_checked_constants(inner):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # ("eager": the check's fallback warns)
             assert_same(compiled(*args), m(*args))
+
+
+def test_head_dims_marked_dynamic_each_are_not_lowered_on_one_calls_hint(monkeypatch, tmp_path):
+    # q, k and v marked dynamic on their head dims apart: V's may differ from Q's on a later call, so aten's CPU
+    # flash kernel (equal head dims) is not chosen on the first call's equal values; it was, and the splice's
+    # check refused it with a warning
+    import warnings
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+    def causal(q, k, v):
+        s = q @ k.transpose(-1, -2) * 0.5
+        s = s.masked_fill(torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).triu(1), float("-inf"))
+        return s.softmax(-1) @ v
+
+    f = torch.compile(causal, backend="fa3")
+    for d in (4, 8):
+        args = [torch.randn(1, 2, 5, d, requires_grad=True) for _ in range(3)]
+        for x in args:
+            torch._dynamo.mark_dynamic(x, 3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            got = f(*[a.detach().clone().requires_grad_() for a in args])
+        torch.testing.assert_close(got, causal(*args), atol=1e-5, rtol=1e-5)

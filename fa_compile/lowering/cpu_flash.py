@@ -40,6 +40,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import dispatch
 from ..candidates import common as c
@@ -71,7 +72,8 @@ class CpuFlash:
         if not torch.backends.cuda.flash_sdp_enabled():
             r.append("an enclosing sdpa_kernel() disables SDPBackend.FLASH_ATTENTION, which SDPA honours on CPU too")
         d, dv = c.static_int(args.q.shape[3]), c.static_int(args.v.shape[3])
-        if d is None or dv is None or d != dv:
+        # two symbols equal on this call's hint may differ on the next (marked dynamic each on its own)
+        if d is None or dv is None or d != dv or not statically_known_true(args.q.shape[3] == args.v.shape[3]):
             r.append(f"{what} needs the V head dim equal to the QK head dim (static), got {args.q.shape[3]} / {args.v.shape[3]}")
         if args.softcap > 0:
             r.append(f"{what} has no softcap")
