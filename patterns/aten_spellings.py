@@ -62,6 +62,8 @@ def _table() -> dict[Any, Union[Callable, str]]:
     put(torch.repeat_interleave, aten.repeat_interleave, "self_int", "self_Tensor")
     put(torch.arange, aten.arange, "default", "start", "start_step")
     put(torch.scalar_tensor, aten.scalar_tensor, "default")  # a decomposed masked_fill's fill value
+    put(torch.cat, aten.cat, "default")  # a sink column (sinks.py)
+    put("new_zeros", aten.new_zeros, "default")
     put("view", aten.view, "default")
     put("expand", aten.expand, "default")
     put("to", aten.to, "dtype", max_args=4)  # Tensor.to takes memory_format by keyword only

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .aliasing import is_inplace
+from .aliasing import is_inplace, written_in_place
 from .emit import example_value
 
 
@@ -438,7 +438,8 @@ _CONST_MAKERS = (torch.tensor, torch.scalar_tensor, torch.as_tensor)
 
 
 def constant_value(x: Any) -> Optional[float]:
-    """A Python number that `x` is (a literal, or a node building a 0-d tensor of a literal), else None. A tensor's
+    """A Python number that `x` is (a literal, or a node building a 0-d tensor of a literal that nothing writes in
+    place), else None. A tensor's
     number is the value it holds in its dtype: `torch.tensor(1/3, dtype=torch.bfloat16)` is 0.333984375, and
     `torch.tensor(-1e9, dtype=torch.float16)` is -inf, as eager computes with them."""
     if isinstance(x, bool):
@@ -452,7 +453,7 @@ def constant_value(x: Any) -> Optional[float]:
         elif x.target in (torch.full,) and len(x.args) >= 2 and x.args[0] in ((), []) and isinstance(x.args[1], (int, float)) \
                 and not isinstance(x.args[1], bool):
             lit = x.args[1]
-        if lit is not None:
+        if lit is not None and not written_in_place(x):  # `c = torch.tensor(-1e4); c.fill_(3.0)` holds 3
             return _held(lit, tensor_of(x))
     return None
 

@@ -5,9 +5,11 @@
 operands already have that shape, as attention's probabilities and values do, the expand changes nothing: it
 returns a view of x with x's shape and strides. Every walker that follows the probabilities or the scores to their
 product stops at an `expand` (a real broadcast is another computation), so such a graph had no P·V contraction.
-Each expand whose every size is x's own static size or -1 is replaced by x: the same values at the same addresses,
-the same gradient (expand's backward sums over no broadcast dimension), and a write into the result already wrote
-into x. Sizes that are symbolic or graph values are left alone.
+Each expand whose every size is x's own static size or -1 is replaced by x: the same values at the same addresses
+and the same gradient (expand's backward sums over no broadcast dimension). The two are different tensor objects
+over one memory, so an expand is kept where that shows: an in-place op on x or on any view of it (a write, or
+`t_()` / `transpose_()`, which change one object's strides only), or the expand returned to the caller. Sizes that
+are symbolic or graph values are left alone.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .aliasing import escapes, written_in_place
 from .canonicalize import tensor_of
 
 _EXPAND_FNS = (torch.Tensor.expand,)
@@ -38,6 +41,10 @@ def _sizes(node: fx.Node) -> Any:
 def is_identity_expand(node: fx.Node) -> bool:
     sizes = _sizes(node)
     if sizes is None or not isinstance(node.args[0], fx.Node):
+        return False
+    # x and the expand are two tensor objects over one memory: an in-place op on either (a write, or `t_()` /
+    # `transpose_()` changing its strides) or the caller receiving the expand would tell them apart
+    if written_in_place(node.args[0]) or escapes(node):
         return False
     t = tensor_of(node.args[0])
     if t is None or len(sizes) != t.dim():

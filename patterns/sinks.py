@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from .aliasing import op_name
+from .aliasing import op_name, written_in_place
 from .emit import example_value
 from .shapes import known_eq, known_one
 
@@ -53,7 +53,7 @@ def _zero_column(col: Any) -> bool:
     a sink logit of 0 for every head (softmax1, "quiet" attention: 1 added to each row's denominator)."""
     from .canonicalize import arg, constant_value  # noqa: PLC0415
 
-    if not isinstance(col, fx.Node) or not col.args:
+    if not isinstance(col, fx.Node) or not col.args or written_in_place(col):  # `z[1] = 5.0` holds no longer 0
         return False
     if col.op == "call_method" and col.target in _ZERO_METHODS:
         return col.target == "new_zeros" or constant_value(arg(col, 2, "fill_value")) == 0
@@ -139,24 +139,43 @@ def _head_logits(col: Any, shape: tuple) -> Optional[tuple[fx.Node, list, tuple]
     return cur, nodes, tuple(casts)
 
 
-def _drops_sink_column(n: fx.Node, probs: torch.Tensor, first: bool) -> bool:
-    """n is probs[..., :-1] (or [..., :Nk], or with explicit leading full slices); with `first`, probs[..., 1:]."""
-    if n.op != "call_function" or n.target is not operator.getitem or n.args[0] is None:
-        return False
-    idx = n.args[1]
-    idx = idx if isinstance(idx, tuple) else (idx,)
-    full = slice(None, None, None)
+_ATEN_SLICE = torch.ops.aten.slice.Tensor
+
+
+def _last_dim_slice(n: fx.Node, probs: torch.Tensor) -> Optional[slice]:
+    """The slice `n` takes of `probs` along its last dim when it takes all of every other dim: probs[..., a:b]
+    (or with explicit leading full slices), or `aten.slice(probs, -1, a, b)` as torch.export writes it."""
+    if n.op != "call_function" or not n.args or n.args[0] is None:
+        return None
+    if n.target is _ATEN_SLICE:
+        if n.kwargs or len(n.args) < 2:
+            return None
+        dim, start, stop, step = (tuple(n.args[1:]) + (None, None, 1))[:4]
+        if not isinstance(dim, int) or dim % probs.dim() != probs.dim() - 1:
+            return None
+        to_end = stop is None or (isinstance(stop, int) and stop >= 2 ** 62)  # aten's "to the end"
+        return slice(None if start == 0 else start, None if to_end else stop, step)
+    if n.target is not operator.getitem or len(n.args) != 2:
+        return None
+    idx = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
     if idx and idx[0] is Ellipsis:
         lead, last = idx[1:-1], idx[-1] if len(idx) > 1 else None
     else:
         lead, last = idx[:-1], idx[-1] if idx else None
         if len(idx) != probs.dim():
-            return False
+            return None
+    full = slice(None, None, None)
     if any(x != full for x in lead) or not isinstance(last, slice):
+        return None
+    return last
+
+
+def _drops_sink_column(n: fx.Node, probs: torch.Tensor, first: bool) -> bool:
+    """n is probs[..., :-1] (or [..., :Nk]); with `first`, probs[..., 1:] (_last_dim_slice's spellings)."""
+    last = _last_dim_slice(n, probs)
+    if last is None or last.step not in (None, 1):
         return False
     nk1 = probs.shape[-1]
-    if last.step not in (None, 1):
-        return False
     if first:
         return last.start == 1 and (last.stop is None or (isinstance(last.stop, int) and known_eq(last.stop, nk1)))
     if last.start not in (None, 0):

@@ -326,6 +326,38 @@ def test_a_column_of_zeros_is_a_sink_of_zero_for_every_head(column):
         assert res.rewritten[0].call.args[-1] is not None
 
 
+@pytest.mark.parametrize("write", ["setitem", "add_"])
+def test_a_column_of_zeros_written_in_place_is_not_a_sink_of_zero(write):
+    def f(q, k, v):
+        s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        z = s.new_zeros(B, H, N, 1)
+        if write == "setitem":
+            z[1] = 5.0
+        else:
+            z[:, :, 2:].add_(3.0)
+        return torch.softmax(torch.cat([s, z], -1), -1)[..., :-1] @ v
+
+    check(f, [rand(B, H, N, D, seed=i, requires_grad=True) for i in range(3)], rewritten=0)
+
+
+@pytest.mark.parametrize("decompose", [False, True])
+def test_exported_column_of_zeros_is_a_sink(decompose):
+    # torch.export writes the drop of the column as aten.slice(p, 3, 0, -1), and new_zeros / cat as overloads
+    import warnings
+
+    class Quiet(nn.Module):
+        def forward(self, q, k, v):
+            s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+            return torch.softmax(torch.cat([s, s.new_zeros(B, H, N, 1)], -1), -1)[..., :-1] @ v
+
+    args = [rand(B, H, N, D, seed=i, requires_grad=True) for i in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(Quiet(), tuple(a.detach() for a in args))
+        m = (ep.run_decompositions() if decompose else ep).module()
+    check(m, args, rewritten=1)
+
+
 def test_sink_column_that_varies_per_query_is_not_a_sink():
     class PerQuery(nn.Module):
         def forward(self, q, k, v):

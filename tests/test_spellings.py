@@ -1669,6 +1669,18 @@ def test_multiplicative_mask_spelled_twice(view):
     check(lambda q, k, v, keep: spelled_twice(q, k, v, keep, view), qkv() + [keep_padding()], rewritten=1)
 
 
+def test_multiplicative_mask_whose_penalty_tensor_is_written_holds_the_written_value():
+    # `c = torch.tensor(-1e4); c.fill_(3.0)`: the penalty is 3, not the literal -1e4 the tensor was made from
+    def f(q, k, v, key_keep):
+        m = key_keep[:, None, None, :].to(q.dtype)
+        c = torch.tensor(-1e4)
+        c.fill_(3.0)
+        s = q @ k.transpose(-2, -1) * 0.25
+        return torch.softmax(s * m + (1 - m) * c, -1) @ v
+
+    check(f, qkv() + [keep_padding()], rewritten=0)
+
+
 def test_multiplicative_mask_spelled_twice_around_a_write_is_refused():
     # the caller's mask is cast before and after it is overwritten: the product and the penalty read different values
     # (no gradient: AOTAutograd's own gradient of this program differs from eager's, with or without the pass)

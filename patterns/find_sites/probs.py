@@ -26,12 +26,11 @@ from .scores import Miss, Scores, _describe, _regroups_batch
 class ZeroFill:
     """The probabilities set to 0 where `mask` is `where` (masked_fill(p, m, 0), where(m, 0, p), where(m, p, 0))."""
     node: fx.Node
-    mask: Optional[fx.Node]  # None for nan_rows
+    mask: fx.Node
     where: bool
     shape: tuple  # the probabilities' shape there, which the mask broadcasts to
     # where the mask is "every score of the row is -inf" (empty_row_test.py): the nodes computing it, readers first
     row_test: list = field(default_factory=list)
-    nan_rows: bool = False  # `nan_to_num(p)`: the NaN rows of the softmax, which are those rows, set to 0
     zeros: Optional[fx.Node] = None  # a zeros-like tensor of the probabilities that gives the 0 (read by node only)
 
 
@@ -90,28 +89,6 @@ def _zero_fill(u: fx.Node, cur: fx.Node, scores_in: Optional[fx.Node] = None) ->
     if test is not None and set(mask.users) != {u}:
         test = None
     return ZeroFill(u, mask, where, tuple(ct.shape), row_test=test or [], zeros=zeros)
-
-
-_NAN_TO_NUM = (torch.nan_to_num, torch.Tensor.nan_to_num)
-
-
-def _nan_to_zero(u: fx.Node, cur: fx.Node) -> Optional[ZeroFill]:
-    """`torch.nan_to_num(p)` (nan=0, any posinf / neginf: probabilities hold neither) as the zero fill of the rows
-    whose softmax is NaN: with finite q and k, the rows whose scores are all -inf."""
-    if not ((u.op == "call_method" and u.target == "nan_to_num") or (u.op == "call_function" and u.target in
-                                                                        _NAN_TO_NUM)):
-        return None
-    if not u.args or u.args[0] is not cur or set(u.kwargs) - {"nan", "posinf", "neginf"} or len(u.args) > 4:
-        return None
-    nan = arg(u, 1, "nan", 0.0)
-    if nan is None:
-        nan = 0.0
-    if constant_value(nan) != 0:
-        return None
-    ct = tensor_of(cur)
-    if ct is None or not ct.is_floating_point():
-        return None
-    return ZeroFill(u, None, True, tuple(ct.shape), nan_rows=True)
 
 
 def _leaves_graph(gm: Optional[fx.GraphModule], node: fx.Node) -> str:
@@ -190,7 +167,7 @@ def walk_probs(sm: fx.Node, options: PassOptions, gm: Optional[fx.GraphModule] =
             cur = u
         elif u is through:  # the sink column dropped (patterns/sinks.py)
             cur = u
-        elif (zf := _zero_fill(u, cur, scores_in) or _nan_to_zero(u, cur)) is not None:  # checked by zeroed_rows
+        elif (zf := _zero_fill(u, cur, scores_in)) is not None:  # checked against the scores' mask by zeroed_rows
             if zeroed is not None:
                 raise Miss("the probabilities are set to 0 twice after the softmax")
             zeroed, cur = zf, u
@@ -249,7 +226,7 @@ def zeroed_rows(zf: ZeroFill, scores: Scores, spec: MaskSpec, gm: fx.GraphModule
     from ..masks import adds_bias_only
     from ..masks.combine import _absorbs
 
-    if zf.row_test or zf.nan_rows:
+    if zf.row_test:
         return _zeroed_empty_rows(scores, spec, st)
     name = f"{zf.mask.name} is {zf.where}"
     hits = [i for i, t in enumerate(scores.terms) if t.op in ("fill", "where") and same_value(t.tensor, zf.mask)
@@ -286,9 +263,10 @@ def zeroed_rows(zf: ZeroFill, scores: Scores, spec: MaskSpec, gm: fx.GraphModule
 
 def _zeroed_empty_rows(scores: Scores, spec: MaskSpec, st: torch.Tensor) -> str:
     """The empty_rows of a site whose probabilities are set to 0 where every score of the row is -inf (a safe
-    softmax, empty_row_test.py, or `nan_to_num` of its NaN rows). With finite q and k only the mask's -inf fills make
-    a score -inf, so those are the rows with no admissible key: where eager's softmax gives NaN there ("nan"), the
-    zeroing makes them the op's own 0; where every row keeps a key it changes nothing."""
+    softmax, empty_row_test.py). With finite q and k only the mask's -inf fills make a score -inf, so those are the
+    rows with no admissible key: where eager's softmax gives NaN there ("nan"), the zeroing makes them the op's own
+    0; where every row keeps a key it changes nothing. (`nan_to_num(p)` is not such a zeroing: it also zeroes the
+    rows a NaN in q or k makes NaN, which the op keeps NaN, so it is left alone.)"""
     if scores.clamped:
         raise Miss("probabilities set to 0 where a row of scores is all -inf, after the scores were clamped by "
                    "max(s, finfo.min): not analysed")
