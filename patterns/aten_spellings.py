@@ -9,8 +9,9 @@ that resolves to that same overload for the node's arguments: the node computes 
 arguments, so values, gradients and aliasing are unchanged. The table pairs an overload with its function only
 where the positional arguments and the keyword names agree (the first argument, `self` in the schema, is always
 passed by position here; a node that names it is left alone). Overloads whose torch-level function would choose
-another overload (`_to_copy`, `_unsafe_view`) are not in the table; `aten._softmax(x, dim, False)`, which the core
-ATen IR of `run_decompositions()` keeps, is `torch.softmax(x, dim)` with its third argument dropped.
+another overload (`_unsafe_view`) are not in the table; two that the core ATen IR of `run_decompositions()` keeps
+are read with their arguments changed: `aten._softmax(x, dim, False)` is `torch.softmax(x, dim)`, and
+`aten._to_copy(x, dtype=d)` into another dtype is `x.to(d)`.
 """
 from __future__ import annotations
 
@@ -156,6 +157,24 @@ def _internal_softmax(node: fx.Node) -> Optional[Callable]:
     return {aten._softmax.default: torch.softmax, aten._log_softmax.default: torch.log_softmax}.get(node.target)
 
 
+_TO_COPY = getattr(getattr(torch.ops.aten, "_to_copy", None), "default", None)
+
+
+def _dtype_copy(node: fx.Node) -> bool:
+    """`aten._to_copy(x, dtype=d)` (the core ATen IR's `.to(d)` / `.float()`, which also names x's strided layout and
+    device) into another dtype than x's: exactly `x.to(d)`, which copies too there (a `.to` into x's own dtype would
+    return x itself, so that one is left)."""
+    if node.op != "call_function" or node.target is not _TO_COPY or len(node.args) != 1:
+        return False
+    kw = node.kwargs
+    if "dtype" not in kw or set(kw) - {"dtype", "layout", "device"} or not isinstance(kw["dtype"], torch.dtype):
+        return False
+    t = example_value(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+    if not isinstance(t, torch.Tensor) or t.dtype == kw["dtype"] or kw.get("layout") not in (None, torch.strided):
+        return False
+    return kw.get("device") is None or torch.device(kw["device"]) == t.device  # the export names x's own
+
+
 _DETACH_ = getattr(getattr(torch.ops.aten, "detach_", None), "default", None)
 
 
@@ -181,6 +200,11 @@ def spell_aten_ops(gm: fx.GraphModule) -> bool:
         if _idle_detach(node):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
+            changed = True
+            continue
+        if _dtype_copy(node):
+            node.op, node.target = "call_method", "to"
+            node.args, node.kwargs = (node.args[0], node.kwargs["dtype"]), {}
             changed = True
             continue
         internal = _internal_softmax(node)

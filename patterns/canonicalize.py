@@ -24,10 +24,10 @@ from .emit import example_value
 
 def canonicalize(gm: fx.GraphModule) -> bool:
     """The graph edits made before analysis, each proven to keep every value and gradient (see aten_spellings.py,
-    view_attributes.py, identity_expand.py, functionalize.py, slice_update.py, reshaped_terms.py, key_major.py,
+    view_attributes.py, identity_views.py, functionalize.py, slice_update.py, reshaped_terms.py, key_major.py,
     query_axis.py and dead_code.py): ATen overloads called by name become the torch functions they are, metadata
-    checks that hold are dropped, transposes spelled as attributes (`x.mT`) become `x.transpose(a, b)`, expands to a
-    tensor's own shape become the tensor, in-place updates of tensors
+    checks that hold are dropped, transposes spelled as attributes (`x.mT`) become `x.transpose(a, b)`, view chains
+    (expands included) that give back a tensor's layout become the tensor, in-place updates of tensors
     nothing else aliases become their functional op, terms added to a slice of the scores and written back become
     zero-padded terms of the scores, terms added to a reshaped view of a tensor that is viewed back become terms of
     that tensor, key-major scores normalised over dim -2 become query-major ones, single-query scores written
@@ -37,7 +37,7 @@ def canonicalize(gm: fx.GraphModule) -> bool:
     from .aten_spellings import spell_aten_ops
     from .dead_code import remove_dead_pure_nodes
     from .functionalize import functionalize_inplace
-    from .identity_expand import drop_identity_expands
+    from .identity_views import drop_identity_views
     from .key_major import fold_key_major_scores
     from .query_axis import fold_query_axis
     from .reshaped_terms import fold_reshaped_terms
@@ -46,7 +46,7 @@ def canonicalize(gm: fx.GraphModule) -> bool:
 
     changed = spell_aten_ops(gm)
     changed = spell_view_attributes(gm) or changed
-    changed = drop_identity_expands(gm) or changed
+    changed = drop_identity_views(gm) or changed
     changed = functionalize_inplace(gm) or changed
     changed = fold_slice_updates(gm) or changed
     changed = fold_reshaped_terms(gm) or changed

@@ -1,7 +1,7 @@
 """Programs in the core ATen IR (`torch.export(...).run_decompositions()`) and the "safe" softmax.
 
 A decomposed program spells a 4-d matmul as `bmm` of operands expanded to their own shape and viewed to 3-d
-(patterns/identity_expand.py), the softmax as `aten._softmax(x, -1, False)` (patterns/aten_spellings.py), a
+(patterns/identity_views.py), the softmax as `aten._softmax(x, -1, False)` (patterns/aten_spellings.py), a
 masked_fill as `where(m, scalar_tensor(c), x)`, and SDPA's math path zeroes the rows whose scores are all -inf
 (patterns/find_sites/empty_row_test.py). Every site is compared with eager, outputs and gradients."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ from eager_diff import check, rand
 from test_patterns_softmax import pinned
 
 from fa_compile.patterns.aten_spellings import spell_aten_ops
-from fa_compile.patterns.identity_expand import drop_identity_expands
+from fa_compile.patterns.identity_views import drop_identity_views
 
 aten = torch.ops.aten
 B, H, N, D = 2, 2, 8, 4
@@ -69,6 +69,55 @@ def test_decomposed_hand_written_attention_is_rewritten(inner):
     m = decomposed(Masked(), q, k, v, keep)
     res = check(m, [q, k, v, keep], inner=inner)
     assert [r.rewritten for r in res.reports] == [True], res.reasons
+
+
+class Einsum(torch.nn.Module):
+    def __init__(self, heads_second: bool):
+        super().__init__()
+        self.heads_second = heads_second
+
+    def forward(self, q, k, v):
+        if self.heads_second:  # [B, H, N, D]
+            s = torch.einsum("bhid,bhjd->bhij", q, k) * 0.5
+            return torch.einsum("bhij,bhjd->bhid", s.softmax(-1), v)
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k) * 0.5  # [B, N, H, D]: the heads moved through a size-1 axis
+        return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
+
+
+@pytest.mark.parametrize("heads_second", [True, False], ids=["bhnd", "bnhd"])
+def test_decomposed_einsum_attention_is_rewritten(heads_second):
+    shape = (B, H, N, D) if heads_second else (B, N, H, D)
+    args = [rand(*shape, seed=s, requires_grad=True) for s in range(3)]
+    res = check(decomposed(Einsum(heads_second), *args), args)
+    assert [r.rewritten for r in res.reports] == [True], res.reasons
+
+
+def test_decomposed_upcast_softmax_is_rewritten():
+    # `softmax(s, -1, dtype=float32).to(q.dtype)` in fp16: the core IR's casts are aten._to_copy
+    class Upcast(torch.nn.Module):
+        def forward(self, q, k, v):
+            s = q @ k.transpose(-1, -2) * 0.5
+            return F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+    args = [rand(B, H, N, D, seed=s, dtype=torch.float16) for s in range(3)]
+    res = check(decomposed(Upcast(), *args), args, dtype=torch.float16, grad=False)
+    assert [r.rewritten for r in res.reports] == [True], res.reasons
+
+
+def test_decomposed_program_traced_at_symbolic_sizes():
+    # the expands of the decomposed products name symbolic sizes
+    q, k, v = qkv()
+    n = torch.export.Dim("n", min=2, max=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(Masked(), (q.detach(), k.detach(), v.detach(), torch.ones(B, 1, 1, N, dtype=torch.bool)),
+                                 dynamic_shapes=({2: n}, {2: n}, {2: n}, {3: n}))
+        m = ep.run_decompositions().module()
+    c = Compiled(m, inner="aot_eager", dynamic=True, fullgraph=False)
+    for n in (N, N + 3):
+        args = [rand(B, H, n, D, seed=s) for s in range(3)] + [torch.ones(B, 1, 1, n, dtype=torch.bool)]
+        torch.testing.assert_close(c(*args), Masked()(*args), atol=1e-5, rtol=1e-5)
+    assert c.reports and all(r.rewritten for r in c.reports), [r.reason for r in c.reports]
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
@@ -237,16 +286,18 @@ def test_a_returned_identity_expand_is_kept():
     assert any(n.op == "call_method" and n.target == "expand" for n in c.graphs[0].graph.nodes)
 
 
-def test_identity_expands_are_dropped_and_broadcasts_kept():
+def test_identity_views_are_dropped_and_broadcasts_kept():
     g = fx.Graph()
     x = g.placeholder("x")
     x.meta["example_value"] = torch.empty(2, 1, 3)
     same = g.call_method("expand", (x, 2, 1, 3))
     minus = g.call_method("expand", (x, [-1, -1, 3]))
     wide = g.call_method("expand", (x, 2, 4, 3))
+    for n in (same, minus, wide):  # the layouts the calls give
+        n.meta["example_value"] = x.meta["example_value"].expand(*n.args[1:])
     g.output((g.call_function(torch.add, (same, minus)), g.call_function(torch.neg, (wide,))))
     gm = fx.GraphModule(torch.nn.Module(), g)
-    assert drop_identity_expands(gm)
+    assert drop_identity_views(gm)
     assert [n.args for n in gm.graph.nodes if n.op == "call_method"] == [(x, 2, 4, 3)]
     a = torch.randn(2, 1, 3)
     got = gm(a)
