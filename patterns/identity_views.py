@@ -10,7 +10,9 @@ broadcast is another computation) or at a view it cannot read, so such graphs ha
 
 Each view (expand, view, permute, transpose, unsqueeze, squeeze) whose result has the layout of a tensor it was
 made from through views only is replaced by that tensor: the same values and the same gradient (a view's backward
-is the inverse view). The two are different tensor objects over one memory, so the chain is kept where that shows:
+is the inverse view), where every view of the chain and its source run under one grad mode (a view made under
+`no_grad` stops the gradient the source would pass). The two are different tensor objects over one memory, so the
+chain is kept where that shows:
 an in-place op on the tensor or on any view of it (a write, or `t_()` / `transpose_()`, which change one object's
 strides only), or the view returned to the caller. Sizes are compared as ints or as the same symbolic expression.
 A chain of two views or more from a dense row-major tensor to a dense row-major result over the same elements is
@@ -19,13 +21,14 @@ finder reads.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
 
 from .aliasing import escapes, written_in_place
 from .canonicalize import tensor_of
+from .regions import Regions
 
 _VIEW_METHODS = ("expand", "view", "permute", "transpose", "swapaxes", "swapdims", "unsqueeze", "squeeze")
 _VIEW_FUNCTIONS = (torch.Tensor.expand, torch.Tensor.view, torch.permute, torch.transpose, torch.swapaxes,
@@ -72,19 +75,24 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def identity_source(node: fx.Node) -> Optional[tuple[fx.Node, bool]]:
+def identity_source(node: fx.Node, state: Optional[Callable[[fx.Node], Any]] = None
+                    ) -> Optional[tuple[fx.Node, bool]]:
     """(the tensor `node` is a view of through views only, whether `node` is a plain `.view` of it rather than the
     tensor itself), or None. The tensor itself where one of the chain has node's layout (the nearest); else the
     farthest one of at least two views back where both are dense row-major over the same elements, which is what
-    the einsum's detours through a size-1 axis make."""
+    the einsum's detours through a size-1 axis make. `state(n)`: the global state node n runs under (grad mode,
+    inference mode: regions.Regions.of), the same for every node of the chain and its source."""
     if not _is_view(node) or escapes(node):
         return None
     t = tensor_of(node)
-    cur, found = node.args[0], None
+    cur, found, chain = node.args[0], None, [node]
     for depth in range(16):
         src = tensor_of(cur)
         if src is None:
             break
+        chain.append(cur)
+        if state is not None and len({state(n) for n in chain}) > 1:
+            break  # a view made under no_grad (or another global state): its gradient stops there, the source's not
         if _same_layout(t, src):
             return None if written_in_place(cur) else (cur, False)
         if depth >= 1 and _dense(t) and _dense(src) and src.numel() == t.numel() \
@@ -103,9 +111,11 @@ def drop_identity_views(gm: fx.GraphModule) -> bool:
     dense tensor as that view; True when the graph changed."""
     from .emit import call  # noqa: PLC0415
 
+    regions = Regions(gm)
+    state = regions.of if regions.markers else None
     changed = False
     for node in list(gm.graph.nodes):
-        found = identity_source(node)
+        found = identity_source(node, state)
         if found is None:
             continue
         src, as_view = found

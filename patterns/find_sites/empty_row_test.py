@@ -42,15 +42,23 @@ def _neg_inf(x: Any) -> bool:
     return isinstance(x, float) and x == -math.inf
 
 
+def _is_not(node: Any) -> bool:
+    return _is(node, _NOT, ("logical_not", "bitwise_not", "__invert__")) and len(node.args) == 1 and not node.kwargs
+
+
+def _negated(inner: Optional[bool], node: fx.Node, nodes: list) -> Optional[bool]:
+    """The test of a negation `node` whose argument's test is `inner` (None: not a test)."""
+    if inner is None:
+        return None
+    nodes.append(node)
+    return not inner
+
+
 def _elementwise(node: Any, s: fx.Node, nodes: list) -> Optional[bool]:
     """True when `node` is `s == -inf` elementwise, False when it is `s != -inf`, None otherwise; its nodes are
     appended to `nodes`."""
-    if _is(node, _NOT, ("logical_not", "bitwise_not", "__invert__")) and len(node.args) == 1 and not node.kwargs:
-        inner = _elementwise(node.args[0], s, nodes)
-        if inner is None:
-            return None
-        nodes.append(node)
-        return not inner
+    if _is_not(node):
+        return _negated(_elementwise(node.args[0], s, nodes), node, nodes)
     if _is(node, _ISNEGINF, ("isneginf",)) and node.args == (s,) and not node.kwargs:
         nodes.append(node)
         return True
@@ -66,12 +74,8 @@ def _elementwise(node: Any, s: fx.Node, nodes: list) -> Optional[bool]:
 def _row(node: Any, s: fx.Node, nodes: list) -> Optional[bool]:
     """True when `node` is "every score of the row is -inf" (keepdim), False when it is "some score of the row is
     not -inf", None otherwise."""
-    if _is(node, _NOT, ("logical_not", "bitwise_not", "__invert__")) and len(node.args) == 1 and not node.kwargs:
-        inner = _row(node.args[0], s, nodes)
-        if inner is None:
-            return None
-        nodes.append(node)
-        return not inner
+    if _is_not(node):
+        return _negated(_row(node.args[0], s, nodes), node, nodes)
     for fns, methods, every in ((_ALL, ("all",), True), (_ANY, ("any",), False)):
         if not _is(node, fns, methods) or not node.args or len(node.args) > 3:
             continue
