@@ -82,7 +82,7 @@ def identity_source(node: fx.Node, state: Optional[Callable[[fx.Node], Any]] = N
     farthest one of at least two views back where both are dense row-major over the same elements, which is what
     the einsum's detours through a size-1 axis make. `state(n)`: the global state node n runs under (grad mode,
     inference mode: regions.Regions.of), the same for every node of the chain and its source."""
-    if not _is_view(node) or escapes(node):
+    if not _is_view(node):
         return None
     t = tensor_of(node)
     cur, found, chain = node.args[0], None, [node]
@@ -93,15 +93,15 @@ def identity_source(node: fx.Node, state: Optional[Callable[[fx.Node], Any]] = N
         chain.append(cur)
         if state is not None and len({state(n) for n in chain}) > 1:
             break  # a view made under no_grad (or another global state): its gradient stops there, the source's not
-        if _same_layout(t, src):
-            return None if written_in_place(cur) else (cur, False)
+        if _same_layout(t, src):  # (the walk over node's users last: it costs the most)
+            return None if written_in_place(cur) or escapes(node) else (cur, False)
         if depth >= 1 and _dense(t) and _dense(src) and src.numel() == t.numel() \
                 and _same(src.storage_offset(), t.storage_offset()):
             found = cur
         if not _is_view(cur):
             break
         cur = cur.args[0]
-    if found is None or written_in_place(found):
+    if found is None or written_in_place(found) or escapes(node):
         return None
     return found, True
 
