@@ -71,6 +71,18 @@ COMPILED_SHAPES = {
 }
 
 
+ROUNDS = 7  # interleaved timing rounds of compiled_rows
+
+
+def _own_code(fn, tag: str):
+    """fn with a code object of its own: Dynamo keeps its compiled entries per code object, so variants that
+    share one would pile up behind each other's guards (and past the recompile limit) while all stay alive."""
+    import types
+
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
 def compiled_rows() -> None:
     import fa_compile
     from fa_compile.lowering import records
@@ -98,29 +110,41 @@ def compiled_rows() -> None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)
             return o.transpose(1, 2).reshape(b, nq, hq * d)
 
-        rows = {"SDPA under inductor": torch.compile(sdpa_layer)}
+        torch._dynamo.reset()
+        rows = {"SDPA under inductor": torch.compile(_own_code(sdpa_layer, "sdpa"))}
         for kernel in ("cudnn", "flash", "efficient", "fa3", "triton"):
             rows[f"fa3 {kernel} lowered"] = (kernel, True)
             rows[f"fa3 {kernel} op (lower=False)"] = (kernel, False)
         print(f"\n   {name}")
+        ready: dict = {}  # label -> (compiled fn, decisions, GPU us)
         for label, what in rows.items():
             try:
-                torch._dynamo.reset()
                 if isinstance(what, tuple):
                     kernel, lower = what
                     n = len(records())
-                    fn = torch.compile(ours(kernel), backend=fa_compile.backend(lower=lower))
+                    fn = torch.compile(_own_code(ours(kernel), f"{kernel}_{lower}"),
+                                       backend=fa_compile.backend(lower=lower))
                     fn(x, kv)
                     got = [str(r.decision) for r in records()[n:]]
                 else:
                     fn, got = what, []
                     fn(x, kv)
-                host = per_call_us(lambda: fn(x, kv))
-                gpu = gpu_us(lambda: fn(x, kv))
-                note = f"   [{'; '.join(got)}]" if got else ""
-                print(f"   {label:34s} host {host:8.1f} us   GPU {gpu:8.1f} us{note}")
+                ready[label] = (fn, got, gpu_us(lambda: fn(x, kv)))
             except Exception as e:
                 print(f"   {label:34s} failed: {type(e).__name__}: {str(e)[:160]}")
+        # Host time drifts on a shared machine: every variant is timed in each round, in turn, and the
+        # figures are medians over rounds (the ratio also paired by round, against SDPA's time that round).
+        times: dict = {label: [] for label in ready}
+        for _ in range(ROUNDS):
+            for label, (fn, _, _) in ready.items():
+                times[label].append(per_call_us(lambda: fn(x, kv), n=100, batches=2))
+        base = times.get("SDPA under inductor")
+        for label, (fn, got, gpu) in ready.items():
+            host = statistics.median(times[label])
+            ratio = "" if base is None else \
+                f"  x{statistics.median(t / b for t, b in zip(times[label], base)):.2f} SDPA (paired)"
+            note = f"   [{'; '.join(got)}]" if got else ""
+            print(f"   {label:34s} host {host:8.1f} us   GPU {gpu:8.1f} us{ratio}{note}")
 
 
 def fa3_parts() -> None:

@@ -70,6 +70,11 @@ def _restrides_saved_out(node: fx.Node, where: fx.Node) -> bool:
     return not splice.strides_match(val, natural)
 
 
+def _lse_read(node: fx.Node) -> bool:
+    """Whether any node reads the op's lse (output 1): a training graph returns it for the backward."""
+    return any(u.target is operator.getitem and u.args[1] == 1 and u.users for u in node.users)
+
+
 def _lower_node(graph: fx.Graph, node: fx.Node, limits: dict) -> Optional[choice.Decision]:
     args = site_args.attention_args(node)
     if args is None:
@@ -137,6 +142,8 @@ def _lower_node(graph: fx.Graph, node: fx.Node, limits: dict) -> Optional[choice
             fn = lowering.backward_fn(args, empty_grad=bfix.kind, out_strides=strides, **more)
         elif backward:
             fn = lowering.backward_fn(args)
+        elif fixup is None and getattr(lowering, "skips_unread_lse", False) and not _lse_read(node):
+            fn = lowering.forward_fn(args, lse_read=False)
         elif fixup is None:
             fn = lowering.forward_fn(args)
         else:

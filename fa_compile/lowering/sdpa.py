@@ -53,6 +53,7 @@ def _stored(t: Tensor) -> Tensor:
 
 class SdpaLowering:
     same_kernel = True
+    skips_unread_lse = True  # forward_fn takes lse_read: an inference graph that reads no lse asks for none
 
     def __init__(self, kind: str):
         self.kind = kind
@@ -67,7 +68,10 @@ class SdpaLowering:
             return ["mem-efficient has no backward here (see candidates/sdpa.py)"]
         return []  # dispatch chose it: its candidate's reasons were all answered
 
-    def forward_fn(self, args: dispatch.AttentionArgs):
+    def forward_fn(self, args: dispatch.AttentionArgs, lse_read: bool = True):
+        """lse_read=False: nothing reads the site's lse (an inference graph), so cuDNN and mem-efficient are asked
+        for none, as SDPA asks them without a gradient, unless the empty-row marking needs it; the lse
+        returned then is a placeholder that no node reads (removed as dead code)."""
         kind, scale = self.kind, float(args.scale)
         causal = c.effective_causal(args)
         maybe_empty = c.may_have_empty_rows(args)
@@ -75,6 +79,7 @@ class SdpaLowering:
         # masks the op applies by exclusion, which cuDNN / mem-efficient receive added (conventions.without_nan_keys)
         excludes = kind != "flash" and (has_lens or (has_bias and args.bias.dtype == torch.bool))
         groups = choice.group_count(args) if excludes else 1
+        want_lse = lse_read or maybe_empty or excludes
 
         def fn(q, k, v, *rest):
             bias = rest[0] if has_bias else None
@@ -90,13 +95,15 @@ class SdpaLowering:
                 res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
                 out, lse = res[0], res[1]
             elif kind == "cudnn":
-                res = aten._scaled_dot_product_cudnn_attention(q, k, v, _bias(q, k, bias, kv_lens, mask), True, 0.0,
-                                                               causal, False, scale=scale)
-                out, lse = res[0], res[1].reshape(b, hq, nq)
+                res = aten._scaled_dot_product_cudnn_attention(q, k, v, _bias(q, k, bias, kv_lens, mask), want_lse,
+                                                               0.0, causal, False, scale=scale)
+                out, lse = res[0], res[1].reshape(b, hq, nq) if want_lse else None
             else:
-                res = aten._scaled_dot_product_efficient_attention(q, k, v, _bias(q, k, bias, kv_lens, mask), True,
-                                                                   0.0, causal, scale=scale)
-                out, lse = res[0], res[1][:, :, :nq]
+                res = aten._scaled_dot_product_efficient_attention(q, k, v, _bias(q, k, bias, kv_lens, mask),
+                                                                   want_lse, 0.0, causal, scale=scale)
+                out, lse = res[0], res[1][:, :, :nq] if want_lse else None
+            if lse is None:  # read by no node: the graph drops it
+                return conventions.as_bshd(out), out.new_empty((b, hq, nq), dtype=torch.float32)
             lse = lse.to(torch.float32)
             empty = torch.isinf(lse) if maybe_empty else None
             if bad_rows is not None:  # rows that admit a key, never empty ones
