@@ -110,6 +110,25 @@ def test_lowered_kernel_matches_the_op(case):
         assert all(d.kernel == expect for d in decisions), [str(d) for d in decisions]
 
 
+@pytest.mark.parametrize("kernel", ["cudnn", "efficient", "flash"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_an_inference_site_that_reads_no_lse_matches_the_op(kernel, causal):
+    """Only out is read: cuDNN and mem-efficient are asked for no lse (lowering/sdpa.py); every element compared."""
+    q, k, v = _inputs()
+
+    def fn(q, k, v):
+        return fa_compile.attention(q, k, v, causal=causal, kernel=kernel).transpose(1, 2).reshape(2, 256, -1)
+
+    torch._dynamo.reset()
+    n = len(records())
+    with torch.no_grad():
+        got = torch.compile(fn, backend="fa3", fullgraph=True)(q, k, v)
+        want = fn(q, k, v)
+    torch.testing.assert_close(got, want, **TOL)
+    decisions = [r.decision for r in records()[n:]]
+    assert decisions and all(d.lowered and d.kernel == kernel for d in decisions), [str(d) for d in decisions]
+
+
 @pytest.mark.parametrize("switch", ["auto", "0"])
 def test_triton_family_lowering_follows_its_switch(switch, monkeypatch):
     # A forced Triton kernel at a short length (Nq x Nk <= 1024 x 1024: the pointer kernels) is lowered to
