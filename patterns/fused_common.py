@@ -62,7 +62,14 @@ class Builder:
         return s if isinstance(s, int) else self.m("size", t, dim)
 
     def replace(self, old: fx.Node, new: fx.Node) -> None:
-        """Point old's users at new (see `replace_output`) and erase old once the rewrite succeeds."""
+        """Point old's users at new (see `replace_output`) and erase old once the rewrite succeeds. A result the
+        caller gets back (or a `.view` downstream needs) contiguous where eager's was, and ours is not (the op
+        stores out BSHD), is made contiguous first: the caller may `.view` it."""
+        from .find_sites.build import needs_contiguous  # noqa: PLC0415  (find_sites imports this module)
+
+        nv = example_value(new)
+        if isinstance(nv, torch.Tensor) and needs_contiguous(old, nv):
+            new = self.m("contiguous", new)
         for user in old.users:
             self.repointed.append((user, old, user.meta.get("example_value")))
         replace_output(self.graph, old, new)

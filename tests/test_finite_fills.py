@@ -495,3 +495,29 @@ def test_fp16_mask_summed_in_the_graph_under_inductor():
     res = diff_check(fn, [q, k, v, pb, m], dtype=torch.float16, inner="inductor", rewritten=1)
     mean_v = v.detach().float().mean(dim=2)[1]
     torch.testing.assert_close(res.out[1, :, 5:].float(), mean_v[:, None].expand(2, 2, 8), **TOLS[torch.float16])
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("spelling", ["m_times_big", "one_minus_keep_times_big", "two_terms_overflow"])
+def test_fp16_additive_terms_that_overflow_to_minus_inf(spelling, inner):
+    """fp16 masks whose eager arithmetic overflows: `m.half() * -1e9` is -inf in fp16 (the constant rounds in the
+    product's dtype), and two terms of -4e4 sum past fp16's range. Eager's fully masked row is NaN there, not the
+    mean of V that a finite fill would give; the rewrite reads the terms in eager's dtype, also where Inductor
+    fuses their fp16 sum into fp32 without rounding it. Every element, NaN where eager's is."""
+    from eager_diff import check as diff_check, rand
+
+    def fn(q, k, v, m):
+        s = q @ k.transpose(-2, -1) * 0.25
+        if spelling == "m_times_big":
+            return torch.softmax(s + m.to(s.dtype) * -1e9, -1) @ v
+        if spelling == "one_minus_keep_times_big":
+            return torch.softmax(s + (1.0 - (~m).to(s.dtype)) * -70000.0, -1) @ v
+        return torch.softmax(s + m.to(s.dtype) * -4e4 + m.to(s.dtype) * -4e4, -1) @ v
+
+    m = torch.zeros(2, 1, 6, 6, dtype=torch.bool)
+    m[..., 0, :] = True  # row 0: no key (NaN in eager)
+    m[..., 1, 2] = True
+    q, k, v = (rand(2, 2, 6, 8, dtype=torch.float16, seed=i) for i in range(3))
+    res = diff_check(fn, [q, k, v, m], dtype=torch.float16, inner=inner, rewritten=1, grad=False)
+    assert res.ref[:, :, 0].isnan().all() and res.out[:, :, 0].isnan().all()
+    assert not res.out[:, :, 1:].isnan().any()

@@ -238,6 +238,20 @@ def test_sdpa_output_viewed_directly_gets_a_contiguous_copy():
     assert_same(out, fn(q), **tolerances(torch.float32))
 
 
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("n", [8, 200])
+def test_sdpa_output_returned_keeps_eagers_strides(grad, n):
+    """The caller gets SDPA's contiguous result (the op stores its out BSHD): a `.view` of it after the call, or in
+    the next graph after a graph break, works as in eager."""
+    q, k, v = (rnd(2, 2, n, 16, seed=s).requires_grad_(grad) for s in (1, 2, 3))
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with torch.set_grad_enabled(grad):
+        out = torch.compile(fn, backend="fa3", fullgraph=True)(q, k, v)
+        want = fn(q, k, v)
+    assert out.stride() == want.stride()
+    assert_same(out.view(2, -1), want.view(2, -1), **tolerances(torch.float32))
+
+
 def test_sdpa_rewritten_graph_pinned():
     q, k, v = rnd(2, 6, 5, 8, seed=1), rnd(2, 2, 5, 8, seed=2), rnd(2, 2, 5, 8, seed=3)
     m = torch.ones(5, 5, dtype=torch.bool)
@@ -245,7 +259,8 @@ def test_sdpa_rewritten_graph_pinned():
                  q, k, v, m)
     expecttest.assert_expected_inline(graph_summary(cap.graphs[0]), """\
 fa3.attention(%, %, %, 0.25, False, 0, -1, -1, %, None, 0, 0, None, None)
-getitem(%, 0)""")
+getitem(%, 0)
+.contiguous(%)""")
     _, cap = run(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True), rnd(3, 5, 8))
     expecttest.assert_expected_inline(graph_summary(cap.graphs[0]), """\
 .unsqueeze(%, 1)

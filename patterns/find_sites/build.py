@@ -186,7 +186,7 @@ def _tensor_op(u: fx.Node) -> bool:
     return u.target in _OPERATORS or (mod.startswith("torch") and not mod.startswith("torch._dynamo"))
 
 
-def _needs_contiguous(old: fx.Node, new_val: torch.Tensor, depth: int = 3) -> bool:
+def needs_contiguous(old: fx.Node, new_val: torch.Tensor, depth: int = 3) -> bool:
     """Would a `.view` downstream of `old` fail on `new_val`'s strides (where it worked on eager's), or
     would the caller get a non-contiguous tensor where eager returned a contiguous one?"""
     mode = emit._fake_mode([new_val])

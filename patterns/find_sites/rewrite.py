@@ -22,7 +22,7 @@ from ..regions import Regions
 from ..shapes import known_eq, known_one
 from ..site import MaskSpec, MaskTerm, PassOptions, SiteReport
 from .build import (
-    _Builder, _Out, _absorb_scale, _canon_out_shape, _choose_layout, _erase_dead, _materialize, _needs_contiguous,
+    _Builder, _Out, _absorb_scale, _canon_out_shape, _choose_layout, _erase_dead, _materialize, needs_contiguous,
     _padded_batch, _regroup, _same, _shape, _where,
 )
 from .empty_row_test import score_readers
@@ -515,7 +515,7 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
                 copy = fresh_copy_kwargs(tensor_of(res))
                 res = o.call("clone", res, method=True, **copy) if copy is not None else \
                     o.call("mul", res, 1.0, method=True)
-            if _needs_contiguous(o_node, tensor_of(res)):
+            if needs_contiguous(o_node, tensor_of(res)):
                 res = o.call("contiguous", res, method=True)
             if o_out is not None:
                 res = o.call("copy_", o_out, res, method=True)  # `out=`: the caller's tensor gets the result

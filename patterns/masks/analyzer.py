@@ -481,6 +481,9 @@ class _Analyzer:
                 c = y.value
                 if isinstance(c, (int, float)) and c != 0 and not math.isinf(c) and not math.isnan(c):
                     nk = _not(x)  # x * c: c where x holds, 0 elsewhere
+                    dst = _dtype(n)
+                    if dst is not None and dst.is_floating_point:  # eager's product rounds c (fp16: -1e9 is -inf)
+                        c = float(torch.tensor(float(c), dtype=torch.float64).to(dst))
                     return _Two(nk, float(c)) if nk is not None else None
             if isinstance(x, _Keep) and isinstance(y, _Keep) and x.numeric and y.numeric:
                 return _and(x, y)

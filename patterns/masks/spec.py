@@ -16,6 +16,8 @@ from .values import _Fail, _QPos
 # The largest float that fp16 rounds to its finfo.min (-65504) or below: the midpoint with -65472 (ties go to -65472,
 # the even mantissa), so exactly the values strictly below it.
 FP16_ROUNDS_TO_MIN = -65488.0
+# The values fp16 rounds to -inf: from the midpoint of 65504 and 2**16 (a tie goes to 2**16, the even mantissa) down.
+FP16_OVERFLOWS = -65520.0
 
 
 class _Emitter:
@@ -193,7 +195,7 @@ def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len, bias_rank: int =
         else:
             f = em.call(torch.logical_not, node) if neg else node
         bool_bias = f if bool_bias is None else em.call(torch.logical_and, bool_bias, f)
-    float_bias = None
+    float_bias = half_sum = None
     for node in plan["extras"]:
         if isinstance(node, tuple) and node[0] == "to":  # ("to", bool node, dtype): a bool added as 0/1
             _, m, dt = node
@@ -202,11 +204,9 @@ def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len, bias_rank: int =
         elif isinstance(node, tuple) and node[0] == "absorb16":  # an fp16 mask eager adds in fp16 (combine.py)
             _, m = node
             _read_at_site(em, m, "mask")
-            # m <= finfo(fp16).min as eager's fp16 value of m is, also where Inductor fuses the sum that makes m
-            # without rounding it to fp16 first: a value below -65488 (halfway to -65472) rounds to -65504 or -inf
-            low = em.call(operator.lt, m, FP16_ROUNDS_TO_MIN)
-            shift = em.call(torch.where, low, float(torch.finfo(torch.float32).min), 0.0)  # fp32; the gradient of m: 1
-            node = em.call(operator.add, em.call("float", m, method=True), shift)
+            # summed in fp16 as eager sums them (two terms of -4e4 overflow to -inf there), converted below
+            half_sum = m if half_sum is None else em.call(operator.add, half_sum, m)
+            continue
         elif isinstance(node, tuple):  # ("where", bool node, c, masked_when_true, dtype): a fill as an additive float
             _, m, c, masked_when_true, dt = node
             _read_at_site(em, m, "mask")
@@ -217,6 +217,17 @@ def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len, bias_rank: int =
                 node = em.call(torch.where, m, c, 0.0) if masked_when_true else em.call(torch.where, m, 0.0, c)
         else:
             _read_at_site(em, node, "mask")
+        float_bias = node if float_bias is None else em.call(operator.add, float_bias, node)
+    if half_sum is not None:
+        # m <= finfo(fp16).min as eager's fp16 value of m is, also where Inductor fuses the sum that makes m
+        # without rounding it to fp16 first: a value below -65488 (halfway to -65472) rounds to -65504 or -inf
+        # (compared in fp32: a number compared with an fp16 tensor is rounded to fp16 first, -65520 to -inf)
+        wide = em.call("float", half_sum, method=True)
+        low = em.call(operator.lt, wide, FP16_ROUNDS_TO_MIN)
+        shift = em.call(torch.where, low, float(torch.finfo(torch.float32).min), 0.0)  # fp32; the gradient of m: 1
+        node = em.call(operator.add, wide, shift)
+        # and -inf where eager's fp16 value overflows (two terms of -4e4), which a fused fp32 sum does not
+        node = em.call(torch.where, em.call(operator.le, wide, FP16_OVERFLOWS), float("-inf"), node)
         float_bias = node if float_bias is None else em.call(operator.add, float_bias, node)
     if bool_bias is not None and float_bias is not None:
         spec.bias = em.call(torch.where, bool_bias, float_bias, float("-inf"))
