@@ -165,9 +165,15 @@ def exp_lse_of(node: Any) -> Optional[tuple[fx.Node, fx.Node]]:
         return None
     return d, lse
 
+def _is_detach(n: Any) -> bool:
+    return isinstance(n, fx.Node) and ((n.op == "call_method" and n.target == "detach") or (
+        n.op == "call_function" and n.target in (torch.detach, torch.Tensor.detach)))
+
+
 def row_max_of(m: Any, s: Any) -> Optional[fx.Node]:
-    """The max/amax node when m is s.amax(-1, keepdim=True) or s.max(-1, keepdim=True)[0] (detached or not)."""
-    while isinstance(m, fx.Node) and m.op == "call_method" and m.target == "detach":
+    """The max/amax node when m is s.amax(-1, keepdim=True) or s.max(-1, keepdim=True)[0], detached or not, before
+    or after the reduction (softmax is invariant to the shift: the gradients through it cancel either way)."""
+    while _is_detach(m):
         m = m.args[0]
     if not isinstance(m, fx.Node) or tensor_of(s) is None:
         return None
@@ -177,7 +183,7 @@ def row_max_of(m: Any, s: Any) -> Optional[fx.Node]:
     else:
         names = ("amax",)
     name = m.target if m.op == "call_method" else getattr(m.target, "__name__", "")
-    if name not in names or not m.args or m.args[0] is not s:
+    if name not in names or not m.args or not (m.args[0] is s or (_is_detach(m.args[0]) and m.args[0].args[0] is s)):
         return None
     dim, keep = arg(m, 1, "dim"), arg(m, 2, "keepdim", False)
     nd = tensor_of(s).dim()

@@ -1265,7 +1265,25 @@ EXP_SUM_FORMS = {
     "causal masked_fill": lambda q, k, v: _exp_sum(
         (q @ k.transpose(-2, -1) * 0.25).masked_fill(causal_bool(), -math.inf),
         lambda s: torch.amax(s, dim=(-1,), keepdim=True), lambda e: e.sum(dim=-1, keepdim=True)) @ v,
+    # the max of detached scores (the shift carries no gradient, as with the max detached after the reduction)
+    "detached.amax.sum": lambda q, k, v: _exp_sum(q @ k.transpose(-2, -1) * 0.25,
+                                                  lambda s: s.detach().amax(-1, keepdim=True),
+                                                  lambda e: e.sum(-1, keepdim=True)) @ v,
+    "torch.detach.max.sum": lambda q, k, v: _exp_sum(q @ k.transpose(-2, -1) * 0.25,
+                                                     lambda s: torch.detach(s).max(-1, keepdim=True)[0],
+                                                     lambda e: e.sum(-1, keepdim=True)) @ v,
 }
+
+
+def detached_scores_also_returned(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    sd = s.detach()
+    e = torch.exp(s - sd.amax(-1, keepdim=True))
+    return (e / e.sum(-1, keepdim=True)) @ v, sd
+
+
+def test_detached_scores_read_elsewhere_are_a_use_of_the_scores():
+    check(detached_scores_also_returned, qkv(), rewritten=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

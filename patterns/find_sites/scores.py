@@ -401,6 +401,9 @@ def walk_scores(x: fx.Node, gm: Optional[fx.GraphModule] = None, shift_barrier: 
                     raise Miss(why)
                 if row_max:
                     row_max_users.add(row_max)
+                    src = row_max.args[0]  # `s.detach().amax(...)`: the detach reads s for that max alone
+                    if src is not a and set(src.users) == {row_max}:
+                        row_max_users.add(src)
                 cur = b if const_add and is_finite_number(a) else a
                 continue
             if k == "sub":
