@@ -165,6 +165,7 @@ def exp_lse_of(node: Any) -> Optional[tuple[fx.Node, fx.Node]]:
         return None
     return d, lse
 
+
 def _is_detach(n: Any) -> bool:
     return isinstance(n, fx.Node) and ((n.op == "call_method" and n.target == "detach") or (
         n.op == "call_function" and n.target in (torch.detach, torch.Tensor.detach)))

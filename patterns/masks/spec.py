@@ -219,7 +219,7 @@ def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len, bias_rank: int =
             _read_at_site(em, node, "mask")
         float_bias = node if float_bias is None else em.call(operator.add, float_bias, node)
     if half_sum is not None:
-        # m <= finfo(fp16).min as eager's fp16 value of m is, also where Inductor fuses the sum that makes m
+        # the sum <= finfo(fp16).min as eager's fp16 value of it is, also where Inductor fuses the sum that makes it
         # without rounding it to fp16 first: a value below -65488 (halfway to -65472) rounds to -65504 or -inf
         # (compared in fp32: a number compared with an fp16 tensor is rounded to fp16 first, -65520 to -inf)
         wide = em.call("float", half_sum, method=True)
