@@ -152,7 +152,7 @@ def test_failure_on_one_site_keeps_the_others(monkeypatch):
     def fail(*args, **kwargs):
         raise Injected("injected failure in the glue")
 
-    monkeypatch.setattr(find_sites.rewrite, "_needs_contiguous", fail)
+    monkeypatch.setattr(find_sites.rewrite, "needs_contiguous", fail)
     res = check(two_sites, qkv())
     assert [r.form for r in res.rewritten] == ["sdpa"]
     assert any("injected failure in the glue" in r for r in res.reasons), res.reasons
