@@ -308,6 +308,43 @@ def test_run_time_diagonal_offset_keeps_the_op_without_a_failed_lowering():
     assert counters["fa_compile"]["sites_rewritten"] >= 1
 
 
+def _keys_cut_at_a_read_length(q, k, v, length):
+    n = length.item()
+    torch._check(n >= 1)
+    torch._check(n <= k.shape[-2])
+    k, v = k[:, :, :n], v[:, :, :n]
+    return (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_key_length_read_with_item_keeps_the_op_and_trains(dynamic):
+    # Keys cut to a length read from a tensor (an unbacked size): Inductor cannot lay out a lowered backward's
+    # outputs there (GuardOnDataDependentSymNode failed the compile); the op and its run-time dispatch keep the site.
+    import fa_compile
+    from fa_compile.lowering import records
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, n, 8, generator=g, requires_grad=True) for n in (3, 8, 8))
+    cf = torch.compile(_keys_cut_at_a_read_length, backend=fa_compile.backend(), dynamic=dynamic)
+    n0 = len(records())
+    for n in (5, 8):
+        length = torch.tensor(n)
+        with torch._dynamo.config.patch(capture_scalar_outputs=True), \
+                torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):  # a cache hit lowers nothing
+            got = cf(q, k, v, length)
+        want = _keys_cut_at_a_read_length(q, k, v, length)
+        torch.testing.assert_close(got, want, **TOL)
+        w = torch.randn(got.shape, generator=g)
+        for a, b in zip(torch.autograd.grad((got * w).sum(), (q, k, v)),
+                        torch.autograd.grad((want * w).sum(), (q, k, v))):
+            torch.testing.assert_close(a, b, **TOL)
+    assert counters["fa_compile"]["sites_rewritten"] >= 1
+    kept = [r for r in records()[n0:] if not r.decision.lowered]
+    assert {r.decision.direction for r in kept} == {"forward", "backward"}, records()[n0:]
+    assert all("data-dependent sizes" in r.decision.reason for r in kept), kept
+
+
 # ------------------------------------------------------------------ bounds decided at every size, not the first
 
 

@@ -134,6 +134,18 @@ def dynamic_dims(args: dispatch.AttentionArgs) -> list[str]:
     return names
 
 
+def data_dependent_sizes(args: dispatch.AttentionArgs) -> list[str]:
+    """The inputs' sizes and strides that hold an unbacked symbol (a length read with `.item()`)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    names = []
+    for tname in ("q", "k", "v", "bias", "kv_lens"):
+        t = getattr(args, tname)
+        if isinstance(t, torch.Tensor) and (free_unbacked_symbols(t.shape) or free_unbacked_symbols(t.stride())):
+            names.append(tname)
+    return names
+
+
 def _real_like(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     if t is None:
         return None
@@ -221,6 +233,12 @@ def decide(args: dispatch.AttentionArgs, forced: Optional[str], direction: str, 
     With tuning on, `measure` times the candidates on real tensors of these shapes (explain() never does).
     `empty_fix` ("nan" / "mean_v"): the site's output carries emit's empty-row fix-up, which a kernel that
     writes those rows itself takes (see `_filling_kernel`)."""
+    unbacked = data_dependent_sizes(args)
+    if unbacked:
+        # Inductor cannot lay out a lowered kernel's outputs (or the conventions' copies) whose sizes it cannot
+        # bound at compile time: a backward lowered there fails the compile with GuardOnDataDependentSymNode.
+        return Decision(direction, "none", reason=f"data-dependent sizes ({', '.join(unbacked)}): the op keeps its "
+                        "run-time dispatch")
     if group_count(args) is None:
         # The lowerings take the group Hq / Hkv as an int: from two unrelated symbols it would need a guard, which
         # fails the compile where the dims were marked dynamic (mark_dynamic, export's Dim).
