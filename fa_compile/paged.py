@@ -414,7 +414,9 @@ class _PagedFunction(torch.autograd.Function):
                     outs.append(o)
                     grads.append(g)
             inputs = [t for t in want if t.requires_grad]
-            got = list(torch.autograd.grad(outs, inputs, grads, allow_unused=True)) if outs and inputs else []
+            # no incoming gradient at all (set_materialize_grads(False)): every input's is zero
+            got = list(torch.autograd.grad(outs, inputs, grads, allow_unused=True)) if outs and inputs else \
+                [None] * len(inputs)
         res = []
         for t in want:
             g = got.pop(0) if t.requires_grad else None

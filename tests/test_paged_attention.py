@@ -321,6 +321,24 @@ if not IN_CHILD:
         for got, want in zip(leaves, ref_leaves):
             torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-5)
 
+    def test_backward_without_an_incoming_gradient_gives_zeros():
+        # a downstream function whose backward returns None: autograd still calls ours (grads not materialised)
+        class NoGrad(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                return None
+
+        c = make_cache(lens=[5, 9], dtype=torch.float32)
+        leaves = [t.detach().requires_grad_() for t in (c.q, c.k, c.v)]
+        out, lse = run_op(Cache(*leaves, c.seqlens, c.table, c.leftpad, c.layout, c.causal, c.scale))
+        (NoGrad.apply(out).sum() + NoGrad.apply(lse).sum() + sum((t * 0).sum() for t in leaves)).backward()
+        for t in leaves:
+            assert t.grad is not None and torch.equal(t.grad, torch.zeros_like(t))
+
     def test_choose_num_splits():
         f = decode.choose_num_splits
         assert f(128, 8, 2048, 132) == 1  # 1024 programs fill the SMs already
