@@ -56,6 +56,10 @@ def test_reasons_on_fake_tensors(monkeypatch):
         assert any("TF32" in x for x in tf.TRITON.not_supported_reasons(FakeArgs(q, q, q)))
         torch.set_float32_matmul_precision("high")
         assert tf.TRITON.not_supported_reasons(FakeArgs(q, q, q)) == []
+        # the interpreter's bf16 dot returns garbage: dispatch must not pick the family for bf16 CPU tensors
+        qb = q.bfloat16()
+        assert tf.TRITON.not_supported_reasons(FakeArgs(qb, qb, qb)) == [
+            "bfloat16 under the Triton interpreter (its bf16 dot is unreliable)"]
     finally:
         torch.set_float32_matmul_precision(prev)
 

@@ -915,6 +915,8 @@ class TritonAttention:
             reasons.append("float32 needs TF32 (torch.set_float32_matmul_precision('high')); precision is 'highest'")
         elif q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             reasons.append(f"dtype {q.dtype} is not supported")
+        elif q.dtype == torch.bfloat16 and dev.type == "cpu":
+            reasons.append("bfloat16 under the Triton interpreter (its bf16 dot is unreliable)")
         d, dv = q.shape[-1], v.shape[-1]
         if d > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
             reasons.append(f"head dims {d}/{dv} exceed {MAX_HEAD_DIM}")
