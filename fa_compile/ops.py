@@ -84,17 +84,26 @@ def check_args(
     q_pos: Optional[Tensor] = None,
     q_seg: Optional[Tensor] = None,
     k_seg: Optional[Tensor] = None,
+    diag_offset: int = 0,
 ) -> None:
     """Raise a ValueError naming the offending argument; works on fake and symbolic shapes."""
     check_tensors(q, k, v, bias, kv_lens, dropout_seed, sinks, q_pos, q_seg, k_seg)
-    check_scalars(scale, softcap, dropout_p, dropout_seed, window_left, window_right)
+    check_scalars(scale, softcap, dropout_p, dropout_seed, window_left, window_right, diag_offset)
+
+
+_OFFSET_LIMIT = 2**62  # offsets and windows past any length act alike; beyond this j - i - offset would overflow int64
 
 
 def check_scalars(
     scale: float, softcap: float, dropout_p: float, dropout_seed: Optional[Tensor], window_left: int, window_right: int,
+    diag_offset: int = 0,
 ) -> None:
     """The scalar arguments' checks: cheap, so run on every call (a learned temperature changes the
     scale every step)."""
+    for name, x in (("diag_offset", diag_offset), ("window_left", window_left), ("window_right", window_right)):
+        if isinstance(x, int) and not -_OFFSET_LIMIT <= x <= _OFFSET_LIMIT:
+            raise ValueError(f"{name}: must lie in [-2**62, 2**62] (any offset past the sequence lengths acts alike), "
+                             f"got {x}")
     if not math.isfinite(scale):
         raise ValueError(f"scale: must be finite, got {scale}")
     if softcap < 0 or not math.isfinite(softcap):
@@ -105,6 +114,14 @@ def check_scalars(
         raise ValueError("dropout_seed: required when dropout_p > 0")
     if window_left < -1 or window_right < -1:
         raise ValueError(f"window_left, window_right: must be >= 0, or -1 for unbounded; got {window_left}, {window_right}")
+
+
+def _differ(a, b) -> bool:
+    """Whether two sizes differ, for the checks: a size read at run time (an unbacked symbol, `.item()`) that is not
+    known to differ passes (guarding on it would fail the compile), as a backed one is guarded."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    return bool(guard_or_false(a != b))
 
 
 def check_tensors(
@@ -128,13 +145,13 @@ def check_tensors(
         raise ValueError(f"k, v: dtypes must match q ({q.dtype}); got k {k.dtype}, v {v.dtype}")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"k, v: must be on q's device {q.device}; got k on {k.device}, v on {v.device}")
-    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+    if _differ(k.shape[0], q.shape[0]) or _differ(v.shape[0], q.shape[0]):
         raise ValueError(f"k, v: batch sizes {k.shape[0]}, {v.shape[0]} do not match q's {q.shape[0]}")
-    if v.shape[1] != k.shape[1]:
+    if _differ(v.shape[1], k.shape[1]):
         raise ValueError(f"v: {v.shape[1]} heads, but k has {k.shape[1]}")
-    if v.shape[2] != k.shape[2]:
+    if _differ(v.shape[2], k.shape[2]):
         raise ValueError(f"v: sequence length {v.shape[2]} differs from k's {k.shape[2]}")
-    if k.shape[3] != q.shape[3]:
+    if _differ(k.shape[3], q.shape[3]):
         raise ValueError(f"k: head dim {k.shape[3]} differs from q's {q.shape[3]}")
     if (q.shape[1] % k.shape[1] != 0) if k.shape[1] != 0 else q.shape[1] != 0:
         raise ValueError(f"k: q's {q.shape[1]} heads are not a multiple of k's {k.shape[1]} (GQA needs Hq % Hkv == 0)")
@@ -148,10 +165,10 @@ def check_tensors(
         target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         shape = (1,) * (4 - bias.dim()) + tuple(bias.shape)
         for axis, (have, want) in enumerate(zip(shape, target)):
-            if have != 1 and have != want:
+            if _differ(have, 1) and _differ(have, want):
                 raise ValueError(f"bias: shape {tuple(bias.shape)} does not broadcast to [B, Hq, Nq, Nk] = {target}")
     if kv_lens is not None:
-        if kv_lens.dim() != 1 or kv_lens.shape[0] != q.shape[0]:
+        if kv_lens.dim() != 1 or _differ(kv_lens.shape[0], q.shape[0]):
             raise ValueError(f"kv_lens: expected shape [batch] = [{q.shape[0]}], got {tuple(kv_lens.shape)}")
         if kv_lens.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"kv_lens: dtype must be int32 or int64, got {kv_lens.dtype}")
@@ -271,7 +288,7 @@ def attention(
 ) -> tuple[Tensor, Tensor]:
     """The kernel behind `torch.ops.fa3.attention` on real tensors: checks (memoised with the choice
     of kernel on the inputs' metadata and scalars), dispatch, and the output conventions."""
-    check_scalars(scale, softcap, dropout_p, dropout_seed, window_left, window_right)
+    check_scalars(scale, softcap, dropout_p, dropout_seed, window_left, window_right, diag_offset)
     if _CP_HOOK is not None:  # inside fa_compile.context_parallel: ring attention (distributed/ring.py)
         return _CP_HOOK.forward(q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens,
                                 softcap, dropout_p, dropout_seed, force_kernel, sinks, q_pos, q_seg, k_seg)
@@ -297,7 +314,7 @@ def _attention_fake(
     softcap=0.0, dropout_p=0.0, dropout_seed=None, force_kernel=None, sinks=None, q_pos=None, q_seg=None, k_seg=None,
 ):
     check_args(q, k, v, scale, bias, kv_lens, softcap, dropout_p, dropout_seed, window_left, window_right, sinks,
-               q_pos, q_seg, k_seg)
+               q_pos, q_seg, k_seg, diag_offset)
     b, hq, nq, _ = q.shape
     return _out_like(q, v), q.new_empty((b, hq, nq), dtype=torch.float32)
 
@@ -439,12 +456,14 @@ class _AttentionFunction(torch.autograd.Function):
         dq = dk = dv = db = None
         if dout is not None:
             dq, dk, dv, db = grads(dout, out, v)
-        if dlse is not None and v.shape[3] > 0:  # (no value dims: out is empty and so is its gradient)
+        if dlse is not None:
             # d lse_i / d s_ij = P_ij, so dS gains dlse_i * P_ij. Every backward kernel computes
             # dS = P * (dO V^T - rowsum(dO * O)): with V' = 0, O' = e_0 and dO' = -dlse * e_0 that is
             # exactly dlse * P (dropout and softcap included), so any kernel's backward serves.
-            d_out, o = _AttentionFunction._lse_grad_operands(q, v, dlse, lse)
-            gq, gk, _, gb = grads(d_out, o, torch.zeros_like(v))
+            # (no value dims: V' gets one, as e_0 needs a column)
+            vz = torch.zeros_like(v) if v.shape[3] > 0 else v.new_zeros((*v.shape[:3], 1))
+            d_out, o = _AttentionFunction._lse_grad_operands(q, vz, dlse, lse)
+            gq, gk, _, gb = grads(d_out, o, vz)
             dq = gq if dq is None else dq + gq
             dk = gk if dk is None else dk + gk
             db = gb if db is None else db + gb
@@ -496,7 +515,7 @@ def _attention_autograd(
         tensors = (q, k, v, bias, kv_lens, dropout_seed, sinks, q_pos, q_seg, k_seg)
         # inside a torch.func transform (grad, vjp, jvp, vmap) too: the reference's torch ops have its rules
         if in_functorch or forward_ad.has_tangent(tensors):
-            check_scalars(scale, softcap, dropout_p, dropout_seed, window_left, window_right)
+            check_scalars(scale, softcap, dropout_p, dropout_seed, window_left, window_right, diag_offset)
             check_tensors(*tensors)
             return forward_ad.reference_attention(
                 (q, k, v, scale, causal, diag_offset, window_left, window_right, bias, kv_lens, softcap, dropout_p,

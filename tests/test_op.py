@@ -123,6 +123,23 @@ def test_lse_is_logsumexp_and_empty_rows_are_zero():
     assert torch.isneginf(lse[..., :3]).all() and (out[:, :, :3] == 0).all()
 
 
+@pytest.mark.parametrize("dv", [0, 4])
+def test_lse_gradient_with_and_without_value_dims(dv):
+    # d lse / d s = P whether or not V has columns (with none, out is empty but lse is not)
+    gen = torch.Generator().manual_seed(1)
+    q, k = (rand(1, 2, n, 8, gen=gen).requires_grad_() for n in (3, 5))
+    v = rand(1, 2, 5, dv, gen=gen)
+    out, lse = torch.ops.fa3.attention(q, k, v, 0.5, True, 2)
+    keep = (torch.arange(5)[None, :] - torch.arange(3)[:, None]) <= 2
+    ref = torch.logsumexp((q.double() @ k.double().transpose(-2, -1) * 0.5).masked_fill(~keep, -math.inf), -1)
+    w = torch.randn(lse.shape, generator=gen)
+    got = torch.autograd.grad((lse * w).sum(), (q, k))
+    want = torch.autograd.grad((ref * w.double()).sum(), (q, k))
+    for a, b in zip(got, want):
+        assert b.abs().max() > 0.1
+        torch.testing.assert_close(a, b.float(), atol=1e-5, rtol=1e-5)
+
+
 def test_bshd_views_are_taken_without_copies():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (rand(2, 9, 4, 16, gen=gen) for _ in range(3))  # [B, N, H, D]
@@ -245,6 +262,10 @@ def test_fake_tensor_shapes_match_real():
         (lambda a: a.update(softcap=-1.0), "softcap: must be >= 0"),
         (lambda a: a.update(scale=float("nan")), "scale: must be finite"),
         (lambda a: a.update(window_left=-2), "window_left, window_right"),
+        (lambda a: a.update(causal=True, diag_offset=-2**63), "diag_offset: must lie in [-2**62, 2**62]"),
+        (lambda a: a.update(causal=True, diag_offset=2**63 - 1), "diag_offset: must lie in [-2**62, 2**62]"),
+        (lambda a: a.update(window_left=2**63 - 1), "window_left: must lie in [-2**62, 2**62]"),
+        (lambda a: a.update(window_right=2**62 + 1), "window_right: must lie in [-2**62, 2**62]"),
     ],
 )
 def test_invalid_arguments_name_the_argument(mutate, message):

@@ -307,6 +307,11 @@ def _combine(infos: list, an: _Analyzer, q_len, k_len, sdpa: bool) -> Union[str,
         if isinstance(plan, dict):
             plan["rows_admit"] = rows_admit
         return plan
+    # which terms may set a score to -inf on a row: fills (masked_fill / where) cut the gradient of what they mask,
+    # additions (converted, or a float mask passed as it is that is not proven moderate) pass it on
+    fills = any(t.op in ("fill", "where") for t in masking)
+    adds = any(t.op == "add" for t in masking) or any(not _moderate(an, x) for t in untouched for x in t.extra)
+    nan_grads = "mixed" if fills and adds else "qkv" if adds else "v"
     if not masking:
         empty = "zero" if sdpa else "nan"
     elif cs == {-math.inf}:
@@ -344,7 +349,7 @@ def _combine(infos: list, an: _Analyzer, q_len, k_len, sdpa: bool) -> Union[str,
     if no_empty and masking:
         empty = "impossible"
     return dict(lo=lo, hi=hi, lens=lens, data=data, extras=extras, empty=empty, qpos=qpos, seg=seg,
-                rows_admit=rows_admit)
+                rows_admit=rows_admit, nan_grads=nan_grads)
 
 
 def _finite_plan(infos: list, masking: list, lo, hi, lens, data: list, extras: list, qpos=None,
