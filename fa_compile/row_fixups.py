@@ -318,16 +318,15 @@ _LIB.impl("filled_scores_grad", _filled_scores_grad_autograd, "Autograd")
 # key of the head), where a fill (masked_fill / where) cuts it. The op gives 0 on those rows and no NaN. This op's
 # value is 0 (added to emit's NaN fill, selected on those rows only); its backward puts eager's NaNs back from
 # `empty` ([B, Hq, Nq, 1], True on the rows that admit no key), whatever the incoming gradient holds.
-_LIB.define("nan_row_grad(Tensor q, Tensor k, Tensor v, Tensor empty, bool qk, Tensor? bias=None) -> Tensor",
-            tags=_TAGS)
+_LIB.define("nan_row_grad(Tensor q, Tensor k, Tensor v, Tensor empty, bool qk) -> Tensor", tags=_TAGS)
 
 
-def nan_row_grad(q: Tensor, k: Tensor, v: Tensor, empty: Tensor, qk: bool, bias: Optional[Tensor] = None) -> Tensor:
+def nan_row_grad(q: Tensor, k: Tensor, v: Tensor, empty: Tensor, qk: bool) -> Tensor:
     """Zeros [B, Hq, Nq, Dv] in v's dtype (the value; the point is the gradient)."""
     return v.new_zeros((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
 
 
-def _nan_row_grad_fake(q, k, v, empty, qk, bias=None):
+def _nan_row_grad_fake(q, k, v, empty, qk):
     return v.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
 
 
@@ -343,35 +342,24 @@ def _heads_with_empty_rows(empty: Tensor, hkv: int) -> Tensor:
     return rows.reshape(b, hkv, hq // max(hkv, 1)).any(dim=2).reshape(b, hkv, 1, 1)
 
 
-def _bias_rows(empty: Tensor, shape: torch.Size) -> Tensor:
-    """Bool of the bias's `shape`: the entries whose broadcast covers an empty row (every key of it)."""
-    lead = (1,) * (4 - len(shape)) + tuple(shape)
-    e = empty
-    for d in range(3):
-        if lead[d] == 1 and e.shape[d] != 1:
-            e = e.any(dim=d, keepdim=True)
-    return e.expand(*e.shape[:3], lead[3]).reshape(shape)
-
-
 class _NanRowGradFunction(torch.autograd.Function):
     """Forward value 0; backward: NaN for every element of v (and with `qk`, of k) of a K/V head whose group has an
-    empty row, and with `qk` NaN for the empty rows of q and of a float bias; 0 elsewhere (graph ops AOTAutograd
-    traces)."""
+    empty row, and with `qk` NaN for the empty rows of q; 0 elsewhere (graph ops AOTAutograd traces)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, empty: Tensor, qk: bool, bias: Optional[Tensor] = None) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, empty: Tensor, qk: bool) -> Tensor:
         with torch._C._AutoDispatchBelowAutograd():
-            zero = _NAN_ROW_GRAD(q, k, v, empty, qk, bias)
+            zero = _NAN_ROW_GRAD(q, k, v, empty, qk)
         ctx.save_for_backward(empty)
-        ctx.shapes = (q.shape, k.shape, v.shape, None if bias is None else bias.shape)
-        ctx.dtypes = (q.dtype, k.dtype, v.dtype, None if bias is None else bias.dtype)
+        ctx.shapes = (q.shape, k.shape, v.shape)
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         ctx.qk = qk
         return zero
 
     @staticmethod
     def backward(ctx, dg: Tensor):
         (empty,) = ctx.saved_tensors
-        (qs, ks, vs, bs), (qt, kt, vt, bt) = ctx.shapes, ctx.dtypes
+        (qs, ks, vs), (qt, kt, vt) = ctx.shapes, ctx.dtypes
         heads = _heads_with_empty_rows(empty, vs[1])
         nan = float("nan")
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
@@ -381,19 +369,14 @@ class _NanRowGradFunction(torch.autograd.Function):
             dq = torch.zeros(qs, dtype=qt, device=empty.device).masked_fill(empty, nan)
         if ctx.qk and need_k:
             dk = torch.zeros(ks, dtype=kt, device=empty.device).masked_fill(heads, nan)
-        db = None
-        if ctx.qk and bs is not None and ctx.needs_input_grad[5]:
-            db = torch.zeros(bs, dtype=bt, device=empty.device).masked_fill(_bias_rows(empty, bs), nan)
-        return dq, dk, dv, None, None, db
+        return dq, dk, dv, None, None
 
 
-def _nan_row_grad_autograd(q: Tensor, k: Tensor, v: Tensor, empty: Tensor, qk: bool,
-                           bias: Optional[Tensor] = None) -> Tensor:
-    grads = (q, k, v) if bias is None else (q, k, v, bias)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in grads):
-        return _NanRowGradFunction.apply(q, k, v, empty, qk, bias)
+def _nan_row_grad_autograd(q: Tensor, k: Tensor, v: Tensor, empty: Tensor, qk: bool) -> Tensor:
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _NanRowGradFunction.apply(q, k, v, empty, qk)
     with torch._C._AutoDispatchBelowAutograd():
-        return _NAN_ROW_GRAD(q, k, v, empty, qk, bias)
+        return _NAN_ROW_GRAD(q, k, v, empty, qk)
 
 
 _LIB.impl("nan_row_grad", _nan_row_grad_autograd, "Autograd")

@@ -197,9 +197,9 @@ def emit_attention(
 
     nan_grads (empty_rows "nan"): which of eager's gradients the NaN rows turn into NaN, put back by
     fa3.nan_row_grad where a gradient is recorded: "v" (the masks are fills, which cut the row's gradient to the
-    scores: every value of the head), "qkv" (additive -inf masks pass it on: also the row's query, every key of
-    the head and the row of a float bias that needs a gradient), "mixed" (both kinds: which scores a fill cut is
-    not known here; V's alone, the README's known difference).
+    scores: every value of the head), "qkv" (additive -inf masks pass it on: also the row's query and every key of
+    the head), "mixed" (both kinds: which scores a fill cut is not known here; V's alone, the README's known
+    difference). A float bias that needs a gradient beside such rows is refused with a ValueError.
 
     swap_axes: with one K/V head and more heads than queries (past 16), and no structure that tells the axes
     apart, the op runs with heads and queries swapped (`_swaps_heads_and_queries`); False keeps the frame (the
@@ -237,7 +237,14 @@ def emit_attention(
                                    empty_rows=empty_rows, fill=fill, swap_axes=False, nan_grads=nan_grads)
         note_fixup(node, "filled scores' gradient removed (fa3.filled_scores_grad)")
         return _remove_filled_grad(graph, out, node, filled), node
-    nan_rows_grad = empty_rows == "nan" and not _runs_without_grad(graph) and any(
+    recorded = not _runs_without_grad(graph)
+    if empty_rows == "nan" and recorded and isinstance(bias, fx.Node) and example_value(bias).dtype != torch.bool \
+            and getattr(example_value(bias), "requires_grad", False):
+        # eager's NaN row reaches a bias added after every -inf fill, and is cut where a fill comes later: which of
+        # its entries get NaN depends on the order of the terms, which the op's one bias no longer holds
+        raise ValueError("fully masked rows under -inf masks with a float bias that needs a gradient: eager's NaN "
+                         "gradient of that bias is not kept")
+    nan_rows_grad = empty_rows == "nan" and recorded and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in map(example_value, (q, k, v)))
     if nan_rows_grad and nan_grads not in ("v", "qkv", "mixed"):
         raise ValueError(f"nan_grads: 'v', 'qkv' or 'mixed', got {nan_grads!r}")
@@ -326,10 +333,7 @@ def emit_attention(
         fill = call(graph, torch.full_like, out, float("nan"))
         if nan_rows_grad:
             note_fixup(node, "eager's NaN gradients of fully masked rows (fa3.nan_row_grad)")
-            qk = nan_grads == "qkv"
-            grad_bias = bias if qk and isinstance(bias, fx.Node) and example_value(bias).dtype != torch.bool and \
-                getattr(example_value(bias), "requires_grad", False) else None
-            grad = call(graph, torch.ops.fa3.nan_row_grad.default, q, k, v, empty, qk, grad_bias)
+            grad = call(graph, torch.ops.fa3.nan_row_grad.default, q, k, v, empty, nan_grads == "qkv")
             fill = call(graph, torch.add, fill, call(graph, "to", grad, example_value(out).dtype, method=True))
     elif dropout_p > 0:
         # eager drops some of the uniform weights: the same bits in the fill and its gradients (fa_compile/dropped_rows)
