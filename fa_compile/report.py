@@ -178,6 +178,10 @@ def explain(model_or_fn: Callable, *args: Any, kernel: Optional[str] = None, fp8
     from .compiler import check_flag, run_pass
 
     check_flag(fp8, "fp8", optional=True)
+    if kernel is not None:  # as backend(kernel=...): a misspelt or mistyped name fails here, naming the argument
+        from .dispatch import check_kernel_name
+
+        check_kernel_name(kernel, "kernel")
     reports: list = []
 
     def capture(gm, example_inputs):

@@ -199,7 +199,8 @@ def emit_attention(
     fa3.nan_row_grad where a gradient is recorded: "v" (the masks are fills, which cut the row's gradient to the
     scores: every value of the head), "qkv" (additive -inf masks pass it on: also the row's query and every key of
     the head), "mixed" (both kinds: which scores a fill cut is not known here; V's alone, the README's known
-    difference). A float bias that needs a gradient beside such rows is refused with a ValueError.
+    difference). A float bias's gradient on those rows stays the op's (finite): whether eager's NaN reaches it depends
+    on whether a fill comes after it, which the op's one bias no longer holds (the README's known difference).
 
     swap_axes: with one K/V head and more heads than queries (past 16), and no structure that tells the axes
     apart, the op runs with heads and queries swapped (`_swaps_heads_and_queries`); False keeps the frame (the
@@ -237,14 +238,7 @@ def emit_attention(
                                    empty_rows=empty_rows, fill=fill, swap_axes=False, nan_grads=nan_grads)
         note_fixup(node, "filled scores' gradient removed (fa3.filled_scores_grad)")
         return _remove_filled_grad(graph, out, node, filled), node
-    recorded = not _runs_without_grad(graph)
-    if empty_rows == "nan" and recorded and isinstance(bias, fx.Node) and example_value(bias).dtype != torch.bool \
-            and getattr(example_value(bias), "requires_grad", False):
-        # eager's NaN row reaches a bias added after every -inf fill, and is cut where a fill comes later: which of
-        # its entries get NaN depends on the order of the terms, which the op's one bias no longer holds
-        raise ValueError("fully masked rows under -inf masks with a float bias that needs a gradient: eager's NaN "
-                         "gradient of that bias is not kept")
-    nan_rows_grad = empty_rows == "nan" and recorded and any(
+    nan_rows_grad = empty_rows == "nan" and not _runs_without_grad(graph) and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in map(example_value, (q, k, v)))
     if nan_rows_grad and nan_grads not in ("v", "qkv", "mixed"):
         raise ValueError(f"nan_grads: 'v', 'qkv' or 'mixed', got {nan_grads!r}")

@@ -162,6 +162,11 @@ def test_forced_kernel_and_bad_options_name_the_argument():
         fa_compile.backend("eager", mode="max-autotune")
     with pytest.raises(ValueError, match="^kernel: unknown kernel 'nope'"):
         fa_compile.backend("eager", kernel="nope")
+    # explain takes the same kernel argument and checks it the same way, before tracing anything
+    with pytest.raises(ValueError, match="^kernel: unknown kernel 'nope'"):
+        fa_compile.explain(attn, q, k, v, kernel="nope")
+    with pytest.raises(TypeError, match="^kernel: expected a kernel name"):
+        fa_compile.explain(attn, q, k, v, kernel=3)
     # switches are bools: a string such as "false" would read as True (fp8 would round every site to e4m3)
     for kw in (dict(fp8="false"), dict(fp8=0), dict(lower="no"), dict(tune=1), dict(lower=None)):
         name = next(iter(kw))

@@ -159,9 +159,10 @@ def test_mixed_fill_and_additive_inf_masks_keep_eagers_nan_gradient_of_v():
 
 
 @pytest.mark.parametrize("where", ["after_fill", "before_fill", "additive", "only_the_bias"])
-def test_a_learned_bias_beside_empty_rows_is_left_alone(where):
+def test_a_learned_bias_beside_empty_rows(where):
     # eager's NaN row reaches a bias added after every -inf fill and is cut where a fill comes later: the op's one bias
-    # does not keep the order, so the site keeps eager's arithmetic while the bias needs a gradient
+    # does not keep the order, so the bias's gradient on those rows is the op's (finite; README, the known difference);
+    # q's, k's and v's are eager's, and the bias's is eager's wherever eager's is finite
     gen = torch.Generator().manual_seed(0)
     (q, k, v), (keep,) = _inputs(_fill_padding, gen)
     rel = torch.randn(2, 6, 6, generator=gen)  # [H, Nq, Nk], broadcast over the batch
@@ -187,14 +188,17 @@ def test_a_learned_bias_beside_empty_rows_is_left_alone(where):
         (torch.where(out.isnan(), 0.0, out) * w).sum().backward()
         return [out.detach()] + [t.grad for t in leaves if t.requires_grad]
 
-    report = fa_compile.explain(fn, *(t.clone().requires_grad_(g) for t, g in zip((q, k, v, rel), grads)))
-    assert len(report.rewritten) == 0 and "float bias that needs a gradient" in str(report), str(report)
     torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["fa_compile"]["sites_rewritten"]
     got = run(torch.compile(fn, backend="fa3", dynamic=False))
+    assert torch._dynamo.utils.counters["fa_compile"]["sites_rewritten"] == before + 1
     want = run(fn)
-    assert want[-1].isnan().any() == (where != "before_fill")
-    for i, (g, e) in enumerate(zip(got, want)):
+    for i, (g, e) in enumerate(zip(got[:-1], want[:-1])):
         _assert_same(g, e, f"tensor {i}")
+    g, e = got[-1], want[-1]
+    keep_e = e.isfinite()
+    assert g.isfinite().all()
+    torch.testing.assert_close(g[keep_e], e[keep_e], **TOL)
 
 
 def test_the_zero_valued_op_is_gone_from_the_compiled_forward():
