@@ -165,8 +165,7 @@ def _lower_node(graph: fx.Graph, node: fx.Node, limits: dict) -> Optional[choice
 
 
 _UNIFORM_ROW_GRAD = torch.ops.fa3.uniform_row_grad.default
-_ZERO_VALUED = (_UNIFORM_ROW_GRAD, torch.ops.fa3.filled_scores_grad.default,  # value 0, the gradient is the point
-                torch.ops.fa3.nan_row_grad.default)
+_ZERO_VALUED = (_UNIFORM_ROW_GRAD, torch.ops.fa3.filled_scores_grad.default)  # value 0, the gradient is the point
 
 
 def _zeros_for(graph: fx.Graph, node: fx.Node) -> None:
