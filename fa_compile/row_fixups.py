@@ -310,3 +310,73 @@ def _filled_scores_grad_autograd(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, 
 
 
 _LIB.impl("filled_scores_grad", _filled_scores_grad_autograd, "Autograd")
+
+
+# fa3::nan_row_grad: eager's NaN gradients from a row whose every score is -inf (empty_rows "nan"). Eager's softmax row
+# is NaN there, so its P @ V backward makes the gradient of every value of that head NaN (also where the loss does
+# not read the row: 0 * NaN); an additive -inf mask passes the NaN row on to the scores as well (the row's query, every
+# key of the head), where a fill (masked_fill / where) cuts it. The op gives 0 on those rows and no NaN. This op's
+# value is 0 (added to emit's NaN fill, selected on those rows only); its backward puts eager's NaNs back from
+# `empty` ([B, Hq, Nq, 1], True on the rows that admit no key), whatever the incoming gradient holds.
+_LIB.define("nan_row_grad(Tensor q, Tensor k, Tensor v, Tensor empty, bool qk) -> Tensor", tags=_TAGS)
+
+
+def nan_row_grad(q: Tensor, k: Tensor, v: Tensor, empty: Tensor, qk: bool) -> Tensor:
+    """Zeros [B, Hq, Nq, Dv] in v's dtype (the value; the point is the gradient)."""
+    return v.new_zeros((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
+
+
+def _nan_row_grad_fake(q, k, v, empty, qk):
+    return v.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
+
+
+_LIB.impl("nan_row_grad", nan_row_grad, "CompositeExplicitAutograd")
+torch.library.register_fake("fa3::nan_row_grad", _nan_row_grad_fake, lib=_LIB)
+_NAN_ROW_GRAD = torch.ops.fa3.nan_row_grad.default
+
+
+def _heads_with_empty_rows(empty: Tensor, hkv: int) -> Tensor:
+    """[B, Hkv, 1, 1] bool: a K/V head some query head of whose group has a row that admits no key."""
+    b, hq = empty.shape[0], empty.shape[1]
+    rows = empty.reshape(b, hq, -1).any(dim=2)  # [B, Hq]
+    return rows.reshape(b, hkv, hq // max(hkv, 1)).any(dim=2).reshape(b, hkv, 1, 1)
+
+
+class _NanRowGradFunction(torch.autograd.Function):
+    """Forward value 0; backward: NaN for every element of v (and with `qk`, of k) of a K/V head whose group has an
+    empty row, and with `qk` NaN for the empty rows of q; 0 elsewhere (graph ops AOTAutograd traces)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, empty: Tensor, qk: bool) -> Tensor:
+        with torch._C._AutoDispatchBelowAutograd():
+            zero = _NAN_ROW_GRAD(q, k, v, empty, qk)
+        ctx.save_for_backward(empty)
+        ctx.shapes = (q.shape, k.shape, v.shape)
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        ctx.qk = qk
+        return zero
+
+    @staticmethod
+    def backward(ctx, dg: Tensor):
+        (empty,) = ctx.saved_tensors
+        (qs, ks, vs), (qt, kt, vt) = ctx.shapes, ctx.dtypes
+        heads = _heads_with_empty_rows(empty, vs[1])
+        nan = float("nan")
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        dv = torch.zeros(vs, dtype=vt, device=empty.device).masked_fill(heads, nan) if need_v else None
+        dq = dk = None
+        if ctx.qk and need_q:
+            dq = torch.zeros(qs, dtype=qt, device=empty.device).masked_fill(empty, nan)
+        if ctx.qk and need_k:
+            dk = torch.zeros(ks, dtype=kt, device=empty.device).masked_fill(heads, nan)
+        return dq, dk, dv, None, None
+
+
+def _nan_row_grad_autograd(q: Tensor, k: Tensor, v: Tensor, empty: Tensor, qk: bool) -> Tensor:
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _NanRowGradFunction.apply(q, k, v, empty, qk)
+    with torch._C._AutoDispatchBelowAutograd():
+        return _NAN_ROW_GRAD(q, k, v, empty, qk)
+
+
+_LIB.impl("nan_row_grad", _nan_row_grad_autograd, "Autograd")

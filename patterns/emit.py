@@ -155,6 +155,7 @@ def emit_attention(
     filled: Optional[fx.Node] = None,
     clamp_tied: bool = False,
     swap_axes: bool = True,
+    nan_grads: str = "v",
 ) -> tuple[fx.Node, fx.Node]:
     """Insert fa3.attention on q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D]; return (out node, op call node).
 
@@ -194,6 +195,13 @@ def emit_attention(
     each of two equal operands half the gradient: half of the op's gradient to q and k is removed there
     (`_remove_filled_grad` with every finite entry and weight 0.5). Same conditions as `filled`.
 
+    nan_grads (empty_rows "nan"): which of eager's gradients the NaN rows turn into NaN, put back by
+    fa3.nan_row_grad where a gradient is recorded: "v" (the masks are fills, which cut the row's gradient to the
+    scores: every value of the head), "qkv" (additive -inf masks pass it on: also the row's query and every key of
+    the head), "mixed" (both kinds: which scores a fill cut is not known here; V's alone, the README's known
+    difference). A float bias's gradient on those rows stays the op's (finite): whether eager's NaN reaches it depends
+    on whether a fill comes after it, which the op's one bias no longer holds (the README's known difference).
+
     swap_axes: with one K/V head and more heads than queries (past 16), and no structure that tells the axes
     apart, the op runs with heads and queries swapped (`_swaps_heads_and_queries`); False keeps the frame (the
     fix-ups that read the op's lse in the caller's frame pass it).
@@ -217,7 +225,7 @@ def emit_attention(
         out, node = emit_attention(
             graph, call(graph, torch.transpose, q, 1, 2), k, v, scale=scale, diag_offset=diag_offset, bias=bias,
             kv_lens=kv_lens, softcap=softcap, dropout_p=dropout_p, kernel=kernel, empty_rows=empty_rows, fill=fill,
-            swap_axes=False)
+            swap_axes=False, nan_grads=nan_grads)
         note_fixup(node, "heads and queries swapped (one K/V head, more heads than queries)")
         return call(graph, torch.transpose, out, 1, 2), node
     if filled is not None and needs_qk_grad(q, k):
@@ -227,16 +235,20 @@ def emit_attention(
             raise ValueError("filled: eager's cut gradient of filled scores is kept for a float bias alone "
                              "(no structure arguments, dropout or sinks)")
         out, node = emit_attention(graph, q, k, v, scale=scale, bias=bias, softcap=softcap, kernel=kernel,
-                                   empty_rows=empty_rows, fill=fill, swap_axes=False)
+                                   empty_rows=empty_rows, fill=fill, swap_axes=False, nan_grads=nan_grads)
         note_fixup(node, "filled scores' gradient removed (fa3.filled_scores_grad)")
         return _remove_filled_grad(graph, out, node, filled), node
+    nan_rows_grad = empty_rows == "nan" and not _runs_without_grad(graph) and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in map(example_value, (q, k, v)))
+    if nan_rows_grad and nan_grads not in ("v", "qkv", "mixed"):
+        raise ValueError(f"nan_grads: 'v', 'qkv' or 'mixed', got {nan_grads!r}")
     if clamp_tied and needs_qk_grad(q, k) and bias is not None and example_value(bias).dtype != torch.bool:
         if filled is not None or dropout_p > 0 or sinks is not None or causal or window_left >= 0 \
                 or window_right >= 0 or kv_lens is not None or any(x is not None for x in (q_pos, q_seg, k_seg)):
             raise ValueError("clamp_tied: eager's halved gradient of tied scores is kept for a float bias alone "
                              "(no structure arguments, fill, dropout or sinks)")
         out, node = emit_attention(graph, q, k, v, scale=scale, bias=bias, softcap=softcap, kernel=kernel,
-                                   empty_rows=empty_rows, fill=fill, swap_axes=False)
+                                   empty_rows=empty_rows, fill=fill, swap_axes=False, nan_grads=nan_grads)
         note_fixup(node, "half the gradient of scores tied with the clamp max(s, finfo.min) (fa3.filled_scores_grad)")
         return _remove_filled_grad(graph, out, node, call(graph, torch.isfinite, bias), weight=0.5), node
     if isinstance(scale, fx.Node):
@@ -313,6 +325,10 @@ def emit_attention(
     empty = call(graph, torch.unsqueeze, call(graph, torch.isneginf, lse), -1)
     if empty_rows == "nan":
         fill = call(graph, torch.full_like, out, float("nan"))
+        if nan_rows_grad:
+            note_fixup(node, "eager's NaN gradients of fully masked rows (fa3.nan_row_grad)")
+            grad = call(graph, torch.ops.fa3.nan_row_grad.default, q, k, v, empty, nan_grads == "qkv")
+            fill = call(graph, torch.add, fill, call(graph, "to", grad, example_value(out).dtype, method=True))
     elif dropout_p > 0:
         # eager drops some of the uniform weights: the same bits in the fill and its gradients (fa_compile/dropped_rows)
         qk_grad = 0.0

@@ -269,7 +269,7 @@ def emit_attention(b: Builder, q: fx.Node, k: fx.Node, v: fx.Node, **kwargs: Any
 
 
 _SPEC_FIELDS = ("causal", "diag_offset", "window_left", "window_right", "kv_lens", "bias", "empty_rows", "q_pos",
-               "q_seg", "k_seg")
+               "q_seg", "k_seg", "nan_grads")
 
 
 def structured_mask(b: Builder, node: fx.Node, terms: list, q4v: torch.Tensor, k4v: torch.Tensor, *, sdpa: bool,

@@ -271,6 +271,10 @@ def _rewrite_mha(b: Builder, node: fx.Node, options: PassOptions, rep: SiteRepor
         mask_args, rep.mask = structured_mask(
             b, node, terms, tensor_value(q4, "q"), tensor_value(k4, "k"), sdpa=not need_weights,
             fallback=mask_args, fallback_kind=kind, cache=cache, dropout_p=dropout_p)
+    if need_weights and mask_args.get("empty_rows") == "nan":
+        # the functional adds every mask to the scores as a float mask (baddbmm), bool ones included: a row they
+        # mask entirely passes its NaN gradient on to q and k as well
+        mask_args = dict(mask_args, nan_grads="qkv")
     rep.q_shape, rep.k_shape, rep.v_shape = (shape_of(tensor_value(t, n)) for t, n in ((q4, "q"), (k4, "k"), (v4, "v")))
     rep.scale, rep.dropout_p = scale, dropout_p
 

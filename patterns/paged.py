@@ -308,7 +308,7 @@ def trace_gather(x: fx.Node, consumer: fx.Node) -> Gather:
                            "between the gather and the attention is not a view")
         dims = nxt
     for prev, n in zip(chain, chain[1:] + [consumer]):
-        others = [u for u in prev.users if u is not n and _live(u)]
+        others = [u for u in prev.users if u is not n and _live(u) and not _nan_grad_term(u)]
         if others:
             raise NotPaged(f"the gathered copy {prev.name} is also read by {others[0].name}")
     if len(dims) != 4:
@@ -336,6 +336,31 @@ def trace_gather(x: fx.Node, consumer: fx.Node) -> Gather:
     if pos.limit is None and not known_eq(length, cap):
         raise NotPaged("the gathered key length is not the table's capacity")
     return Gather(pool, table, spelling, layout, length, chain, pos.limit)
+
+
+def _nan_grad_term(n: fx.Node) -> bool:
+    """fa3.nan_row_grad as emit adds it to a site's NaN fill (`fill + grad.to(dtype)`): its value is 0, it reads K/V
+    only for their gradients' shapes, and the paged rewrite drops it (`_drop_nan_grad_terms`)."""
+    if n.op != "call_function" or n.target is not torch.ops.fa3.nan_row_grad.default or len(n.users) != 1:
+        return False
+    cast = next(iter(n.users))
+    if cast.op != "call_method" or cast.target != "to" or len(cast.users) != 1:
+        return False
+    add = next(iter(cast.users))
+    return add.op == "call_function" and add.target in (torch.add, operator.add) and len(add.args) == 2 \
+        and add.args[1] is cast
+
+
+def _drop_nan_grad_terms(graph: fx.Graph, readers: list) -> None:
+    """Remove the fa3.nan_row_grad terms of `readers` (the gathered K/V): the paged op reads the pool in place, and
+    eager's NaN gradients of a fully masked row would have to reach the pool's pages through the gather, which is
+    gone. Those rows keep the op's finite gradients (the README's known difference); their value is unchanged."""
+    for g in {u for r in readers for u in r.users if _nan_grad_term(u)}:
+        cast = next(iter(g.users))
+        add = next(iter(cast.users))
+        add.replace_all_uses_with(add.args[0])
+        for n in (add, cast, g):
+            graph.erase_node(n)
 
 
 def _live(n: fx.Node, depth: int = 0) -> bool:
@@ -663,6 +688,7 @@ def _rewrite_one(gm: fx.GraphModule, att: fx.Node, rep: SiteReport, options: Pas
         u.replace_all_uses_with(out if u.args[1] == 0 else lse)
         graph.erase_node(u)
     graph.erase_node(att)
+    _drop_nan_grad_terms(graph, [k, v])
     for n in reversed(gk.nodes + gv.nodes):
         if not n.users:
             graph.erase_node(n)

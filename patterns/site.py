@@ -94,6 +94,9 @@ class MaskSpec:
     k_seg: Any = None
     bias: Any = None  # fx.Node producing the residual float/bool mask
     empty_rows: str = "impossible"
+    # empty_rows "nan": which of eager's gradients the NaN rows make NaN (emit_attention's nan_grads): "v" (fills
+    # only), "qkv" (additive -inf masks only), "mixed"
+    nan_grads: str = "v"
     fill: Optional[float] = None  # empty_rows "fill": the finite value eager writes over every masked score
     # proven that every row admits a key and no fill lies above 0 (empty_rows may still say what a fill gives)
     rows_admit: bool = False

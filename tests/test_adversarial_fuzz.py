@@ -75,7 +75,7 @@ PINNED = [
     Program(shape=(2, 2, 5, 6, 0)),
     Program(mask="causal", mask_form="additive", values="nan_key"),
     Program(mask="causal", mask_form="additive_input", values="nan_key"),  # a -inf mask passed as a tensor
-    Program(mask="window", shape=(1, 2, 8, 4, 8)),  # rows with no key: NaN as in eager, no NaN gradients
+    Program(mask="window", shape=(1, 2, 8, 4, 8)),  # rows with no key: NaN as in eager, and eager's NaN gradients
     Program(mask="padding", fill="finfo.min", values="inf_value", dtype=F16),
     Program(values="inf_q", mask="window"),
     # an infinite query element under a causal mask on CPU: rows whose every admitted score is -inf are NaN

@@ -142,6 +142,30 @@ def test_no_mask_attends_every_gathered_key():
     assert_paged(res)
 
 
+def test_an_empty_sequence_in_training_still_reads_the_pool_in_place():
+    """A sequence of length 0 under a -inf fill: eager's row is NaN and so is the gradient of every value of its pages
+    (the NaN row times dO). The site keeps emit's NaN-gradient term until the paged rewrite, which drops it (the README's
+    known difference): the pool is read in place, the output and q's and the K pool's gradients are eager's, and the V
+    pool's gradient is eager's wherever eager's is finite, finite where eager's is NaN."""
+    args = inputs(lens=[0, 35, 48], grad=True, layout="bshd")
+    fn = decode("index", "bshd", "lens", "matmul")
+    ref_args = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    got_args = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    c = Compiled(fn, inner="aot_eager")
+    out, ref = c(*got_args), fn(*ref_args)
+    assert paged_sites(type("R", (), {"reports": c.reports})()), [r.cache or r.reason for r in c.reports]
+    assert ref[0].isnan().all() and not ref[1:].isnan().any()
+    torch.testing.assert_close(out, ref, equal_nan=True)
+    g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(3))
+    ref.backward(g)
+    out.backward(g)
+    torch.testing.assert_close(got_args[0].grad, ref_args[0].grad)  # q
+    torch.testing.assert_close(got_args[1].grad, ref_args[1].grad)  # the K pool
+    dv, want = got_args[2].grad, ref_args[2].grad
+    assert want.isnan().any() and not dv.isnan().any()
+    torch.testing.assert_close(dv[~want.isnan()], want[~want.isnan()])
+
+
 def test_fp16_and_gqa():
     args = inputs(lens=[3, 70, 0], hq=8, hkv=2, dtype=torch.float16, nq=3, layout="bhsd")
     assert_paged(check(decode("index", "bhsd", "lens", "sdpa"), args, dtype=torch.float16))

@@ -1130,7 +1130,7 @@ def _five_d(mask_shape, kind):
     q, k, v = (rand(B, 3, H, N, D, seed=i, requires_grad=True) for i in range(3))
     if kind == "bool":
         mask = rand(*mask_shape, seed=5) > 0.5
-        mask[..., 0] = False  # every row admits key 0 (a row that admits none is NaN and passes no gradient)
+        mask[..., 0] = False  # every row admits key 0 (a row that admits none is NaN, its gradients too)
     else:
         mask = rand(*mask_shape, seed=5, requires_grad=True)
     return [q, k, v, mask]

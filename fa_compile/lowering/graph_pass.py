@@ -165,7 +165,8 @@ def _lower_node(graph: fx.Graph, node: fx.Node, limits: dict) -> Optional[choice
 
 
 _UNIFORM_ROW_GRAD = torch.ops.fa3.uniform_row_grad.default
-_ZERO_VALUED = (_UNIFORM_ROW_GRAD, torch.ops.fa3.filled_scores_grad.default)  # value 0, the gradient is the point
+_ZERO_VALUED = (_UNIFORM_ROW_GRAD, torch.ops.fa3.filled_scores_grad.default,  # value 0, the gradient is the point
+                torch.ops.fa3.nan_row_grad.default)
 
 
 def _zeros_for(graph: fx.Graph, node: fx.Node) -> None:

@@ -489,7 +489,8 @@ def _site(gm: fx.GraphModule, sm: fx.Node, ctx: _Ctx, options: PassOptions) -> S
                 graph, qo, ko, vo, scale=scale, causal=spec.causal, diag_offset=spec.diag_offset,
                 window_left=spec.window_left, window_right=spec.window_right, bias=bias, kv_lens=kv_lens,
                 softcap=scores.softcap, dropout_p=probs.dropout_p, kernel=options.kernel, empty_rows=spec.empty_rows,
-                fill=spec.fill, sinks=sink_arg, filled=filled, clamp_tied=clamp_tied, **runtime,
+                fill=spec.fill, sinks=sink_arg, filled=filled, clamp_tied=clamp_tied, nan_grads=spec.nan_grads,
+                **runtime,
             )
             o.made.append(out)
             res = b.out_from_op(out, q_padded)

@@ -121,6 +121,32 @@ def _moderate(an: _Analyzer, x) -> bool:
     return True
 
 
+# ops that give -inf from finite inputs (log(0), x / 0, 0 ** -1, ...): a float mask built with one may mask a key
+_NEG_INF_MAKERS = frozenset({"log", "log2", "log10", "log1p", "log_", "xlogy", "div", "div_", "true_divide",
+                             "__truediv__", "__rtruediv__", "reciprocal", "pow", "__pow__", "__rpow__", "rsqrt",
+                             "log_softmax", "logsumexp", "logit", "special_xlogy", "floor_divide", "__floordiv__"})
+
+
+def _may_hold_neg_inf(an: _Analyzer, x) -> bool:
+    """Whether a float mask passed to the op as it is may hold -inf at run time (a key it masks whose gradient eager
+    passes on): not proven moderate (_moderate), or built with an op that makes -inf of finite values."""
+    if not _moderate(an, x):
+        return True
+    if not isinstance(x, fx.Node) or an.ev.can_fold(x):
+        return False  # a 0/1 cast, or a constant _moderate evaluated finite
+    seen, todo = {x}, [x]
+    while todo:
+        n = todo.pop()
+        if len(seen) > _LIMIT or op_name(n) in _NEG_INF_MAKERS:
+            return True
+        ins = n.all_input_nodes if op_name(n) not in _PRODUCTS else []
+        for a in ins:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return False
+
+
 def _negligible(c: float, dtype: torch.dtype) -> bool:
     """A fill c that gets weight exactly 0 next to any plausible admissible score: -inf, c <= ABSORB_LIMIT
     (e^(c - m) == 0 for every score m > -1e22), or fp16's finfo.min on fp16 scores (eager's fp16 scores
@@ -307,6 +333,11 @@ def _combine(infos: list, an: _Analyzer, q_len, k_len, sdpa: bool) -> Union[str,
         if isinstance(plan, dict):
             plan["rows_admit"] = rows_admit
         return plan
+    # which terms may set a score to -inf on a row: fills (masked_fill / where) cut the gradient of what they mask,
+    # additions (converted, or a float mask passed as it is that is not proven moderate) pass it on
+    fills = any(t.op in ("fill", "where") for t in masking)
+    adds = any(t.op == "add" for t in masking) or any(_may_hold_neg_inf(an, x) for t in untouched for x in t.extra)
+    nan_grads = "mixed" if fills and adds else "qkv" if adds else "v"
     if not masking:
         empty = "zero" if sdpa else "nan"
     elif cs == {-math.inf}:
@@ -344,7 +375,7 @@ def _combine(infos: list, an: _Analyzer, q_len, k_len, sdpa: bool) -> Union[str,
     if no_empty and masking:
         empty = "impossible"
     return dict(lo=lo, hi=hi, lens=lens, data=data, extras=extras, empty=empty, qpos=qpos, seg=seg,
-                rows_admit=rows_admit)
+                rows_admit=rows_admit, nan_grads=nan_grads)
 
 
 def _finite_plan(infos: list, masking: list, lo, hi, lens, data: list, extras: list, qpos=None,

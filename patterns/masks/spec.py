@@ -137,7 +137,8 @@ def _emit_positions(em: "_Emitter", qp: _QPos) -> fx.Node:
 def _emit_spec(em: "_Emitter", plan: dict, batch, q_len, k_len, bias_rank: int = 4) -> MaskSpec:
     lo, hi, lens = plan["lo"], plan["hi"], plan["lens"]
     kinds = []
-    spec = MaskSpec(empty_rows=plan["empty"], fill=plan.get("fill"), rows_admit=bool(plan.get("rows_admit")))
+    spec = MaskSpec(empty_rows=plan["empty"], fill=plan.get("fill"), rows_admit=bool(plan.get("rows_admit")),
+                    nan_grads=plan.get("nan_grads", "v"))
     # band lo <= j - i <= hi  ->  op: d = j - i - diag_offset; causal d <= 0; window_left: d >= -wl
     if hi is not None:
         spec.causal = True
