@@ -600,7 +600,6 @@ def _length_node(graph: fx.Graph, g: Gather, n: Any) -> Any:
 
 def _full_lengths(graph: fx.Graph, g: Gather, n: Any) -> fx.Node:
     """int32 [B] filled with n, on the table's device."""
-    tt = tensor_of(g.table)
     n = _length_node(graph, g, n)
     return call(graph, "new_full", g.table, (size_arg(graph, g.table, 0),), n, dtype=torch.int32, method=True)
 
