@@ -48,6 +48,12 @@ def _additive_log(q, k, v, keep):  # log(1) = 0, log(0) = -inf: an additive -inf
     return F.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + keep[:, None, None, :].float().log(), dim=-1) @ v
 
 
+def _additive_written(q, k, v):  # a zeros mask whose sequence 0 is padded by an in-place write: additive -inf
+    mask = torch.zeros(q.shape[0], 1, 1, k.shape[-2], device=q.device)
+    mask[0] = float("-inf")
+    return F.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + mask, dim=-1) @ v
+
+
 def _mixed(q, k, v, mask):  # a causal fill and an additive padding mask: both may set a score to -inf
     n = q.shape[-2]
     s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + mask
@@ -65,6 +71,8 @@ def _keep(b=2, n=6):
 def _inputs(fn, gen):
     if fn is _fill_bottom_right:
         return [torch.randn(2, 2, n, 8, generator=gen) for n in (5, 3, 3)], []
+    if fn is _additive_written:
+        return [torch.randn(2, 2, 6, 8, generator=gen) for _ in range(3)], []
     if fn is _fill_padding_gqa:
         return [torch.randn(2, h, 6, 8, generator=gen) for h in (4, 2, 2)], [_keep()]
     qkv = [torch.randn(2, 2, 6, 8, generator=gen) for _ in range(3)]
@@ -90,7 +98,7 @@ def _assert_same(got, want, what):
 @pytest.mark.parametrize("inner", BACKENDS)
 @pytest.mark.parametrize("grads", ["qkv", "v", "qk"])
 @pytest.mark.parametrize("fn", [_fill_bottom_right, _fill_padding, _fill_padding_gqa, _additive_input, _additive_built,
-                                _additive_log],
+                                _additive_log, _additive_written],
                          ids=lambda f: f.__name__.strip("_"))
 def test_nan_rows_give_eagers_gradients(fn, grads, inner):
     gen = torch.Generator().manual_seed(0)

@@ -123,6 +123,35 @@ def test_a_constant_bias_before_an_absorbing_fill_keeps_the_structure():
     assert res.rewritten[0].mask == "causal+bias", res.rewritten[0].mask
 
 
+def _bias_written_in_place(how: str) -> torch.Tensor:
+    """A zeros bias whose row 2 gets -inf on the keys row 2 admits under causality, written in place."""
+    bias = torch.zeros(N, N)
+    if how == "setitem":
+        bias[2, :3] = float("-inf")
+    elif how == "row":
+        bias[2] = float("-inf")
+    else:
+        bias.index_fill_(0, torch.tensor([2]), float("-inf"))
+    return bias
+
+
+@pytest.mark.parametrize("how", ["setitem", "row", "index_fill_"])
+def test_a_bias_written_in_place_before_an_absorbing_fill_is_not_judged_by_its_definition(how):
+    """Row 2's admissible keys are all -inf in the bias, so eager's row is uniform over the keys the finfo.min fill
+    covers (-inf < finfo.min): the mean of V past key 2, which the op's empty-row fix-up (the mean of every V) is
+    not. The bias was read as its zeros definition and proven moderate; a written bias is not."""
+    def fn(q, k, v):
+        s = q @ k.mT * 0.35 + _bias_written_in_place(how)
+        s = s.masked_fill(~torch.ones(N, N, dtype=torch.bool).tril(), FMIN)
+        return torch.softmax(s, -1) @ v
+
+    args = qkv()
+    want = fn(*args)
+    assert torch.allclose(want[:, :, 2], args[2][:, :, 3:].mean(2), atol=1e-6)  # the case holds such a row
+    res = check(fn, args)
+    assert not res.rewritten and any("may itself absorb" in r for r in res.reasons), res.reasons
+
+
 # ------------------------------------------------------------------------ index arithmetic in its own dtype
 
 

@@ -80,7 +80,8 @@ def _moderate(an: _Analyzer, x) -> bool:
     constant (an ALiBi bias built from positions) evaluated here; or a bias computed from products and learned
     parameters (relative-position attention, T5's bias embedding), as plausible as the scores themselves. Not a
     tensor from the inputs or a buffer that is not read here (a padding mask of finfo.min or -inf), nor anything
-    built with a constant beyond MODERATE (masked_fill(m, finfo.min), (1 - m) * finfo.min)."""
+    built with a constant beyond MODERATE (masked_fill(m, finfo.min), (1 - m) * finfo.min), nor anything written in
+    place on its way here."""
     if isinstance(x, tuple):
         return x[0] == "to"  # ("to", bool mask, dtype): 0 or 1; ("absorb16", ...) holds fp16's finfo.min
     if not isinstance(x, fx.Node):
@@ -96,6 +97,8 @@ def _moderate(an: _Analyzer, x) -> bool:
     while todo:
         n = todo.pop()
         if len(seen) > _LIMIT:
+            return False
+        if an.ev.written(n):  # a write into it (m[i] = -inf, index_fill_) may put any value there
             return False
         if n.op == "placeholder":
             v = example_value(n)
