@@ -363,12 +363,13 @@ class _NanRowGradFunction(torch.autograd.Function):
         heads = _heads_with_empty_rows(empty, vs[1])
         nan = float("nan")
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        dv = torch.zeros(vs, dtype=vt, device=empty.device).masked_fill(heads, nan) if need_v else None
+        # built from `empty` alone (no factory with a device), so that DTensors stay DTensors (distributed/sharding)
+        dv = torch.where(heads, nan, 0.0).to(vt).expand(vs) if need_v else None
         dq = dk = None
         if ctx.qk and need_q:
-            dq = torch.zeros(qs, dtype=qt, device=empty.device).masked_fill(empty, nan)
+            dq = torch.where(empty, nan, 0.0).to(qt).expand(qs)
         if ctx.qk and need_k:
-            dk = torch.zeros(ks, dtype=kt, device=empty.device).masked_fill(heads, nan)
+            dk = torch.where(heads, nan, 0.0).to(kt).expand(ks)
         return dq, dk, dv, None, None
 
 

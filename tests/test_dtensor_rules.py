@@ -283,6 +283,37 @@ def _row_fixup_case(mesh, seed: int, op: str, place: str) -> None:
         _check(name, a, w)
 
 
+def _nan_row_grad_case(mesh, seed: int, place: str) -> None:
+    """fa3.nan_row_grad (value 0; its backward puts eager's NaN gradients of empty rows back) on batch- / head-sharded
+    DTensors, GQA: the value and q's, k's and v's NaN positions are the plain tensors'."""
+    import fa_compile.row_fixups  # noqa: F401  (defines the op)
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(seed)
+    b, hq, hkv, n, d = 2, 4, 2, 8, 8
+    q = torch.randn(b, hq, n, d, generator=g)
+    k, v = (torch.randn(b, hkv, n, d, generator=g) for _ in range(2))
+    empty = torch.zeros(b, hq, n, 1, dtype=torch.bool)
+    empty[0, 3, 2] = empty[1, 0] = True
+    dg = torch.randn(b, hq, n, d, generator=g)
+    shard = Shard(0) if place == "batch" else Shard(1)
+
+    def run(q, k, v, empty, dg):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = torch.ops.fa3.nan_row_grad(q, k, v, empty, True)
+        out.backward(dg)
+        return out, q.grad, k.grad, v.grad
+
+    want = run(q, k, v, empty, dg)
+    assert all(w.isnan().any() for w in want[1:])
+    got = run(*(distribute_tensor(t, mesh, [shard]) for t in (q, k, v, empty, dg)))
+    for name, a, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert _placements(a) == (shard,), (name, _placements(a))
+        full = a.full_tensor()
+        assert torch.equal(full.isnan(), w.isnan()), name
+        torch.testing.assert_close(full, w, equal_nan=True, atol=0, rtol=0)
+
+
 def _fp8_case(mesh, seed: int) -> None:
     """fa3.attention_fp8 on head-sharded fp16 DTensors (off the FP8 kernel it runs the exact fp16 op)."""
     import fa_compile.fp8  # noqa: F401  (defines the op)
@@ -315,7 +346,7 @@ CASES = {
     "inconsistent": dict(place=("batch", "heads", "replicate", "batch"), causal=True, bias="heads"),
 }
 OTHER = ("dropout_replicated", "paged_batch", "paged_heads", "paged_pool_batch", "uniform_row_grad_heads",
-         "filled_scores_grad_heads", "filled_scores_grad_batch", "fp8_op_heads", "rewritten_site",
+         "filled_scores_grad_heads", "filled_scores_grad_batch", "nan_row_grad_heads", "nan_row_grad_batch", "fp8_op_heads", "rewritten_site",
          "tp_eager", "tp_compiled", "tp_eager_sp", "tp_inductor_sp", "tp_compiled_additive", "partial_inputs")
 
 
@@ -348,6 +379,8 @@ def _all_cases(rank: int, world: int) -> dict:
         "uniform_row_grad_heads": lambda: _row_fixup_case(mesh, 5, "uniform_row_grad", "heads"),
         "filled_scores_grad_heads": lambda: _row_fixup_case(mesh, 5, "filled_scores_grad", "heads"),
         "filled_scores_grad_batch": lambda: _row_fixup_case(mesh, 5, "filled_scores_grad", "batch"),
+        "nan_row_grad_heads": lambda: _nan_row_grad_case(mesh, 11, "heads"),
+        "nan_row_grad_batch": lambda: _nan_row_grad_case(mesh, 11, "batch"),
         "fp8_op_heads": lambda: _fp8_case(mesh, 10),
         "rewritten_site": lambda: _rewritten_case(mesh, 6),
         "tp_eager": lambda: _tp_case(mesh, 7, "eager"),

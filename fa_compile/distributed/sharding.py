@@ -2,7 +2,7 @@
 
 Every op of the `fa3` namespace that user code or a rewritten graph calls on tensors that may be
 DTensors has a rule here: `attention`, `attention_backward`, `paged_attention`, `attention_fp8`, and
-the row fix-ups `uniform_row_grad(_backward)`, `filled_scores_grad(_backward)`. (The lowered ops,
+the row fix-ups `uniform_row_grad(_backward)`, `filled_scores_grad(_backward)`, `nan_row_grad`. (The lowered ops,
 `fa3_triton::*`, `fa3_decode::fwd` and `fa3_lowered::forward`, live only in post-grad graphs, after
 AOTAutograd has turned every DTensor into its local tensor, so no DTensor reaches them.)
 
@@ -173,6 +173,11 @@ def _row_grad_backward_rule(kind: str, a: _Args):
     return [_bhsd(kind)] * 2, _row_grad_inputs(kind, a, ("dg", "q", "k", "v"))
 
 
+def _nan_row_grad_rule(kind: str, a: _Args):
+    """fa3.nan_row_grad: q, k, v, its value and `empty` ([B, Hq, Nq, 1]) all shard on batch or heads."""
+    return [_bhsd(kind)], {name: _bhsd(kind) for name in ("q", "k", "v", "empty")}
+
+
 def _cache_head_dim(a: _Args) -> int:
     return 1 if a.value("layout") == "bhsd" else 2
 
@@ -197,6 +202,7 @@ RULES = (
     _OpRule("fa_compile.row_fixups", "uniform_row_grad_backward", _row_grad_backward_rule, _QKV_HEADS, _QKV_SEQ),
     _OpRule("fa_compile.row_fixups", "filled_scores_grad", _row_grad_rule, _QKV_HEADS, _QKV_SEQ),
     _OpRule("fa_compile.row_fixups", "filled_scores_grad_backward", _row_grad_backward_rule, _QKV_HEADS, _QKV_SEQ),
+    _OpRule("fa_compile.row_fixups", "nan_row_grad", _nan_row_grad_rule, _QKV_HEADS, _QKV_SEQ),
     _OpRule("fa_compile.paged", "paged_attention", _paged_rule, (("q", 2), ("k_cache", None), ("v_cache", None)),
             (("q", 1),)),
 )
