@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -43,8 +44,9 @@ MAY_ALIAS = frozenset({
     # _get_data_attr) is t's memory
     "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_dropout", "feature_alpha_dropout",
     "unsafe_split", "unsafe_chunk", "unsafe_split_with_sizes", "sum_to_size", "to_dense", "_get_data_attr",
-    # torch.as_tensor / torch.asarray of a tensor, and unary + (operator.pos), return the tensor itself
-    "as_tensor", "asarray", "pos",
+    # torch.as_tensor / torch.asarray of a tensor, and unary + (operator.pos), return the tensor itself; so do
+    # conj_physical of a real tensor and cartesian_prod of one tensor; numpy_T / matrix_H are views
+    "as_tensor", "asarray", "pos", "conj_physical", "cartesian_prod", "numpy_T", "matrix_H",
 })
 # Of those, the ops that may return a view of any of their tensor arguments, not only of the first.
 _ALIAS_EVERY_ARG = frozenset({"atleast_1d", "atleast_2d", "atleast_3d", "broadcast_tensors", "meshgrid"})
@@ -205,9 +207,63 @@ def _alias_inputs(node: fx.Node) -> list:
 
 
 def _bases(node: fx.Node, limit: int) -> Optional[list]:
-    """The tensors whose memory `node` may be a view of (None past `limit` nodes)."""
+    """The tensors whose memory `node` may be a view of (None past `limit` nodes), with every graph input that shares
+    memory with an input among them (`f(lens, lens.view(-1))`, a buffer registered as a slice of another)."""
     up = _views_up(node, limit)
-    return None if up is None else [n for n in up if not _alias_inputs(n)]
+    if up is None:
+        return None
+    bases = [n for n in up if not _alias_inputs(n)]
+    if any(b.op in ("placeholder", "get_attr") for b in bases):
+        bases += [n for n in _storage_siblings(bases) if n not in bases]
+    return bases
+
+
+def _input_storage(node: fx.Node) -> Any:
+    """The storage of a graph input's value (a placeholder's example value, a module attribute), or None."""
+    val: Any = None
+    if node.op == "placeholder":
+        val = example_value(node)
+    elif node.op == "get_attr":
+        val = node.graph.owning_module
+        for part in str(node.target).split("."):
+            val = getattr(val, part, None)
+    if not isinstance(val, torch.Tensor) or val.is_sparse or val.layout != torch.strided:
+        return None
+    try:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        return StorageWeakRef(val.untyped_storage())
+    except Exception:  # noqa: BLE001 - a tensor without storage (a subclass): no sibling is known
+        return None
+
+
+_INPUT_STORAGES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _input_storages(graph: fx.Graph) -> dict:
+    """{graph input node: its storage} for the graph's placeholders and attributes, made once per graph size."""
+    size = len(graph.nodes)
+    got = _INPUT_STORAGES.get(graph)
+    if got is None or got[0] != size:
+        table = {}
+        for n in graph.nodes:
+            if n.op in ("placeholder", "get_attr"):
+                key = _input_storage(n)
+                if key is not None:
+                    table[n] = key
+        got = (size, table)
+        _INPUT_STORAGES[graph] = got
+    return got[1]
+
+
+def _storage_siblings(bases: list) -> list:
+    """The graph inputs other than `bases` whose memory is that of an input among them (Dynamo's fake inputs keep
+    the callers' aliasing, so two inputs that share memory share one storage)."""
+    table = _input_storages(bases[0].graph)
+    keys = [table[b] for b in bases if b in table]
+    if not keys:
+        return []
+    return [n for n, k in table.items() if n not in bases and any(k == key for key in keys)]
 
 
 def _class_written(bases: list, limit: int, counts: Callable[[fx.Node], bool]) -> bool:

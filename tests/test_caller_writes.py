@@ -729,3 +729,87 @@ def test_writes_through_a_view_or_a_copy_land_as_in_eager(fn, inner):
     # has its own ([B, N, H, D]), so a write through their result reached o where eager's did not, or missed it
     # (1.0-3.6 off). A written output now takes eager's strides.
     check(fn, qkv(requires_grad=True), inner=inner, rewritten=1)
+
+
+# ------------------------------------------------------------------------------- memory shared across inputs
+
+
+class _BufferViewOfBuffer(torch.nn.Module):
+    """A causal mask buffer registered as a slice of a larger one, which forward writes through the larger one."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("full", torch.ones(2 * N, 2 * N, dtype=torch.bool).tril())
+        self.register_buffer("mask", self.full[:N, :N])
+
+    def forward(self, q, k, v):
+        self.full[3, :4] = False
+        self.full[3, 0] = True  # row 3 keeps key 0 only
+        return torch.softmax((q @ k.mT * 0.25).masked_fill(~self.mask, float("-inf")), -1) @ v
+
+
+def _lens_written_through_an_alias(q, k, v, lens, lens_alias):
+    keep = (lens[:, None] > torch.arange(N))[:, None, None]  # eager reads the lengths here
+    lens_alias.fill_(2)  # the same memory, another input
+    return torch.softmax((q @ k.mT * 0.25).masked_fill(~keep, float("-inf")), -1) @ v
+
+
+def _mask_written_through_conj_physical(q, k, v):
+    m = torch.ones(N, N, dtype=torch.bool).tril()
+    c = m.conj_physical()  # a real tensor: m itself
+    c[3] = False
+    c[3, 0] = True
+    return torch.softmax((q @ k.mT * 0.25).masked_fill(~m, float("-inf")), -1) @ v
+
+
+def _keep_written_after_through_an_alias(q, k, v, keep, keep_alias):
+    o = torch.softmax((q @ k.mT * 0.25).masked_fill(~keep[:, None], float("-inf")), -1) @ v
+    keep_alias.fill_(True)  # after the attention, through another input sharing the mask's memory
+    return o
+
+
+def test_a_buffer_written_through_the_buffer_it_views_is_not_read_as_its_definition():
+    """Dynamo's inputs keep the module's aliasing: the write into `full` reaches `mask`, which is then no causal
+    band (the site passes it as the data mask it is)."""
+    torch._dynamo.reset()
+    args = qkv()
+    got = torch.compile(_BufferViewOfBuffer(), backend="fa3", dynamic=False)(*args)
+    torch.testing.assert_close(got, _BufferViewOfBuffer()(*args))
+
+
+def test_lengths_written_through_another_input_sharing_their_memory():
+    """Eager reads the lengths before the write through the alias; the op would read them at the attention."""
+    for dynamic in (False, True):
+        torch._dynamo.reset()
+        args = qkv()
+        lens, lens_ref = torch.tensor([5, 8]), torch.tensor([5, 8])
+        got = torch.compile(_lens_written_through_an_alias, backend="fa3", dynamic=dynamic)(*args, lens,
+                                                                                            lens.view(-1))
+        want = _lens_written_through_an_alias(*args, lens_ref, lens_ref.view(-1))
+        torch.testing.assert_close(got, want)
+        assert torch.equal(lens, lens_ref)
+
+
+def test_a_mask_written_through_conj_physical_of_it():
+    check(_mask_written_through_conj_physical, qkv())
+
+
+def test_a_mask_written_after_the_site_through_another_input_does_not_fail_the_compile():
+    """The op would save the mask for the backward, and the write after it through an aliasing input bumps its
+    version: the site is left alone (written later), which eager's program and its gradients then are."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(4)
+    keep = torch.rand(B, N, N, generator=g) > 0.3
+    keep[..., 0] = True
+    args = qkv(requires_grad=True)
+    ref_args = [a.detach().clone().requires_grad_() for a in args]
+    kc, kr = keep.clone(), keep.clone()
+    got = torch.compile(_keep_written_after_through_an_alias, backend="fa3", dynamic=False)(
+        *args, kc, kc.view(B, N * N))
+    want = _keep_written_after_through_an_alias(*ref_args, kr, kr.view(B, N * N))
+    torch.testing.assert_close(got, want)
+    assert torch.equal(kc, kr)
+    got.sum().backward()
+    want.sum().backward()
+    for a, r in zip(args, ref_args):
+        torch.testing.assert_close(a.grad, r.grad)
